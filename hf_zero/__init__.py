@@ -1,0 +1,24 @@
+"""hf_zero: ZeRO stages 1-3 for Hugging Face models, on torch.distributed.
+
+Example:
+
+```python
+>>> import hf_zero
+>>> model, optimizer = hf_zero.initialize(model, optimizer, hf_zero.ZeroConfig(stage=3))
+```
+"""
+
+from .api import full_state_dict, initialize, model_state_memory
+from .config import ZeroConfig
+from .engine import ModelStateMemory, ShardedOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelStateMemory",
+    "ShardedOptimizer",
+    "ZeroConfig",
+    "full_state_dict",
+    "initialize",
+    "model_state_memory",
+]

@@ -1,0 +1,145 @@
+"""The public entry points of the engine: `initialize`, `full_state_dict`, `model_state_memory`."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from .config import ZeroConfig
+from .engine.collectives import CommGroup, failed_ranks
+from .engine.engine import ModelStateMemory, ZeroEngine, validate_model
+from .engine.module import attach, get_engine
+from .engine.optim import ShardedOptimizer, check_optimizer, shard_optimizer
+from .engine.units import UnitSpec, find_units
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def initialize(
+    model: M, optimizer: torch.optim.Optimizer | None = None, config: ZeroConfig | None = None
+) -> tuple[M, ShardedOptimizer | None]:
+    """Shard `model` in place over the default process group and shard `optimizer` to match.
+
+    Every rank must call it with the same model architecture and config. The model stays an
+    instance of its own class; its parameters become views of the engine's flat buffers, so
+    `model.config`, `generate` and the rest of the Hugging Face API keep working. After it, the
+    usual loop runs unchanged: `loss = model(**batch).loss; loss.backward(); optimizer.step();
+    optimizer.zero_grad()`. Without an initialized `torch.distributed`, it runs as one rank.
+
+    Args:
+        model (`nn.Module`):
+            The model, with materialized weights on the CPU or on this rank's device (they move
+            to the device of the process group's backend unit by unit: CUDA for NCCL).
+        optimizer (`torch.optim.Optimizer`, *optional*):
+            An elementwise optimizer built over `model.parameters()`, with any param groups; it
+            must not have stepped yet. Its groups and hyperparameters are kept.
+        config (`ZeroConfig`, *optional*):
+            The engine settings; defaults to `ZeroConfig()` (stage 3, fp32).
+
+    Returns:
+        `tuple[nn.Module, ShardedOptimizer | None]`: the same model object, sharded, and a
+        `torch.optim.Optimizer` that steps this rank's shards (`None` without an optimizer).
+
+    Raises:
+        TypeError / ValueError: for a wrong argument (on every rank, before any other collective).
+
+    Example:
+
+    ```python
+    >>> import torch, hf_zero
+    >>> from transformers import AutoModelForCausalLM
+    >>> torch.distributed.init_process_group("nccl")  # or launch with accelerate / torchrun
+    >>> model = AutoModelForCausalLM.from_pretrained("./llama-base")
+    >>> optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.1)
+    >>> model, optimizer = hf_zero.initialize(model, optimizer, hf_zero.ZeroConfig(stage=3))
+    >>> loss = model(**batch).loss
+    >>> loss.backward()
+    >>> optimizer.clip_grad_norm_(1.0)
+    >>> optimizer.step()
+    >>> optimizer.zero_grad()
+    ```
+    """
+    world = CommGroup.world()
+    error: Exception | None = None
+    specs: list[UnitSpec] = []
+    cfg = ZeroConfig()
+    try:
+        _check_arguments(model, optimizer, config)
+        cfg = config or cfg
+        specs = find_units(model, cfg.wrap)
+        validate_model(model, world)
+        if optimizer is not None:
+            check_optimizer(optimizer, model, cfg.stage)
+    except (TypeError, ValueError) as e:
+        error = e
+    # Agree before the first collective: a mistake on one rank raises on every rank.
+    bad = failed_ranks(error is not None, world)
+    if error is not None:
+        raise error
+    if bad:
+        raise RuntimeError(
+            f"[rank {world.global_rank}] hf_zero.initialize failed on rank(s) {bad}; their error says why."
+        )
+    engine = ZeroEngine(model, specs, cfg, world)
+    attach(model, engine)
+    sharded = shard_optimizer(optimizer, engine) if optimizer is not None else None
+    return model, sharded
+
+
+def _check_arguments(model: object, optimizer: object, config: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hf_zero.initialize expects an nn.Module as model; got {type(model).__name__}.")
+    if "_hf_zero_engine" in model.__dict__:
+        raise ValueError("This model is already sharded by hf_zero.initialize; call it once per model.")
+    if config is not None and not isinstance(config, ZeroConfig):
+        raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"hf_zero.initialize expects a torch.optim.Optimizer (or None); got {type(optimizer).__name__}."
+        )
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Gather the full, unsharded state dict of a sharded model, one unit at a time.
+
+    A collective: every rank must call it. Parameters come from the fp32 master shards (the
+    most precise copy), keyed like `model.state_dict()` (tied weights under each of their
+    names); buffers are copied as they are. Peak memory is one unit's parameters plus the
+    result on the writing rank(s).
+
+    Args:
+        model (`nn.Module`): a model returned by `hf_zero.initialize`.
+        rank0_only (`bool`, *optional*, defaults to `True`): only rank 0 keeps the result;
+            the other ranks get `{}`.
+        device (`str` or `torch.device`, *optional*, defaults to `"cpu"`): where the result lives.
+
+    Example:
+
+    ```python
+    >>> state_dict = hf_zero.full_state_dict(model)
+    >>> if torch.distributed.get_rank() == 0:
+    ...     model.save_pretrained("out", state_dict=state_dict)
+    ```
+    """
+    return get_engine(model).full_state_dict(rank0_only=rank0_only, device=device)
+
+
+def model_state_memory(model: nn.Module) -> ModelStateMemory:
+    """The bytes of parameters, gradients and optimizer state this rank holds now, by device.
+
+    Example:
+
+    ```python
+    >>> mem = hf_zero.model_state_memory(model)
+    >>> mem.parameters, mem.gradients, mem.optimizer_states
+    ({'cpu': 427264}, {'cpu': 427264}, {'cpu': 854528})
+    ```
+    """
+    return get_engine(model).memory()
+
+
+def engine_of(model: nn.Module) -> ZeroEngine:
+    """The `ZeroEngine` behind a sharded model (for integrations and tests)."""
+    return get_engine(model)

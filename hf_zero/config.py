@@ -1,0 +1,127 @@
+"""`ZeroConfig`: the one source of truth for every engine setting.
+
+The engine never reads environment variables or global state; the Trainer and Accelerate
+integrations each translate their own arguments into a `ZeroConfig` in one function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+MixedPrecision = Literal["no", "bf16", "fp16"]
+ReduceDtype = Literal["fp32", "bf16", "fp16"]
+
+_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_STAGE_HELP = (
+    "0 = plain data parallel, 1 = shard optimizer state, 2 = also shard gradients, "
+    "3 = also shard parameters"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """Every setting of the hf_zero engine, validated once at construction.
+
+    Args:
+        stage (`int`, *optional*, defaults to 3):
+            The ZeRO stage. 0 is plain data parallelism (every rank holds everything). 1 shards
+            the fp32 master weights and optimizer state across ranks. 2 also shards the reduced
+            gradients (unsharded gradients live only while a unit's backward runs). 3 also
+            shards the parameters: a unit's parameters are gathered just before they are used
+            and freed right after. Model-state memory per rank for fp32 Adam with Ψ parameters
+            on N ranks: stage 1 `8Ψ + 12Ψ/N`, stage 2 `4Ψ + 12Ψ/N`, stage 3 `16Ψ/N` bytes.
+            Stage 3 moves 1.5x the bytes of plain data parallelism.
+        mixed_precision (`str`, *optional*, defaults to `"no"`):
+            `"no"`, `"bf16"` or `"fp16"`. With bf16/fp16 the parameters the model computes with
+            (and gathers, at stage 3) are in that dtype, while the master weights, the optimizer
+            state and (by default) the gradient reduction stay in fp32. fp16 applies dynamic
+            loss scaling.
+        reduce_dtype (`str`, *optional*):
+            Dtype of the gradient reduction: `"fp32"`, `"bf16"` or `"fp16"`. Defaults to fp32
+            under mixed precision and to the parameters' dtype otherwise. A low-precision
+            reduction halves the gradient traffic at some cost in accuracy.
+        wrap (`"auto"` or a sequence of class names, *optional*, defaults to `"auto"`):
+            Which modules form the sharding units (each unit's parameters are gathered and
+            reduced together). `"auto"` takes the classes named by the model's
+            `_no_split_modules` (e.g. `LlamaDecoderLayer`, `FalconDecoderLayer`), or, for other
+            models, the repeated blocks of an `nn.ModuleList`. Parameters outside every unit
+            (embeddings, final norm, head) form the root unit.
+        sync_module_states (`bool`, *optional*, defaults to `True`):
+            Broadcast rank 0's parameters and buffers to every rank at `initialize`, as DDP
+            does, so that ranks seeded differently still train one model. Costs one broadcast
+            of the model.
+        initial_loss_scale (`float`, *optional*, defaults to 65536.0):
+            Starting loss scale for fp16 (ignored otherwise). The scale halves on overflow and
+            doubles after `loss_scale_window` clean steps.
+        loss_scale_window (`int`, *optional*, defaults to 1000):
+            Number of overflow-free steps after which the fp16 loss scale doubles.
+
+    Example:
+
+    ```python
+    >>> from hf_zero import ZeroConfig
+    >>> config = ZeroConfig(stage=3, mixed_precision="bf16")
+    >>> config.param_dtype, config.resolved_reduce_dtype
+    (torch.bfloat16, torch.float32)
+    ```
+    """
+
+    stage: int = 3
+    mixed_precision: MixedPrecision = "no"
+    reduce_dtype: ReduceDtype | None = None
+    wrap: str | tuple[str, ...] = "auto"
+    sync_module_states: bool = True
+    initial_loss_scale: float = 65536.0
+    loss_scale_window: int = 1000
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3 ({_STAGE_HELP}); got {self.stage!r}.")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(
+                f"ZeroConfig.mixed_precision must be 'no', 'bf16' or 'fp16'; got {self.mixed_precision!r}."
+            )
+        if self.reduce_dtype is not None and self.reduce_dtype not in _DTYPES:
+            raise ValueError(
+                f"ZeroConfig.reduce_dtype must be None, 'fp32', 'bf16' or 'fp16'; got {self.reduce_dtype!r}."
+            )
+        object.__setattr__(self, "wrap", _normalize_wrap(self.wrap))
+        if not isinstance(self.sync_module_states, bool):
+            raise TypeError(f"ZeroConfig.sync_module_states must be a bool; got {self.sync_module_states!r}.")
+        if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):
+            raise ValueError(f"ZeroConfig.initial_loss_scale must be > 0; got {self.initial_loss_scale!r}.")
+        if isinstance(self.loss_scale_window, bool) or not isinstance(self.loss_scale_window, int) or (
+            self.loss_scale_window < 1
+        ):
+            raise ValueError(f"ZeroConfig.loss_scale_window must be an int >= 1; got {self.loss_scale_window!r}.")
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The compute dtype of the parameters, or `None` to keep the model's own dtype."""
+        return None if self.mixed_precision == "no" else _DTYPES[self.mixed_precision]
+
+    @property
+    def resolved_reduce_dtype(self) -> torch.dtype | None:
+        """The gradient-reduction dtype, or `None` for "the parameters' dtype"."""
+        if self.reduce_dtype is not None:
+            return _DTYPES[self.reduce_dtype]
+        return torch.float32 if self.mixed_precision != "no" else None
+
+
+def _normalize_wrap(wrap: object) -> str | tuple[str, ...]:
+    if wrap == "auto":
+        return "auto"
+    if isinstance(wrap, str):
+        raise ValueError(
+            f"ZeroConfig.wrap must be 'auto' or a list of module class names; got the string {wrap!r}. "
+            f"Write wrap=[{wrap!r}] to name one class."
+        )
+    if not isinstance(wrap, (list, tuple)) or not wrap or not all(isinstance(w, str) and w for w in wrap):
+        raise ValueError(
+            "ZeroConfig.wrap must be 'auto' or a non-empty list of module class names "
+            f"(e.g. ['LlamaDecoderLayer']); got {wrap!r}."
+        )
+    return tuple(wrap)

@@ -1,0 +1,147 @@
+"""Every collective the engine issues, as plain functions over a `CommGroup`.
+
+A `CommGroup` of size 1 is a real path, not a special case of the callers: its collectives
+are local copies (or nothing), so stage 0 ("shard over a group of one, replicate over the
+world") and single-process runs use the same code as the sharded stages.
+
+Functions that take `async_op=True` return a `Pending` whose `wait()` must be called before the
+output is read; on CUDA + NCCL the work runs on the communicator's stream and `wait()` makes the
+current stream wait on it, on gloo it runs on gloo's own threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A process group with its size and this process's rank in it (`pg=None` for a group of one)."""
+
+    pg: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    @staticmethod
+    def single() -> "CommGroup":
+        """The group made of this process alone: its collectives cost nothing."""
+        return CommGroup(pg=None, rank=0, size=1)
+
+    @staticmethod
+    def world() -> "CommGroup":
+        """The default process group, or a group of one when `torch.distributed` is not initialized."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return CommGroup.single()
+        pg = dist.group.WORLD
+        return CommGroup(pg=pg, rank=dist.get_rank(pg), size=dist.get_world_size(pg))
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@dataclass
+class Pending:
+    """An issued collective; `wait()` blocks (or orders streams) until its output is ready."""
+
+    work: dist.Work | None = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+def comm_device(group: CommGroup) -> torch.device:
+    """The device a group's backend communicates on (CUDA for NCCL, CPU for gloo)."""
+    if group.pg is None:
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group.pg)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "xccl" in backend:  # Intel GPUs
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
+    """Gather every rank's `shard` into the 1D `output` (`output.numel() == group.size * shard.numel()`).
+
+    `shard` may be this rank's own chunk of `output` (in place).
+    """
+    if group.size == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard)
+        return Pending()
+    return Pending(_all_gather_single(output, shard, group=group.pg, async_op=async_op))
+
+
+def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
+    """Sum `full` over the group and keep this rank's chunk in `output` (SUM, not mean)."""
+    if group.size == 1:
+        if output.data_ptr() != full.data_ptr():
+            output.copy_(full)
+        return Pending()
+    return Pending(_reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op))
+
+
+def all_reduce_(
+    tensor: torch.Tensor, group: CommGroup, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+) -> Pending:
+    """All-reduce `tensor` in place over the group."""
+    if group.size == 1:
+        return Pending()
+    return Pending(dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op))
+
+
+def broadcast_(tensor: torch.Tensor, group: CommGroup, src_group_rank: int = 0) -> None:
+    """Overwrite `tensor` on every rank with the group's rank `src_group_rank` copy."""
+    if group.size == 1:
+        return
+    src = dist.get_global_rank(group.pg, src_group_rank)
+    dist.broadcast(tensor, src=src, group=group.pg)
+
+
+def failed_ranks(failed: bool, group: CommGroup) -> list[int]:
+    """Agree on which ranks of `group` failed a local check; every rank gets the same list.
+
+    Used before the first collective of a phase, so that an error on one rank raises on all
+    of them instead of leaving the others blocked in a collective.
+    """
+    if group.size == 1:
+        return [group.global_rank] if failed else []
+    flags = torch.zeros(group.size, dtype=torch.int32, device=comm_device(group))
+    flags[group.rank] = int(failed)
+    dist.all_reduce(flags, group=group.pg)
+    return [dist.get_global_rank(group.pg, r) for r, f in enumerate(flags.tolist()) if f]
+
+
+def all_agree(value: int, group: CommGroup) -> bool:
+    """Whether every rank of the group passed the same integer (e.g. a count or a layout hash)."""
+    if group.size == 1:
+        return True
+    t = torch.tensor([value, -value], dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
+    return int(t[0]) == value and int(t[1]) == -value
+
+
+def sum_scalars(values: Sequence[torch.Tensor], group: CommGroup) -> torch.Tensor:
+    """Stack scalars and sum them over the group in one collective (stays on device, no sync)."""
+    t = torch.stack([v.reshape(()) for v in values]) if len(values) > 1 else values[0].reshape(1).clone()
+    all_reduce_(t, group)
+    return t
+
+
+def max_scalar_(value: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Max of a scalar tensor over the group, in place."""
+    all_reduce_(value, group, op=dist.ReduceOp.MAX)
+    return value
+

@@ -1,0 +1,235 @@
+"""`ZeroEngine`: the owner of a sharded model's units, hooks and gradient shards."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..config import ZeroConfig
+from .collectives import CommGroup, all_gather_into, all_reduce_, broadcast_, comm_device, max_scalar_
+from .flat import FlatUnit
+from .hooks import UnitHooks
+from .scaler import LossScaler
+from .stages import StagePlan, plan_for_stage
+from .units import UnitSpec
+
+
+@dataclass(frozen=True)
+class ModelStateMemory:
+    """Bytes of model state this rank holds, by category and device (e.g. `{"cuda:0": 1024}`).
+
+    `optimizer_states` includes the fp32 master weights when they are a separate copy (mixed
+    precision, or stage 3 sharded parameters in another dtype), as in the ZeRO paper.
+    """
+
+    parameters: dict[str, int] = field(default_factory=dict)
+    gradients: dict[str, int] = field(default_factory=dict)
+    optimizer_states: dict[str, int] = field(default_factory=dict)
+
+    def total(self, device: str | None = None) -> int:
+        """All bytes, or those on `device` (e.g. `"cpu"`)."""
+        return sum(
+            n for part in (self.parameters, self.gradients, self.optimizer_states)
+            for dev, n in part.items() if device is None or dev == device
+        )
+
+
+class ZeroEngine:
+    """Shards a model in place and runs its units' lifecycle; built by `hf_zero.initialize`."""
+
+    def __init__(self, model: nn.Module, specs: list[UnitSpec], config: ZeroConfig, world: CommGroup) -> None:
+        self.model = model
+        self.config = config
+        self.world = world
+        self.plan: StagePlan = plan_for_stage(config.stage, world)
+        self.device = _compute_device(model, world)
+        model_dtype = _single_dtype(model)
+        self.param_dtype = config.param_dtype or model_dtype
+        self.master_dtype = torch.float32 if config.param_dtype is not None else model_dtype
+        self.reduce_dtype = config.resolved_reduce_dtype or self.param_dtype
+        sync_from = world if config.sync_module_states and world.size > 1 else None
+        _move_buffers(model, self.device, sync_from)
+        self.units = [
+            FlatUnit(
+                spec,
+                shard_group=self.plan.shard_group,
+                replicate_group=self.plan.replicate_group,
+                device=self.device,
+                param_dtype=self.param_dtype,
+                master_dtype=self.master_dtype,
+                reduce_dtype=self.reduce_dtype,
+                persistent_params=self.plan.params.persistent,
+                sync_from=sync_from,
+            )
+            for spec in specs
+        ]
+        self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
+        self.hooks = UnitHooks(self.units, self.plan, self.scaler.scale_outputs if self.scaler else None)
+        self.hooks.grad_divisor = self._grad_divisor
+        self.hooks.on_reduced = self._mark_has_grads
+        self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
+        self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, once attached
+
+    # ---- gradients --------------------------------------------------------------------------
+    def _grad_divisor(self) -> float:
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        return float(self.plan.data_parallel_size) * scale
+
+    def _mark_has_grads(self) -> None:
+        self.has_grads = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient communication for the backward passes run inside (see `ZeroModel.no_sync`)."""
+        previous = self.hooks.requires_grad_sync
+        self.hooks.requires_grad_sync = False
+        try:
+            yield
+        finally:
+            self.hooks.requires_grad_sync = previous
+
+    def zero_grad(self) -> None:
+        self.hooks.wait_reductions()
+        for unit in self.units:
+            unit.zero_grad()
+            if not self.plan.keep_unsharded_grads:
+                unit.unsharded_grad = None
+        self.has_grads = False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the sharded gradients by their global norm; returns the norm of the unsharded gradients."""
+        self.hooks.wait_reductions()
+        norm_type = float(norm_type)
+        shards = [unit.sharded_grad for unit in self.units]
+        group = self.plan.shard_group
+        if math.isinf(norm_type):
+            local = torch.stack([g.detach().abs().max().float() for g in shards]).max()
+            total = max_scalar_(local.reshape(1), group)[0]
+        else:
+            local = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in shards]).sum()
+            summed = local.reshape(1)
+            all_reduce_(summed, group)
+            total = summed[0] ** (1.0 / norm_type)
+        if max_norm is not None and not math.isinf(float(max_norm)):
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            for g in shards:
+                g.mul_(coef.to(g.dtype))
+        return total
+
+    # ---- optimizer step ---------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped."""
+        self.hooks.wait_reductions()
+        if not self.has_grads:
+            return False
+        if self.scaler is not None and not self.scaler.check_and_update(self.units, self.world):
+            return False
+        optimizer.step()
+        for pending in [unit.publish_master(async_op=True) for unit in self.units]:
+            pending.wait()
+        return True
+
+    # ---- gathering --------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Gather the master (fp32) parameters unit by unit; a collective, every rank must call it."""
+        is_writer = self.world.rank == 0 or not rank0_only
+        values: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
+            all_gather_into(full, unit.sharded_master, unit.shard_group)
+            if is_writer:
+                full = full.to(device)
+                for slot, p in zip(unit.layout.slots, unit.params):
+                    values[id(p)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+            del full
+        if not is_writer:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            out[name] = values[id(t)] if id(t) in values else t.detach().to(device).clone()
+        return out
+
+    # ---- accounting -------------------------------------------------------------------------
+    def memory(self) -> ModelStateMemory:
+        """The bytes of parameters, gradients and optimizer state this rank holds now."""
+        seen: set[int] = set()
+        parts: dict[str, dict[str, int]] = {"parameters": {}, "gradients": {}, "optimizer_states": {}}
+
+        def count(category: str, t: torch.Tensor | None) -> None:
+            if t is None:
+                return
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                return
+            seen.add(storage.data_ptr())
+            dev = str(t.device)
+            parts[category][dev] = parts[category].get(dev, 0) + storage.nbytes()
+
+        for unit in self.units:
+            held = unit.storages()
+            for t in held["parameters"]:
+                count("parameters", t)
+            for t in held["gradients"]:
+                count("gradients", t)
+        for unit in self.units:
+            count("optimizer_states", unit.sharded_master)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        count("optimizer_states", v)
+        return ModelStateMemory(**parts)
+
+
+def validate_model(model: nn.Module, world: CommGroup) -> None:
+    """Raise `ValueError` for a model the engine cannot shard (meta weights, mixed devices or dtypes)."""
+    _compute_device(model, world)
+    _single_dtype(model)
+
+
+def _compute_device(model: nn.Module, world: CommGroup) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "hf_zero.initialize got a model with parameters on the meta device. Materialize the weights "
+            "first (e.g. load them with from_pretrained) before initialize."
+        )
+    if len(devices) > 1:
+        raise ValueError(
+            f"hf_zero.initialize needs the model's parameters on one device; found {sorted(map(str, devices))}. "
+            "Load the model without a multi-device device_map."
+        )
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    return device if device.type != "cpu" else comm_device(world)
+
+
+def _single_dtype(model: nn.Module) -> torch.dtype:
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"hf_zero needs the model's parameters in one dtype; found {sorted(map(str, dtypes))}. "
+            "Cast the model with model.to(dtype), or set ZeroConfig(mixed_precision=...)."
+        )
+    if dtypes and not next(iter(dtypes)).is_floating_point:
+        raise ValueError(f"hf_zero can only shard floating-point parameters; found {dtypes}.")
+    return next(iter(dtypes)) if dtypes else torch.float32
+
+
+def _move_buffers(model: nn.Module, device: torch.device, sync_from: CommGroup | None) -> None:
+    """Buffers are small and replicated: move them to the compute device and agree on rank 0's."""
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            if buf.device != device:
+                buf = buf.to(device)
+                module._buffers[name] = buf
+            if sync_from is not None:
+                broadcast_(buf, sync_from)
+

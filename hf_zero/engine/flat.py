@@ -1,0 +1,251 @@
+"""One unit's storage: the flat layout of its parameters and its sharded / unsharded tensors.
+
+[Note: flat layout]
+A unit's parameters are laid end to end in one 1D buffer, padded to `shard_numel * num_shards`
+elements. Rank r of the shard group owns elements `[r * shard_numel, (r + 1) * shard_numel)`.
+The model's own `nn.Parameter` objects stay in place (the user's optimizer, tied weights and
+`named_parameters()` keep seeing them); their `.data` is set once to a view of
+`unsharded_param`. Freeing a unit (stage 3) shrinks that buffer's storage to zero bytes, and
+gathering it grows the storage back: the views keep their shapes and see the new data, so
+nothing is ever re-attached and no attribute is written on a parameter.
+
+[Note: gradients]
+While a unit's backward runs, each trainable parameter's `.grad` is a view of the unit's
+`unsharded_grad` buffer (zeroed when it is created), so autograd accumulates in place. After the
+unit's backward the buffer is reduce-scattered into this rank's `sharded_grad` (fp32 master dtype
+by default) and the `.grad` views are detached again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .collectives import CommGroup, Pending, all_gather_into, all_reduce_, broadcast_, reduce_scatter_into
+from .units import UnitSpec
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its unit's flat buffer."""
+
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """The flat layout of one unit for a given number of shards (metadata only)."""
+
+    slots: tuple[ParamSlot, ...]
+    numel: int  # sum of the parameters' numels
+    shard_numel: int  # elements each rank holds
+    num_shards: int
+
+    @staticmethod
+    def build(names: tuple[str, ...], shapes: list[torch.Size], num_shards: int) -> "FlatLayout":
+        slots, offset = [], 0
+        for name, shape in zip(names, shapes):
+            n = math.prod(shape)
+            slots.append(ParamSlot(name, torch.Size(shape), offset, n))
+            offset += n
+        return FlatLayout(tuple(slots), offset, max(1, math.ceil(offset / num_shards)), num_shards)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.num_shards
+
+    def shard_range(self, shard_rank: int) -> tuple[int, int]:
+        start = shard_rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def local_pieces(self, shard_rank: int) -> list[tuple[int, int, int]]:
+        """`(slot index, start, end)` in flat coordinates of each parameter piece this rank holds."""
+        lo, hi = self.shard_range(shard_rank)
+        pieces = []
+        for i, slot in enumerate(self.slots):
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                pieces.append((i, start, end))
+        return pieces
+
+
+@dataclass
+class GradReduction:
+    """An issued gradient reduction of one unit; `FlatUnit.finish_reduction` consumes it."""
+
+    pending: Pending
+    output: torch.Tensor  # 1D (shard_numel,), reduce dtype; may be `sharded_grad` itself
+    source: torch.Tensor  # the unsharded input, kept alive until the collective is done
+    into_accumulator: bool  # output is `sharded_grad` (no copy needed after the wait)
+
+
+class FlatUnit:
+    """The sharded and unsharded storage of one unit, and the primitive moves between them.
+
+    Which moves happen when is the stage's business (`stages.py`); this class only knows how.
+    """
+
+    def __init__(
+        self,
+        spec: UnitSpec,
+        *,
+        shard_group: CommGroup,
+        replicate_group: CommGroup,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        master_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        persistent_params: bool,
+        sync_from: CommGroup | None,
+    ) -> None:
+        self.spec = spec
+        self.params: tuple[nn.Parameter, ...] = spec.params
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.device = device
+        self.param_dtype = param_dtype
+        self.master_dtype = master_dtype
+        self.reduce_dtype = reduce_dtype
+        self.layout = FlatLayout.build(spec.param_names, [p.shape for p in spec.params], shard_group.size)
+        lo, hi = self.layout.shard_range(shard_group.rank)
+
+        # The full unit in master precision, one unit at a time: initial values and the source of
+        # every shard. Values come from the original parameters, before any cast to param_dtype.
+        full = torch.zeros(self.layout.padded_numel, dtype=master_dtype, device=device)
+        for slot, p in zip(self.layout.slots, self.params):
+            full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        if sync_from is not None:
+            broadcast_(full, sync_from)
+
+        aliased = persistent_params and param_dtype == master_dtype
+        self.unsharded_param: torch.Tensor  # 1D (padded_numel,), param dtype; storage freed when resharded
+        self.sharded_param: torch.Tensor | None  # 1D (shard_numel,), param dtype; the all-gather source (stage 3)
+        self.sharded_master: torch.Tensor  # 1D (shard_numel,), master dtype; what the optimizer updates
+        if aliased:
+            self.unsharded_param = full
+            self.sharded_master = full[lo:hi]
+        else:
+            self.sharded_master = full[lo:hi].clone()
+        if persistent_params:
+            if not aliased:
+                self.unsharded_param = full.to(param_dtype)
+            self.sharded_param = None
+        else:
+            self.sharded_param = self.sharded_master if param_dtype == master_dtype else self.sharded_master.to(param_dtype)
+            self.unsharded_param = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
+        del full
+        for slot, p in zip(self.layout.slots, self.params):
+            p.data = self.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if not persistent_params:
+            self.reshard()
+
+        self.sharded_grad = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=device)
+        self.grad_is_zero = True  # sharded_grad holds no reduced gradient yet (a lazy zero)
+        self.unsharded_grad: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
+
+    # ---- parameters -------------------------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return self.unsharded_param.untyped_storage().nbytes() > 0
+
+    def unshard(self, async_op: bool = False) -> Pending:
+        """Allocate the unsharded buffer and gather every rank's shard into it."""
+        if self.sharded_param is None:
+            return Pending()  # parameters are persistent: nothing to gather
+        storage = self.unsharded_param.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.padded_numel * self.unsharded_param.element_size())
+        return all_gather_into(self.unsharded_param, self.sharded_param, self.shard_group, async_op)
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer (stage 3); the parameters keep their shapes."""
+        self.unsharded_param.untyped_storage().resize_(0)
+
+    def publish_master(self, async_op: bool = False) -> Pending:
+        """After an optimizer step, make the compute parameters equal to the updated master shards."""
+        if self.sharded_param is not None:  # sharded parameters: refresh the gather source
+            if self.sharded_param is not self.sharded_master:
+                self.sharded_param.copy_(self.sharded_master)
+            return Pending()
+        lo, hi = self.layout.shard_range(self.shard_group.rank)
+        own = self.unsharded_param[lo:hi]
+        if own.data_ptr() != self.sharded_master.data_ptr():
+            own.copy_(self.sharded_master)
+        return all_gather_into(self.unsharded_param, own, self.shard_group, async_op)
+
+    # ---- gradients --------------------------------------------------------------------------
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.params if p.requires_grad]
+
+    def attach_grads(self) -> None:
+        """Point each trainable parameter's `.grad` at its view of `unsharded_grad` (zeros when new)."""
+        if self.unsharded_grad is None:
+            self.unsharded_grad = torch.zeros(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
+        for slot, p in zip(self.layout.slots, self.params):
+            if p.requires_grad:
+                view = self.unsharded_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    if p.grad is not None:  # a gradient from outside the engine: keep it
+                        view.add_(p.grad.to(view.dtype))
+                    p.grad = view
+
+    def detach_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def reduce_grads(self, async_op: bool = True) -> GradReduction:
+        """Issue the reduce-scatter (and cross-replica all-reduce) of `unsharded_grad`. Sums, not means."""
+        if self.unsharded_grad is None:
+            raise RuntimeError(
+                f"[rank {self.shard_group.global_rank}] hf_zero: unit '{self.spec.name}' reduces gradients "
+                "it never allocated"
+            )
+        source = self.unsharded_grad
+        if source.dtype != self.reduce_dtype:
+            source = source.to(self.reduce_dtype)
+        into_acc = self.grad_is_zero and self.reduce_dtype == self.master_dtype
+        if into_acc:
+            output = self.sharded_grad
+        elif self.shard_group.size == 1 and source is not self.unsharded_grad:
+            output = source  # a fresh cast copy: reduce it in place
+        else:
+            output = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        pending = reduce_scatter_into(output, source, self.shard_group, async_op=async_op)
+        if self.replicate_group.size > 1:
+            pending.wait()  # the cross-replica sum needs the shard-group sum first
+            pending = all_reduce_(output, self.replicate_group, async_op=async_op)
+        return GradReduction(pending, output, source, into_acc)
+
+    def finish_reduction(self, reduction: GradReduction, divisor: float) -> None:
+        """Wait for a reduction and add its mean into `sharded_grad`."""
+        reduction.pending.wait()
+        out = reduction.output
+        if divisor != 1.0:
+            out.div_(divisor)
+        if not reduction.into_accumulator:
+            if self.grad_is_zero:
+                self.sharded_grad.copy_(out)
+            else:
+                self.sharded_grad.add_(out)
+        self.grad_is_zero = False
+
+    def zero_grad(self) -> None:
+        self.grad_is_zero = True
+        self.sharded_grad.zero_()
+        if self.unsharded_grad is not None:
+            self.unsharded_grad.zero_()
+        self.detach_grads()
+
+    # ---- accounting -------------------------------------------------------------------------
+    def storages(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this unit holds, by category (views and aliases are deduplicated by the caller)."""
+        params = [self.unsharded_param] + ([self.sharded_param] if self.sharded_param is not None else [])
+        grads = [self.sharded_grad] + ([self.unsharded_grad] if self.unsharded_grad is not None else [])
+        return {"parameters": params, "gradients": grads, "master": [self.sharded_master]}

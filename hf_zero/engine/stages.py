@@ -1,0 +1,95 @@
+"""What differs between ZeRO stages 0-3, chosen once per engine.
+
+Every stage runs the same machinery (flat units, reduce-scatter of gradients into fp32 shards,
+an optimizer that updates only this rank's shards, `publish_master` after the step). They
+differ in three choices, each an object or a value picked here and nowhere else:
+
+| stage | shard group | replicate group | parameters (`ParamResidency`) | unsharded gradients |
+|-------|-------------|-----------------|-------------------------------|---------------------|
+| 0     | this rank   | the world       | persistent                    | kept (reused)       |
+| 1     | the world   | this rank       | persistent                    | kept (reused)       |
+| 2     | the world   | this rank       | persistent                    | freed after reduce  |
+| 3     | the world   | this rank       | gathered per use, then freed  | freed after reduce  |
+
+Stage 0 is "shard over a group of one and replicate over the world": its reduction is an
+all-reduce and every rank updates everything, i.e. plain data parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .collectives import CommGroup
+from .flat import FlatUnit
+
+
+class PersistentParams:
+    """Stages 0-2: every unit's unsharded parameters stay allocated; nothing to gather or free."""
+
+    persistent = True
+
+    def before_compute(self, unit: FlatUnit) -> None:
+        pass
+
+    def after_forward(self, unit: FlatUnit) -> None:
+        pass
+
+    def after_backward(self, unit: FlatUnit) -> None:
+        pass
+
+
+class ShardedParams:
+    """Stage 3: a unit is gathered just before its forward and its backward, and freed after each."""
+
+    persistent = False
+
+    def before_compute(self, unit: FlatUnit) -> None:
+        if not unit.is_unsharded:
+            unit.unshard().wait()
+
+    def after_forward(self, unit: FlatUnit) -> None:
+        unit.reshard()
+
+    def after_backward(self, unit: FlatUnit) -> None:
+        unit.reshard()
+
+
+ParamResidency = PersistentParams | ShardedParams
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The choices of one stage (see the table in this module's docstring)."""
+
+    stage: int
+    shard_group: CommGroup
+    replicate_group: CommGroup
+    params: ParamResidency
+    keep_unsharded_grads: bool  # the unsharded gradient buffer lives across backwards (stages 0-1)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_group.size * self.replicate_group.size
+
+
+def plan_for_stage(stage: int, world: CommGroup) -> StagePlan:
+    """The `StagePlan` of `stage` over the process group `world`.
+
+    Example:
+
+    ```python
+    >>> plan = plan_for_stage(3, CommGroup.world())
+    >>> plan.params.persistent, plan.keep_unsharded_grads
+    (False, False)
+    ```
+    """
+    single = CommGroup.single()
+    if stage == 0:
+        return StagePlan(0, single, world, PersistentParams(), keep_unsharded_grads=True)
+    return StagePlan(
+        stage,
+        world,
+        single,
+        ShardedParams() if stage == 3 else PersistentParams(),
+        keep_unsharded_grads=stage == 1,
+    )

@@ -1,0 +1,134 @@
+"""Finding the sharding units of a model and the parameters each unit owns.
+
+A unit is a module whose parameters are gathered (stage 3) and reduced together: usually one
+transformer block. The model itself is the root unit and owns every parameter that no inner
+unit owns (embeddings, final norm, head). A parameter used by several units (tied weights)
+belongs to the innermost unit that contains all of its uses, so it is sharded once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit: its module, its qualified name ('' for the root) and the parameters it owns."""
+
+    name: str
+    module: nn.Module
+    params: tuple[nn.Parameter, ...]
+    param_names: tuple[str, ...]  # first qualified name of each parameter, same order as `params`
+
+
+def find_units(model: nn.Module, wrap: str | tuple[str, ...]) -> list[UnitSpec]:
+    """Split `model` into units: the matched blocks in forward-definition order, then the root.
+
+    Args:
+        model (`nn.Module`): the model to shard.
+        wrap (`"auto"` or `tuple[str, ...]`): as `ZeroConfig.wrap`.
+
+    Returns:
+        `list[UnitSpec]`: inner units in module order, the root unit last.
+
+    Raises:
+        ValueError: when a named class does not exist in the model, or `"auto"` finds no block;
+            the message lists the block-like classes the model does have.
+
+    Example:
+
+    ```python
+    >>> units = find_units(model, "auto")
+    >>> [u.name for u in units][:2]
+    ['model.layers.0', 'model.layers.1']
+    ```
+    """
+    class_names = _wrap_class_names(model, wrap)
+    blocks: list[tuple[str, nn.Module]] = []
+    inside_block: set[str] = set()
+    for name, module in model.named_modules():
+        if module is model or type(module).__name__ not in class_names:
+            continue
+        if any(name.startswith(prefix + ".") for prefix in inside_block):
+            continue  # nested inside an already-chosen block: the outer block owns it
+        blocks.append((name, module))
+        inside_block.add(name)
+    if not blocks:
+        raise ValueError(
+            f"hf_zero found no module of class {sorted(class_names)} in {type(model).__name__}. "
+            f"{_candidates_hint(model)}"
+        )
+    return _assign_params(model, blocks)
+
+
+def _wrap_class_names(model: nn.Module, wrap: str | tuple[str, ...]) -> set[str]:
+    present = {type(m).__name__ for m in model.modules()}
+    if wrap != "auto":
+        missing = [w for w in wrap if w not in present]
+        if missing:
+            raise ValueError(
+                f"ZeroConfig.wrap names {missing}, which {'is' if len(missing) == 1 else 'are'} not in "
+                f"{type(model).__name__}. {_candidates_hint(model)}"
+            )
+        return set(wrap)
+    declared: set[str] = set()
+    for module in model.modules():
+        declared.update(getattr(module, "_no_split_modules", None) or ())
+    declared &= present
+    if declared:
+        return declared
+    repeated = _repeated_block_classes(model)
+    if repeated:
+        return repeated
+    raise ValueError(
+        f"hf_zero could not find the transformer blocks of {type(model).__name__}: it declares no "
+        f"`_no_split_modules` and has no nn.ModuleList of repeated blocks. {_candidates_hint(model)}"
+    )
+
+
+def _repeated_block_classes(model: nn.Module) -> set[str]:
+    """Classes that appear at least twice as children of an `nn.ModuleList` (the usual block stack)."""
+    found: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            counts = Counter(type(child).__name__ for child in module if any(True for _ in child.parameters()))
+            found.update(name for name, n in counts.items() if n >= 2)
+    return found
+
+
+def _candidates_hint(model: nn.Module) -> str:
+    candidates = sorted(_repeated_block_classes(model))
+    if not candidates:
+        with_params = Counter(
+            type(m).__name__ for m in model.modules() if m is not model and any(True for _ in m.parameters())
+        )
+        candidates = [name for name, _ in with_params.most_common(8)]
+    return (
+        f"Block-like classes in this model: {candidates}. Name one with ZeroConfig(wrap=[...]) "
+        "(or --zero_wrap on the command line)."
+    )
+
+
+def _assign_params(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[UnitSpec]:
+    # Every use of every parameter, by qualified name, tied aliases included.
+    uses: dict[nn.Parameter, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        uses.setdefault(param, []).append(name)
+    owned: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(blocks) + 1)]
+    for param, names in uses.items():
+        owner = len(blocks)  # the root, unless one block holds every use
+        for i, (block_name, _) in enumerate(blocks):
+            if all(n.startswith(block_name + ".") for n in names):
+                owner = i
+                break
+        owned[owner].append((names[0], param))
+    specs = [
+        UnitSpec(name=bname, module=bmod, params=tuple(p for _, p in owned[i]), param_names=tuple(n for n, _ in owned[i]))
+        for i, (bname, bmod) in enumerate(blocks)
+    ]
+    root = owned[len(blocks)]
+    specs.append(UnitSpec(name="", module=model, params=tuple(p for _, p in root), param_names=tuple(n for n, _ in root)))
+    return specs

@@ -1,0 +1,142 @@
+"""A pool of gloo worker processes that run test functions on every rank.
+
+Spawning a process group costs seconds (torch and transformers imports), so each world size gets
+one pool for the whole session. `DistPool.run(fn, *args)` runs `fn(*args)` on every rank and
+returns each rank's `RankResult`. A task that does not finish within its timeout, or that fails
+on some ranks but not others (a collective may be left half-done), marks the pool broken and
+the next request for that world size starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None
+
+
+class RemoteError(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, timeout_s: float) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put(RankResult(rank, value=fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the test
+            results.put(RankResult(rank, error_type=type(e).__name__, error=str(e), traceback=traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.broken = False
+        port = _free_port()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, self._tasks[rank], self._results, collective_timeout_s),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[RankResult]:
+        """Run `fn(*args, **kwargs)` on every rank; results sorted by rank."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        results: list[RankResult] = []
+        try:
+            for _ in range(self.world_size):
+                results.append(self._results.get(timeout=timeout))
+        except queue.Empty:
+            self.broken = True
+            raise TimeoutError(f"{fn.__name__} did not finish on every rank within {timeout}s (a hang?)") from None
+        results.sort(key=lambda r: r.rank)
+        if len({r.ok for r in results}) > 1:
+            self.broken = True
+        return results
+
+    def values(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run on every rank and return the values; any rank's exception fails the test with its traceback."""
+        results = self.run(fn, *args, **kwargs)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            self.broken = True
+            raise RemoteError("\n".join(f"--- rank {r.rank} ---\n{r.traceback}" for r in failed))
+        return [r.value for r in results]
+
+    def close(self) -> None:
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+class Pools:
+    """One live pool per world size, replaced when broken."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, DistPool] = {}
+
+    def __call__(self, world_size: int) -> DistPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = self._pools[world_size] = DistPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
