@@ -66,3 +66,47 @@ def tied_weights_stay_tied() -> dict[str, Any]:
         "same_object": same_object and model.lm_head.weight is model.transformer.word_embeddings.weight,
         "equal_values": bool(torch.equal(state["lm_head.weight"], state["transformer.word_embeddings.weight"])),
     }
+
+
+def gathered_units_during_training(stage: int, checkpointing: bool) -> dict[str, Any]:
+    """How many units are whole while each block runs forward, and what is left after backward."""
+    model = make_model("llama")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
+    engine = model.zero_engine
+    counts: list[int] = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, a: counts.append(sum(u.is_unsharded for u in engine.units)))
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    loss = model(input_ids=batch, labels=batch).loss
+    after_forward = sum(u.is_unsharded for u in engine.units)
+    loss.backward()
+    return {
+        "counts": counts,
+        "after_forward": after_forward,
+        "after_backward": sum(u.is_unsharded for u in engine.units),
+        "unsharded_grads_after_backward": sum(u.unsharded_grad is not None for u in engine.units),
+        "n_units": len(engine.units),
+    }
+
+
+
+def fp16_overflow_is_skipped() -> dict[str, Any]:
+    """An absurd initial loss scale overflows: the step is skipped (weights unchanged), the scale halves."""
+    model = make_model("llama")
+    config = hf_zero.ZeroConfig(stage=3, mixed_precision="fp16", initial_loss_scale=2.0**40)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
+    before = hf_zero.full_state_dict(model, rank0_only=False)
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    skipped = opt.step_was_skipped
+    opt.zero_grad()
+    after = hf_zero.full_state_dict(model, rank0_only=False)
+    return {
+        "skipped": skipped,
+        "scale": model.zero_engine.scaler.scale,
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+    }
+

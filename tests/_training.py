@@ -32,6 +32,7 @@ class Scenario:
     use_no_sync: bool = False
     wrap: Any = "auto"
     frozen: tuple[str, ...] = ()  # parameter name substrings to freeze
+    checkpointing: bool = False  # activation checkpointing (non-reentrant) on the sharded model
     config_overrides: tuple[tuple[str, Any], ...] = ()  # extra ZeroConfig fields
 
     @property
@@ -40,7 +41,7 @@ class Scenario:
 
     def single(self) -> "Scenario":
         """The reference's key: everything that changes the math, nothing that only changes sharding."""
-        return replace(self, stage=0, mixed_precision="no", use_no_sync=False, wrap="auto", config_overrides=())
+        return replace(self, stage=0, mixed_precision="no", use_no_sync=False, wrap="auto", config_overrides=(), checkpointing=False)
 
 
 VOCAB = 256
@@ -176,6 +177,8 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         raise RuntimeError(f"scenario for world {sc.world} run on {world} ranks")
     model = make_model(sc.model)
     _freeze(model, sc.frozen)
+    if sc.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = make_optimizer(model, sc.lr)
     config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, wrap=sc.wrap, **dict(sc.config_overrides))
     model, opt = hf_zero.initialize(model, opt, config)
