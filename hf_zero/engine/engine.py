@@ -20,6 +20,19 @@ from .units import UnitSpec
 
 
 @dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that this rank's shard holds: elements `[start, end)` of the
+    flattened parameter, as views of the unit's master and gradient shards."""
+
+    name: str  # the parameter's first qualified name
+    param: nn.Parameter
+    start: int
+    end: int
+    master: torch.Tensor  # 1D view of FlatUnit.sharded_master
+    grad: torch.Tensor  # 1D view of FlatUnit.sharded_grad
+
+
+@dataclass(frozen=True)
 class ModelStateMemory:
     """Bytes of model state this rank holds, by category and device (e.g. `{"cuda:0": 1024}`).
 
@@ -74,6 +87,17 @@ class ZeroEngine:
         self.hooks.on_reduced = self._mark_has_grads
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, once attached
+        self.pieces: list[Piece] = [piece for unit in self.units for piece in _pieces(unit)]  # this rank's
+        self._names = {id(p): n for unit in self.units for p, n in zip(unit.params, unit.spec.param_names)}
+
+    def name_of(self, param: nn.Parameter) -> str:
+        """The first qualified name of one of the model's parameters."""
+        return self._names[id(param)]
+
+    @property
+    def writes_shards(self) -> bool:
+        """Whether this rank's shards are the ones to save (replicas of a shard save nothing)."""
+        return self.plan.replicate_group.rank == 0
 
     # ---- gradients --------------------------------------------------------------------------
     def _grad_divisor(self) -> float:
@@ -185,6 +209,24 @@ class ZeroEngine:
                     if isinstance(v, torch.Tensor):
                         count("optimizer_states", v)
         return ModelStateMemory(**parts)
+
+
+def _pieces(unit: FlatUnit) -> list[Piece]:
+    lo, _ = unit.layout.shard_range(unit.shard_group.rank)
+    pieces = []
+    for slot_index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
+        slot = unit.layout.slots[slot_index]
+        pieces.append(
+            Piece(
+                name=slot.name,
+                param=unit.params[slot_index],
+                start=start - slot.offset,
+                end=end - slot.offset,
+                master=unit.sharded_master[start - lo : end - lo],
+                grad=unit.sharded_grad[start - lo : end - lo],
+            )
+        )
+    return pieces
 
 
 def validate_model(model: nn.Module, world: CommGroup) -> None:

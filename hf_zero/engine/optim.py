@@ -25,22 +25,20 @@ _NOT_ELEMENTWISE = ("Adafactor", "Shampoo", "LBFGS", "Muon")
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "ShardedOptimizer":
     """Rewrite `optimizer`'s groups onto this rank's shards and wrap it (see [Note: optimizer shards])."""
-    views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(original param) -> (master piece, grad piece)
-    for unit in engine.units:
-        lo, _ = unit.layout.shard_range(unit.shard_group.rank)
-        for slot_index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
-            param = unit.params[slot_index]
-            views[id(param)] = (unit.sharded_master[start - lo : end - lo], unit.sharded_grad[start - lo : end - lo])
+    by_param = {id(piece.param): piece for piece in engine.pieces}
+    group_names: list[list[str]] = []
     for group in optimizer.param_groups:
-        pieces = []
+        pieces, names = [], []
         for param in group["params"]:
-            if id(param) in views:
-                master, grad = views[id(param)]
-                master.grad = grad
-                pieces.append(master)
+            piece = by_param.get(id(param))
+            if piece is not None:
+                piece.master.grad = piece.grad
+                pieces.append(piece.master)
+            names.append(engine.name_of(param))
         group["params"] = pieces
+        group_names.append(names)
     optimizer.state.clear()
-    return ShardedOptimizer(optimizer, engine)
+    return ShardedOptimizer(optimizer, engine, group_names)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, stage: int) -> None:
@@ -92,9 +90,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     _is_accelerate_prepared = True  # Accelerate must not wrap it again
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, group_names: list[list[str]]) -> None:
         self.optimizer = optimizer
         self._engine = engine
+        self.group_param_names = group_names  # the parameter names of each group, on every rank
         self._initializing = True
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._initializing = False
