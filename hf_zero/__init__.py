@@ -9,6 +9,7 @@ Example:
 """
 
 from .api import full_state_dict, initialize, model_state_memory
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
 
@@ -20,5 +21,7 @@ __all__ = [
     "ZeroConfig",
     "full_state_dict",
     "initialize",
+    "load_checkpoint",
     "model_state_memory",
+    "save_checkpoint",
 ]

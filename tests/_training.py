@@ -33,6 +33,11 @@ class Scenario:
     wrap: Any = "auto"
     frozen: tuple[str, ...] = ()  # parameter name substrings to freeze
     checkpointing: bool = False  # activation checkpointing (non-reentrant) on the sharded model
+    seed: int = 0  # model init seed (a resumed run starts from another init to prove the load)
+    start_step: int = 0  # first step to run (after load_from)
+    stop_step: int | None = None  # run steps [start_step, stop_step), then save_to
+    load_from: str | None = None
+    save_to: str | None = None
     config_overrides: tuple[tuple[str, Any], ...] = ()  # extra ZeroConfig fields
 
     @property
@@ -41,7 +46,8 @@ class Scenario:
 
     def single(self) -> "Scenario":
         """The reference's key: everything that changes the math, nothing that only changes sharding."""
-        return replace(self, stage=0, mixed_precision="no", use_no_sync=False, wrap="auto", config_overrides=(), checkpointing=False)
+        return replace(self, stage=0, mixed_precision="no", use_no_sync=False, wrap="auto", config_overrides=(), checkpointing=False,
+            seed=0, start_step=0, stop_step=None, load_from=None, save_to=None)
 
 
 VOCAB = 256
@@ -175,16 +181,20 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != sc.world:
         raise RuntimeError(f"scenario for world {sc.world} run on {world} ranks")
-    model = make_model(sc.model)
+    model = make_model(sc.model, seed=sc.seed)
     _freeze(model, sc.frozen)
     if sc.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = make_optimizer(model, sc.lr)
     config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, wrap=sc.wrap, **dict(sc.config_overrides))
     model, opt = hf_zero.initialize(model, opt, config)
+    if sc.load_from is not None:
+        meta = hf_zero.load_checkpoint(sc.load_from, model, opt)
+        if meta.get("step") != sc.start_step:
+            raise RuntimeError(f"checkpoint says step {meta.get('step')}, scenario resumes at {sc.start_step}")
     data = make_batches(sc)
     losses, norms, memory = [], [], None
-    for step in range(sc.steps):
+    for step in range(sc.start_step, sc.stop_step or sc.steps):
         micro_losses = []
         for a in range(sc.accum):
             start = (a * sc.world + rank) * sc.micro_bs
@@ -202,8 +212,10 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
             norms.append(float(opt.clip_grad_norm_(sc.max_grad_norm)))
         opt.step()
         opt.zero_grad()
-        if step == 0:
+        if step == sc.start_step:
             memory = hf_zero.model_state_memory(model)
+    if sc.save_to is not None:
+        hf_zero.save_checkpoint(sc.save_to, model, opt, metadata={"step": sc.stop_step or sc.steps})
     state = hf_zero.full_state_dict(model)
     return {
         "losses": losses,

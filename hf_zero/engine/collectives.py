@@ -12,7 +12,7 @@ current stream wait on it, on gloo it runs on gloo's own threads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -145,3 +145,26 @@ def max_scalar_(value: torch.Tensor, group: CommGroup) -> torch.Tensor:
     all_reduce_(value, group, op=dist.ReduceOp.MAX)
     return value
 
+
+
+def gather_objects(obj: Any, group: CommGroup) -> list[Any]:
+    """Every rank's small picklable `obj` (file records, error texts), in group-rank order."""
+    if group.size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
+def broadcast_object(obj: Any, group: CommGroup, src_group_rank: int = 0) -> Any:
+    """The group's rank `src_group_rank` value of a small picklable `obj`, on every rank."""
+    if group.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group.pg, src_group_rank), group=group.pg)
+    return box[0]
+
+
+def barrier(group: CommGroup) -> None:
+    if group.size > 1:
+        dist.barrier(group=group.pg)

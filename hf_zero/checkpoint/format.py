@@ -1,0 +1,155 @@
+"""The hf_zero checkpoint format: file names, the manifest, the version, checksums.
+
+[Note: checkpoint layout]
+A checkpoint is a directory:
+
+    hf_zero_manifest.json                    written last; its presence marks a complete checkpoint
+    model-rank00000-of-00002.safetensors     rank 0's pieces of the fp32 master weights
+    optim-rank00000-of-00002.safetensors     rank 0's pieces of the optimizer state
+    ...                                      one pair per writing rank
+    buffers.safetensors                      persistent buffers (rank 0)
+    config.json, generation_config.json, tokenizer files   when given to `save_checkpoint`
+
+Tensors are keyed by the parameter's name (the first of its tied names). A model file holds,
+under the name `model.layers.0.mlp.up_proj.weight`, the 1D piece `[start, end)` of the flattened
+parameter; an optimizer file holds `model.layers.0.mlp.up_proj.weight::exp_avg` for the same
+range, and scalar state (`::step`) whole. Each file's safetensors metadata repeats its ranges, the
+format version and the world size, so a file describes itself; the manifest indexes all of them
+with sizes and SHA-256 checksums, the parameter shapes, the tied aliases and the optimizer's
+param groups. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_NAME = "hf_zero"
+FORMAT_VERSION = 1
+MANIFEST = "hf_zero_manifest.json"
+BUFFERS_FILE = "buffers.safetensors"
+STATE_SEP = "::"  # between a parameter name and an optimizer state key
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+
+
+def model_file(rank: int, world: int) -> str:
+    return f"model-rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+def optim_file(rank: int, world: int) -> str:
+    return f"optim-rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+@dataclass
+class FileEntry:
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """The index of a checkpoint (see [Note: checkpoint layout])."""
+
+    stage: int
+    world_size: int
+    params: dict[str, dict[str, Any]]  # name -> {"shape": [...], "dtype": "float32"} (saved master dtype)
+    slices: dict[str, list[list[Any]]]  # name -> [[file, start, end], ...] covering the flattened parameter
+    aliases: dict[str, str]  # tied name -> the name it is stored under
+    buffers: dict[str, dict[str, Any]]  # persistent buffer name -> {"shape", "dtype"}
+    files: dict[str, FileEntry]
+    optimizer: dict[str, Any] | None = None  # {"class", "param_groups": [{hyperparams, "params": [names]}],
+    #                                           "state": {name: {key: "elementwise" | "whole"}}}
+    engine: dict[str, Any] = field(default_factory=dict)  # {"loss_scale": ...}
+    user: dict[str, Any] = field(default_factory=dict)  # free-form metadata from the caller
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @staticmethod
+    def read(directory: str | os.PathLike[str]) -> "Manifest":
+        """Read and check a checkpoint's manifest.
+
+        Raises:
+            FileNotFoundError: no directory, or no manifest in it (an incomplete save looks like this).
+            ValueError: not an hf_zero manifest, or a format version this release does not know.
+        """
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"No hf_zero checkpoint at {directory}: the directory does not exist.")
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{directory} has no {MANIFEST}: it is not an hf_zero checkpoint, or its save did not finish "
+                "(the manifest is written last). Resume from an earlier checkpoint."
+            )
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint is damaged.") from e
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+            raise ValueError(f"{path} is not an hf_zero manifest (format {raw.get('format')!r}).")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{path} has hf_zero checkpoint format version {version!r}; this release of hf_zero reads "
+                f"version {FORMAT_VERSION}. Upgrade hf_zero to load it."
+            )
+        raw["files"] = {k: FileEntry(**v) for k, v in raw["files"].items()}
+        return Manifest(**raw)
+
+
+def sha256_of(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
+    """Write under a temporary name, flush to disk, then rename: readers see all or nothing."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_files(directory: Path, manifest: Manifest, names: list[str], verify: bool) -> None:
+    """Raise if one of the named files is missing, has the wrong size, or (with `verify`) the wrong checksum."""
+    for name in names:
+        entry = manifest.files.get(name)
+        path = directory / name
+        if entry is None:
+            raise ValueError(f"{directory}/{MANIFEST} does not list {name}; the checkpoint is damaged.")
+        if not path.is_file():
+            raise FileNotFoundError(f"Checkpoint file {path} is missing (the manifest lists it).")
+        size = path.stat().st_size
+        if size != entry.bytes:
+            raise ValueError(
+                f"Checkpoint file {path} has {size} bytes, the manifest says {entry.bytes}: it is truncated or "
+                "was overwritten. Copy it again, or resume from another checkpoint."
+            )
+        if verify and sha256_of(path) != entry.sha256:
+            raise ValueError(
+                f"Checkpoint file {path} is corrupted: its SHA-256 does not match the manifest. Copy it again, "
+                "or resume from another checkpoint (verify=False skips this check)."
+            )

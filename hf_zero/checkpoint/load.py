@@ -1,0 +1,205 @@
+"""`load_checkpoint`: restore parameters and optimizer state on any world size and any stage.
+
+Each rank reads, from whichever files hold them, only the ranges of each parameter that its own
+shard covers now (`read_pieces` over the manifest's slice index), so a checkpoint saved by 3
+ranks at stage 3 loads on 2 ranks at stage 2, and back. Everything is checked (manifest, names
+and shapes, files, sizes, checksums) and agreed on by all ranks before any tensor is touched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine.collectives import failed_ranks
+from ..engine.engine import Piece, ZeroEngine
+from ..engine.module import get_engine
+from ..engine.optim import ShardedOptimizer
+from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files
+from .reader import FileCache, read_pieces
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: ShardedOptimizer | None = None,
+    *,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by `save_checkpoint` into a sharded model (and optimizer).
+
+    A collective: every rank must call it. The world size and stage may differ from the ones
+    that saved. Each rank reads only the byte ranges its shards need.
+
+    Args:
+        path (`str` or `os.PathLike`): the checkpoint directory.
+        model (`nn.Module`): a model returned by `hf_zero.initialize`, of the same architecture.
+        optimizer (`ShardedOptimizer`, *optional*): restored too (state, param-group hyperparameters).
+        verify (`bool`, *optional*, defaults to `True`): check every file's SHA-256 against the
+            manifest before reading (costs one read of the files); sizes are always checked.
+
+    Returns:
+        `dict`: the `metadata` given to `save_checkpoint`.
+
+    Raises:
+        FileNotFoundError: no checkpoint (or an incomplete one) at `path`, or a file missing.
+        ValueError: a damaged file, another model's checkpoint (names or shapes differ), an
+            unknown format version, or an optimizer that does not match. Raised on every rank,
+            before anything is modified.
+
+    Example:
+
+    ```python
+    >>> model, optimizer = hf_zero.initialize(model, optimizer, hf_zero.ZeroConfig(stage=2))
+    >>> meta = hf_zero.load_checkpoint("ckpt/step-1000", model, optimizer)
+    >>> start_step = meta["step"]
+    ```
+    """
+    engine = get_engine(model)
+    directory = Path(path)
+    manifest: Manifest | None = None
+    error: BaseException | None = None
+    try:
+        manifest = Manifest.read(directory)
+        _check_model_matches(manifest, engine, directory)
+        _check_optimizer_matches(manifest, optimizer, directory)
+        check_files(directory, manifest, _files_needed(manifest, engine, optimizer), verify)
+    except (OSError, ValueError) as e:
+        error = e
+    bad = failed_ranks(error is not None, engine.world)
+    if error is not None:
+        raise error
+    if bad or manifest is None:
+        raise RuntimeError(f"[rank {engine.world.global_rank}] hf_zero.load_checkpoint failed on rank(s) {bad}.")
+
+    engine.hooks.wait_reductions()
+    with FileCache(directory) as cache:
+        with torch.no_grad():
+            for piece in engine.pieces:
+                read_pieces(cache, piece.name, manifest.slices[piece.name], piece.start, piece.end, piece.master)
+            for unit in engine.units:
+                unit.publish_master().wait()
+            _load_buffers(model, manifest, cache)
+        if optimizer is not None and manifest.optimizer is not None:
+            _load_optimizer(engine, optimizer, manifest, cache)
+    if engine.scaler is not None and "loss_scale" in manifest.engine:
+        engine.scaler.scale = float(manifest.engine["loss_scale"])
+    engine.zero_grad()
+    return dict(manifest.user)
+
+
+def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizer: ShardedOptimizer | None) -> list[str]:
+    needed: set[str] = set()
+    for piece in engine.pieces:
+        for file, s, e in manifest.slices[piece.name]:
+            if s < piece.end and e > piece.start:
+                needed.add(file)
+                if optimizer is not None and manifest.optimizer is not None:
+                    needed.add(_optim_file_for(file))
+    if manifest.buffers:
+        needed.add(BUFFERS_FILE)
+    return sorted(needed)
+
+
+def _optim_file_for(model_file: str) -> str:
+    return "optim-" + model_file.removeprefix("model-")
+
+
+def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path) -> None:
+    ours = {slot.name: list(slot.shape) for unit in engine.units for slot in unit.layout.slots}
+    theirs = {name: info["shape"] for name, info in manifest.params.items()}
+    missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    if missing or unexpected:
+        raise ValueError(
+            f"The checkpoint at {directory} is for another model: it lacks {len(missing)} parameter(s) of this "
+            f"model {missing[:5]} and has {len(unexpected)} this model does not have {unexpected[:5]}."
+        )
+    wrong = [f"{n}: checkpoint {theirs[n]} vs model {ours[n]}" for n in ours if ours[n] != theirs[n]]
+    if wrong:
+        raise ValueError(f"The checkpoint at {directory} has parameters of other shapes: {wrong[:5]}.")
+    for name, entries in manifest.slices.items():
+        covered = sum(e - s for _, s, e in entries)
+        if covered != math.prod(theirs[name]):
+            raise ValueError(f"{directory}/hf_zero_manifest.json covers {covered} elements of {name}; the index is damaged.")
+
+
+def _check_optimizer_matches(manifest: Manifest, optimizer: ShardedOptimizer | None, directory: Path) -> None:
+    if optimizer is None:
+        return
+    if manifest.optimizer is None:
+        raise ValueError(f"The checkpoint at {directory} holds no optimizer state; load it with optimizer=None.")
+    saved_class = manifest.optimizer["class"]
+    if saved_class != type(optimizer.optimizer).__name__:
+        raise ValueError(
+            f"The checkpoint at {directory} holds {saved_class} state but the optimizer is "
+            f"{type(optimizer.optimizer).__name__}; build the same optimizer class to resume."
+        )
+    saved_groups = [g["params"] for g in manifest.optimizer["param_groups"]]
+    if saved_groups != optimizer.group_param_names:
+        raise ValueError(
+            f"The optimizer's param groups differ from the checkpoint's at {directory} ({len(saved_groups)} saved "
+            f"group(s) vs {len(optimizer.group_param_names)}, or other parameters in them); build the optimizer "
+            "with the same groups to resume."
+        )
+
+
+def _load_buffers(model: nn.Module, manifest: Manifest, cache: FileCache) -> None:
+    if not manifest.buffers:
+        return
+    handle = cache.get(BUFFERS_FILE)
+    live = dict(model.named_buffers())
+    for name in manifest.buffers:
+        if name in live:
+            live[name].copy_(handle.get_tensor(name))
+
+
+def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: Manifest, cache: FileCache) -> None:
+    saved = manifest.optimizer or {}
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        for key, value in saved_group.items():
+            if key != "params":
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    inner = optimizer.optimizer
+    inner.state.clear()
+    group_of = {id(t): g for g in inner.param_groups for t in g["params"]}
+    for piece in engine.pieces:
+        kinds = saved["state"].get(piece.name)
+        if kinds:
+            inner.state[piece.master] = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.master)])
+
+
+def _piece_state(piece: Piece, kinds: dict[str, str], manifest: Manifest, cache: FileCache,
+                 group: dict[str, Any]) -> dict[str, Any]:
+    stored = [[_optim_file_for(f), s, e] for f, s, e in manifest.slices[piece.name]]
+    state: dict[str, Any] = {}
+    for key, kind in kinds.items():
+        tkey = f"{piece.name}{STATE_SEP}{key}"
+        if kind == "elementwise":
+            out = torch.empty(piece.end - piece.start, dtype=piece.master.dtype, device=piece.master.device)
+            read_pieces(cache, tkey, stored, piece.start, piece.end, out)
+            state[key] = out
+            continue
+        value = _whole(cache, tkey, stored)
+        if kind == "int":
+            state[key] = int(value.item())
+        elif kind == "float":
+            state[key] = float(value.item())
+        elif key == "step" and not (group.get("fused") or group.get("capturable")):
+            state[key] = value.to(torch.float32)  # torch keeps `step` on the CPU unless fused/capturable
+        else:
+            state[key] = value.to(piece.master.device)
+    return state
+
+
+def _whole(cache: FileCache, key: str, stored: list[list[Any]]) -> torch.Tensor:
+    for file, _, _ in stored:
+        handle = cache.get(file)
+        if key in handle.keys():
+            return handle.get_tensor(key)
+    raise ValueError(f"No file of the checkpoint holds the optimizer state {key}; the checkpoint is damaged.")
+

@@ -1,0 +1,283 @@
+"""`save_checkpoint`: every rank writes its own shards in parallel, with no gather.
+
+[Note: atomic save]
+1. Every rank writes its files into `.NAME.incomplete-TOKEN/` beside the target (each file under
+   a `.partial` name, flushed to disk, then renamed).
+2. The ranks agree on success (one small all-reduce); on any failure every rank raises, and the
+   temporary directory is removed; nothing that existed before is touched.
+3. Rank 0 writes the manifest (checksums of every file) into the temporary directory, last.
+4. Rank 0 moves any previous checkpoint at the target aside, renames the temporary directory to
+   the target, then deletes the previous one. A process killed at any point leaves either the
+   previous checkpoint or the new one complete at the target, plus a directory whose name says
+   `incomplete` (or `previous`, which holds the last good checkpoint) and which has no manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ..engine.collectives import CommGroup, broadcast_object, failed_ranks, gather_objects
+from ..engine.engine import ZeroEngine
+from ..engine.module import get_engine
+from ..engine.optim import ShardedOptimizer
+from .format import (
+    BUFFERS_FILE,
+    FORMAT_VERSION,
+    MANIFEST,
+    STATE_SEP,
+    FileEntry,
+    Manifest,
+    model_file,
+    optim_file,
+    sha256_of,
+    write_bytes_atomically,
+)
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: ShardedOptimizer | None = None,
+    *,
+    tokenizer: Any = None,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Save a sharded training checkpoint: each rank writes its own shards, nothing is gathered.
+
+    A collective: every rank must call it. The checkpoint resumes on any number of ranks and any
+    stage (`load_checkpoint`), and `consolidate` turns it into a `from_pretrained` directory.
+    See [Note: checkpoint layout] in `hf_zero/checkpoint/format.py` and [Note: atomic save].
+
+    Args:
+        path (`str` or `os.PathLike`): the checkpoint directory to create (replaced if it exists).
+            Every rank must see the same filesystem at this path.
+        model (`nn.Module`): a model returned by `hf_zero.initialize`. Its `config` and
+            `generation_config`, when it has them, are saved beside the shards.
+        optimizer (`ShardedOptimizer`, *optional*): its state and param groups are saved too.
+        tokenizer (*optional*): saved with its `save_pretrained`, for consolidation.
+        metadata (`dict`, *optional*): JSON-serializable values stored in the manifest
+            (e.g. `{"step": 1000}`) and returned by `load_checkpoint`.
+
+    Returns:
+        `Path`: the checkpoint directory.
+
+    Raises:
+        OSError: a rank could not write (disk full, read-only folder), on that rank;
+            `RuntimeError` naming it on the others. Nothing existing is deleted.
+
+    Example:
+
+    ```python
+    >>> hf_zero.save_checkpoint("ckpt/step-1000", model, optimizer, tokenizer=tokenizer, metadata={"step": 1000})
+    ```
+    """
+    engine = get_engine(model)
+    world = engine.world
+    target = Path(path)
+    if optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
+        raise TypeError("save_checkpoint expects the optimizer returned by hf_zero.initialize.")
+    _check_json(metadata)
+    engine.hooks.wait_reductions()
+    token = broadcast_object(uuid.uuid4().hex[:12], world)
+    staging = target.parent / f".{target.name}.incomplete-{token}"
+
+    record: dict[str, Any] = {}
+    error: BaseException | None = None
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        record = _write_rank_files(staging, model, engine, optimizer)
+    except OSError as e:
+        error = e
+    _raise_if_failed(error, world, staging, "write its shards to", target)
+
+    records = gather_objects(record, world)
+    commit_error: str | None = None
+    if world.rank == 0:
+        try:
+            manifest = _manifest(model, engine, optimizer, records, metadata)
+            _save_hf_files(model, tokenizer, staging)
+            write_bytes_atomically(staging / MANIFEST, manifest.to_json().encode())
+            _swap_into_place(staging, target, token)
+        except OSError as e:
+            commit_error = f"{type(e).__name__}: {e}"
+            shutil.rmtree(staging, ignore_errors=True)
+    commit_error = broadcast_object(commit_error, world)
+    if commit_error is not None:
+        raise OSError(f"hf_zero.save_checkpoint could not commit {target}: {commit_error}. Nothing was replaced.")
+    return target
+
+
+def _raise_if_failed(error: BaseException | None, world: CommGroup, staging: Path, what: str, target: Path) -> None:
+    bad = failed_ranks(error is not None, world)
+    if not bad:
+        return
+    if world.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    if error is not None:
+        raise OSError(
+            f"[rank {world.global_rank}] hf_zero.save_checkpoint could not {what} {staging.parent}: {error}. "
+            f"Check free space and permissions; {target} was left as it was."
+        ) from error
+    raise RuntimeError(f"[rank {world.global_rank}] hf_zero.save_checkpoint failed on rank(s) {bad}; see their error.")
+
+
+def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer | None) -> dict[str, Any]:
+    record: dict[str, Any] = {"files": {}, "slices": {}, "state": {}}
+    if engine.world.rank == 0:
+        buffers = _persistent_buffers(model)
+        if buffers:
+            _write_safetensors(staging, BUFFERS_FILE, {k: v.detach().to("cpu", copy=True).contiguous() for k, v in buffers.items()}, {}, record)
+    if not engine.writes_shards:
+        return record  # a replica (stage 0 or hybrid): the shard-group rank 0 replica writes
+    rank, size = engine.plan.shard_group.rank, engine.plan.shard_group.size
+    mfile = model_file(rank, size)
+    tensors = {p.name: p.master.detach().to("cpu", copy=True) for p in engine.pieces}
+    slices = {p.name: [p.start, p.end] for p in engine.pieces}
+    header = {"kind": "model", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank, "slices": slices}
+    _write_safetensors(staging, mfile, tensors, header, record)
+    record["slices"] = {name: [mfile, s, e] for name, (s, e) in slices.items()}
+    if optimizer is not None:
+        state_tensors, kinds = _optimizer_pieces(engine, optimizer)
+        header = {"kind": "optimizer", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank,
+                  "slices": slices, "state": kinds}
+        _write_safetensors(staging, optim_file(rank, size), state_tensors, header, record)
+        record["state"] = kinds
+    return record
+
+
+def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]]]:
+    """This rank's optimizer state: elementwise tensors as pieces, scalars whole, numbers as 0-d tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, dict[str, str]] = {}
+    for piece in engine.pieces:
+        state = optimizer.optimizer.state.get(piece.master)
+        if not state:
+            continue
+        kinds[piece.name] = {}
+        for key, value in state.items():
+            tkey = f"{piece.name}{STATE_SEP}{key}"
+            if isinstance(value, torch.Tensor):
+                elementwise = value.ndim == 1 and value.numel() == piece.end - piece.start
+                kinds[piece.name][key] = "elementwise" if elementwise else "whole"
+                tensors[tkey] = value.detach().to("cpu", copy=True).contiguous()
+            elif isinstance(value, (bool, int, float)):
+                kinds[piece.name][key] = "int" if isinstance(value, int) and not isinstance(value, bool) else "float"
+                tensors[tkey] = torch.tensor(float(value), dtype=torch.float64)
+            else:
+                raise TypeError(
+                    f"Optimizer state {key!r} of {piece.name} is a {type(value).__name__}; hf_zero checkpoints "
+                    "hold tensors and numbers only."
+                )
+    return tensors, kinds
+
+
+def _write_safetensors(staging: Path, name: str, tensors: dict[str, torch.Tensor], header: dict[str, Any], record: dict[str, Any]) -> None:
+    final = staging / name
+    partial = staging / (name + ".partial")
+    save_file(tensors, str(partial), metadata={"hf_zero": json.dumps(header)} if header else None)
+    with open(partial, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(partial, final)
+    record["files"][name] = {"bytes": final.stat().st_size, "sha256": sha256_of(final)}
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    params = {id(p) for p in model.parameters()}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in params}
+
+
+def _manifest(model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer | None,
+              records: list[dict[str, Any]], metadata: dict[str, Any] | None) -> Manifest:
+    params: dict[str, dict[str, Any]] = {}
+    for unit in engine.units:
+        for slot in unit.layout.slots:
+            params[slot.name] = {"shape": list(slot.shape), "dtype": _dtype_name(unit.master_dtype)}
+    aliases = {name: engine.name_of(p) for name, p in model.named_parameters(remove_duplicate=False)
+               if name != engine.name_of(p)}
+    buffers = {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in _persistent_buffers(model).items()}
+    files: dict[str, FileEntry] = {}
+    slices: dict[str, list[list[Any]]] = {name: [] for name in params}
+    state: dict[str, dict[str, str]] = {}
+    for rec in records:
+        files.update({k: FileEntry(**v) for k, v in rec["files"].items()})
+        for name, entry in rec["slices"].items():
+            slices[name].append(entry)
+        for name, kinds in rec["state"].items():
+            state.setdefault(name, {}).update(kinds)
+    for entries in slices.values():
+        entries.sort(key=lambda e: e[1])
+    optim = None
+    if optimizer is not None:
+        groups = []
+        for group, names in zip(optimizer.param_groups, optimizer.group_param_names):
+            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+            groups.append({**_jsonable(hyper), "params": names})
+        optim = {"class": type(optimizer.optimizer).__name__, "param_groups": groups, "state": state}
+    engine_state = {"loss_scale": engine.scaler.scale} if engine.scaler is not None else {}
+    return Manifest(stage=engine.config.stage, world_size=engine.world.size, params=params, slices=slices,
+                    aliases=aliases, buffers=buffers, files=files, optimizer=optim, engine=engine_state,
+                    user=dict(metadata or {}))
+
+
+def _save_hf_files(model: nn.Module, tokenizer: Any, staging: Path) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(str(staging))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(str(staging))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(staging))
+
+
+def _swap_into_place(staging: Path, target: Path, token: str) -> None:
+    previous = target.parent / f".{target.name}.previous-{token}"
+    if target.exists():
+        os.rename(target, previous)
+    os.rename(staging, target)
+    _fsync_dir(target.parent)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, torch.Tensor):
+            v = v.item()
+        try:
+            json.dumps(v)
+        except TypeError:
+            continue  # not a hyperparameter we can restore (e.g. a callable); the optimizer keeps its own
+        out[k] = v
+    return out
+
+
+def _check_json(metadata: dict[str, Any] | None) -> None:
+    if metadata is None:
+        return
+    try:
+        json.dumps(metadata)
+    except TypeError as e:
+        raise TypeError(f"save_checkpoint metadata must be JSON-serializable: {e}") from e
