@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig
-from .engine.collectives import CommGroup, failed_ranks
+from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.engine import ModelStateMemory, ZeroEngine, validate_model
 from .engine.module import attach, get_engine
 from .engine.optim import ShardedOptimizer, check_optimizer, shard_optimizer
@@ -75,13 +75,7 @@ def initialize(
     except (TypeError, ValueError) as e:
         error = e
     # Agree before the first collective: a mistake on one rank raises on every rank.
-    bad = failed_ranks(error is not None, world)
-    if error is not None:
-        raise error
-    if bad:
-        raise RuntimeError(
-            f"[rank {world.global_rank}] hf_zero.initialize failed on rank(s) {bad}; their error says why."
-        )
+    raise_if_any_failed(error, world, "hf_zero.initialize")
     engine = ZeroEngine(model, specs, cfg, world)
     attach(model, engine)
     sharded = shard_optimizer(optimizer, engine) if optimizer is not None else None

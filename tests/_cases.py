@@ -110,3 +110,22 @@ def fp16_overflow_is_skipped() -> dict[str, Any]:
         "unchanged": all(torch.equal(before[k], after[k]) for k in before),
     }
 
+
+
+def load_into_fresh_model(ckpt: str, kind: str, stage: int, verify: bool = True) -> dict[str, Any]:
+    """Try to load `ckpt`; report the error and whether the model was left exactly as it was."""
+    model = make_model(kind, seed=1)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
+    before = hf_zero.full_state_dict(model, rank0_only=False)
+    error_type = error = None
+    try:
+        hf_zero.load_checkpoint(ckpt, model, opt, verify=verify)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        error_type, error = type(e).__name__, str(e)
+    after = hf_zero.full_state_dict(model, rank0_only=False)
+    return {
+        "error_type": error_type,
+        "error": error,
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "opt_state_empty": len(opt.state) == 0,
+    }

@@ -96,11 +96,13 @@ def test_unknown_wrap_class_lists_candidates_on_every_rank(pools):
 
 
 def test_error_on_one_rank_raises_on_all_without_hanging(pools):
-    """Rank 1 alone passes a bad wrap: rank 1 gets the ValueError, rank 0 a RuntimeError naming rank 1,
-    both within seconds, and the process group stays usable (the case ends with a barrier)."""
+    """Rank 1 alone passes a bad wrap: rank 1 raises its ValueError, rank 0 a ValueError naming rank 1
+    and carrying its cause, both within seconds, and the process group stays usable (the case ends
+    with a barrier)."""
     results = pools(2).run(_cases.initialize_with_wrap, ["auto", ["NoSuchLayer"]], timeout=60)
     assert results[1].error_type == "ValueError" and "NoSuchLayer" in results[1].error
-    assert results[0].error_type == "RuntimeError" and "failed on rank(s) [1]" in results[0].error
+    assert results[0].error_type == "ValueError" and "failed on rank(s) [1]" in results[0].error
+    assert "ZeroConfig.wrap names ['NoSuchLayer']" in results[0].error
 
 
 def test_no_transformer_block_error_lists_candidates():

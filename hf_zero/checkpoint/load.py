@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.collectives import failed_ranks
+from ..engine.collectives import raise_if_any_failed
 from ..engine.engine import Piece, ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer
@@ -71,11 +71,9 @@ def load_checkpoint(
         check_files(directory, manifest, _files_needed(manifest, engine, optimizer), verify)
     except (OSError, ValueError) as e:
         error = e
-    bad = failed_ranks(error is not None, engine.world)
-    if error is not None:
-        raise error
-    if bad or manifest is None:
-        raise RuntimeError(f"[rank {engine.world.global_rank}] hf_zero.load_checkpoint failed on rank(s) {bad}.")
+    raise_if_any_failed(error, engine.world, "hf_zero.load_checkpoint")
+    if manifest is None:  # unreachable: a missing manifest raised above
+        raise RuntimeError(f"[rank {engine.world.global_rank}] hf_zero.load_checkpoint read no manifest")
 
     engine.hooks.wait_reductions()
     with FileCache(directory) as cache:

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..engine.collectives import CommGroup, broadcast_object, failed_ranks, gather_objects
+from ..engine.collectives import CommGroup, broadcast_object, failed_ranks, gather_objects, raise_if_any_failed
 from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer
@@ -117,17 +117,16 @@ def save_checkpoint(
 
 
 def _raise_if_failed(error: BaseException | None, world: CommGroup, staging: Path, what: str, target: Path) -> None:
-    bad = failed_ranks(error is not None, world)
-    if not bad:
+    if not failed_ranks(error is not None, world):
         return
     if world.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
     if error is not None:
-        raise OSError(
+        error = OSError(
             f"[rank {world.global_rank}] hf_zero.save_checkpoint could not {what} {staging.parent}: {error}. "
             f"Check free space and permissions; {target} was left as it was."
-        ) from error
-    raise RuntimeError(f"[rank {world.global_rank}] hf_zero.save_checkpoint failed on rank(s) {bad}; see their error.")
+        )
+    raise_if_any_failed(error, world, "hf_zero.save_checkpoint")
 
 
 def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer | None) -> dict[str, Any]:

@@ -168,3 +168,26 @@ def broadcast_object(obj: Any, group: CommGroup, src_group_rank: int = 0) -> Any
 def barrier(group: CommGroup) -> None:
     if group.size > 1:
         dist.barrier(group=group.pg)
+
+
+_RAISABLE: dict[str, type[Exception]] = {
+    t.__name__: t for t in (ValueError, TypeError, FileNotFoundError, PermissionError, OSError, RuntimeError)
+}
+
+
+def raise_if_any_failed(error: BaseException | None, group: CommGroup, what: str) -> None:
+    """Agree on a local check; if any rank failed, raise on every rank with the failing rank's cause.
+
+    One small all-reduce when all is well; only on failure are the messages gathered. The failing
+    rank re-raises its own exception; the others raise the same type, naming the rank, so every
+    rank's log tells the cause and no rank is left waiting in a later collective.
+    """
+    bad = failed_ranks(error is not None, group)
+    if not bad:
+        return
+    reports = gather_objects(None if error is None else (type(error).__name__, str(error)), group)
+    if error is not None:
+        raise error
+    first = next(r for r in reports if r is not None)
+    kind = _RAISABLE.get(first[0], RuntimeError)
+    raise kind(f"[rank {group.global_rank}] {what} failed on rank(s) {bad}: {first[1]}")

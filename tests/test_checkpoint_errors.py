@@ -1,0 +1,93 @@
+"""A damaged or foreign checkpoint raises a clear error on every rank and modifies nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests import _cases
+from tests._training import Scenario, sharded_run
+
+
+@pytest.fixture(scope="module")
+def saved(pools, tmp_path_factory) -> Path:
+    """A good 2-rank stage-3 llama checkpoint (copied by each test before it is damaged)."""
+    ckpt = tmp_path_factory.mktemp("good") / "ckpt"
+    pools(2).values(sharded_run, Scenario(model="llama", stage=3, world=2, steps=1, accum=1, save_to=str(ckpt)))
+    return ckpt
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "ckpt"
+    shutil.copytree(saved, target)
+    return target
+
+
+def _expect(pools, ckpt: Path, error_type: str, message: str, kind: str = "llama", verify: bool = True) -> None:
+    for r in pools(2).values(_cases.load_into_fresh_model, str(ckpt), kind, 3, verify):
+        assert r["error_type"] == error_type, r
+        assert message in r["error"], r["error"]
+        assert r["unchanged"] and r["opt_state_empty"]
+
+
+def test_good_checkpoint_loads(pools, saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    for r in pools(2).values(_cases.load_into_fresh_model, str(ckpt), "llama", 3):
+        assert r["error_type"] is None and not r["unchanged"]  # the control: loading does change the model
+
+
+def test_missing_shard_file(pools, saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    (ckpt / "model-rank00001-of-00002.safetensors").unlink()
+    _expect(pools, ckpt, "FileNotFoundError", "model-rank00001-of-00002.safetensors is missing")
+
+
+def test_truncated_file(pools, saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    path = ckpt / "optim-rank00000-of-00002.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    _expect(pools, ckpt, "ValueError", "optim-rank00000-of-00002.safetensors has")
+    _expect(pools, ckpt, "ValueError", "truncated", verify=False)  # sizes are checked even without verify
+
+
+def test_corrupted_file_same_size(pools, saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    path = ckpt / "model-rank00000-of-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0xFF  # one flipped byte inside a tensor
+    path.write_bytes(bytes(data))
+    _expect(pools, ckpt, "ValueError", "model-rank00000-of-00002.safetensors is corrupted: its SHA-256")
+
+
+def test_checkpoint_of_another_model(pools, saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    _expect(pools, ckpt, "ValueError", "is for another model", kind="falcon")
+
+
+def test_unknown_format_version(pools, saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    manifest = json.loads((ckpt / "hf_zero_manifest.json").read_text())
+    manifest["format_version"] = 99
+    (ckpt / "hf_zero_manifest.json").write_text(json.dumps(manifest))
+    _expect(pools, ckpt, "ValueError", "format version 99; this release of hf_zero reads version 1")
+
+
+def test_incomplete_checkpoint_without_manifest(pools, saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    (ckpt / "hf_zero_manifest.json").unlink()
+    _expect(pools, ckpt, "FileNotFoundError", "its save did not finish")
+
+
+def test_missing_directory(pools, tmp_path):
+    _expect(pools, tmp_path / "nope", "FileNotFoundError", "the directory does not exist")
+
+
+def test_saving_over_an_existing_checkpoint_replaces_it(pools, saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    pools(2).values(sharded_run, Scenario(model="llama", stage=2, world=2, steps=2, accum=1, save_to=str(ckpt)))
+    manifest = json.loads((ckpt / "hf_zero_manifest.json").read_text())
+    assert manifest["stage"] == 2 and manifest["user"] == {"step": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing left aside
