@@ -9,7 +9,7 @@ Example:
 """
 
 from .api import full_state_dict, initialize, model_state_memory
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import consolidate, load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
 
@@ -19,9 +19,11 @@ __all__ = [
     "ModelStateMemory",
     "ShardedOptimizer",
     "ZeroConfig",
+    "consolidate",
     "full_state_dict",
     "initialize",
     "load_checkpoint",
     "model_state_memory",
     "save_checkpoint",
+    "save_pretrained",
 ]

@@ -129,3 +129,31 @@ def load_into_fresh_model(ckpt: str, kind: str, stage: int, verify: bool = True)
         "unchanged": all(torch.equal(before[k], after[k]) for k in before),
         "opt_state_empty": len(opt.state) == 0,
     }
+
+
+PROMPT = [[5, 17, 42, 7, 99, 3]]
+
+
+def train_and_export(kind: str, stage: int, ckpt: str, live_out: str, tokenizer_dir: str) -> dict[str, Any]:
+    """Train 2 steps, then write a sharded checkpoint and a live from_pretrained directory."""
+    from transformers import AutoTokenizer
+
+    model = make_model(kind)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), hf_zero.ZeroConfig(stage=stage))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        batch = torch.randint(0, 256, (2, 16), generator=g)
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    hf_zero.save_checkpoint(ckpt, model, opt, tokenizer=tokenizer)
+    files = hf_zero.save_pretrained(model, live_out, tokenizer=tokenizer, progress=False)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROMPT)).logits
+    state = hf_zero.full_state_dict(model)
+    if dist.get_rank() != 0:
+        return {"files": files}
+    return {"files": files, "logits": logits.numpy().copy(), "state": {k: v.clone() for k, v in state.items()}}

@@ -232,3 +232,21 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     denom = float(np.linalg.norm(b))
     diff = float(np.linalg.norm(a.astype(np.float64) - b.astype(np.float64)))
     return diff / denom if denom > 0 else diff
+
+
+def make_tokenizer(directory: str, texts: list[str] | None = None) -> None:
+    """Train a tiny byte-level BPE tokenizer offline and save it with `save_pretrained`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = texts or ["the quick brown fox jumps over the lazy dog " * 4, "sharded training of language models"] * 8
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(directory)

@@ -160,19 +160,32 @@ class ZeroEngine:
 
     # ---- gathering --------------------------------------------------------------------------
     @torch.no_grad()
-    def full_state_dict(self, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Gather the master (fp32) parameters unit by unit; a collective, every rank must call it."""
+    def gather_units(self, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> Iterator[list[tuple[str, nn.Parameter, torch.Tensor]]]:
+        """Gather the master parameters one unit at a time: yields `[(name, param, full value), ...]`.
+
+        A collective: every rank must exhaust the iterator. With `rank0_only`, the other ranks
+        take part in each gather but get empty lists. Peak memory: one unit, plus what the caller keeps.
+        """
         is_writer = self.world.rank == 0 or not rank0_only
-        values: dict[int, torch.Tensor] = {}
         for unit in self.units:
             full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
             all_gather_into(full, unit.sharded_master, unit.shard_group)
-            if is_writer:
-                full = full.to(device)
-                for slot, p in zip(unit.layout.slots, unit.params):
-                    values[id(p)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+            if not is_writer:
+                yield []
+                continue
+            full = full.to(device)
+            yield [
+                (slot.name, p, full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone())
+                for slot, p in zip(unit.layout.slots, unit.params)
+            ]
             del full
-        if not is_writer:
+
+    def full_state_dict(self, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Gather the master (fp32) parameters unit by unit; a collective, every rank must call it."""
+        values: dict[int, torch.Tensor] = {}
+        for gathered in self.gather_units(rank0_only=rank0_only, device=device):
+            values.update({id(p): value for _, p, value in gathered})
+        if rank0_only and self.world.rank != 0:
             return {}
         out: dict[str, torch.Tensor] = {}
         for name, t in self.model.state_dict(keep_vars=True).items():

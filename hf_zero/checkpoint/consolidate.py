@@ -1,0 +1,196 @@
+"""Turning shards into a `from_pretrained` directory: offline from a checkpoint, or live at the end of training.
+
+Both stream: a parameter is assembled (from the checkpoint's pieces, or by one all-gather of its
+unit), cast, handed to `HFShardWriter`, and dropped when its output shard is written. Peak memory
+is about one output shard plus one parameter (offline) or one unit (live), whatever the model size.
+Tied weights are written once, under the name `save_pretrained` keeps; `from_pretrained` ties them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine.collectives import broadcast_object, raise_if_any_failed
+from ..engine.module import get_engine
+from .format import BUFFERS_FILE, HF_FILES, Manifest, check_files
+from .reader import FileCache, read_pieces
+from .writer import HFShardWriter, parse_dtype, parse_size, set_config_dtype
+
+
+def consolidate(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    *,
+    verify: bool = True,
+    progress: bool = True,
+) -> list[str]:
+    """Write a sharded checkpoint as a Hugging Face model directory, offline and in bounded memory.
+
+    Needs no process group and no GPU. Writes `model.safetensors` (or numbered shards and
+    `model.safetensors.index.json`, as `save_pretrained` does), copies `config.json` (with its
+    `dtype` set to the written one), `generation_config.json` and the tokenizer files the
+    checkpoint holds. Also available as `hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]`.
+
+    Args:
+        checkpoint_dir (`str` or `os.PathLike`): a directory written by `save_checkpoint`.
+        output_dir (`str` or `os.PathLike`): where to write (created; weight files of an earlier
+            save there are replaced).
+        dtype (`str` or `torch.dtype`, *optional*): `"bf16"`, `"fp16"` or `"fp32"`; defaults to the
+            saved master dtype (fp32 in mixed precision).
+        max_shard_size (`int` or `str`, *optional*, defaults to `"5GB"`): the largest output file.
+        verify (`bool`, *optional*, defaults to `True`): check the files' SHA-256 first.
+        progress (`bool`, *optional*, defaults to `True`): show a progress bar of tensors written.
+
+    Returns:
+        `list[str]`: the weight files written.
+
+    Example:
+
+    ```python
+    >>> hf_zero.consolidate("ckpt/step-1000", "llama-domain", dtype="bf16")
+    ['model.safetensors']
+    >>> model = AutoModelForCausalLM.from_pretrained("llama-domain")
+    ```
+    """
+    ckpt, out = Path(checkpoint_dir), Path(output_dir)
+    out_dtype = parse_dtype(dtype)
+    parse_size(max_shard_size)
+    manifest = Manifest.read(ckpt)
+    if out.exists() and out.resolve() == ckpt.resolve():
+        raise ValueError("consolidate needs an output_dir other than the checkpoint directory.")
+    model_files = sorted({f for entries in manifest.slices.values() for f, _, _ in entries})
+    check_files(ckpt, manifest, model_files + ([BUFFERS_FILE] if manifest.buffers else []), verify)
+
+    writer = HFShardWriter(out, max_shard_size, out_dtype)
+    bar = _progress(len(manifest.params) + len(manifest.buffers), "consolidating", progress)
+    cache = FileCache(ckpt)
+    try:
+        for name, info in manifest.params.items():
+            full = torch.empty(math.prod(info["shape"]), dtype=getattr(torch, info["dtype"]))
+            read_pieces(cache, name, manifest.slices[name], 0, full.numel(), full)
+            if writer.add(name, full.view(info["shape"])):
+                cache.close()  # unmap what the flushed shard was read from: keeps the resident set bounded
+            bar.update(1)
+        if manifest.buffers:
+            for name in manifest.buffers:
+                writer.add(name, cache.get(BUFFERS_FILE).get_tensor(name), is_parameter=False)
+                bar.update(1)
+        files = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        cache.close()
+        bar.close()
+    for name in HF_FILES:
+        if (ckpt / name).is_file():
+            shutil.copyfile(ckpt / name, out / name)
+    saved_dtype = getattr(torch, next(iter(manifest.params.values()))["dtype"]) if manifest.params else torch.float32
+    set_config_dtype(out / "config.json", out_dtype or saved_dtype)
+    return files
+
+
+def save_pretrained(
+    model: nn.Module,
+    output_dir: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    progress: bool = True,
+) -> list[str]:
+    """Write a sharded model as a `from_pretrained` directory from rank 0, gathering one unit at a time.
+
+    A collective: every rank must call it (the others only take part in the gathers). Writes the
+    weights (fp32 masters, or `dtype`), `config.json`, `generation_config.json` and the tokenizer.
+
+    Args:
+        model (`nn.Module`): a model returned by `hf_zero.initialize`.
+        output_dir (`str` or `os.PathLike`): where rank 0 writes.
+        tokenizer (*optional*): saved beside the weights.
+        dtype (`str` or `torch.dtype`, *optional*): `"bf16"`, `"fp16"` or `"fp32"`; defaults to the master dtype.
+        max_shard_size (`int` or `str`, *optional*, defaults to `"5GB"`): the largest output file.
+        progress (`bool`, *optional*, defaults to `True`): a progress bar on rank 0.
+
+    Returns:
+        `list[str]`: the weight files written (on every rank).
+
+    Example:
+
+    ```python
+    >>> hf_zero.save_pretrained(model, "llama-domain", tokenizer=tokenizer, dtype="bf16")
+    ```
+    """
+    engine = get_engine(model)
+    out_dtype = parse_dtype(dtype)
+    parse_size(max_shard_size)
+    writing = engine.world.rank == 0
+    writer = HFShardWriter(Path(output_dir), max_shard_size, out_dtype) if writing else None
+    error: str | None = None
+    files: list[str] = []
+    bar = _progress(len(engine.units), "gathering units", progress and writing)
+    for gathered in engine.gather_units(rank0_only=True):  # every rank joins every gather
+        bar.update(1)
+        if writer is None or error is not None:
+            continue
+        try:
+            for name, _, value in gathered:
+                writer.add(name, value)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    bar.close()
+    if writer is not None and error is None:
+        try:
+            params = {id(p) for p in model.parameters()}
+            for name, buf in model.state_dict(keep_vars=True).items():
+                if id(buf) not in params:
+                    writer.add(name, buf, is_parameter=False)
+            files = writer.close()
+            _save_config_and_tokenizer(model, tokenizer, Path(output_dir), out_dtype or engine.master_dtype)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    if writer is not None and error is not None:
+        writer.abort()
+    error = broadcast_object(error, engine.world)
+    raise_if_any_failed(OSError(f"save_pretrained could not write {output_dir}: {error}") if error else None,
+                        engine.world, "hf_zero.save_pretrained")
+    return broadcast_object(files, engine.world)
+
+
+def _save_config_and_tokenizer(model: nn.Module, tokenizer: Any, out: Path, dtype: torch.dtype) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(str(out))
+        set_config_dtype(out / "config.json", dtype)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm comes with transformers; without it, no bar
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="tensor")

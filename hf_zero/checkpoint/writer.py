@@ -1,0 +1,139 @@
+"""Streaming writer of the Hugging Face `from_pretrained` weight layout.
+
+Tensors are added one at a time; when the open shard would grow past `max_shard_size` it is
+written and freed, so the writer's memory is bounded by about one shard. `close()` gives the
+shards their final names (`model.safetensors`, or `model-0000k-of-0000N.safetensors` plus
+`model.safetensors.index.json`, exactly as `save_pretrained` names them), removes weight files
+of an earlier save that this one does not overwrite, and writes the index last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .format import write_bytes_atomically
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+_WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `5GB`, `500MB`, `2GiB` or an int (HF's convention: GB = 10**9, GiB = 2**30).
+
+    Example:
+
+    ```python
+    >>> parse_size("5GB"), parse_size("1MiB"), parse_size(1024)
+    (5000000000, 1048576, 1024)
+    ```
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+        if not match or match.group(2).upper() not in _UNITS:
+            raise ValueError(f"max_shard_size must look like '5GB', '500MB' or '2GiB'; got {size!r}.")
+        value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive; got {size!r}.")
+    return value
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """`None` (keep), a `torch.dtype`, or one of 'fp32', 'bf16', 'fp16' (or their long names)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of 'fp32', 'bf16', 'fp16' (or None to keep the saved dtype); got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+class HFShardWriter:
+    """Writes tensors into `from_pretrained`-style safetensors shards, one shard in memory at a time."""
+
+    def __init__(self, output_dir: Path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
+        self.output_dir = output_dir
+        self.max_bytes = parse_size(max_shard_size)
+        self.dtype = dtype
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self._open: dict[str, torch.Tensor] = {}
+        self._open_bytes = 0
+        self._written: list[tuple[Path, list[str]]] = []  # temporary shard files and their tensor names
+        self.total_bytes = 0
+        self.total_parameters = 0
+
+    @property
+    def open_bytes(self) -> int:
+        return self._open_bytes
+
+    def add(self, name: str, tensor: torch.Tensor, *, is_parameter: bool = True) -> bool:
+        """Queue one tensor (cast to the output dtype when floating); True when a shard was flushed."""
+        if self.dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
+        tensor = tensor.detach().to("cpu").contiguous()
+        size = tensor.numel() * tensor.element_size()
+        flushed = False
+        if self._open and self._open_bytes + size > self.max_bytes:
+            self.flush()
+            flushed = True
+        self._open[name] = tensor
+        self._open_bytes += size
+        self.total_bytes += size
+        if is_parameter:
+            self.total_parameters += tensor.numel()
+        return flushed
+
+    def flush(self) -> None:
+        if not self._open:
+            return
+        path = self.output_dir / f".hf_zero-shard-{len(self._written):05d}.partial"
+        save_file(self._open, str(path), metadata={"format": "pt"})
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        self._written.append((path, list(self._open)))
+        self._open, self._open_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Name the shards, drop stale weight files, write the index (if sharded); returns the file names."""
+        self.flush()
+        n = len(self._written)
+        names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        for old in self.output_dir.iterdir():
+            if (_WEIGHT_FILE.match(old.name) and old.name not in names) or old.name == INDEX_FILE:
+                old.unlink()
+        weight_map: dict[str, str] = {}
+        for (tmp, tensor_names), final in zip(self._written, names):
+            os.replace(tmp, self.output_dir / final)
+            weight_map.update({t: final for t in tensor_names})
+        if n > 1:
+            index = {"metadata": {"total_parameters": self.total_parameters, "total_size": self.total_bytes},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            write_bytes_atomically(self.output_dir / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        return names
+
+    def abort(self) -> None:
+        """Remove the temporary shard files of a failed write."""
+        for tmp, _ in self._written:
+            tmp.unlink(missing_ok=True)
+        self._written.clear()
+        self._open.clear()
+
+
+def set_config_dtype(config_path: Path, dtype: torch.dtype) -> None:
+    """Record the weights' dtype in a copied `config.json`, so `from_pretrained` loads them as written."""
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    write_bytes_atomically(config_path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())

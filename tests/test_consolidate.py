@@ -1,0 +1,133 @@
+"""Consolidation to a from_pretrained directory: offline (function and CLI) and live at the end of training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_zero
+from tests import _cases
+from tests._training import make_tokenizer
+
+
+@pytest.fixture(scope="module", params=["llama", "falcon"])
+def exported(request, pools, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"export-{request.param}")
+    make_tokenizer(str(root / "tok"))
+    results = pools(2).values(
+        _cases.train_and_export, request.param, 3, str(root / "ckpt"), str(root / "live"), str(root / "tok")
+    )
+    return {"root": root, "kind": request.param, **results[0]}
+
+
+def _check_reloaded(out: Path, exported: dict, dtype: torch.dtype = torch.float32) -> None:
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    state = model.state_dict()
+    for name, value in exported["state"].items():
+        assert state[name].dtype == dtype, name
+        torch.testing.assert_close(state[name], value.to(dtype), rtol=0, atol=0, msg=name)  # exact (after the cast)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(_cases.PROMPT)).logits.numpy()
+        np.testing.assert_allclose(logits, exported["logits"], rtol=1e-5, atol=1e-6)
+    generated = model.generate(torch.tensor(_cases.PROMPT), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, len(_cases.PROMPT[0]) + 4)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.decode(tok("sharded training")["input_ids"]) == "sharded training"
+
+
+def test_consolidate_then_from_pretrained(exported, tmp_path):
+    out = tmp_path / "hf"
+    files = hf_zero.consolidate(exported["root"] / "ckpt", out, progress=False)
+    assert files == ["model.safetensors"]
+    assert (out / "config.json").is_file() and (out / "generation_config.json").is_file()
+    if exported["kind"] == "falcon":  # tied weights are written once, as save_pretrained does
+        from safetensors import safe_open
+
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            assert "lm_head.weight" not in f.keys() and "transformer.word_embeddings.weight" in f.keys()
+    _check_reloaded(out, exported)
+
+
+def test_cli_bf16_with_small_shards_writes_an_index(exported, tmp_path):
+    out = tmp_path / "hf-bf16"
+    cmd = [sys.executable, "-m", "hf_zero.cli", "consolidate", str(exported["root"] / "ckpt"), str(out),
+           "--dtype", "bf16", "--max-shard-size", "40KB"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(v.numel() * 2 for k, v in exported["state"].items()
+                                                  if k != "lm_head.weight" or exported["kind"] == "llama")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert "wrote" in done.stdout
+    _check_reloaded(out, exported, torch.bfloat16)
+
+
+def test_live_save_pretrained_at_end_of_training(exported):
+    assert exported["files"] == ["model.safetensors"]
+    _check_reloaded(exported["root"] / "live", exported)
+
+
+def test_cli_errors_are_clear(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "consolidate", str(tmp_path / "nope"), str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "the directory does not exist" in done.stderr
+    with pytest.raises(ValueError, match="max_shard_size must look like '5GB'"):
+        hf_zero.consolidate(tmp_path, tmp_path / "o", max_shard_size="lots")
+    with pytest.raises(ValueError, match="dtype must be one of 'fp32', 'bf16', 'fp16'"):
+        hf_zero.consolidate(tmp_path, tmp_path / "o", dtype="int8")
+
+
+_PEAK = """
+import resource, sys
+import hf_zero
+if sys.argv[1] != "baseline":
+    hf_zero.consolidate(sys.argv[1], sys.argv[2], max_shard_size="8MB", progress=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def _peak_rss(*args: str) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _PEAK, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def test_consolidation_memory_is_bounded_by_a_shard(tmp_path):
+    """Method: save checkpoints of a 4-layer and a 16-layer LLaMA (hidden 512; 4x the parameters),
+    consolidate each in a fresh process with 8MB output shards, and compare each process's peak RSS
+    (ru_maxrss) above a baseline process that only imports hf_zero. The larger model's weights are
+    ~150MB in fp32; its peak above baseline must stay under half of that, and under twice the small
+    model's peak above baseline (a streaming writer's peak does not grow with the model)."""
+    from transformers import LlamaConfig
+
+    sizes = {}
+    for layers in (4, 16):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
+                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+        model = AutoModelForCausalLM.from_config(config)
+        sizes[layers] = sum(p.numel() for p in model.parameters()) * 4
+        model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3))
+        hf_zero.save_checkpoint(tmp_path / f"ckpt{layers}", model)
+        del model
+    baseline = _peak_rss("baseline")
+    small = _peak_rss(str(tmp_path / "ckpt4"), str(tmp_path / "out4")) - baseline
+    big = _peak_rss(str(tmp_path / "ckpt16"), str(tmp_path / "out16")) - baseline
+    assert sizes[16] > 3.5 * sizes[4]
+    assert big < sizes[16] / 2, (big, sizes)
+    assert big < 2 * max(small, 8 * 2**20), (big, small)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out16")
+    assert sum(p.numel() for p in reloaded.parameters()) * 4 == sizes[16]
