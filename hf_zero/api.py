@@ -69,7 +69,7 @@ def initialize(
         _check_arguments(model, optimizer, config)
         cfg = config or cfg
         specs = find_units(model, cfg.wrap)
-        validate_model(model, world)
+        validate_model(model, world, has_source=False)
         if optimizer is not None:
             check_optimizer(optimizer, model, cfg.stage)
     except (TypeError, ValueError) as e:

@@ -15,6 +15,7 @@ from .collectives import CommGroup, all_gather_into, all_reduce_, broadcast_, co
 from .flat import FlatUnit
 from .hooks import UnitHooks
 from .scaler import LossScaler
+from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
 from .units import UnitSpec
 
@@ -55,18 +56,22 @@ class ModelStateMemory:
 class ZeroEngine:
     """Shards a model in place and runs its units' lifecycle; built by `hf_zero.initialize`."""
 
-    def __init__(self, model: nn.Module, specs: list[UnitSpec], config: ZeroConfig, world: CommGroup) -> None:
+    def __init__(
+        self, model: nn.Module, specs: list[UnitSpec], config: ZeroConfig, world: CommGroup,
+        source: ShardSource | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.world = world
         self.plan: StagePlan = plan_for_stage(config.stage, world)
-        self.device = _compute_device(model, world)
+        self.device = _compute_device(model, world, source is not None)
         model_dtype = _single_dtype(model)
         self.param_dtype = config.param_dtype or model_dtype
         self.master_dtype = torch.float32 if config.param_dtype is not None else model_dtype
         self.reduce_dtype = config.resolved_reduce_dtype or self.param_dtype
         sync_from = world if config.sync_module_states and world.size > 1 else None
         _move_buffers(model, self.device, sync_from)
+        source = source or LiveParams(sync_from)
         self.units = [
             FlatUnit(
                 spec,
@@ -77,10 +82,15 @@ class ZeroEngine:
                 master_dtype=self.master_dtype,
                 reduce_dtype=self.reduce_dtype,
                 persistent_params=self.plan.params.persistent,
-                sync_from=sync_from,
+                source=source,
             )
             for spec in specs
         ]
+        # Parameters built on the meta device were replaced by views (see FlatUnit._bind_params).
+        self.replaced: dict[int, nn.Parameter] = {
+            id(old): new for unit in self.units for old, new in zip(unit.spec.params, unit.params) if old is not new
+        }
+        _swap_parameters(model, self.replaced)
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
         self.hooks = UnitHooks(self.units, self.plan, self.scaler.scale_outputs if self.scaler else None)
         self.hooks.grad_divisor = self._grad_divisor
@@ -224,6 +234,15 @@ class ZeroEngine:
         return ModelStateMemory(**parts)
 
 
+def _swap_parameters(model: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
+    if not replaced:
+        return
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in replaced:
+                module._parameters[name] = replaced[id(param)]
+
+
 def _pieces(unit: FlatUnit) -> list[Piece]:
     lo, _ = unit.layout.shard_range(unit.shard_group.rank)
     pieces = []
@@ -242,14 +261,16 @@ def _pieces(unit: FlatUnit) -> list[Piece]:
     return pieces
 
 
-def validate_model(model: nn.Module, world: CommGroup) -> None:
-    """Raise `ValueError` for a model the engine cannot shard (meta weights, mixed devices or dtypes)."""
-    _compute_device(model, world)
+def validate_model(model: nn.Module, world: CommGroup, has_source: bool = False) -> None:
+    """Raise `ValueError` for a model the engine cannot shard (meta weights with no source, mixed devices or dtypes)."""
+    _compute_device(model, world, has_source)
     _single_dtype(model)
 
 
-def _compute_device(model: nn.Module, world: CommGroup) -> torch.device:
+def _compute_device(model: nn.Module, world: CommGroup, has_source: bool = False) -> torch.device:
     devices = {p.device for p in model.parameters()}
+    if has_source:
+        devices.discard(torch.device("meta"))  # values come from the source, not from these tensors
     if any(d.type == "meta" for d in devices):
         raise ValueError(
             "hf_zero.initialize got a model with parameters on the meta device. Materialize the weights "

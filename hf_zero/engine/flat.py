@@ -5,7 +5,7 @@ A unit's parameters are laid end to end in one 1D buffer, padded to `shard_numel
 elements. Rank r of the shard group owns elements `[r * shard_numel, (r + 1) * shard_numel)`.
 The model's own `nn.Parameter` objects stay in place (the user's optimizer, tied weights and
 `named_parameters()` keep seeing them); their `.data` is set once to a view of
-`unsharded_param`. Freeing a unit (stage 3) shrinks that buffer's storage to zero bytes, and
+`unsharded_param` (a model built on the meta device gets new parameters that are such views). Freeing a unit (stage 3) shrinks that buffer's storage to zero bytes, and
 gathering it grows the storage back: the views keep their shapes and see the new data, so
 nothing is ever re-attached and no attribute is written on a parameter.
 
@@ -24,8 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .collectives import CommGroup, Pending, all_gather_into, all_reduce_, broadcast_, reduce_scatter_into
+from typing import TYPE_CHECKING
+
+from .collectives import CommGroup, Pending, all_gather_into, all_reduce_, reduce_scatter_into
 from .units import UnitSpec
+
+if TYPE_CHECKING:
+    from .sources import ShardSource
 
 
 @dataclass(frozen=True)
@@ -102,10 +107,9 @@ class FlatUnit:
         master_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         persistent_params: bool,
-        sync_from: CommGroup | None,
+        source: "ShardSource",
     ) -> None:
         self.spec = spec
-        self.params: tuple[nn.Parameter, ...] = spec.params
         self.shard_group = shard_group
         self.replicate_group = replicate_group
         self.device = device
@@ -114,40 +118,45 @@ class FlatUnit:
         self.reduce_dtype = reduce_dtype
         self.layout = FlatLayout.build(spec.param_names, [p.shape for p in spec.params], shard_group.size)
         lo, hi = self.layout.shard_range(shard_group.rank)
-
-        # The full unit in master precision, one unit at a time: initial values and the source of
-        # every shard. Values come from the original parameters, before any cast to param_dtype.
-        full = torch.zeros(self.layout.padded_numel, dtype=master_dtype, device=device)
-        for slot, p in zip(self.layout.slots, self.params):
-            full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-        if sync_from is not None:
-            broadcast_(full, sync_from)
-
-        aliased = persistent_params and param_dtype == master_dtype
         self.unsharded_param: torch.Tensor  # 1D (padded_numel,), param dtype; storage freed when resharded
         self.sharded_param: torch.Tensor | None  # 1D (shard_numel,), param dtype; the all-gather source (stage 3)
         self.sharded_master: torch.Tensor  # 1D (shard_numel,), master dtype; what the optimizer updates
-        if aliased:
-            self.unsharded_param = full
-            self.sharded_master = full[lo:hi]
+        self.unsharded_param = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
+        if persistent_params and param_dtype == master_dtype:
+            self.sharded_master = self.unsharded_param[lo:hi]  # fp32 stages 0-2: the master is the parameter
         else:
-            self.sharded_master = full[lo:hi].clone()
+            self.sharded_master = torch.empty(self.layout.shard_numel, dtype=master_dtype, device=device)
+        with torch.no_grad():
+            source.fill(self.layout, spec.params, shard_group.rank, self.sharded_master)
         if persistent_params:
-            if not aliased:
-                self.unsharded_param = full.to(param_dtype)
             self.sharded_param = None
         else:
-            self.sharded_param = self.sharded_master if param_dtype == master_dtype else self.sharded_master.to(param_dtype)
-            self.unsharded_param = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
-        del full
-        for slot, p in zip(self.layout.slots, self.params):
-            p.data = self.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        if not persistent_params:
+            self.sharded_param = (
+                self.sharded_master if param_dtype == master_dtype else self.sharded_master.to(param_dtype)
+            )
+        self.params = self._bind_params(spec.params)
+        if persistent_params:
+            self.publish_master().wait()  # every rank's shard into the unsharded parameters
+        else:
             self.reshard()
 
         self.sharded_grad = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=device)
         self.grad_is_zero = True  # sharded_grad holds no reduced gradient yet (a lazy zero)
         self.unsharded_grad: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
+
+    def _bind_params(self, originals: tuple[nn.Parameter, ...]) -> tuple[nn.Parameter, ...]:
+        """Make each parameter a view of `unsharded_param`: in place (`.data`) for materialized
+        parameters, so their identity is kept; as a new `nn.Parameter` for meta ones (the engine
+        swaps those into the modules and remaps optimizers built over the originals)."""
+        bound = []
+        for slot, p in zip(self.layout.slots, originals):
+            view = self.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if p.is_meta:
+                bound.append(nn.Parameter(view, requires_grad=p.requires_grad))
+            else:
+                p.data = view
+                bound.append(p)
+        return tuple(bound)
 
     # ---- parameters -------------------------------------------------------------------------
     @property

@@ -30,6 +30,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
     for group in optimizer.param_groups:
         pieces, names = [], []
         for param in group["params"]:
+            param = engine.replaced.get(id(param), param)  # built over meta parameters: use their views
             piece = by_param.get(id(param))
             if piece is not None:
                 piece.master.grad = piece.grad
