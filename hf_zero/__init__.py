@@ -12,6 +12,7 @@ from .api import full_state_dict, initialize, model_state_memory
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
+from .integrations.pretrained import from_pretrained
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "ShardedOptimizer",
     "ZeroConfig",
     "consolidate",
+    "from_pretrained",
     "full_state_dict",
     "initialize",
     "load_checkpoint",

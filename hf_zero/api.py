@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import TypeVar
 
 import torch
 from torch import nn
 
+from .checkpoint.pretrained import SafetensorsSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.engine import ModelStateMemory, ZeroEngine, validate_model
@@ -18,7 +20,11 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def initialize(
-    model: M, optimizer: torch.optim.Optimizer | None = None, config: ZeroConfig | None = None
+    model: M,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: ZeroConfig | None = None,
+    *,
+    weights_from: str | os.PathLike[str] | None = None,
 ) -> tuple[M, ShardedOptimizer | None]:
     """Shard `model` in place over the default process group and shard `optimizer` to match.
 
@@ -37,6 +43,11 @@ def initialize(
             must not have stepped yet. Its groups and hyperparameters are kept.
         config (`ZeroConfig`, *optional*):
             The engine settings; defaults to `ZeroConfig()` (stage 3, fp32).
+        weights_from (`str` or `os.PathLike`, *optional*):
+            A `save_pretrained` directory (safetensors) to read the initial weights from, each rank
+            reading only its own slices. The model may then live on the meta device (see
+            `hf_zero.from_pretrained`, which builds it so); an optimizer built over its meta
+            parameters is remapped to the real ones.
 
     Returns:
         `tuple[nn.Module, ShardedOptimizer | None]`: the same model object, sharded, and a
@@ -65,18 +76,24 @@ def initialize(
     error: Exception | None = None
     specs: list[UnitSpec] = []
     cfg = ZeroConfig()
+    source: SafetensorsSource | None = None
     try:
         _check_arguments(model, optimizer, config)
         cfg = config or cfg
         specs = find_units(model, cfg.wrap)
-        validate_model(model, world, has_source=False)
+        if weights_from is not None:
+            source = SafetensorsSource(weights_from, model)
+            source.check(specs)
+        validate_model(model, world, has_source=source is not None)
         if optimizer is not None:
             check_optimizer(optimizer, model, cfg.stage)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, FileNotFoundError) as e:
         error = e
     # Agree before the first collective: a mistake on one rank raises on every rank.
     raise_if_any_failed(error, world, "hf_zero.initialize")
-    engine = ZeroEngine(model, specs, cfg, world)
+    if source is not None:
+        source.load_buffers(model)
+    engine = ZeroEngine(model, specs, cfg, world, source)
     attach(model, engine)
     sharded = shard_optimizer(optimizer, engine) if optimizer is not None else None
     return model, sharded

@@ -157,3 +157,35 @@ def train_and_export(kind: str, stage: int, ckpt: str, live_out: str, tokenizer_
     if dist.get_rank() != 0:
         return {"files": files}
     return {"files": files, "logits": logits.numpy().copy(), "state": {k: v.clone() for k, v in state.items()}}
+
+
+def train_from_pretrained(path: str, mode: str, stage: int, steps: int = 3) -> dict[str, Any]:
+    """Load `path` the sharded way (hf_zero.from_pretrained) or the ordinary way, then train a few steps."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_zero.ZeroConfig(stage=stage)
+    if mode == "sharded":
+        model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, path, config,
+                                             optimizer_fn=lambda m: make_optimizer(m, 1e-3))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
+    model.train()
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(0, 256, (2, 16), generator=g)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    state = hf_zero.full_state_dict(model)
+    return {"losses": losses, "state": state, "tied": getattr(model.config, "tie_word_embeddings", False)
+            and model.lm_head.weight is model.get_input_embeddings().weight}
+
+
+def initialize_from(path: str) -> None:
+    model = make_model("llama")
+    hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3), weights_from=path)

@@ -30,7 +30,13 @@ class Piece:
     start: int
     end: int
     master: torch.Tensor  # 1D view of FlatUnit.sharded_master
-    grad: torch.Tensor  # 1D view of FlatUnit.sharded_grad
+    unit: FlatUnit
+    local: tuple[int, int]  # the same range in the unit's shard coordinates
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """1D view of the unit's `sharded_grad` (allocating it on first use)."""
+        return self.unit.sharded_grad[self.local[0] : self.local[1]]
 
 
 @dataclass(frozen=True)
@@ -255,7 +261,8 @@ def _pieces(unit: FlatUnit) -> list[Piece]:
                 start=start - slot.offset,
                 end=end - slot.offset,
                 master=unit.sharded_master[start - lo : end - lo],
-                grad=unit.sharded_grad[start - lo : end - lo],
+                unit=unit,
+                local=(start - lo, end - lo),
             )
         )
     return pieces

@@ -140,7 +140,7 @@ class FlatUnit:
         else:
             self.reshard()
 
-        self.sharded_grad = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=device)
+        self._sharded_grad: torch.Tensor | None = None  # 1D (shard_numel,), master dtype; allocated on first use
         self.grad_is_zero = True  # sharded_grad holds no reduced gradient yet (a lazy zero)
         self.unsharded_grad: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
 
@@ -152,10 +152,12 @@ class FlatUnit:
         for slot, p in zip(self.layout.slots, originals):
             view = self.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
             if p.is_meta:
-                bound.append(nn.Parameter(view, requires_grad=p.requires_grad))
-            else:
-                p.data = view
-                bound.append(p)
+                # A fresh leaf bound through `.data` (not nn.Parameter(view)): it must keep a version
+                # counter of its own, or gathering into the buffer would look like an in-place edit
+                # of tensors saved for backward.
+                p = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=p.requires_grad)
+            p.data = view
+            bound.append(p)
         return tuple(bound)
 
     # ---- parameters -------------------------------------------------------------------------
@@ -189,6 +191,14 @@ class FlatUnit:
         return all_gather_into(self.unsharded_param, own, self.shard_group, async_op)
 
     # ---- gradients --------------------------------------------------------------------------
+    @property
+    def sharded_grad(self) -> torch.Tensor:
+        """This rank's reduced gradient shard (master dtype); allocated, zeroed, on first use, so a
+        model that only loads or runs inference holds no gradient memory."""
+        if self._sharded_grad is None:
+            self._sharded_grad = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=self.device)
+        return self._sharded_grad
+
     @property
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.params if p.requires_grad]
@@ -247,7 +257,8 @@ class FlatUnit:
 
     def zero_grad(self) -> None:
         self.grad_is_zero = True
-        self.sharded_grad.zero_()
+        if self._sharded_grad is not None:
+            self._sharded_grad.zero_()
         if self.unsharded_grad is not None:
             self.unsharded_grad.zero_()
         self.detach_grads()
@@ -256,5 +267,5 @@ class FlatUnit:
     def storages(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this unit holds, by category (views and aliases are deduplicated by the caller)."""
         params = [self.unsharded_param] + ([self.sharded_param] if self.sharded_param is not None else [])
-        grads = [self.sharded_grad] + ([self.unsharded_grad] if self.unsharded_grad is not None else [])
+        grads = [g for g in (self._sharded_grad, self.unsharded_grad) if g is not None]
         return {"parameters": params, "gradients": grads, "master": [self.sharded_master]}

@@ -1,0 +1,82 @@
+"""`SafetensorsSource`: fill each rank's shards straight from a Hugging Face model directory.
+
+Each rank reads, from `model.safetensors` or the shards named by `model.safetensors.index.json`,
+only the rows that its own shard of each unit covers; the file handles are dropped after each
+unit, so the mapped pages a rank keeps resident stay about one unit's worth. A node's host memory
+peak is then about one copy of the model in total (its ranks' shards), not one per rank.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..engine.flat import FlatLayout
+from ..engine.units import UnitSpec
+from .reader import FileCache, hf_weight_map, read_flat_range
+
+
+class SafetensorsSource:
+    """A `ShardSource` reading a `save_pretrained` directory by byte range."""
+
+    def __init__(self, directory: str | os.PathLike[str], model: nn.Module) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise FileNotFoundError(f"No model directory at {self.directory}.")
+        self.weight_map = hf_weight_map(self.directory)
+        self._names: dict[int, list[str]] = {}  # id(param) -> every name it has (tied aliases)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self._names.setdefault(id(p), []).append(name)
+        self._cache = FileCache(self.directory)
+
+    def _key(self, param: nn.Parameter, name: str) -> str | None:
+        for candidate in self._names.get(id(param), [name]):
+            if candidate in self.weight_map:
+                return candidate
+        return None
+
+    def check(self, specs: list[UnitSpec]) -> None:
+        """Raise `ValueError` when a parameter is missing from the files or has another shape there."""
+        missing, wrong = [], []
+        with FileCache(self.directory) as cache:
+            for spec in specs:
+                for name, p in zip(spec.param_names, spec.params):
+                    key = self._key(p, name)
+                    if key is None:
+                        missing.append(name)
+                        continue
+                    shape = list(cache.get(self.weight_map[key]).get_slice(key).get_shape())
+                    if shape != list(p.shape):
+                        wrong.append(f"{name}: file {shape} vs model {list(p.shape)}")
+        if missing:
+            raise ValueError(
+                f"{self.directory} lacks {len(missing)} weight(s) of this model, e.g. {missing[:5]}: it holds another "
+                "model, or was saved incompletely."
+            )
+        if wrong:
+            raise ValueError(f"{self.directory} holds weights of other shapes than this model: {wrong[:5]}.")
+
+    def fill(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor) -> None:
+        out.zero_()
+        lo, _ = layout.shard_range(shard_rank)
+        try:
+            for index, start, end in layout.local_pieces(shard_rank):
+                slot = layout.slots[index]
+                key = self._key(params[index], slot.name)
+                if key is None:
+                    raise ValueError(f"{self.directory} lacks the weight {slot.name}.")
+                handle = self._cache.get(self.weight_map[key])
+                values = read_flat_range(handle, key, list(slot.shape), start - slot.offset, end - slot.offset)
+                out[start - lo : end - lo].copy_(values)
+        finally:
+            self._cache.close()  # unmap: keep at most one unit's pages resident
+
+    def load_buffers(self, model: nn.Module) -> None:
+        """Copy persistent buffers that the files hold (most causal LMs have none)."""
+        with FileCache(self.directory) as cache, torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name in self.weight_map:
+                    buf.copy_(cache.get(self.weight_map[name]).get_tensor(name))

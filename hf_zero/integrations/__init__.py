@@ -1,0 +1,1 @@
+"""Adapters between the engine and the Hugging Face libraries (transformers, accelerate)."""

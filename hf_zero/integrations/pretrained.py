@@ -1,0 +1,73 @@
+"""`hf_zero.from_pretrained`: build a model on the meta device and fill its shards from the files."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..api import initialize
+from ..config import ZeroConfig
+from ..engine.optim import ShardedOptimizer
+
+
+def from_pretrained(
+    model_class: Any,
+    path: str | os.PathLike[str],
+    config: ZeroConfig | None = None,
+    *,
+    optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    dtype: str | torch.dtype = "auto",
+) -> tuple[nn.Module, ShardedOptimizer | None]:
+    """Load a Hugging Face model straight into shards: no rank ever holds the whole model.
+
+    The model is built on the meta device (buffers such as RoPE tables are built for real), then
+    each rank reads only its slices of the safetensors files. The result equals
+    `model_class.from_pretrained(path)` followed by `hf_zero.initialize`, in eval mode like
+    `from_pretrained` (call `model.train()` before training).
+
+    Args:
+        model_class: a transformers model class (`AutoModelForCausalLM`, `LlamaForCausalLM`, ...).
+        path (`str` or `os.PathLike`): a local `save_pretrained` directory with safetensors weights.
+        config (`ZeroConfig`, *optional*): the engine settings (default `ZeroConfig()`, stage 3).
+        optimizer_fn (`Callable[[nn.Module], Optimizer]`, *optional*): builds the optimizer over the
+            (not yet sharded) model's parameters, e.g. `lambda m: torch.optim.AdamW(m.parameters())`.
+        dtype (`str` or `torch.dtype`, *optional*, defaults to `"auto"`): the model's dtype; `"auto"`
+            takes the one in `config.json`, as `from_pretrained` does.
+
+    Returns:
+        `tuple[nn.Module, ShardedOptimizer | None]`: as `hf_zero.initialize`.
+
+    Example:
+
+    ```python
+    >>> model, optimizer = hf_zero.from_pretrained(
+    ...     AutoModelForCausalLM, "./llama-base", hf_zero.ZeroConfig(stage=3, mixed_precision="bf16"),
+    ...     optimizer_fn=lambda m: torch.optim.AdamW(m.parameters(), lr=2e-5),
+    ... )
+    ```
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, GenerationConfig
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"hf_zero.from_pretrained reads a local model directory; {path} is not one.")
+    hf_config = AutoConfig.from_pretrained(path)
+    if dtype == "auto":
+        dtype = getattr(hf_config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be 'auto' or a torch.dtype; got {dtype!r}.")
+    with init_empty_weights(include_buffers=False):
+        build = getattr(model_class, "from_config", None) or model_class._from_config
+        model = build(hf_config, dtype=dtype)
+    # init_empty_weights re-creates each registered parameter, which unties tied weights: tie again.
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()
+    optimizer = optimizer_fn(model) if optimizer_fn is not None else None
+    return initialize(model, optimizer, config, weights_from=path)

@@ -1,0 +1,38 @@
+"""Run under torchrun: peak RSS growth of one rank while it loads a model (sharded or ordinary way).
+
+Prints `rank peak_growth_bytes` per rank. Not a test by itself: tests/test_pretrained_loading.py runs it.
+"""
+
+import resource
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+import hf_zero
+
+
+def main() -> None:
+    path, mode = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    config = hf_zero.ZeroConfig(stage=3)
+    if mode == "noop":  # imports and builds the modeling code only, for the baseline
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig
+
+        with init_empty_weights():
+            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    elif mode == "sharded":
+        model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, path, config)
+    else:
+        model, _ = hf_zero.initialize(AutoModelForCausalLM.from_pretrained(path), None, config)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"{dist.get_rank()} {peak - baseline}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Loading pretrained weights straight into shards (each rank reads only its slices)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests import _cases
+from tests._training import make_model
+
+
+@pytest.fixture(scope="module")
+def base_dirs(tmp_path_factory) -> dict[str, str]:
+    dirs = {}
+    for kind in ("llama", "falcon"):
+        d = tmp_path_factory.mktemp(f"base-{kind}")
+        make_model(kind, seed=7).save_pretrained(d)
+        dirs[kind] = str(d)
+    return dirs
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("kind", ["llama", "falcon"])
+def test_sharded_loading_equals_from_pretrained_then_initialize(pools, base_dirs, kind, stage):
+    """Same losses over 3 training steps and the same final weights, bit for bit."""
+    sharded = pools(2).values(_cases.train_from_pretrained, base_dirs[kind], "sharded", stage)[0]
+    ordinary = pools(2).values(_cases.train_from_pretrained, base_dirs[kind], "ordinary", stage)[0]
+    assert sharded["losses"] == ordinary["losses"]
+    assert sharded["state"].keys() == ordinary["state"].keys()
+    for name, value in ordinary["state"].items():
+        assert torch.equal(sharded["state"][name], value), name
+    assert sharded["tied"] == (kind == "falcon")  # Falcon's head stays tied to its embeddings
+
+
+def test_weights_of_another_model_are_refused_on_every_rank(pools, tmp_path):
+    other = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    AutoModelForCausalLM.from_config(other).save_pretrained(tmp_path / "small")
+    for r in pools(2).run(_cases.initialize_from, str(tmp_path / "small")):
+        assert r.error_type == "ValueError" and "holds weights of other shapes than this model" in r.error
+    (tmp_path / "empty").mkdir()
+    for r in pools(2).run(_cases.initialize_from, str(tmp_path / "empty")):
+        assert r.error_type == "FileNotFoundError" and "neither model.safetensors nor" in r.error
+
+
+def _load_growth(path: Path, mode: str) -> list[int]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).parent / "_load_memory.py"), str(path), mode]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [int(line.split()[1]) for line in done.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
+
+
+def test_sharded_loading_peak_memory_per_rank(tmp_path):
+    """Method: a 16-layer LLaMA of hidden 512 (~144MB in fp32) is loaded at stage 3 on 2 ranks under
+    torchrun; each rank reports its peak RSS growth (ru_maxrss) during loading, minus that of a run
+    that only imports and builds the modeling code on the meta device. Sharded loading keeps each
+    rank well under one full copy (< 0.75x; its own shard is 0.5x; measured 0.54x), while the
+    ordinary path (from_pretrained on every rank) needs more than one full copy per rank (measured
+    1.9-2.4x)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=16,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config)
+    full = sum(p.numel() for p in model.parameters()) * 4
+    model.save_pretrained(tmp_path / "base")
+    del model
+    imports = max(_load_growth(tmp_path / "base", "noop"))
+    sharded = [g - imports for g in _load_growth(tmp_path / "base", "sharded")]
+    ordinary = [g - imports for g in _load_growth(tmp_path / "base", "ordinary")]
+    assert len(sharded) == len(ordinary) == 2
+    assert max(sharded) < 0.75 * full, (sharded, full)
+    assert min(ordinary) > 0.9 * full, (ordinary, full)
