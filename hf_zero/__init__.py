@@ -8,7 +8,7 @@ Example:
 ```
 """
 
-from .api import full_state_dict, initialize, model_state_memory
+from .api import attach_optimizer, full_state_dict, initialize, model_state_memory
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
@@ -16,10 +16,22 @@ from .integrations.pretrained import from_pretrained
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # The Trainer integration imports transformers: load it only when asked for.
+    if name in ("ZeroTrainer", "ZeroTrainingArguments"):
+        from .integrations import trainer, training_args
+
+        return getattr(trainer if name == "ZeroTrainer" else training_args, name)
+    raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")
+
 __all__ = [
     "ModelStateMemory",
     "ShardedOptimizer",
     "ZeroConfig",
+    "ZeroTrainer",
+    "ZeroTrainingArguments",
+    "attach_optimizer",
     "consolidate",
     "from_pretrained",
     "full_state_dict",

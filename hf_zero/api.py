@@ -12,7 +12,7 @@ from .checkpoint.pretrained import SafetensorsSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.engine import ModelStateMemory, ZeroEngine, validate_model
-from .engine.module import attach, get_engine
+from .engine.module import attach, get_engine, is_sharded
 from .engine.optim import ShardedOptimizer, check_optimizer, shard_optimizer
 from .engine.units import UnitSpec, find_units
 
@@ -102,7 +102,7 @@ def initialize(
 def _check_arguments(model: object, optimizer: object, config: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"hf_zero.initialize expects an nn.Module as model; got {type(model).__name__}.")
-    if "_hf_zero_engine" in model.__dict__:
+    if is_sharded(model):
         raise ValueError("This model is already sharded by hf_zero.initialize; call it once per model.")
     if config is not None and not isinstance(config, ZeroConfig):
         raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
@@ -154,3 +154,28 @@ def model_state_memory(model: nn.Module) -> ModelStateMemory:
 def engine_of(model: nn.Module) -> ZeroEngine:
     """The `ZeroEngine` behind a sharded model (for integrations and tests)."""
     return get_engine(model)
+
+
+def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+    """Shard an optimizer built over the parameters of a model that `initialize` already sharded.
+
+    For integrations that shard a model before its optimizer exists (e.g. an evaluation run
+    before training). A collective agreement step: every rank must call it.
+
+    Example:
+
+    ```python
+    >>> model, _ = hf_zero.initialize(model, None, config)      # e.g. to evaluate first
+    >>> optimizer = hf_zero.attach_optimizer(model, torch.optim.AdamW(model.parameters()))
+    ```
+    """
+    engine = get_engine(model)
+    error: Exception | None = None
+    try:
+        if engine.optimizer is not None:
+            raise ValueError("This model already has a sharded optimizer; attach one optimizer per model.")
+        check_optimizer(optimizer, model, engine.config.stage)
+    except (TypeError, ValueError) as e:
+        error = e
+    raise_if_any_failed(error, engine.world, "hf_zero.attach_optimizer")
+    return shard_optimizer(optimizer, engine)

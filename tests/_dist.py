@@ -46,6 +46,12 @@ def _free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, timeout_s: float) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # What torchrun / accelerate launch set: Accelerate's PartialState reads them to see a multi-CPU run
+    # (without ACCELERATE_USE_CPU each rank would silently believe it runs alone).
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), ACCELERATE_USE_CPU="true",
+    )
     import torch
     import torch.distributed as dist
 

@@ -73,6 +73,11 @@ def attach(model: nn.Module, engine: ZeroEngine) -> None:
     model.__dict__[_ENGINE_ATTR] = engine
 
 
+def is_sharded(model: object) -> bool:
+    """Whether `model` was sharded by `hf_zero.initialize`."""
+    return isinstance(model, nn.Module) and _ENGINE_ATTR in model.__dict__
+
+
 def get_engine(model: nn.Module) -> ZeroEngine:
     """The engine of a model sharded by `hf_zero.initialize`; `ValueError` for any other model."""
     engine = model.__dict__.get(_ENGINE_ATTR) if isinstance(model, nn.Module) else None

@@ -1,0 +1,157 @@
+"""`ZeroTrainer`: the Hugging Face `Trainer` with the hf_zero engine behind it.
+
+[Note: Trainer integration]
+The engine shards `self.model` in place, so `self.model` stays the `PreTrainedModel` the rest of
+the Trainer expects (callbacks, `_save`, `prediction_step`) and is also what `model_wrapped`
+points to; Accelerate sees the model and the sharded optimizer as already prepared and passes
+them through (no DDP, no autocast: the engine owns precision). What the Trainer would otherwise
+do wrongly for a sharded model is overridden, and only that:
+
+- `_wrap_model`: shard the model (training: with the optimizer `create_optimizer` built, so
+  `--optim`, the weight-decay groups and the lr keep working; evaluation: without).
+- `_clip_grad_norm` / `_get_grad_norm`: the global norm over every rank's gradient shards.
+- `save_model`: a periodic checkpoint (`_internal_call`) is an hf_zero sharded checkpoint in
+  `checkpoint-N/hf_zero/` (weights, optimizer state, config, tokenizer), written by every rank in
+  parallel; a user call (and the end of training) writes a consolidated `from_pretrained`
+  directory from rank 0, gathered one unit at a time.
+- `_save_optimizer_and_scheduler`: the optimizer is in the sharded checkpoint; only `scheduler.pt`.
+- `_load_from_checkpoint` (before sharding) remembers the checkpoint; `_load_optimizer_and_scheduler`
+  (after) loads it into the shards, on any number of ranks. `_load_best_model` likewise.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
+
+from ..api import attach_optimizer, initialize
+from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from ..engine.module import is_sharded
+from ..engine.optim import ShardedOptimizer
+from .training_args import ZeroTrainingArguments
+
+CHECKPOINT_SUBDIR = "hf_zero"
+
+
+class ZeroTrainer(Trainer):
+    """A drop-in `Trainer` that trains with hf_zero's ZeRO engine (see [Note: Trainer integration]).
+
+    Takes `ZeroTrainingArguments`; everything else is the stock `Trainer`'s.
+
+    Example:
+
+    ```python
+    >>> args = ZeroTrainingArguments(output_dir="out", zero_stage=3, bf16=True, gradient_accumulation_steps=4)
+    >>> trainer = ZeroTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+    ...                       processing_class=tokenizer)
+    >>> trainer.train()
+    >>> trainer.save_model("out/final")   # a from_pretrained directory
+    ```
+    """
+
+    args: ZeroTrainingArguments
+
+    def create_accelerator_and_postprocess(self) -> None:
+        if not isinstance(self.args, ZeroTrainingArguments):
+            raise TypeError(
+                f"ZeroTrainer needs ZeroTrainingArguments (with --zero_stage); got {type(self.args).__name__}."
+            )
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "The Accelerate state has DeepSpeed or FSDP enabled (from `accelerate config` or the environment); "
+                "hf_zero is the sharding engine here. Launch with a plain multi-process config instead."
+            )
+        self._zero_resume_from: str | None = None
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        args = super()._build_accelerator_args(**kwargs)
+        args["mixed_precision"] = "no"  # the engine owns precision (and the fp16 loss scale)
+        return args
+
+    # ---- sharding ---------------------------------------------------------------------------
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        config = self.args.to_zero_config()
+        if not is_sharded(self.model):
+            optimizer = self.optimizer if training else None
+            self.model, sharded = initialize(self.model, optimizer, config)
+            if sharded is not None:
+                self.optimizer = sharded
+        elif training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer = attach_optimizer(self.model, self.optimizer)  # sharded for evaluation first
+        return self.model
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return self._sharded_optimizer().clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | float | None = None) -> torch.Tensor | float:
+        if grad_norm is None:
+            grad_norm = self._sharded_optimizer().clip_grad_norm_(float("inf"))
+        return grad_norm
+
+    def _sharded_optimizer(self) -> ShardedOptimizer:
+        if not isinstance(self.optimizer, ShardedOptimizer):
+            raise RuntimeError(f"[rank {self.args.process_index}] ZeroTrainer: the optimizer was not sharded")
+        return self.optimizer
+
+    # ---- saving -----------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not is_sharded(self.model):
+            return super().save_model(output_dir, _internal_call)
+        if _internal_call and not self.args.save_only_model:
+            save_checkpoint(
+                os.path.join(output_dir, CHECKPOINT_SUBDIR), self.model, self._sharded_optimizer(),
+                tokenizer=self.processing_class, metadata={"global_step": self.state.global_step},
+            )
+            return
+        save_pretrained(self.model, output_dir, tokenizer=self.processing_class,
+                        progress=not self.args.disable_tqdm and self.args.should_save)
+        if self.args.should_save:
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not is_sharded(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save and self.lr_scheduler is not None:  # the optimizer is in the sharded checkpoint
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught)
+
+    # ---- resuming ---------------------------------------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)):
+            self._zero_resume_from = resume_from_checkpoint  # loaded into the shards once they exist
+            return
+        if is_sharded(self.model):
+            raise ValueError(
+                f"{resume_from_checkpoint} is not an hf_zero checkpoint (no {CHECKPOINT_SUBDIR}/ inside) and the model "
+                "is already sharded. Resume from a checkpoint-N directory written by ZeroTrainer."
+            )
+        super()._load_from_checkpoint(resume_from_checkpoint, model)  # a stock checkpoint, into the raw model
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or self._zero_resume_from is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_checkpoint(os.path.join(checkpoint, CHECKPOINT_SUBDIR), self.model, self._sharded_optimizer())
+        self._zero_resume_from = None
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            with warnings.catch_warnings(record=True) as caught:
+                self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+            reissue_pt_warnings(caught)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if not is_sharded(self.model) or best is None:
+            return super()._load_best_model()
+        load_checkpoint(os.path.join(best, CHECKPOINT_SUBDIR), self.model)

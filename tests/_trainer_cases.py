@@ -1,0 +1,109 @@
+"""Trainer runs shared by the tests: the same job under ZeroTrainer (on every rank of a pool) or the
+stock Trainer (in one process), returning the logged losses, the eval loss and the final weights."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from tests._training import VOCAB, make_model
+
+
+class TokenDataset(Dataset):
+    def __init__(self, n: int, seq: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, VOCAB, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str = "llama"
+    stage: int = 3
+    world: int = 2
+    global_batch: int = 8
+    micro_bs: int = 2
+    steps: int = 4
+    out_dir: str = ""
+    save_steps: int | None = None
+    stop_after: int | None = None  # stop (after that step's checkpoint) to simulate an interruption
+    resume_from: str | None = None
+    seed: int = 0  # model init seed; a resumed job uses another one to prove the checkpoint is loaded
+    checkpointing: bool = False
+    save_model_to: str | None = None
+    tokenizer_dir: str | None = None
+
+    @property
+    def accum(self) -> int:
+        return self.global_batch // (self.micro_bs * self.world)
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+        return control
+
+
+def _common(job: Job) -> dict[str, Any]:
+    return dict(
+        output_dir=job.out_dir, per_device_train_batch_size=job.micro_bs, per_device_eval_batch_size=job.micro_bs,
+        gradient_accumulation_steps=job.accum, max_steps=job.steps, learning_rate=1e-3, weight_decay=0.1,
+        adam_epsilon=1e-6,  # see tests/_training.make_optimizer: keeps Adam's rounding sensitivity far below 1e-5
+        max_grad_norm=1.0, logging_steps=1, report_to="none", seed=0, disable_tqdm=True, use_cpu=True,
+        save_strategy="steps" if job.save_steps else "no", save_steps=job.save_steps or 500,
+        gradient_checkpointing=job.checkpointing, dataloader_num_workers=0,
+    )
+
+
+def run(job: Job, zero: bool = True) -> dict[str, Any]:
+    """Train and evaluate; returns the logged losses, the eval loss and (on the main process) the weights."""
+    from transformers import AutoTokenizer
+
+    import hf_zero
+
+    model = make_model(job.kind, seed=job.seed)
+    if zero:
+        args = hf_zero.ZeroTrainingArguments(zero_stage=job.stage, **_common(job))
+        trainer_cls = hf_zero.ZeroTrainer
+    else:
+        args = TrainingArguments(**_common(job))
+        trainer_cls = Trainer
+    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir) if job.tokenizer_dir else None
+    trainer = trainer_cls(
+        model=model, args=args, train_dataset=TokenDataset(job.global_batch * job.steps, 16, seed=1),
+        eval_dataset=TokenDataset(job.global_batch, 16, seed=2), processing_class=tokenizer,
+        callbacks=[_StopAt(job.stop_after)] if job.stop_after else None,
+    )
+    trainer.train(resume_from_checkpoint=job.resume_from)
+    eval_loss = trainer.evaluate()["eval_loss"]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    if job.save_model_to:
+        trainer.save_model(job.save_model_to)
+    state = hf_zero.full_state_dict(trainer.model) if zero else trainer.model.state_dict()
+    main = trainer.args.process_index == 0
+    return {
+        "losses": losses, "norms": [float(n) for n in norms], "eval_loss": eval_loss,
+        "world": trainer.args.world_size,
+        "state": {k: v.detach().clone() for k, v in state.items()} if main else None,
+        "checkpoints": sorted(os.listdir(job.out_dir)) if main and os.path.isdir(job.out_dir) else None,
+    }
+
+
+def reference(job: Job) -> dict[str, Any]:
+    """The stock Trainer in this process, same global batch (one rank does all the micro-batches)."""
+    return run(replace(job, world=1, micro_bs=job.micro_bs), zero=False)
