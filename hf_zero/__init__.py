@@ -17,18 +17,28 @@ from .integrations.pretrained import from_pretrained
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> object:
-    # The Trainer integration imports transformers: load it only when asked for.
-    if name in ("ZeroTrainer", "ZeroTrainingArguments"):
-        from .integrations import trainer, training_args
+_LAZY = {
+    "ZeroTrainer": "trainer",
+    "ZeroTrainingArguments": "training_args",
+    "ZeroAccelerator": "accelerate",
+    "ZeroPlugin": "accelerate",
+}
 
-        return getattr(trainer if name == "ZeroTrainer" else training_args, name)
+
+def __getattr__(name: str) -> object:
+    # The integrations import transformers / accelerate: load them only when asked for.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".integrations.{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")
 
 __all__ = [
     "ModelStateMemory",
     "ShardedOptimizer",
+    "ZeroAccelerator",
     "ZeroConfig",
+    "ZeroPlugin",
     "ZeroTrainer",
     "ZeroTrainingArguments",
     "attach_optimizer",

@@ -1,0 +1,213 @@
+"""`ZeroPlugin` and `ZeroAccelerator`: the hf_zero engine behind a plain Accelerate training loop.
+
+[Note: Accelerate integration]
+Accelerate has no extension point for a third-party engine (closed `DistributedType`, fixed
+plugin arguments), so `ZeroAccelerator` subclasses `Accelerator` and overrides only what a
+sharded model needs:
+
+- `__init__`: refuses DeepSpeed/FSDP; takes the requested precision (argument, or the
+  `accelerate launch --mixed_precision` environment) for the engine and runs Accelerate itself
+  with `mixed_precision="no"` (no autocast, no GradScaler: the engine casts and scales). With no
+  CUDA device it runs on the CPU (`cpu=True`), avoiding Accelerate's silent one-process fallback.
+- `prepare`: shards the model and its optimizer with `hf_zero.initialize`, hands Accelerate the
+  sharded optimizer inside an `AcceleratedOptimizer` (so `accumulate()` and `step()` behave as
+  usual); dataloaders and schedulers are Accelerate's. The model's own `no_sync()` plugs into
+  `accelerator.accumulate` / `no_sync` unchanged.
+- `clip_grad_norm_`: the global norm over every rank's shards.
+- `get_state_dict`, `save_model`: gathered unit by unit (rank 0 gets the full state dict).
+- `save_state` / `load_state`: the model and optimizer go to an hf_zero sharded checkpoint in
+  `<dir>/hf_zero/` (every rank writes its shards; resumable on any world size); schedulers,
+  dataloaders, RNG states and custom objects are Accelerate's own files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+
+from ..api import full_state_dict, initialize
+from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from ..config import ZeroConfig
+from ..engine.module import is_sharded
+from ..engine.optim import ShardedOptimizer
+
+CHECKPOINT_SUBDIR = "hf_zero"
+_DEFAULT = ZeroConfig()
+_TRUE = ("1", "true", "yes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroPlugin:
+    """The hf_zero engine settings for `ZeroAccelerator` (precision comes from Accelerate's own setting).
+
+    Args:
+        zero_stage (`int`, *optional*, defaults to 3): as `ZeroConfig.stage`.
+        wrap (`"auto"` or a sequence of class names, *optional*): as `ZeroConfig.wrap`.
+        reduce_dtype (`str`, *optional*): as `ZeroConfig.reduce_dtype`.
+        sync_module_states (`bool`, *optional*, defaults to `True`): as `ZeroConfig.sync_module_states`.
+
+    Example:
+
+    ```python
+    >>> accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(zero_stage=3), mixed_precision="bf16")
+    ```
+    """
+
+    zero_stage: int = _DEFAULT.stage
+    wrap: str | tuple[str, ...] = _DEFAULT.wrap
+    reduce_dtype: str | None = _DEFAULT.reduce_dtype
+    sync_module_states: bool = _DEFAULT.sync_module_states
+
+    def __post_init__(self) -> None:
+        self.to_zero_config("no")  # validates every field, with ZeroConfig's messages
+
+    def to_zero_config(self, mixed_precision: str) -> ZeroConfig:
+        """The `ZeroConfig` for this plugin and Accelerate's precision setting."""
+        return ZeroConfig(
+            stage=self.zero_stage, mixed_precision=mixed_precision,  # type: ignore[arg-type]
+            reduce_dtype=self.reduce_dtype,  # type: ignore[arg-type]
+            wrap=self.wrap, sync_module_states=self.sync_module_states,
+        )
+
+
+class _ShardedAcceleratedOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper, reporting the engine's skipped steps (fp16 overflow)."""
+
+    _is_accelerate_prepared = True
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return bool(getattr(self.optimizer, "step_was_skipped", False))
+
+
+class ZeroAccelerator(Accelerator):
+    """An `Accelerator` whose `prepare` shards the model with hf_zero (see [Note: Accelerate integration]).
+
+    A plain Accelerate loop becomes a ZeRO loop by changing `Accelerator(...)` into
+    `ZeroAccelerator(zero_plugin=ZeroPlugin(zero_stage=3), ...)`.
+
+    Example:
+
+    ```python
+    >>> accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(zero_stage=3), gradient_accumulation_steps=4)
+    >>> model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    >>> for batch in loader:
+    ...     with accelerator.accumulate(model):
+    ...         accelerator.backward(model(**batch).loss)
+    ...         if accelerator.sync_gradients:
+    ...             accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    ...         optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    >>> accelerator.save_state("ckpt")
+    ```
+    """
+
+    def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
+        for key in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"ZeroAccelerator cannot take {key}: hf_zero is the sharding engine here.")
+        for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+            if os.environ.get(var, "").lower() in _TRUE:
+                raise ValueError(
+                    f"{var} is set (by `accelerate config` or `accelerate launch`); hf_zero is the sharding engine "
+                    "here. Launch with one of hf_zero's accelerate_configs/ instead."
+                )
+        if zero_plugin is not None and not isinstance(zero_plugin, ZeroPlugin):
+            raise TypeError(f"zero_plugin must be a ZeroPlugin; got {type(zero_plugin).__name__}.")
+        requested = kwargs.pop("mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"
+        if "cpu" not in kwargs and not torch.cuda.is_available():
+            kwargs["cpu"] = True
+        self.zero_plugin = zero_plugin or ZeroPlugin()
+        self.zero_config = self.zero_plugin.to_zero_config(str(requested).lower())
+        super().__init__(*args, mixed_precision="no", **kwargs)
+        self._zero_model: nn.Module | None = None
+        self._zero_optimizer: ShardedOptimizer | None = None
+
+    # ---- prepare ----------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        modules = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
+        optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+        if not modules:
+            return super().prepare(*args, device_placement=device_placement)
+        if len(modules) > 1 or len(optimizers) > 1 or self._zero_model is not None:
+            raise ValueError(
+                "ZeroAccelerator shards one model (with at most one optimizer) per accelerator; prepare them in one call."
+            )
+        items = list(args)
+        optimizer = items[optimizers[0]] if optimizers else None
+        if isinstance(optimizer, AcceleratedOptimizer):
+            optimizer = optimizer.optimizer
+        model, sharded = initialize(items[modules[0]], optimizer, self.zero_config)
+        items[modules[0]] = model
+        self._zero_model, self._zero_optimizer = model, sharded
+        if sharded is not None:
+            items[optimizers[0]] = _ShardedAcceleratedOptimizer(sharded, device_placement=False, scaler=None)
+        return super().prepare(*items, device_placement=device_placement)
+
+    # ---- gradients --------------------------------------------------------------------------
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        if self._zero_optimizer is None or self._zero_model is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        ours = {id(p) for p in self._zero_model.parameters()}
+        if not all(id(p) in ours for p in params):
+            raise ValueError(
+                "clip_grad_norm_ got parameters that are not the sharded model's; pass model.parameters() of the "
+                "model ZeroAccelerator prepared (its norm is taken over every rank's gradient shards)."
+            )
+        return self._zero_optimizer.clip_grad_norm_(max_norm, norm_type)
+
+    # ---- full weights -----------------------------------------------------------------------
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """For a sharded model: the full state dict, gathered unit by unit (on rank 0; `{}` elsewhere)."""
+        if is_sharded(model):
+            return full_state_dict(model)
+        return super().get_state_dict(model, unwrap=unwrap)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """For a sharded model: a `from_pretrained` directory written by rank 0 (a collective)."""
+        if not is_sharded(model):
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        save_pretrained(model, save_directory, max_shard_size=max_shard_size, progress=self.is_main_process)
+
+    # ---- training state ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _without_engine_objects(self) -> Iterator[None]:
+        """Hide the sharded model and optimizer from Accelerate's own state files (they are saved sharded)."""
+        models, optimizers = list(self._models), list(self._optimizers)
+        self._models = [m for m in models if m is not self._zero_model]
+        self._optimizers = [o for o in optimizers if getattr(o, "optimizer", None) is not self._zero_optimizer]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        if self._zero_model is None:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        with self._without_engine_objects():
+            location = super().save_state(output_dir, safe_serialization, **kwargs)
+        directory = str(location or output_dir)
+        save_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR), self._zero_model, self._zero_optimizer,
+                        metadata={"step": self.step})
+        return directory
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        if self._zero_model is None:
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        if input_dir is None:
+            raise ValueError("ZeroAccelerator.load_state needs the checkpoint directory (input_dir).")
+        with self._without_engine_objects():
+            super().load_state(input_dir, load_kwargs, **kwargs)
+        load_checkpoint(os.path.join(input_dir, CHECKPOINT_SUBDIR), self._zero_model, self._zero_optimizer)
+
+    def free_memory(self, *objects: Any) -> Any:
+        self._zero_model = self._zero_optimizer = None
+        return super().free_memory(*objects)

@@ -1,0 +1,64 @@
+"""The same plain Accelerate loop under DDP (`Accelerator`) and under hf_zero (`ZeroAccelerator`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from tests._trainer_cases import TokenDataset
+from tests._training import make_model, make_optimizer
+
+
+def _fresh_accelerator(use_zero: bool, stage: int, accum: int) -> Any:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    import hf_zero
+
+    AcceleratorState._reset_state(True)  # each test builds its own accelerator in these long-lived workers
+    GradientState._reset_state()
+    if use_zero:
+        return hf_zero.ZeroAccelerator(zero_plugin=hf_zero.ZeroPlugin(zero_stage=stage), gradient_accumulation_steps=accum)
+    return Accelerator(cpu=True, gradient_accumulation_steps=accum)
+
+
+def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at: int | None = None,
+         save_dir: str | None = None, load_dir: str | None = None, resume_step: int = 0,
+         seed: int = 0, train: bool = True) -> dict[str, Any]:
+    """Train `steps` optimizer steps; optionally save_state after `save_at` steps or load_state first."""
+    accelerator = _fresh_accelerator(use_zero, stage, accum)
+    model = make_model("llama", seed=seed)
+    optimizer = make_optimizer(model, 1e-3)
+    world = accelerator.num_processes
+    loader = DataLoader(TokenDataset(2 * world * accum * steps, 16, seed=1), batch_size=2, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    start = 0
+    if load_dir is not None:
+        accelerator.load_state(load_dir)
+        start = resume_step
+        loader = accelerator.skip_first_batches(loader, start * accum)
+    losses, norms, done = [], [], start
+    for batch in loader if train else []:
+        with accelerator.accumulate(model):
+            out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+            accelerator.backward(out.loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(float(accelerator.gather(out.loss.detach()).mean()))
+        if accelerator.sync_gradients:
+            done += 1
+            if save_at is not None and done == save_at:
+                accelerator.save_state(save_dir)
+                break
+    state = accelerator.get_state_dict(model)
+    return {
+        "losses": losses, "norms": norms, "world": world, "lr": scheduler.get_last_lr(),
+        "state": {k: v.detach().clone() for k, v in state.items()} if accelerator.is_main_process else None,
+    }
