@@ -90,6 +90,17 @@ def test_refused_combinations(kwargs, message):
         hf_zero.ZeroTrainingArguments(output_dir="out", use_cpu=True, zero_stage=3, **kwargs)
 
 
+def test_precision_follows_the_launcher_unless_a_flag_says_otherwise(monkeypatch):
+    import hf_zero
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch` sets from the yaml
+    args = hf_zero.ZeroTrainingArguments(output_dir="out", use_cpu=True)
+    assert args.to_zero_config().mixed_precision == "bf16" and args.mixed_precision == "bf16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ValueError, match="hf_zero supports mixed precision 'no', 'bf16' or 'fp16'"):
+        hf_zero.ZeroTrainingArguments(output_dir="out", use_cpu=True)
+
+
 def test_zero_trainer_refuses_plain_training_arguments(tmp_path):
     import hf_zero
     from transformers import TrainingArguments

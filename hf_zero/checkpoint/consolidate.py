@@ -71,7 +71,7 @@ def consolidate(
     check_files(ckpt, manifest, model_files + ([BUFFERS_FILE] if manifest.buffers else []), verify)
 
     writer = HFShardWriter(out, max_shard_size, out_dtype)
-    bar = _progress(len(manifest.params) + len(manifest.buffers), "consolidating", progress)
+    bar = _progress(len(manifest.params) + len(manifest.buffers), "consolidating", progress, "tensor")
     cache = FileCache(ckpt)
     try:
         for name, info in manifest.params.items():
@@ -137,7 +137,7 @@ def save_pretrained(
     writer = HFShardWriter(Path(output_dir), max_shard_size, out_dtype) if writing else None
     error: str | None = None
     files: list[str] = []
-    bar = _progress(len(engine.units), "gathering units", progress and writing)
+    bar = _progress(len(engine.units), "gathering", progress and writing, "unit")
     for gathered in engine.gather_units(rank0_only=True):  # every rank joins every gather
         bar.update(1)
         if writer is None or error is not None:
@@ -186,11 +186,11 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
+def _progress(total: int, desc: str, enabled: bool, unit: str) -> Any:
     if not enabled:
         return _NoBar()
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm comes with transformers; without it, no bar
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit="tensor")
+    return tqdm(total=total, desc=desc, unit=unit)

@@ -17,7 +17,8 @@ _DEFAULT = ZeroConfig()  # the engine's defaults are the one source of the defau
 class ZeroTrainingArguments(TrainingArguments):
     """`TrainingArguments` with the hf_zero engine's settings, exposed as `--zero_*` flags.
 
-    Precision comes from the Trainer's own `--bf16` / `--fp16`, so it has one owner. The
+    Precision comes from the Trainer's own `--bf16` / `--fp16` (or, as for `TrainingArguments`, from
+    `accelerate launch --mixed_precision`), so it has one owner. The
     combinations that cannot work are refused here, before `torch.distributed` starts, with a
     message that says what to do instead: `--deepspeed`, `--fsdp` (and their Accelerate
     environment switches), and `--auto_find_batch_size` with a sharded optimizer.
@@ -87,7 +88,10 @@ class ZeroTrainingArguments(TrainingArguments):
         """The `ZeroConfig` these arguments describe (the one translation from Trainer arguments)."""
         if self.fp16 and self.bf16:
             raise ValueError("Pass at most one of --bf16 and --fp16.")
-        mixed = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        # TrainingArguments' own rule: the launcher's setting, overridden by --bf16 / --fp16.
+        mixed = "bf16" if self.bf16 else "fp16" if self.fp16 else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if mixed not in ("no", "bf16", "fp16"):
+            raise ValueError(f"hf_zero supports mixed precision 'no', 'bf16' or 'fp16'; the launcher asked for {mixed!r}.")
         wrap: str | tuple[str, ...] = self.zero_wrap.strip()
         if wrap != "auto":
             wrap = tuple(name.strip() for name in wrap.split(",") if name.strip())

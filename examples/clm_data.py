@@ -1,0 +1,79 @@
+"""Corpus preparation shared by the examples: local files -> tokenized, packed blocks, held-out split.
+
+Accepts text (`.txt`, `.md`), JSON lines (`.jsonl`, `.json`) and Parquet files, given as paths,
+globs or folders (searched recursively). Documents are tokenized with the model's tokenizer,
+an end-of-sequence token is appended to each, and the stream is cut into `block_size` blocks
+(the remainder is dropped), as continued pretraining does. The held-out split is taken from
+the blocks with a fixed seed, so every script that uses the same arguments sees the same split.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+from datasets import Dataset, DatasetDict, load_dataset
+
+_BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def resolve_files(patterns: list[str]) -> tuple[str, list[str]]:
+    """Expand paths, globs and folders; returns the `datasets` builder and the sorted files."""
+    files: list[str] = []
+    for pattern in patterns:
+        if os.path.isdir(pattern):
+            for root, _, names in os.walk(pattern):
+                files += [os.path.join(root, n) for n in names if os.path.splitext(n)[1] in _BUILDERS]
+        else:
+            matched = glob.glob(pattern, recursive=True)
+            if not matched:
+                raise FileNotFoundError(f"--train_files: nothing matches {pattern!r}.")
+            files += matched
+    files = sorted(set(files))
+    if not files:
+        raise FileNotFoundError(f"--train_files: no .txt, .md, .jsonl, .json or .parquet file in {patterns}.")
+    builders = {_BUILDERS.get(os.path.splitext(f)[1]) for f in files}
+    if None in builders:
+        bad = [f for f in files if os.path.splitext(f)[1] not in _BUILDERS]
+        raise ValueError(f"--train_files: unsupported file type(s) {bad[:3]}; use .txt, .md, .jsonl, .json or .parquet.")
+    if len(builders) > 1:
+        raise ValueError(f"--train_files mixes file kinds {sorted(builders)}; pass one kind per run.")
+    return builders.pop(), files
+
+
+def load_corpus(
+    patterns: list[str],
+    tokenizer: Any,
+    *,
+    block_size: int,
+    validation_split_percentage: float,
+    seed: int,
+    text_column: str = "text",
+    num_proc: int | None = None,
+) -> DatasetDict:
+    """Tokenized, packed `train` and `validation` splits of the corpus."""
+    builder, files = resolve_files(patterns)
+    raw: Dataset = load_dataset(builder, data_files=files, split="train")
+    if text_column not in raw.column_names:
+        raise ValueError(f"The corpus has no column {text_column!r} (it has {raw.column_names}); set --text_column.")
+    raw = raw.filter(lambda batch: [bool(t and t.strip()) for t in batch[text_column]], batched=True)
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + [eos] if eos is not None else x for x in ids]}
+
+    def pack(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        stream = [t for ids in batch["input_ids"] for t in ids]
+        n = len(stream) // block_size * block_size
+        blocks = [stream[i : i + block_size] for i in range(0, n, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    tokens = raw.map(tokenize, batched=True, remove_columns=raw.column_names, num_proc=num_proc, desc="tokenizing")
+    blocks = tokens.map(pack, batched=True, batch_size=1000, num_proc=num_proc, desc=f"packing into {block_size}-token blocks")
+    if len(blocks) < 2:
+        raise ValueError(f"The corpus gives {len(blocks)} block(s) of {block_size} tokens; add text or lower --block_size.")
+    test_size = max(1, int(len(blocks) * validation_split_percentage / 100))
+    split = blocks.train_test_split(test_size=test_size, seed=seed, shuffle=True)
+    return DatasetDict(train=split["train"], validation=split["test"])
