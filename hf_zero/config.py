@@ -53,6 +53,17 @@ class ZeroConfig:
             Broadcast rank 0's parameters and buffers to every rank at `initialize`, as DDP
             does, so that ranks seeded differently still train one model. Costs one broadcast
             of the model.
+        offload_optimizer (`bool`, *optional*, defaults to `False`):
+            ZeRO-Offload: keep the fp32 master shards, the gradient shards and the optimizer
+            state in host (CPU) memory and run the optimizer step there. Device memory for model
+            states drops to the compute-dtype parameters (stage 3: 2Ψ/N bytes with bf16); host
+            memory per node grows by about 16Ψ × (ranks per node) / N. Each step copies the
+            gradient shards to the host and the updated shards back (pinned memory on CUDA); use
+            a fast CPU optimizer (e.g. `torch.optim.AdamW(..., fused=True)`).
+        offload_params (`bool`, *optional*, defaults to `False`):
+            Stage 3 only, with `offload_optimizer`: the sharded parameters live in host memory
+            too, and each unit's shard is copied to the device just before its all-gather. The
+            device then holds only the gathered units; each gather costs one host-to-device copy.
         initial_loss_scale (`float`, *optional*, defaults to 65536.0):
             Starting loss scale for fp16 (ignored otherwise). The scale halves on overflow and
             doubles after `loss_scale_window` clean steps.
@@ -74,6 +85,8 @@ class ZeroConfig:
     reduce_dtype: ReduceDtype | None = None
     wrap: str | tuple[str, ...] = "auto"
     sync_module_states: bool = True
+    offload_optimizer: bool = False
+    offload_params: bool = False
     initial_loss_scale: float = 65536.0
     loss_scale_window: int = 1000
 
@@ -89,8 +102,15 @@ class ZeroConfig:
                 f"ZeroConfig.reduce_dtype must be None, 'fp32', 'bf16' or 'fp16'; got {self.reduce_dtype!r}."
             )
         object.__setattr__(self, "wrap", _normalize_wrap(self.wrap))
-        if not isinstance(self.sync_module_states, bool):
-            raise TypeError(f"ZeroConfig.sync_module_states must be a bool; got {self.sync_module_states!r}.")
+        for name in ("sync_module_states", "offload_optimizer", "offload_params"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ZeroConfig.{name} must be a bool; got {getattr(self, name)!r}.")
+        if self.offload_params and (self.stage != 3 or not self.offload_optimizer):
+            raise ValueError(
+                "ZeroConfig.offload_params needs stage=3 and offload_optimizer=True: parameters are only sharded at "
+                "stage 3, and their master copy is updated where the optimizer runs. Set stage=3, "
+                "offload_optimizer=True (or drop offload_params)."
+            )
         if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):
             raise ValueError(f"ZeroConfig.initial_loss_scale must be > 0; got {self.initial_loss_scale!r}.")
         if isinstance(self.loss_scale_window, bool) or not isinstance(self.loss_scale_window, int) or (

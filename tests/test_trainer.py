@@ -62,11 +62,12 @@ def test_zero_stage_parsed_from_the_command_line():
     parser = HfArgumentParser(hf_zero.ZeroTrainingArguments)
     (args,) = parser.parse_args_into_dataclasses(
         ["--output_dir", "out", "--use_cpu", "--zero_stage", "3", "--zero_wrap", "LlamaDecoderLayer",
-         "--zero_reduce_dtype", "bf16"]
+         "--zero_reduce_dtype", "bf16", "--zero_offload_optimizer", "--zero_offload_params"]
     )
     assert args.zero_stage == 3 and isinstance(args.zero_stage, int)
     config = args.to_zero_config()
     assert (config.stage, config.wrap, config.reduce_dtype) == (3, ("LlamaDecoderLayer",), "bf16")
+    assert config.offload_optimizer and config.offload_params
     with pytest.raises(SystemExit):  # argparse rejects a stage outside 0-3
         parser.parse_args_into_dataclasses(["--output_dir", "out", "--zero_stage", "4"])
     json.loads(args.to_json_string())  # the arguments stay JSON-serializable (saved by the Trainer)
@@ -81,13 +82,14 @@ def test_zero_stage_parsed_from_the_command_line():
         ({"zero_reduce_dtype": "int8"}, "ZeroConfig.reduce_dtype must be None, 'fp32', 'bf16' or 'fp16'"),
         ({"zero_wrap": " , "}, "--zero_wrap must be 'auto' or comma-separated module class names"),
         ({"bf16": True, "fp16": True}, "Pass at most one of --bf16 and --fp16"),
+        ({"zero_stage": 2, "zero_offload_params": True}, "ZeroConfig.offload_params needs stage=3"),
     ],
 )
 def test_refused_combinations(kwargs, message):
     import hf_zero
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("-", r"\-")):
-        hf_zero.ZeroTrainingArguments(output_dir="out", use_cpu=True, zero_stage=3, **kwargs)
+        hf_zero.ZeroTrainingArguments(output_dir="out", use_cpu=True, **{"zero_stage": 3, **kwargs})
 
 
 def test_precision_follows_the_launcher_unless_a_flag_says_otherwise(monkeypatch):

@@ -44,7 +44,9 @@ class ModelStateMemory:
     """Bytes of model state this rank holds, by category and device (e.g. `{"cuda:0": 1024}`).
 
     `optimizer_states` includes the fp32 master weights when they are a separate copy (mixed
-    precision, or stage 3 sharded parameters in another dtype), as in the ZeRO paper.
+    precision, offload, or stage 3 sharded parameters in another dtype), as in the ZeRO paper.
+    Tensors offloaded to host memory (`offload_optimizer`, `offload_params`) are counted under
+    `"host"`, also on a CPU-only machine where host and device are the same memory.
     """
 
     parameters: dict[str, int] = field(default_factory=dict)
@@ -89,6 +91,8 @@ class ZeroEngine:
                 reduce_dtype=self.reduce_dtype,
                 persistent_params=self.plan.params.persistent,
                 source=source,
+                host=torch.device("cpu") if config.offload_optimizer else None,
+                offload_params=config.offload_params,
             )
             for spec in specs
         ]
@@ -147,18 +151,19 @@ class ZeroEngine:
         norm_type = float(norm_type)
         shards = [unit.sharded_grad for unit in self.units]
         group = self.plan.shard_group
+        comm = comm_device(group)  # the shards may be on the host (offload); the collective is not
         if math.isinf(norm_type):
             local = torch.stack([g.detach().abs().max().float() for g in shards]).max()
-            total = max_scalar_(local.reshape(1), group)[0]
+            total = max_scalar_(local.reshape(1).to(comm), group)[0]
         else:
             local = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in shards]).sum()
-            summed = local.reshape(1)
+            summed = local.reshape(1).to(comm)
             all_reduce_(summed, group)
             total = summed[0] ** (1.0 / norm_type)
         if max_norm is not None and not math.isinf(float(max_norm)):
             coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
             for g in shards:
-                g.mul_(coef.to(g.dtype))
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return total
 
     # ---- optimizer step ---------------------------------------------------------------------
@@ -214,29 +219,23 @@ class ZeroEngine:
         seen: set[int] = set()
         parts: dict[str, dict[str, int]] = {"parameters": {}, "gradients": {}, "optimizer_states": {}}
 
-        def count(category: str, t: torch.Tensor | None) -> None:
-            if t is None:
-                return
+        def count(category: str, t: torch.Tensor, placement: str) -> None:
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in seen:
                 return
             seen.add(storage.data_ptr())
-            dev = str(t.device)
-            parts[category][dev] = parts[category].get(dev, 0) + storage.nbytes()
+            parts[category][placement] = parts[category].get(placement, 0) + storage.nbytes()
 
-        for unit in self.units:
-            held = unit.storages()
-            for t in held["parameters"]:
-                count("parameters", t)
-            for t in held["gradients"]:
-                count("gradients", t)
-        for unit in self.units:
-            count("optimizer_states", unit.sharded_master)
+        held = [item for unit in self.units for item in unit.storages()]
+        order = {"parameters": 0, "gradients": 1, "optimizer_states": 2}  # an alias counts where it is first seen
+        for category, t, placement in sorted(held, key=lambda item: order[item[0]]):
+            count(category, t, placement)
         if self.optimizer is not None:
+            offloaded = self.config.offload_optimizer
             for state in self.optimizer.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor):
-                        count("optimizer_states", v)
+                        count("optimizer_states", v, "host" if offloaded and v.device.type == "cpu" else str(v.device))
         return ModelStateMemory(**parts)
 
 

@@ -108,8 +108,13 @@ class FlatUnit:
         reduce_dtype: torch.dtype,
         persistent_params: bool,
         source: "ShardSource",
+        host: torch.device | None = None,
+        offload_params: bool = False,
     ) -> None:
         self.spec = spec
+        self.host = host  # where offloaded state lives (ZeRO-Offload), or None
+        self.offload_params = offload_params
+        self.master_device = host or device  # where the master shard, its gradient and the optimizer live
         self.shard_group = shard_group
         self.replicate_group = replicate_group
         self.device = device
@@ -122,18 +127,20 @@ class FlatUnit:
         self.sharded_param: torch.Tensor | None  # 1D (shard_numel,), param dtype; the all-gather source (stage 3)
         self.sharded_master: torch.Tensor  # 1D (shard_numel,), master dtype; what the optimizer updates
         self.unsharded_param = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
-        if persistent_params and param_dtype == master_dtype:
+        if persistent_params and param_dtype == master_dtype and host is None:
             self.sharded_master = self.unsharded_param[lo:hi]  # fp32 stages 0-2: the master is the parameter
         else:
-            self.sharded_master = torch.empty(self.layout.shard_numel, dtype=master_dtype, device=device)
+            self.sharded_master = self._alloc(self.layout.shard_numel, master_dtype, self.master_device)
         with torch.no_grad():
             source.fill(self.layout, spec.params, shard_group.rank, self.sharded_master)
-        if persistent_params:
-            self.sharded_param = None
-        else:
-            self.sharded_param = (
-                self.sharded_master if param_dtype == master_dtype else self.sharded_master.to(param_dtype)
-            )
+        self.sharded_param = None
+        if not persistent_params:
+            shard_device = host if offload_params and host is not None else device
+            if self.sharded_master.device == shard_device and param_dtype == master_dtype:
+                self.sharded_param = self.sharded_master
+            else:
+                self.sharded_param = self._alloc(self.layout.shard_numel, param_dtype, shard_device)
+                self.sharded_param.copy_(self.sharded_master)
         self.params = self._bind_params(spec.params)
         if persistent_params:
             self.publish_master().wait()  # every rank's shard into the unsharded parameters
@@ -143,6 +150,11 @@ class FlatUnit:
         self._sharded_grad: torch.Tensor | None = None  # 1D (shard_numel,), master dtype; allocated on first use
         self.grad_is_zero = True  # sharded_grad holds no reduced gradient yet (a lazy zero)
         self.unsharded_grad: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
+
+    def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D buffer; host buffers are pinned when the compute device is an accelerator (async copies)."""
+        pin = device.type == "cpu" and self.device.type != "cpu"
+        return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
 
     def _bind_params(self, originals: tuple[nn.Parameter, ...]) -> tuple[nn.Parameter, ...]:
         """Make each parameter a view of `unsharded_param`: in place (`.data`) for materialized
@@ -172,7 +184,10 @@ class FlatUnit:
         storage = self.unsharded_param.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.layout.padded_numel * self.unsharded_param.element_size())
-        return all_gather_into(self.unsharded_param, self.sharded_param, self.shard_group, async_op)
+        source = self.sharded_param
+        if self.offload_params:  # the shard lives on the host: stage it on the device for the gather
+            source = torch.empty_like(source, device=self.device).copy_(source, non_blocking=True)
+        return all_gather_into(self.unsharded_param, source, self.shard_group, async_op)
 
     def reshard(self) -> None:
         """Free the unsharded buffer (stage 3); the parameters keep their shapes."""
@@ -196,7 +211,7 @@ class FlatUnit:
         """This rank's reduced gradient shard (master dtype); allocated, zeroed, on first use, so a
         model that only loads or runs inference holds no gradient memory."""
         if self._sharded_grad is None:
-            self._sharded_grad = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=self.device)
+            self._sharded_grad = self._alloc(self.layout.shard_numel, self.master_dtype, self.master_device).zero_()
         return self._sharded_grad
 
     @property
@@ -229,7 +244,7 @@ class FlatUnit:
         source = self.unsharded_grad
         if source.dtype != self.reduce_dtype:
             source = source.to(self.reduce_dtype)
-        into_acc = self.grad_is_zero and self.reduce_dtype == self.master_dtype
+        into_acc = self.grad_is_zero and self.reduce_dtype == self.master_dtype and self.host is None
         if into_acc:
             output = self.sharded_grad
         elif self.shard_group.size == 1 and source is not self.unsharded_grad:
@@ -250,9 +265,9 @@ class FlatUnit:
             out.div_(divisor)
         if not reduction.into_accumulator:
             if self.grad_is_zero:
-                self.sharded_grad.copy_(out)
+                self.sharded_grad.copy_(out, non_blocking=True)  # to the host when offloaded
             else:
-                self.sharded_grad.add_(out)
+                self.sharded_grad.add_(out.to(self.master_device))
         self.grad_is_zero = False
 
     def zero_grad(self) -> None:
@@ -264,8 +279,18 @@ class FlatUnit:
         self.detach_grads()
 
     # ---- accounting -------------------------------------------------------------------------
-    def storages(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this unit holds, by category (views and aliases are deduplicated by the caller)."""
-        params = [self.unsharded_param] + ([self.sharded_param] if self.sharded_param is not None else [])
-        grads = [g for g in (self._sharded_grad, self.unsharded_grad) if g is not None]
-        return {"parameters": params, "gradients": grads, "master": [self.sharded_master]}
+    def storages(self) -> list[tuple[str, torch.Tensor, str]]:
+        """`(category, tensor, placement)` of what this unit holds, placement `"host"` for offloaded
+        tensors (even on a CPU-only machine) and the device otherwise. Views and aliases are
+        deduplicated by the caller, in this order."""
+        def where(t: torch.Tensor, offloaded: bool) -> str:
+            return "host" if offloaded else str(t.device)
+
+        held = [("parameters", self.unsharded_param, where(self.unsharded_param, False))]
+        if self.sharded_param is not None:
+            held.append(("parameters", self.sharded_param, where(self.sharded_param, self.offload_params)))
+        for g, offloaded in ((self._sharded_grad, self.host is not None), (self.unsharded_grad, False)):
+            if g is not None:
+                held.append(("gradients", g, where(g, offloaded)))
+        held.append(("optimizer_states", self.sharded_master, where(self.sharded_master, self.host is not None)))
+        return held

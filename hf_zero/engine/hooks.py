@@ -142,6 +142,9 @@ class UnitHooks:
             unit.finish_reduction(reduction, divisor)
             if self.plan.keep_unsharded_grads and unit.unsharded_grad is not None:
                 unit.unsharded_grad.zero_()
+        device = self._pending[0][0].device
+        if self._pending[0][0].host is not None and device.type != "cpu":
+            torch.accelerator.synchronize(device)  # the host may now read the shards copied asynchronously
         self._pending.clear()
         self.on_reduced()
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ZeroConfig
-from .collectives import CommGroup, all_reduce_
+from .collectives import CommGroup, all_reduce_, comm_device
 
 if TYPE_CHECKING:
     from .flat import FlatUnit
@@ -57,9 +57,8 @@ class LossScaler:
 
     def check_and_update(self, units: list["FlatUnit"], world: CommGroup) -> bool:
         """Whether the reduced gradients are finite on every rank; updates the scale either way."""
-        found = torch.zeros(1, device=units[0].sharded_grad.device)
-        for unit in units:
-            found += (~torch.isfinite(unit.sharded_grad)).any().float()
+        local = torch.stack([(~torch.isfinite(unit.sharded_grad)).any() for unit in units]).any().float()
+        found = local.reshape(1).to(comm_device(world))  # the shards may be on the host (offload)
         all_reduce_(found, world, op=dist.ReduceOp.MAX)
         if found.item() > 0:
             self.scale /= 2.0

@@ -52,6 +52,8 @@ class ZeroPlugin:
         wrap (`"auto"` or a sequence of class names, *optional*): as `ZeroConfig.wrap`.
         reduce_dtype (`str`, *optional*): as `ZeroConfig.reduce_dtype`.
         sync_module_states (`bool`, *optional*, defaults to `True`): as `ZeroConfig.sync_module_states`.
+        offload_optimizer (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_optimizer`.
+        offload_params (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_params`.
 
     Example:
 
@@ -64,6 +66,8 @@ class ZeroPlugin:
     wrap: str | tuple[str, ...] = _DEFAULT.wrap
     reduce_dtype: str | None = _DEFAULT.reduce_dtype
     sync_module_states: bool = _DEFAULT.sync_module_states
+    offload_optimizer: bool = _DEFAULT.offload_optimizer
+    offload_params: bool = _DEFAULT.offload_params
 
     def __post_init__(self) -> None:
         self.to_zero_config("no")  # validates every field, with ZeroConfig's messages
@@ -74,6 +78,7 @@ class ZeroPlugin:
             stage=self.zero_stage, mixed_precision=mixed_precision,  # type: ignore[arg-type]
             reduce_dtype=self.reduce_dtype,  # type: ignore[arg-type]
             wrap=self.wrap, sync_module_states=self.sync_module_states,
+            offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
         )
 
 

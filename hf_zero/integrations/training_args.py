@@ -50,6 +50,16 @@ class ZeroTrainingArguments(TrainingArguments):
         metadata={"help": "Gradient reduction dtype: fp32, bf16 or fp16 (default: fp32 with --bf16/--fp16, else the "
                           "parameters' dtype). bf16 halves gradient traffic at some accuracy cost."},
     )
+    zero_offload_optimizer: bool = field(
+        default=_DEFAULT.offload_optimizer,
+        metadata={"help": "ZeRO-Offload: fp32 master weights, gradient shards and optimizer state in host memory; "
+                          "the optimizer step runs on the CPU (less device memory, more host memory and PCIe traffic)."},
+    )
+    zero_offload_params: bool = field(
+        default=_DEFAULT.offload_params,
+        metadata={"help": "Stage 3 with --zero_offload_optimizer: the parameter shards live in host memory too and "
+                          "are copied to the device before each gather."},
+    )
     zero_sync_module_states: bool = field(
         default=_DEFAULT.sync_module_states,
         metadata={"help": "Broadcast rank 0's weights to every rank when sharding (as DDP does)."},
@@ -103,4 +113,6 @@ class ZeroTrainingArguments(TrainingArguments):
             reduce_dtype=self.zero_reduce_dtype,  # type: ignore[arg-type]
             wrap=wrap,
             sync_module_states=self.zero_sync_module_states,
+            offload_optimizer=self.zero_offload_optimizer,
+            offload_params=self.zero_offload_params,
         )
