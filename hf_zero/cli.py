@@ -1,4 +1,9 @@
-"""The `hf-zero` command: `hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]`."""
+"""The `hf-zero` command.
+
+    hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]
+    hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L] [--micro-batch B]
+                     [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB]
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,51 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint.writer import parse_size
+    from .estimate import Workload, estimate, format_table
+
+    hf_config, model = _meta_model(args.model, args.dtype)
+    device_memory = parse_size(args.device_memory) if args.device_memory else None
+    workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
+                        gradient_checkpointing=args.gradient_checkpointing)
+    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
+    rows = estimate(model, hf_config, world_size=args.world_size, nodes=args.nodes, workload=workload,
+                    mixed_precision=mixed)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{type(model).__name__}: {n / 1e9:.2f}B parameters; {args.world_size} ranks on {args.nodes} node(s); "
+          f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, fp32 Adam; "
+          f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}. GiB per device / per node:")
+    print(format_table(rows, device_memory))
+    del torch
+    return 0
+
+
+def _meta_model(path: str, dtype: str) -> tuple[object, object]:
+    """A model built on the meta device from a config.json or a model directory (no weights read)."""
+    import json
+    import os
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if os.path.isdir(path):
+        config = AutoConfig.from_pretrained(path)
+    elif os.path.isfile(path):
+        raw = json.loads(open(path).read())
+        if "model_type" not in raw:
+            raise ValueError(f"{path} has no 'model_type'; pass a Hugging Face config.json.")
+        config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    else:
+        raise FileNotFoundError(f"--model {path}: no such config.json or model directory.")
+    model_dtype = torch.float32 if dtype == "fp32" else torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=model_dtype)
+    return config, model
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero command-line tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -32,6 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the checkpoint files")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_consolidate)
+
+    e = sub.add_parser("estimate", help="memory per device and per node for every stage and offload setting")
+    e.add_argument("--model", required=True, help="a config.json or a model directory (only the config is read)")
+    e.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs) in all")
+    e.add_argument("--nodes", type=int, default=1, help="number of machines (default 1)")
+    e.add_argument("--seq-len", type=int, default=2048)
+    e.add_argument("--micro-batch", type=int, default=1, help="sequences per device per micro-batch")
+    e.add_argument("--gradient-checkpointing", action="store_true")
+    e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype (default bf16)")
+    e.add_argument("--device-memory", default=None, help="device size, e.g. 80GB: adds a 'fits' column")
+    e.set_defaults(func=_estimate)
     return parser
 
 

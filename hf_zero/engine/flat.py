@@ -220,6 +220,8 @@ class FlatUnit:
 
     def attach_grads(self) -> None:
         """Point each trainable parameter's `.grad` at its view of `unsharded_grad` (zeros when new)."""
+        if not any(p.requires_grad for p in self.params):
+            return  # a frozen unit gets no gradient buffer
         if self.unsharded_grad is None:
             self.unsharded_grad = torch.zeros(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
         for slot, p in zip(self.layout.slots, self.params):

@@ -35,6 +35,9 @@ from .flat import FlatUnit, GradReduction
 from .stages import StagePlan
 
 
+MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
+
+
 class UnitHooks:
     """Registers the hooks of every unit and owns the state of the running backward pass."""
 
@@ -52,6 +55,7 @@ class UnitHooks:
         self._ready: dict[int, int] = {}  # id(unit) -> trainable params whose grad accumulated
         self._done: set[int] = set()  # id(unit) whose post_backward ran
         self._pending: list[tuple[FlatUnit, GradReduction]] = []  # issued, not yet waited
+        self._finished_since_wait: list[FlatUnit] = []  # reduced during this backward pass
         self._callback_queued = False
         self._register()
 
@@ -124,6 +128,11 @@ class UnitHooks:
             self._pending.append((unit, unit.reduce_grads(async_op=True)))
             if not self.plan.keep_unsharded_grads:
                 unit.unsharded_grad = None  # the reduction holds it until its wait
+            # [Note: bounded reductions] finish older reductions as new ones are issued: each holds its
+            # unit's unsharded gradients, so letting them pile up until the end of the backward pass
+            # would keep every unit's full gradients alive at once (what stages 2-3 exist to avoid).
+            while len(self._pending) > MAX_PENDING_REDUCTIONS:
+                self._finish(*self._pending.pop(0))
         self.plan.params.after_backward(unit)
 
     def _finalize(self) -> None:
@@ -133,19 +142,22 @@ class UnitHooks:
         self.wait_reductions()
         self._clear()
 
+    def _finish(self, unit: FlatUnit, reduction: GradReduction) -> None:
+        unit.finish_reduction(reduction, self.grad_divisor())
+        if self.plan.keep_unsharded_grads and unit.unsharded_grad is not None:
+            unit.unsharded_grad.zero_()
+        self._finished_since_wait.append(unit)
+
     def wait_reductions(self) -> None:
         """Wait for every issued reduction and add its mean into the gradient shards."""
-        if not self._pending:
+        while self._pending:
+            self._finish(*self._pending.pop(0))
+        if not self._finished_since_wait:
             return
-        divisor = self.grad_divisor()
-        for unit, reduction in self._pending:
-            unit.finish_reduction(reduction, divisor)
-            if self.plan.keep_unsharded_grads and unit.unsharded_grad is not None:
-                unit.unsharded_grad.zero_()
-        device = self._pending[0][0].device
-        if self._pending[0][0].host is not None and device.type != "cpu":
-            torch.accelerator.synchronize(device)  # the host may now read the shards copied asynchronously
-        self._pending.clear()
+        first = self._finished_since_wait[0]
+        if first.host is not None and first.device.type != "cpu":
+            torch.accelerator.synchronize(first.device)  # the host may now read the shards copied asynchronously
+        self._finished_since_wait.clear()
         self.on_reduced()
 
     def _clear(self) -> None:
@@ -159,6 +171,7 @@ class UnitHooks:
         for _, reduction in self._pending:
             reduction.pending.wait()
         self._pending.clear()
+        self._finished_since_wait.clear()
         for unit in self.units:
             unit.detach_grads()
             if not self.plan.params.persistent:

@@ -1,0 +1,197 @@
+"""Memory estimates per device and per host, for every stage and offload setting, before launching.
+
+[Note: estimator]
+Model states are computed with the engine's own rules (the same `find_units` and `FlatLayout`
+on a meta-device model, so padding, tied weights and frozen parameters count exactly as they
+will), for Adam-type optimizers (two moments of the master dtype and a scalar step per parameter
+piece). The estimate equals what `hf_zero.model_state_memory` reports after the first step.
+
+On top of model states, a device holds, at its peak (the start of the backward pass):
+- gathered units (stage 3): the root unit (embeddings, final norm, head) and the largest block,
+  in the compute dtype; their unsharded gradient buffers while they run backward;
+- activations of a decoder LLM (eager attention): each layer saves, per token, 8h + 3I elements
+  in the compute dtype and aL attention probabilities in fp32 (plus their compute-dtype copy
+  under bf16/fp16), h hidden, I intermediate, a heads, L sequence length. Without activation
+  checkpointing the peak is at the start of the backward pass, with every layer's activations
+  saved; with it, each layer keeps only its input (h per token), and the peak is inside one
+  layer's backward, with that layer's activations recomputed.
+  The logits add B·L·V elements in the compute dtype, an fp32 copy when that is not fp32 (the
+  loss upcasts), and fp32 log-probabilities;
+- a reduction buffer of the largest unit in the reduce dtype.
+The activation coefficients were fitted on measured CPU runs of LLaMA (one configuration, with
+and without checkpointing) and checked on others: tests/test_estimate.py states the method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ZeroConfig
+from .engine.engine import ModelStateMemory
+from .engine.flat import FlatLayout
+from .engine.units import UnitSpec, find_units
+
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+_ADAM_STEP_BYTES = 4  # torch keeps Adam's `step` as a float32 scalar per parameter
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the activations depend on."""
+
+    micro_batch: int = 1
+    seq_len: int = 2048
+    gradient_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One row of the table: bytes per device (worst rank) and per host."""
+
+    stage: int
+    offload: str  # "none", "optimizer", "optimizer+params"
+    model_states: int
+    gathered_units: int
+    activations: int
+    buffers: int
+    host_per_node: int
+
+    @property
+    def device_total(self) -> int:
+        return self.model_states + self.gathered_units + self.activations + self.buffers
+
+
+def model_states(
+    specs: list[UnitSpec], config: ZeroConfig, world_size: int, rank: int, model_dtype: torch.dtype = torch.float32
+) -> ModelStateMemory:
+    """The model-state bytes rank `rank` holds after a step, by placement (`"device"` or `"host"`).
+
+    Example:
+
+    ```python
+    >>> with torch.device("meta"):
+    ...     model = AutoModelForCausalLM.from_config(config)
+    >>> model_states(find_units(model, "auto"), ZeroConfig(stage=3), world_size=8, rank=0).total()
+    ```
+    """
+    param_dtype = config.param_dtype or model_dtype
+    master_dtype = torch.float32 if config.param_dtype is not None else model_dtype
+    pd, md = _BYTES[param_dtype], _BYTES[master_dtype]
+    shards = 1 if config.stage == 0 else world_size
+    shard_rank = 0 if config.stage == 0 else rank
+    persistent = config.stage < 3
+    host = "host" if config.offload_optimizer else "device"
+    parts: dict[str, dict[str, int]] = {"parameters": {}, "gradients": {}, "optimizer_states": {}}
+
+    def add(category: str, where: str, n: int) -> None:
+        if n:
+            parts[category][where] = parts[category].get(where, 0) + n
+
+    for spec in specs:
+        layout = FlatLayout.build(spec.param_names, [p.shape for p in spec.params], shards)
+        s, padded = layout.shard_numel, layout.padded_numel
+        pieces = layout.local_pieces(shard_rank)
+        trainable = [(i, a, b) for i, a, b in pieces if spec.params[i].requires_grad]
+        has_grads = any(p.requires_grad for p in spec.params)
+        aliased_master = persistent and param_dtype == master_dtype and not config.offload_optimizer
+        if persistent:
+            add("parameters", "device", padded * pd)
+        elif config.offload_params:
+            add("parameters", "host", s * pd)  # may alias the host master (same dtype): counted once, here
+        else:
+            add("parameters", "device", s * pd)
+        master_is_param = aliased_master or (
+            not persistent and param_dtype == master_dtype and (config.offload_params or not config.offload_optimizer)
+        )
+        if not master_is_param:
+            add("optimizer_states", host, s * md)
+        if has_grads:
+            add("gradients", host, s * md)
+            if config.stage <= 1:
+                add("gradients", "device", padded * pd)  # the unsharded buffer, kept and reused
+        add("optimizer_states", host, sum(2 * (b - a) * md + _ADAM_STEP_BYTES for _, a, b in trainable))
+    return ModelStateMemory(**parts)
+
+
+def activation_bytes(config: Any, workload: Workload, dtype_bytes: int) -> int:
+    """Activations of one micro-batch of a decoder LLM on one device (see [Note: estimator])."""
+    h = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "ffn_hidden_size", None) or 4 * h
+    heads = config.num_attention_heads
+    layers = config.num_hidden_layers
+    b, seq = workload.micro_batch, workload.seq_len
+    upcast = 4 if dtype_bytes < 4 else 0  # an fp32 copy made from a bf16/fp16 tensor
+    per_layer = b * seq * ((8 * h + 3 * inter) * dtype_bytes + heads * seq * (4 + dtype_bytes * (upcast > 0)))
+    if workload.gradient_checkpointing:
+        layer_total = layers * b * seq * h * dtype_bytes + per_layer
+    else:
+        layer_total = layers * per_layer
+    logits = b * seq * config.vocab_size * (dtype_bytes + upcast + 4)
+    return layer_total + logits
+
+
+def estimate(
+    model: nn.Module,
+    hf_config: Any,
+    *,
+    world_size: int,
+    nodes: int = 1,
+    workload: Workload = Workload(),
+    mixed_precision: str = "bf16",
+) -> list[Estimate]:
+    """Rows for stages 0-3 with no offload, optimizer offload, and (stage 3) parameter offload.
+
+    `model` may live on the meta device (only shapes are read).
+    """
+    if world_size < 1 or nodes < 1 or world_size % nodes:
+        raise ValueError(f"--world-size ({world_size}) must be a positive multiple of --nodes ({nodes}).")
+    specs = find_units(model, "auto")
+    model_dtype = next(model.parameters()).dtype
+    rows = []
+    per_node = world_size // nodes
+    for stage in (0, 1, 2, 3):
+        for offload in ("none", "optimizer", "optimizer+params"):
+            if offload == "optimizer+params" and stage != 3:
+                continue
+            config = ZeroConfig(stage=stage, mixed_precision=mixed_precision,  # type: ignore[arg-type]
+                                offload_optimizer=offload != "none", offload_params=offload == "optimizer+params")
+            worst = max(
+                (model_states(specs, config, world_size, r, model_dtype) for r in {0, world_size - 1}),
+                key=lambda m: m.total("device"),
+            )
+            e = _BYTES[config.param_dtype or model_dtype]
+            unit_sizes = [sum(p.numel() for p in s.params) for s in specs]
+            root, largest_block = unit_sizes[-1], max(unit_sizes[:-1] or [0])
+            gathered = (root + largest_block) * e * 2 if stage == 3 else 0  # parameters + their gradients
+            reduce_bytes = _BYTES[config.resolved_reduce_dtype or config.param_dtype or model_dtype]
+            buffers = max(unit_sizes) * reduce_bytes
+            if stage == 2:
+                buffers += (root + largest_block) * e  # unsharded gradients of the running units
+            rows.append(Estimate(
+                stage=stage, offload=offload, model_states=worst.total("device"), gathered_units=gathered,
+                activations=activation_bytes(hf_config, workload, e), buffers=buffers,
+                host_per_node=worst.total("host") * per_node,
+            ))
+    return rows
+
+
+def format_table(rows: list[Estimate], device_memory: int | None = None) -> str:
+    """A markdown table of the rows (GiB), with a 'fits' column when the device size is given."""
+    gib = 2**30
+    head = "| stage | offload | model states | gathered units | activations | buffers | per device | host per node |"
+    sep = "|---|---|---|---|---|---|---|---|"
+    if device_memory is not None:
+        head, sep = head + " fits |", sep + "---|"
+    lines = [head, sep]
+    for r in rows:
+        line = (f"| {r.stage} | {r.offload} | {r.model_states / gib:.2f} | {r.gathered_units / gib:.2f} | "
+                f"{r.activations / gib:.2f} | {r.buffers / gib:.2f} | {r.device_total / gib:.2f} | "
+                f"{r.host_per_node / gib:.1f} |")
+        if device_memory is not None:
+            line += f" {'yes' if r.device_total <= device_memory else 'no'} |"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""The memory estimator: exact model states, totals close to measured peaks, the CLI on big configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_zero
+from hf_zero.engine.units import find_units
+from hf_zero.estimate import model_states
+from tests._training import Scenario, _freeze, make_model, sharded_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    "sc",
+    [
+        Scenario(model="llama", stage=0, world=2),
+        Scenario(model="llama", stage=1, world=3, frozen=("layers.0.mlp", "embed_tokens")),
+        Scenario(model="llama", stage=2, world=2, config_overrides=(("offload_optimizer", True),)),
+        Scenario(model="falcon", stage=3, world=3, mixed_precision="bf16"),
+        Scenario(model="falcon", stage=3, world=2,
+                 config_overrides=(("offload_optimizer", True), ("offload_params", True))),
+        Scenario(model="llama", stage=3, world=2, mixed_precision="bf16", config_overrides=(("offload_optimizer", True),)),
+    ],
+    ids=lambda sc: f"{sc.model}-stage{sc.stage}-w{sc.world}-{sc.mixed_precision}-{len(sc.config_overrides)}off-{len(sc.frozen)}frozen",
+)
+def test_estimated_model_states_equal_the_engine_accounting(pools, sc):
+    """Byte for byte, per rank and per placement, after the first optimizer step."""
+    results = pools(sc.world).values(sharded_run, replace_steps(sc))
+    model = make_model(sc.model)
+    _freeze(model, sc.frozen)
+    config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, **dict(sc.config_overrides))
+    specs = find_units(model, "auto")
+    for rank, result in enumerate(results):
+        measured = result["memory"]
+        estimated = model_states(specs, config, sc.world, rank)
+        for category in ("parameters", "gradients", "optimizer_states"):
+            got = {("device" if k == "cpu" else k): v for k, v in getattr(measured, category).items()}
+            assert got == getattr(estimated, category), (rank, category)
+
+
+def replace_steps(sc: Scenario) -> Scenario:
+    from dataclasses import replace
+
+    return replace(sc, steps=1, accum=1)
+
+
+def _measured_and_estimated(tmp_path: Path, stage: int, batch: int, seq: int, checkpointing: bool) -> list[tuple[int, int]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "_train_memory.py"), str(tmp_path), str(stage), str(batch), str(seq),
+           "1" if checkpointing else "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line[:1].isdigit()]
+    return [(int(m), int(e)) for _, m, e in rows]
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("est-model")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+    config._attn_implementation = "eager"
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("stage, batch, seq, checkpointing", [(3, 8, 128, False), (2, 2, 384, True), (1, 4, 200, False)])
+def test_estimated_total_is_within_15_percent_of_the_measured_peak(small_llama, stage, batch, seq, checkpointing):
+    """Method: a real training step of an 11M-parameter LLaMA on 2 ranks (torchrun, gloo, fp32 AdamW),
+    loaded straight into shards. After a warm-up step, one step runs under torch.profiler with memory
+    profiling; the CPU allocator's running "Total Allocated" gives the peak allocated above the model
+    states present at the start (the CPU counterpart of torch.cuda.max_memory_allocated). Measured
+    peak = those model states + that maximum. The estimate is the table's per-device total for the
+    same stage, world size, micro-batch and sequence length (measured: within 2.5% for these three)."""
+    for measured, estimated in _measured_and_estimated(small_llama, stage, batch, seq, checkpointing):
+        assert abs(estimated - measured) <= 0.15 * measured, (measured, estimated)
+
+
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+             "max_position_embeddings": 8192, "tie_word_embeddings": False}
+FALCON_40B = {"model_type": "falcon", "hidden_size": 8192, "num_hidden_layers": 60, "num_attention_heads": 128,
+              "num_kv_heads": 8, "new_decoder_architecture": True, "parallel_attn": True, "bias": False,
+              "vocab_size": 65024}
+
+
+@pytest.mark.parametrize("name, config", [("llama-70b", LLAMA_70B), ("falcon-40b", FALCON_40B)])
+def test_cli_prints_the_table_for_big_configs(tmp_path, name, config):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(path), "--world-size", "16", "--nodes", "2",
+           "--seq-len", "4096", "--micro-batch", "1", "--gradient-checkpointing", "--dtype", "bf16",
+           "--device-memory", "80GB"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 9  # stages 0-3 x offload settings
+    params = float(done.stdout.split(": ")[1].split("B parameters")[0]) * 1e9
+    stage3 = next(r for r in rows if r.startswith("| 3 | none |")).split("|")
+    # bf16 parameters, fp32 master, fp32 gradient shards and Adam moments: 18 bytes per parameter / 16 ranks
+    assert float(stage3[3]) == pytest.approx(18 * params / 16 / 2**30, rel=0.01)
+    fits = {r.split("|")[2].strip() + str(r.split("|")[1].strip()): r.split("|")[-2].strip() for r in rows}
+    assert fits["none0"] == "no" and fits["optimizer+params3"] == "yes"
+
+
+def test_cli_estimate_errors(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(tmp_path / "x.json"),
+                           "--world-size", "8"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no such config.json or model directory" in done.stderr
+    (tmp_path / "c.json").write_text(json.dumps(LLAMA_70B))
+    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(tmp_path / "c.json"),
+                           "--world-size", "9", "--nodes", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "must be a positive multiple of --nodes" in done.stderr
