@@ -80,6 +80,11 @@ def initialize(
     try:
         _check_arguments(model, optimizer, config)
         cfg = config or cfg
+        if cfg.shard_group_size is not None and world.size % cfg.shard_group_size:
+            raise ValueError(
+                f"ZeroConfig.shard_group_size ({cfg.shard_group_size}) must divide the world size ({world.size}); "
+                "use the number of ranks per node."
+            )
         specs = find_units(model, cfg.wrap)
         if weights_from is not None:
             source = SafetensorsSource(weights_from, model)

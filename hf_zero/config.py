@@ -64,6 +64,17 @@ class ZeroConfig:
             Stage 3 only, with `offload_optimizer`: the sharded parameters live in host memory
             too, and each unit's shard is copied to the device just before its all-gather. The
             device then holds only the gathered units; each gather costs one host-to-device copy.
+        shard_group_size (`int`, *optional*):
+            Hybrid sharding (FSDP's HYBRID_SHARD, ZeRO++ hpZ): shard within groups of this many
+            consecutive ranks (usually the ranks of one node) and replicate across the groups.
+            Gradients are reduce-scattered inside a group and all-reduced across groups, so the
+            large collectives stay on the node's fast links; model states per rank are those of
+            a world of `shard_group_size` ranks. Must divide the world size. `None` shards over
+            every rank.
+        group_timeout_s (`float`, *optional*, defaults to 600):
+            Timeout of the process groups hf_zero creates (hybrid sharding): a rank that stops
+            answering makes the others raise after this long instead of hanging. The default
+            process group's timeout is the launcher's (`--ddp_timeout` with the Trainer).
         initial_loss_scale (`float`, *optional*, defaults to 65536.0):
             Starting loss scale for fp16 (ignored otherwise). The scale halves on overflow and
             doubles after `loss_scale_window` clean steps.
@@ -87,6 +98,8 @@ class ZeroConfig:
     sync_module_states: bool = True
     offload_optimizer: bool = False
     offload_params: bool = False
+    shard_group_size: int | None = None
+    group_timeout_s: float = 600.0
     initial_loss_scale: float = 65536.0
     loss_scale_window: int = 1000
 
@@ -111,6 +124,17 @@ class ZeroConfig:
                 "stage 3, and their master copy is updated where the optimizer runs. Set stage=3, "
                 "offload_optimizer=True (or drop offload_params)."
             )
+        if self.shard_group_size is not None and (
+            isinstance(self.shard_group_size, bool) or not isinstance(self.shard_group_size, int) or self.shard_group_size < 1
+        ):
+            raise ValueError(
+                f"ZeroConfig.shard_group_size must be None or a positive int (e.g. the GPUs per node); "
+                f"got {self.shard_group_size!r}."
+            )
+        if self.shard_group_size is not None and self.stage == 0:
+            raise ValueError("ZeroConfig.shard_group_size needs stage 1, 2 or 3: stage 0 shards nothing.")
+        if not (isinstance(self.group_timeout_s, (int, float)) and self.group_timeout_s > 0):
+            raise ValueError(f"ZeroConfig.group_timeout_s must be > 0 seconds; got {self.group_timeout_s!r}.")
         if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):
             raise ValueError(f"ZeroConfig.initial_loss_scale must be > 0; got {self.initial_loss_scale!r}.")
         if isinstance(self.loss_scale_window, bool) or not isinstance(self.loss_scale_window, int) or (

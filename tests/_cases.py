@@ -189,3 +189,8 @@ def train_from_pretrained(path: str, mode: str, stage: int, steps: int = 3) -> d
 def initialize_from(path: str) -> None:
     model = make_model("llama")
     hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3), weights_from=path)
+
+
+def initialize_with_config(kwargs: dict[str, Any]) -> None:
+    model = make_model("llama")
+    hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(**kwargs))

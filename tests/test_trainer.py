@@ -83,6 +83,9 @@ def test_zero_stage_parsed_from_the_command_line():
         ({"zero_wrap": " , "}, "--zero_wrap must be 'auto' or comma-separated module class names"),
         ({"bf16": True, "fp16": True}, "Pass at most one of --bf16 and --fp16"),
         ({"zero_stage": 2, "zero_offload_params": True}, "ZeroConfig.offload_params needs stage=3"),
+        ({"zero_hybrid_shard": True, "zero_shard_group_size": 2}, "Pass --zero_hybrid_shard or --zero_shard_group_size"),
+        ({"zero_shard_group_size": 0}, "ZeroConfig.shard_group_size must be None or a positive int"),
+        ({"zero_stage": 0, "zero_shard_group_size": 2}, "ZeroConfig.shard_group_size needs stage 1, 2 or 3"),
     ],
 )
 def test_refused_combinations(kwargs, message):
@@ -101,6 +104,17 @@ def test_precision_follows_the_launcher_unless_a_flag_says_otherwise(monkeypatch
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
     with pytest.raises(ValueError, match="hf_zero supports mixed precision 'no', 'bf16' or 'fp16'"):
         hf_zero.ZeroTrainingArguments(output_dir="out", use_cpu=True)
+
+
+def test_hybrid_shard_flag_takes_the_node_size_from_the_launcher(monkeypatch):
+    import hf_zero
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = hf_zero.ZeroTrainingArguments(output_dir="out", use_cpu=True, zero_hybrid_shard=True)
+    assert args.to_zero_config().shard_group_size == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ValueError, match="takes the group size from LOCAL_WORLD_SIZE"):
+        hf_zero.ZeroTrainingArguments(output_dir="out", use_cpu=True, zero_hybrid_shard=True)
 
 
 def test_zero_trainer_refuses_plain_training_arguments(tmp_path):

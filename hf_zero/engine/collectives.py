@@ -12,6 +12,7 @@ current stream wait on it, on gloo it runs on gloo's own threads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import datetime
 from typing import Any, Sequence
 
 import torch
@@ -58,6 +59,33 @@ class Pending:
         if self.work is not None:
             self.work.wait()
             self.work = None
+
+
+def hybrid_groups(world: CommGroup, group_size: int, timeout_s: float) -> tuple[CommGroup, CommGroup]:
+    """This rank's shard group (`group_size` consecutive ranks) and replicate group (the ranks at the
+    same position in every shard group). Every rank creates every group, in the same order."""
+    if world.size % group_size:
+        raise ValueError(
+            f"ZeroConfig.shard_group_size ({group_size}) must divide the world size ({world.size}); use the "
+            "number of ranks per node."
+        )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    n_groups = world.size // group_size
+    rank = world.rank
+    shard = replicate = None
+    for g in range(n_groups):
+        ranks = list(range(g * group_size, (g + 1) * group_size))
+        pg = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            shard = CommGroup(pg=pg, rank=ranks.index(rank), size=group_size)
+    for i in range(group_size):
+        ranks = [g * group_size + i for g in range(n_groups)]
+        pg = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            replicate = CommGroup(pg=pg, rank=ranks.index(rank), size=n_groups)
+    if shard is None or replicate is None:
+        raise RuntimeError(f"[rank {rank}] hf_zero: rank not in its own hybrid groups")
+    return shard, replicate
 
 
 def comm_device(group: CommGroup) -> torch.device:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .collectives import CommGroup
+from .collectives import CommGroup, hybrid_groups
 from .flat import FlatUnit
 
 
@@ -72,8 +72,11 @@ class StagePlan:
         return self.shard_group.size * self.replicate_group.size
 
 
-def plan_for_stage(stage: int, world: CommGroup) -> StagePlan:
+def plan_for_stage(stage: int, world: CommGroup, shard_group_size: int | None = None, timeout_s: float = 600.0) -> StagePlan:
     """The `StagePlan` of `stage` over the process group `world`.
+
+    With `shard_group_size`, stages 1-3 shard within groups of that many consecutive ranks and
+    replicate across groups (hybrid sharding); the world size must be a multiple of it.
 
     Example:
 
@@ -86,10 +89,13 @@ def plan_for_stage(stage: int, world: CommGroup) -> StagePlan:
     single = CommGroup.single()
     if stage == 0:
         return StagePlan(0, single, world, PersistentParams(), keep_unsharded_grads=True)
+    shard, replicate = world, single
+    if shard_group_size is not None and shard_group_size != world.size:
+        shard, replicate = hybrid_groups(world, shard_group_size, timeout_s)
     return StagePlan(
         stage,
-        world,
-        single,
+        shard,
+        replicate,
         ShardedParams() if stage == 3 else PersistentParams(),
         keep_unsharded_grads=stage == 1,
     )

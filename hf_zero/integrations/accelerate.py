@@ -54,6 +54,7 @@ class ZeroPlugin:
         sync_module_states (`bool`, *optional*, defaults to `True`): as `ZeroConfig.sync_module_states`.
         offload_optimizer (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_optimizer`.
         offload_params (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_params`.
+        shard_group_size (`int`, *optional*): hybrid sharding, as `ZeroConfig.shard_group_size`.
 
     Example:
 
@@ -68,6 +69,7 @@ class ZeroPlugin:
     sync_module_states: bool = _DEFAULT.sync_module_states
     offload_optimizer: bool = _DEFAULT.offload_optimizer
     offload_params: bool = _DEFAULT.offload_params
+    shard_group_size: int | None = _DEFAULT.shard_group_size
 
     def __post_init__(self) -> None:
         self.to_zero_config("no")  # validates every field, with ZeroConfig's messages
@@ -79,6 +81,7 @@ class ZeroPlugin:
             reduce_dtype=self.reduce_dtype,  # type: ignore[arg-type]
             wrap=self.wrap, sync_module_states=self.sync_module_states,
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
+            shard_group_size=self.shard_group_size,
         )
 
 

@@ -60,6 +60,15 @@ class ZeroTrainingArguments(TrainingArguments):
         metadata={"help": "Stage 3 with --zero_offload_optimizer: the parameter shards live in host memory too and "
                           "are copied to the device before each gather."},
     )
+    zero_hybrid_shard: bool = field(
+        default=False,
+        metadata={"help": "Hybrid sharding: shard within each node (the launcher's LOCAL_WORLD_SIZE ranks) and replicate "
+                          "across nodes, so the big collectives stay inside the node."},
+    )
+    zero_shard_group_size: int | None = field(
+        default=_DEFAULT.shard_group_size,
+        metadata={"help": "Hybrid sharding with an explicit group size (must divide the world size)."},
+    )
     zero_sync_module_states: bool = field(
         default=_DEFAULT.sync_module_states,
         metadata={"help": "Broadcast rank 0's weights to every rank when sharding (as DDP does)."},
@@ -107,8 +116,19 @@ class ZeroTrainingArguments(TrainingArguments):
             wrap = tuple(name.strip() for name in wrap.split(",") if name.strip())
             if not wrap:
                 raise ValueError("--zero_wrap must be 'auto' or comma-separated module class names.")
+        group_size = self.zero_shard_group_size
+        if self.zero_hybrid_shard:
+            if group_size is not None:
+                raise ValueError("Pass --zero_hybrid_shard or --zero_shard_group_size, not both.")
+            group_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+            if group_size is None:
+                raise ValueError(
+                    "--zero_hybrid_shard takes the group size from LOCAL_WORLD_SIZE, which the launcher (accelerate "
+                    "launch, torchrun) sets; it is not set here. Pass --zero_shard_group_size N instead."
+                )
         return ZeroConfig(
             stage=self.zero_stage,
+            shard_group_size=group_size,
             mixed_precision=mixed,
             reduce_dtype=self.zero_reduce_dtype,  # type: ignore[arg-type]
             wrap=wrap,
