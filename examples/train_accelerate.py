@@ -59,8 +59,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    steps = [int(m.group(1)) for d in os.listdir(output_dir) if (m := re.fullmatch(r"step_(\d+)", d))] if os.path.isdir(output_dir) else []
-    return os.path.join(output_dir, f"step_{max(steps)}") if steps else None
+    """The newest complete step_N (a save that was interrupted is skipped)."""
+    last = hf_zero.last_complete_checkpoint(output_dir, r"step_(\d+)")
+    return str(last) if last is not None else None
 
 
 def evaluate(accelerator: hf_zero.ZeroAccelerator, model: torch.nn.Module, loader: DataLoader) -> float:

@@ -21,7 +21,6 @@ import sys
 from dataclasses import dataclass, field
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, default_data_collator, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 import hf_zero
 from clm_data import load_corpus
@@ -75,7 +74,7 @@ def main() -> None:
     )
     resume = args.resume_from_checkpoint
     if resume in ("True", "true", True):
-        resume = get_last_checkpoint(args.output_dir)
+        resume = True  # ZeroTrainer takes the last *complete* checkpoint-N
     before = trainer.evaluate(metric_key_prefix="before")
     result = trainer.train(resume_from_checkpoint=resume)
     after = trainer.evaluate(metric_key_prefix="after")

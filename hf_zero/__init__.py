@@ -9,7 +9,7 @@ Example:
 """
 
 from .api import attach_optimizer, full_state_dict, initialize, model_state_memory
-from .checkpoint import consolidate, load_checkpoint, save_checkpoint, save_pretrained
+from .checkpoint import consolidate, last_complete_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
 from .integrations.pretrained import from_pretrained
@@ -46,6 +46,7 @@ __all__ = [
     "from_pretrained",
     "full_state_dict",
     "initialize",
+    "last_complete_checkpoint",
     "load_checkpoint",
     "model_state_memory",
     "save_checkpoint",

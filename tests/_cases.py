@@ -194,3 +194,33 @@ def initialize_from(path: str) -> None:
 def initialize_with_config(kwargs: dict[str, Any]) -> None:
     model = make_model("llama")
     hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(**kwargs))
+
+
+def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dict[str, Any]:
+    """Save to `path` (a good checkpoint may already be there) while `failing_rank` hits an OSError."""
+    import errno as errno_module
+    import os
+
+    import hf_zero.checkpoint.save as save_module
+
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    original = save_module.save_file
+
+    def failing_save_file(tensors, filename, metadata=None):  # noqa: ANN001
+        if dist.get_rank() == failing_rank and errno_code is not None:
+            raise OSError(errno_code, os.strerror(errno_code), filename)
+        return original(tensors, filename, metadata=metadata)
+
+    save_module.save_file = failing_save_file
+    start = time.monotonic()
+    try:
+        hf_zero.save_checkpoint(path, model, opt, metadata={"attempt": "second"})
+        outcome = {"error_type": None, "error": None}
+    except Exception as e:  # noqa: BLE001
+        outcome = {"error_type": type(e).__name__, "error": str(e)}
+    finally:
+        save_module.save_file = original
+    outcome["seconds"] = time.monotonic() - start
+    del errno_module
+    return outcome

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,31 @@ def check_files(directory: Path, manifest: Manifest, names: list[str], verify: b
                 f"Checkpoint file {path} is corrupted: its SHA-256 does not match the manifest. Copy it again, "
                 "or resume from another checkpoint (verify=False skips this check)."
             )
+
+
+def last_complete_checkpoint(
+    output_dir: str | os.PathLike[str], pattern: str = r"checkpoint-(\d+)", subdir: str = "hf_zero",
+    also_required: tuple[str, ...] = (),
+) -> Path | None:
+    """The newest `output_dir/<pattern>` directory whose hf_zero checkpoint is complete.
+
+    A save that was killed leaves its directory without a manifest (and, for the Trainer, without
+    `trainer_state.json`): it is skipped, so a run resumes from the last checkpoint that is whole.
+
+    Example:
+
+    ```python
+    >>> last_complete_checkpoint("out")                      # Trainer runs: out/checkpoint-N/hf_zero
+    PosixPath('out/checkpoint-400')
+    >>> last_complete_checkpoint("out", r"step_(\\d+)")       # Accelerate runs: out/step_N/hf_zero
+    ```
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    found = []
+    for child in root.iterdir():
+        match = re.fullmatch(pattern, child.name)
+        if match and (child / subdir / MANIFEST).is_file() and all((child / f).exists() for f in also_required):
+            found.append((int(match.group(1)), child))
+    return max(found)[1] if found else None

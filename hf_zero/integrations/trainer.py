@@ -33,6 +33,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 
 from ..api import attach_optimizer, initialize
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from ..checkpoint.format import last_complete_checkpoint
 from ..engine.module import is_sharded
 from ..engine.optim import ShardedOptimizer
 from .training_args import ZeroTrainingArguments
@@ -128,6 +129,16 @@ class ZeroTrainer(Trainer):
             reissue_pt_warnings(caught)
 
     # ---- resuming ---------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """As `Trainer.train`; `resume_from_checkpoint=True` takes the last *complete* checkpoint-N
+        (one whose save was interrupted is skipped)."""
+        if resume_from_checkpoint is True:
+            last = last_complete_checkpoint(self.args.output_dir, also_required=("trainer_state.json",))
+            if last is None:
+                raise ValueError(f"No complete hf_zero checkpoint in {self.args.output_dir} to resume from.")
+            resume_from_checkpoint = str(last)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)):
             self._zero_resume_from = resume_from_checkpoint  # loaded into the shards once they exist

@@ -1,0 +1,90 @@
+"""Faults lose nothing: a rank killed mid-save, a full disk, an unwritable folder, a damaged shard."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hf_zero
+from tests import _cases
+from tests._training import Scenario, sharded_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_rank_killed_during_save_leaves_the_previous_checkpoint_and_resume_works(pools, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "_kill_during_save.py"), str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0 and "unreachable" not in done.stdout
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "step_2" in names and "step_3" not in names  # the new checkpoint never appeared at its name
+    staging = [n for n in names if n.startswith(".step_3.incomplete-")]
+    assert staging and not (tmp_path / staging[0] / "hf_zero_manifest.json").exists()  # recognisably incomplete
+    assert hf_zero.last_complete_checkpoint(tmp_path, r"step_(\d+)", subdir="") == tmp_path / "step_2"
+
+    sc = Scenario(model="llama", stage=3, world=2, steps=5)
+    straight = pools(2).values(sharded_run, sc)[0]
+    resumed = pools(2).values(sharded_run, replace(sc, seed=1, start_step=2, load_from=str(tmp_path / "step_2")))[0]
+    assert resumed["losses"] == straight["losses"][2:]  # the previous checkpoint is whole and verified
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["disk-full", "read-only"])
+def test_write_failure_on_one_rank_raises_everywhere_and_keeps_the_old_checkpoint(pools, tmp_path, code):
+    ckpt = tmp_path / "ckpt"
+    pools(2).values(sharded_run, Scenario(model="llama", stage=3, world=2, steps=1, accum=1, save_to=str(ckpt)))
+    before = (ckpt / "hf_zero_manifest.json").read_text()
+    results = pools(2).values(_cases.save_with_fault, str(ckpt), 1, code)
+    assert results[1]["error_type"] == "OSError" and os.strerror(code) in results[1]["error"]
+    assert results[0]["error_type"] == "OSError" and "failed on rank(s) [1]" in results[0]["error"]
+    assert all(r["seconds"] < 30 for r in results)  # nobody waited for a timeout
+    assert (ckpt / "hf_zero_manifest.json").read_text() == before  # the previous checkpoint is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # and the half-written one is gone
+    for r in pools(2).values(_cases.load_into_fresh_model, str(ckpt), "llama", 3):
+        assert r["error_type"] is None  # it still loads, checksums verified
+
+
+def test_unwritable_location_is_a_clear_error_on_every_rank(pools, tmp_path):
+    """A real filesystem error, no injection: the checkpoint's parent is a regular file."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    start = time.monotonic()
+    for r in pools(2).run(_cases.save_with_fault, str(blocker / "ckpt"), -1, None):
+        assert r.ok and r.value["error_type"] == "OSError" and "not-a-dir" in r.value["error"], r
+    assert time.monotonic() - start < 60
+    assert blocker.read_text() == "x"
+
+
+def test_one_rank_with_invalid_input_makes_all_raise_within_seconds(pools):
+    start = time.monotonic()
+    results = pools(2).run(_cases.initialize_with_wrap, ["auto", ["NoSuchLayer"]], timeout=60)
+    assert time.monotonic() - start < 20
+    assert [r.error_type for r in results] == ["ValueError", "ValueError"]
+
+
+def test_trainer_resumes_from_the_last_complete_checkpoint(pools, tmp_path):
+    """checkpoint-4's save was cut short (no manifest, no trainer_state.json, as a killed save leaves
+    it): resume_from_checkpoint=True takes checkpoint-2 and finishes like an uninterrupted run."""
+    from tests import _trainer_cases as tc
+
+    job = tc.Job(kind="llama", stage=3, world=2, save_steps=2, steps=6)
+    straight = pools(2).values(tc.run, replace(job, out_dir=str(tmp_path / "straight")))[0]
+    out = tmp_path / "run"
+    pools(2).values(tc.run, replace(job, out_dir=str(out), stop_after=4))
+    (out / "checkpoint-4" / "hf_zero" / "hf_zero_manifest.json").unlink()
+    (out / "checkpoint-4" / "trainer_state.json").unlink()
+    resumed = pools(2).values(tc.run, replace(job, out_dir=str(out), seed=1, resume_from=True))[0]
+    assert resumed["losses"][2:] == straight["losses"][2:]  # steps 3-6 after resuming at checkpoint-2
+    manifest = json.loads((out / "checkpoint-6" / "hf_zero" / "hf_zero_manifest.json").read_text())
+    assert manifest["user"] == {"global_step": 6}
+    np.testing.assert_array_equal(resumed["state"]["lm_head.weight"].numpy(), straight["state"]["lm_head.weight"].numpy())
