@@ -23,13 +23,11 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    import torch
-
     from .checkpoint.writer import parse_size
     from .estimate import Workload, estimate, format_table
 
     hf_config, model = _meta_model(args.model, args.dtype)
-    device_memory = parse_size(args.device_memory) if args.device_memory else None
+    device_memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
                         gradient_checkpointing=args.gradient_checkpointing)
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
@@ -40,7 +38,6 @@ def _estimate(args: argparse.Namespace) -> int:
           f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, fp32 Adam; "
           f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}. GiB per device / per node:")
     print(format_table(rows, device_memory))
-    del torch
     return 0
 
 
@@ -61,9 +58,8 @@ def _meta_model(path: str, dtype: str) -> tuple[object, object]:
         config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     else:
         raise FileNotFoundError(f"--model {path}: no such config.json or model directory.")
-    model_dtype = torch.float32 if dtype == "fp32" else torch.float32
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=model_dtype)
+    with torch.device("meta"):  # the checkpoint's own dtype does not matter: master weights are fp32
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return config, model
 
 

@@ -69,11 +69,35 @@ def test_memory_drops_with_stage(pools):
         ({"wrap": []}, "ZeroConfig.wrap must be 'auto' or a non-empty list of module class names"),
         ({"sync_module_states": "yes"}, "ZeroConfig.sync_module_states must be a bool"),
         ({"initial_loss_scale": 0}, "ZeroConfig.initial_loss_scale must be > 0"),
+        ({"loss_scale_window": 0}, "ZeroConfig.loss_scale_window must be an int >= 1"),
+        ({"offload_optimizer": "yes"}, "ZeroConfig.offload_optimizer must be a bool"),
+        ({"offload_params": True, "offload_optimizer": True, "stage": 2}, "ZeroConfig.offload_params needs stage=3"),
+        ({"offload_params": True}, "ZeroConfig.offload_params needs stage=3 and offload_optimizer=True"),
+        ({"shard_group_size": -2}, "ZeroConfig.shard_group_size must be None or a positive int"),
+        ({"group_timeout_s": 0}, "ZeroConfig.group_timeout_s must be > 0 seconds"),
     ],
 )
 def test_bad_config_raises_clear_error(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("(", r"\(")):
         hf_zero.ZeroConfig(**kwargs)
+
+
+def test_zero_plugin_validates_with_the_config_messages():
+    with pytest.raises(ValueError, match="ZeroConfig.stage must be 0, 1, 2 or 3"):
+        hf_zero.ZeroPlugin(zero_stage=7)
+    with pytest.raises(ValueError, match="ZeroConfig.offload_params needs stage=3"):
+        hf_zero.ZeroPlugin(zero_stage=1, offload_params=True)
+    with pytest.raises(TypeError, match="zero_plugin must be a ZeroPlugin"):
+        hf_zero.ZeroAccelerator(zero_plugin={"zero_stage": 3})
+
+
+def test_cli_size_arguments_are_checked():
+    from hf_zero.checkpoint.writer import parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
+    for bad in ("lots", "-5GB", "0", "5XB"):
+        with pytest.raises(ValueError, match="max_shard_size must"):
+            parse_size(bad)
 
 
 def test_config_is_frozen():

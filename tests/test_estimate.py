@@ -124,3 +124,6 @@ def test_cli_estimate_errors(tmp_path):
     done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(tmp_path / "c.json"),
                            "--world-size", "9", "--nodes", "2"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "must be a positive multiple of --nodes" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(tmp_path / "c.json"),
+                           "--world-size", "8", "--device-memory", "eighty"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--device-memory must look like '5GB'" in done.stderr

@@ -27,7 +27,7 @@ _WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def parse_size(size: int | str) -> int:
+def parse_size(size: int | str, name: str = "max_shard_size") -> int:
     """Bytes in `5GB`, `500MB`, `2GiB` or an int (HF's convention: GB = 10**9, GiB = 2**30).
 
     Example:
@@ -42,10 +42,10 @@ def parse_size(size: int | str) -> int:
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
         if not match or match.group(2).upper() not in _UNITS:
-            raise ValueError(f"max_shard_size must look like '5GB', '500MB' or '2GiB'; got {size!r}.")
+            raise ValueError(f"{name} must look like '5GB', '500MB' or '2GiB'; got {size!r}.")
         value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
     if value <= 0:
-        raise ValueError(f"max_shard_size must be positive; got {size!r}.")
+        raise ValueError(f"{name} must be positive; got {size!r}.")
     return value
 
 
