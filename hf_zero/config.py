@@ -64,6 +64,11 @@ class ZeroConfig:
             Stage 3 only, with `offload_optimizer`: the sharded parameters live in host memory
             too, and each unit's shard is copied to the device just before its all-gather. The
             device then holds only the gathered units; each gather costs one host-to-device copy.
+        prefetch (`int`, *optional*, defaults to 1):
+            Stage 3: how many units' all-gathers are issued ahead of the running unit (in forward
+            order, and in reverse order during backward; the order is learned from the first
+            forward), so communication overlaps computation. Each adds one gathered unit to the
+            device memory peak; 0 gathers each unit only when it is needed.
         shard_group_size (`int`, *optional*):
             Hybrid sharding (FSDP's HYBRID_SHARD, ZeRO++ hpZ): shard within groups of this many
             consecutive ranks (usually the ranks of one node) and replicate across the groups.
@@ -98,6 +103,7 @@ class ZeroConfig:
     sync_module_states: bool = True
     offload_optimizer: bool = False
     offload_params: bool = False
+    prefetch: int = 1
     shard_group_size: int | None = None
     group_timeout_s: float = 600.0
     initial_loss_scale: float = 65536.0
@@ -124,6 +130,8 @@ class ZeroConfig:
                 "stage 3, and their master copy is updated where the optimizer runs. Set stage=3, "
                 "offload_optimizer=True (or drop offload_params)."
             )
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"ZeroConfig.prefetch must be an int >= 0 (units gathered ahead); got {self.prefetch!r}.")
         if self.shard_group_size is not None and (
             isinstance(self.shard_group_size, bool) or not isinstance(self.shard_group_size, int) or self.shard_group_size < 1
         ):

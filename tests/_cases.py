@@ -68,17 +68,22 @@ def tied_weights_stay_tied() -> dict[str, Any]:
     }
 
 
-def gathered_units_during_training(stage: int, checkpointing: bool) -> dict[str, Any]:
-    """How many units are whole while each block runs forward, and what is left after backward."""
+def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: int = 1) -> dict[str, Any]:
+    """How many units are whole (or being gathered) while each block runs forward in the second
+    iteration (the first one teaches the engine the order), and what is left after backward."""
     model = make_model("llama")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
+    config = hf_zero.ZeroConfig(stage=stage, prefetch=prefetch)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
     engine = model.zero_engine
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
     counts: list[int] = []
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda m, a: counts.append(sum(u.is_unsharded for u in engine.units)))
-    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     loss = model(input_ids=batch, labels=batch).loss
     after_forward = sum(u.is_unsharded for u in engine.units)
     loss.backward()

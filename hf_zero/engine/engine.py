@@ -104,6 +104,7 @@ class ZeroEngine:
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
         self.hooks = UnitHooks(self.units, self.plan, self.scaler.scale_outputs if self.scaler else None)
         self.hooks.grad_divisor = self._grad_divisor
+        self.hooks.prefetch = config.prefetch
         self.hooks.on_reduced = self._mark_has_grads
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, once attached

@@ -134,6 +134,7 @@ class FlatUnit:
         with torch.no_grad():
             source.fill(self.layout, spec.params, shard_group.rank, self.sharded_master)
         self.sharded_param = None
+        self._prefetched: Pending | None = None  # an issued, not yet waited, gather of this unit
         if not persistent_params:
             shard_device = host if offload_params and host is not None else device
             if self.sharded_master.device == shard_device and param_dtype == master_dtype:
@@ -177,6 +178,19 @@ class FlatUnit:
     def is_unsharded(self) -> bool:
         return self.unsharded_param.untyped_storage().nbytes() > 0
 
+    def prefetch(self) -> None:
+        """Issue this unit's gather asynchronously (it overlaps the running unit's compute)."""
+        if self.sharded_param is not None and self._prefetched is None and not self.is_unsharded:
+            self._prefetched = self.unshard(async_op=True)
+
+    def ensure_unsharded(self) -> None:
+        """Make the unsharded parameters ready: wait for a prefetch, or gather now."""
+        if self._prefetched is not None:
+            self._prefetched.wait()
+            self._prefetched = None
+        elif not self.is_unsharded:
+            self.unshard().wait()
+
     def unshard(self, async_op: bool = False) -> Pending:
         """Allocate the unsharded buffer and gather every rank's shard into it."""
         if self.sharded_param is None:
@@ -191,6 +205,9 @@ class FlatUnit:
 
     def reshard(self) -> None:
         """Free the unsharded buffer (stage 3); the parameters keep their shapes."""
+        if self._prefetched is not None:  # never free memory a collective is still writing
+            self._prefetched.wait()
+            self._prefetched = None
         self.unsharded_param.untyped_storage().resize_(0)
 
     def publish_master(self, async_op: bool = False) -> Pending:

@@ -44,8 +44,7 @@ class ShardedParams:
     persistent = False
 
     def before_compute(self, unit: FlatUnit) -> None:
-        if not unit.is_unsharded:
-            unit.unshard().wait()
+        unit.ensure_unsharded()
 
     def after_forward(self, unit: FlatUnit) -> None:
         unit.reshard()

@@ -55,6 +55,7 @@ class ZeroPlugin:
         offload_optimizer (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_optimizer`.
         offload_params (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_params`.
         shard_group_size (`int`, *optional*): hybrid sharding, as `ZeroConfig.shard_group_size`.
+        prefetch (`int`, *optional*, defaults to 1): as `ZeroConfig.prefetch`.
 
     Example:
 
@@ -70,6 +71,7 @@ class ZeroPlugin:
     offload_optimizer: bool = _DEFAULT.offload_optimizer
     offload_params: bool = _DEFAULT.offload_params
     shard_group_size: int | None = _DEFAULT.shard_group_size
+    prefetch: int = _DEFAULT.prefetch
 
     def __post_init__(self) -> None:
         self.to_zero_config("no")  # validates every field, with ZeroConfig's messages
@@ -81,7 +83,7 @@ class ZeroPlugin:
             reduce_dtype=self.reduce_dtype,  # type: ignore[arg-type]
             wrap=self.wrap, sync_module_states=self.sync_module_states,
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-            shard_group_size=self.shard_group_size,
+            shard_group_size=self.shard_group_size, prefetch=self.prefetch,
         )
 
 

@@ -60,6 +60,11 @@ class ZeroTrainingArguments(TrainingArguments):
         metadata={"help": "Stage 3 with --zero_offload_optimizer: the parameter shards live in host memory too and "
                           "are copied to the device before each gather."},
     )
+    zero_prefetch: int = field(
+        default=_DEFAULT.prefetch,
+        metadata={"help": "Stage 3: units gathered ahead of the running one (overlaps communication with compute; "
+                          "each adds one gathered unit of device memory). 0 disables."},
+    )
     zero_hybrid_shard: bool = field(
         default=False,
         metadata={"help": "Hybrid sharding: shard within each node (the launcher's LOCAL_WORLD_SIZE ranks) and replicate "
@@ -133,6 +138,7 @@ class ZeroTrainingArguments(TrainingArguments):
             reduce_dtype=self.zero_reduce_dtype,  # type: ignore[arg-type]
             wrap=wrap,
             sync_module_states=self.zero_sync_module_states,
+            prefetch=self.zero_prefetch,
             offload_optimizer=self.zero_offload_optimizer,
             offload_params=self.zero_offload_params,
         )
