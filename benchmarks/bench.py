@@ -1,0 +1,148 @@
+"""hf_zero beside DDP, FSDP2 (`fully_shard`) and DeepSpeed ZeRO on the same model, side by side.
+
+    python benchmarks/bench.py --preset small --rounds 3 --steps 5 --out benchmarks/results
+
+Each round runs every engine once, in order, as a fresh 2-process torchrun job (so machine drift
+hits every engine alike, and each job's peak memory is its own); DeepSpeed runs when it is
+installed. Reports tokens/s (median, min, max over rounds), the ratios that matter, peak
+resident memory per rank during training, model-state bytes per rank, and checks that every
+engine's losses agree with DDP's. Writes `<out>/<preset>.json`, `<out>/<preset>.md` and, with
+matplotlib, `<out>/<preset>.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENGINES = ["ddp", "hf_zero1", "hf_zero2", "hf_zero3", "hf_zero3_offload", "fsdp2", "fsdp2_noreshard", "ds1", "ds2", "ds3"]
+LABELS = {"ddp": "DDP", "hf_zero1": "hf_zero ZeRO-1", "hf_zero2": "hf_zero ZeRO-2", "hf_zero3": "hf_zero ZeRO-3",
+          "hf_zero3_offload": "hf_zero ZeRO-3 + offload", "fsdp2": "FSDP2 (reshard)", "fsdp2_noreshard": "FSDP2 (no reshard)",
+          "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3"}
+
+
+def run_one(engine: str, preset: str, steps: int, warmup: int, threads: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(HERE / "_worker.py"), "--engine", engine, "--preset", preset, "--steps", str(steps),
+               "--warmup", str(warmup), "--out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(HERE.parent)}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{engine} failed:\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
+    summary = {}
+    for engine, rounds in runs.items():
+        tps = [r[0]["tokens_per_s"] for r in rounds]
+        summary[engine] = {
+            "tokens_per_s": {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "all": tps},
+            "peak_rss_bytes_per_rank": max(rec["peak_rss_bytes"] for r in rounds for rec in r),
+            "model_state_bytes_per_rank": max(rec["model_state_bytes"] for rec in rounds[-1]),
+            "losses": rounds[-1][0]["losses"],
+            "params": rounds[-1][0]["params"],
+        }
+    return summary
+
+
+def ratios(summary: dict[str, dict]) -> list[tuple[str, float, float, float]]:
+    """(name, median, min, max) of per-round throughput ratios (the rounds pair the engines)."""
+    pairs = [("hf_zero ZeRO-3 / FSDP2 (reshard)", "hf_zero3", "fsdp2"),
+             ("hf_zero ZeRO-3 / DeepSpeed ZeRO-3", "hf_zero3", "ds3"),
+             ("hf_zero ZeRO-2 / DeepSpeed ZeRO-2", "hf_zero2", "ds2"),
+             ("hf_zero ZeRO-1 / DDP", "hf_zero1", "ddp"),
+             ("hf_zero ZeRO-3 / DDP", "hf_zero3", "ddp")]
+    out = []
+    for name, a, b in pairs:
+        if a in summary and b in summary:
+            r = [x / y for x, y in zip(summary[a]["tokens_per_s"]["all"], summary[b]["tokens_per_s"]["all"])]
+            out.append((name, statistics.median(r), min(r), max(r)))
+    return out
+
+
+def markdown(preset: str, summary: dict[str, dict], rs: list, rounds: int, steps: int) -> str:
+    mib = 2**20
+    first = next(iter(summary.values()))
+    lines = [f"### preset `{preset}`: LLaMA with {first['params'] / 1e6:.0f}M parameters, 2 ranks (gloo, CPU), "
+             f"fp32 AdamW; {rounds} interleaved rounds of {steps} timed steps",
+             "", "| engine | tokens/s median | min | max | peak RSS / rank (MiB) | model states / rank (MiB) |",
+             "|---|---|---|---|---|---|"]
+    for engine, s in summary.items():
+        t = s["tokens_per_s"]
+        state = f"{s['model_state_bytes_per_rank'] / mib:.0f}" if s["model_state_bytes_per_rank"] >= 0 else "n/a"
+        lines.append(f"| {LABELS[engine]} | {t['median']:.0f} | {t['min']:.0f} | {t['max']:.0f} | "
+                     f"{s['peak_rss_bytes_per_rank'] / mib:.0f} | {state} |")
+    lines += ["", "| ratio (tokens/s, paired by round) | median | min | max |", "|---|---|---|---|"]
+    lines += [f"| {n} | {m:.3f} | {lo:.3f} | {hi:.3f} |" for n, m, lo, hi in rs]
+    return "\n".join(lines) + "\n"
+
+
+def chart(path: Path, preset: str, summary: dict[str, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [LABELS[e] for e in summary]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    med = [s["tokens_per_s"]["median"] for s in summary.values()]
+    err = [[m - s["tokens_per_s"]["min"] for m, s in zip(med, summary.values())],
+           [s["tokens_per_s"]["max"] - m for m, s in zip(med, summary.values())]]
+    colors = ["tab:green" if n.startswith("hf_zero") else "tab:gray" for n in names]
+    ax1.barh(names, med, xerr=err, color=colors)
+    ax1.set_xlabel("tokens/s (median, min-max)")
+    ax2.barh(names, [s["peak_rss_bytes_per_rank"] / 2**30 for s in summary.values()], color=colors)
+    ax2.set_xlabel("peak resident memory per rank during training (GiB)")
+    ax2.set_yticklabels([])
+    fig.suptitle(f"hf_zero vs DDP, FSDP2, DeepSpeed — preset {preset}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["small", "large"], default="small")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    ap.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args()
+    engines = [e for e in args.engines if not e.startswith("ds") or importlib.util.find_spec("deepspeed")]
+    runs: dict[str, list[list[dict]]] = {e: [] for e in engines}
+    for r in range(args.rounds):
+        for engine in engines:
+            runs[engine].append(run_one(engine, args.preset, args.steps, args.warmup, args.threads))
+            print(f"round {r + 1}/{args.rounds} {engine}: {runs[engine][-1][0]['tokens_per_s']:.0f} tokens/s", flush=True)
+    summary = summarize(runs)
+    reference = summary.get("ddp", next(iter(summary.values())))["losses"]
+    for engine, s in summary.items():
+        worst = max(abs(a - b) / abs(b) for a, b in zip(s["losses"], reference))
+        s["loss_rel_diff_vs_ddp"] = worst
+        if worst > 1e-4:
+            raise SystemExit(f"{engine}'s losses differ from DDP's by {worst:.2e} (relative): not the same training")
+    rs = ratios(summary)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.preset}.json").write_text(json.dumps({"summary": summary, "ratios": rs, "runs": runs}, indent=1))
+    table = markdown(args.preset, summary, rs, args.rounds, args.steps)
+    (out / f"{args.preset}.md").write_text(table)
+    if importlib.util.find_spec("matplotlib"):
+        chart(out / f"{args.preset}.png", args.preset, summary)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
