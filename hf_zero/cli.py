@@ -26,7 +26,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from .checkpoint.writer import parse_size
     from .estimate import Workload, estimate, format_table
 
-    hf_config, model = _meta_model(args.model, args.dtype)
+    hf_config, model = _meta_model(args.model)
     device_memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
                         gradient_checkpointing=args.gradient_checkpointing)
@@ -41,7 +41,7 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _meta_model(path: str, dtype: str) -> tuple[object, object]:
+def _meta_model(path: str) -> tuple[object, object]:
     """A model built on the meta device from a config.json or a model directory (no weights read)."""
     import json
     import os
