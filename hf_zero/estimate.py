@@ -7,8 +7,9 @@ will), for Adam-type optimizers (two moments of the master dtype and a scalar st
 piece). The estimate equals what `hf_zero.model_state_memory` reports after the first step.
 
 On top of model states, a device holds, at its peak (the start of the backward pass):
-- gathered units (stage 3): the root unit (embeddings, final norm, head) and the largest block,
-  in the compute dtype; their unsharded gradient buffers while they run backward;
+- gathered units (stage 3): the root unit and the two largest other units (the running one and
+  the prefetched one), in the compute dtype, and the gradient buffers of the root and the
+  largest unit while they run backward;
 - activations of a decoder LLM (eager attention): each layer saves, per token, 8h + 3I elements
   in the compute dtype and aL attention probabilities in fp32 (plus their compute-dtype copy
   under bf16/fp16), h hidden, I intermediate, a heads, L sequence length. Without activation
@@ -165,8 +166,10 @@ def estimate(
             )
             e = _BYTES[config.param_dtype or model_dtype]
             unit_sizes = [sum(p.numel() for p in s.params) for s in specs]
-            root, largest_block = unit_sizes[-1], max(unit_sizes[:-1] or [0])
-            gathered = (root + largest_block) * e * 2 if stage == 3 else 0  # parameters + their gradients
+            root = unit_sizes[-1]
+            inner = sorted(unit_sizes[:-1], reverse=True) + [0, 0]
+            largest_block = inner[0]
+            gathered = ((2 * root + 2 * inner[0] + inner[1]) * e) if stage == 3 else 0  # params + running grads
             reduce_bytes = _BYTES[config.resolved_reduce_dtype or config.param_dtype or model_dtype]
             buffers = max(unit_sizes) * reduce_bytes
             if stage == 2:

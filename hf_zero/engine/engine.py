@@ -150,8 +150,10 @@ class ZeroEngine:
         """Clip the sharded gradients by their global norm; returns the norm of the unsharded gradients."""
         self.hooks.wait_reductions()
         norm_type = float(norm_type)
-        shards = [unit.sharded_grad for unit in self.units]
+        shards = [unit.sharded_grad for unit in self.units if unit.has_trainable]
         group = self.plan.shard_group
+        if not shards:  # nothing trainable: the norm is zero on every rank
+            shards = [torch.zeros(1, device=self.device)]
         comm = comm_device(group)  # the shards may be on the host (offload); the collective is not
         if math.isinf(norm_type):
             local = torch.stack([g.detach().abs().max().float() for g in shards]).max()

@@ -235,9 +235,14 @@ class FlatUnit:
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.params if p.requires_grad]
 
+    @property
+    def has_trainable(self) -> bool:
+        """Whether any parameter of the unit can get a gradient (a frozen unit holds no gradient memory)."""
+        return any(p.requires_grad for p in self.params)
+
     def attach_grads(self) -> None:
         """Point each trainable parameter's `.grad` at its view of `unsharded_grad` (zeros when new)."""
-        if not any(p.requires_grad for p in self.params):
+        if not self.has_trainable:
             return  # a frozen unit gets no gradient buffer
         if self.unsharded_grad is None:
             self.unsharded_grad = torch.zeros(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)

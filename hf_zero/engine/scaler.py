@@ -57,7 +57,8 @@ class LossScaler:
 
     def check_and_update(self, units: list["FlatUnit"], world: CommGroup) -> bool:
         """Whether the reduced gradients are finite on every rank; updates the scale either way."""
-        local = torch.stack([(~torch.isfinite(unit.sharded_grad)).any() for unit in units]).any().float()
+        shards = [unit.sharded_grad for unit in units if unit.has_trainable] or [torch.zeros(1)]
+        local = torch.stack([(~torch.isfinite(g)).any().cpu() for g in shards]).any().float()
         found = local.reshape(1).to(comm_device(world))  # the shards may be on the host (offload)
         all_reduce_(found, world, op=dist.ReduceOp.MAX)
         if found.item() > 0:

@@ -1,8 +1,9 @@
 """Finding the sharding units of a model and the parameters each unit owns.
 
 A unit is a module whose parameters are gathered (stage 3) and reduced together: usually one
-transformer block. The model itself is the root unit and owns every parameter that no inner
-unit owns (embeddings, final norm, head). A parameter used by several units (tied weights)
+transformer block; with `wrap="auto"` also the input embedding and the output head when they are
+not tied. The model itself is the root unit and owns every parameter that no inner unit owns
+(the final norm; tied embeddings). A parameter used by several units (tied weights)
 belongs to the innermost unit that contains all of its uses, so it is sharded once.
 """
 
@@ -47,10 +48,11 @@ def find_units(model: nn.Module, wrap: str | tuple[str, ...]) -> list[UnitSpec]:
     ```
     """
     class_names = _wrap_class_names(model, wrap)
+    extra = _embedding_units(model) if wrap == "auto" else set()
     blocks: list[tuple[str, nn.Module]] = []
     inside_block: set[str] = set()
     for name, module in model.named_modules():
-        if module is model or type(module).__name__ not in class_names:
+        if module is model or (type(module).__name__ not in class_names and id(module) not in extra):
             continue
         if any(name.startswith(prefix + ".") for prefix in inside_block):
             continue  # nested inside an already-chosen block: the outer block owns it
@@ -62,6 +64,27 @@ def find_units(model: nn.Module, wrap: str | tuple[str, ...]) -> list[UnitSpec]:
             f"{_candidates_hint(model)}"
         )
     return _assign_params(model, blocks)
+
+
+def _embedding_units(model: nn.Module) -> set[int]:
+    """With untied weights, the input embedding and the output head become units of their own, so
+    the root holds only what is left (the final norm) and the two largest matrices of an LLM are
+    never gathered together. Tied ones stay in the root: their shared weight is one parameter.
+    Found through the `get_input_embeddings` / `get_output_embeddings` methods HF models have."""
+    modules = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        fn = getattr(model, getter, None)
+        try:
+            module = fn() if callable(fn) else None
+        except (NotImplementedError, AttributeError):
+            module = None
+        if isinstance(module, nn.Module) and module is not model and any(True for _ in module.parameters()):
+            modules.append(module)
+    if len(modules) == 2:
+        shared = {id(p) for p in modules[0].parameters()} & {id(p) for p in modules[1].parameters()}
+        if shared:
+            return set()
+    return {id(m) for m in modules}
 
 
 def _wrap_class_names(model: nn.Module, wrap: str | tuple[str, ...]) -> set[str]:
