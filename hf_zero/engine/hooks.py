@@ -51,6 +51,8 @@ class UnitHooks:
         self._root_output_fn = root_output_fn  # rewrites the root's outputs (the fp16 loss scale)
         self.prefetch = 0  # units gathered ahead of the running one (stage 3)
         self._forward_order: list[FlatUnit] = []  # inner units in the order the first forward ran them
+        self._backward_order: list[FlatUnit] = []  # its reverse
+        self._position: dict[int, int] = {}  # id(unit) -> index in _forward_order
         self._order_known = False
         self._handles: list[RemovableHandle] = []
         # Per backward pass:
@@ -83,11 +85,14 @@ class UnitHooks:
         if unit is self.root:
             if self.in_backward:
                 self.reset()  # a previous backward pass was interrupted by an exception
-            self._order_known = bool(self._forward_order)
+            if not self._order_known and self._forward_order:
+                self._order_known = True
+                self._backward_order = self._forward_order[::-1]
+                self._position = {id(u): i for i, u in enumerate(self._forward_order)}
         elif not self._order_known and unit not in self._forward_order:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
         self.plan.params.before_compute(unit)
-        self._prefetch_after(unit, self._forward_order)
+        self._prefetch_after(unit, forward=True)
 
     def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         self.plan.params.after_forward(unit)
@@ -115,20 +120,27 @@ class UnitHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._callback_queued = True
         self.plan.params.before_compute(unit)
-        self._prefetch_after(unit, self._forward_order[::-1])
+        self._prefetch_after(unit, forward=False)
         unit.attach_grads()
         expected = len(unit.trainable)
         self._started[id(unit)] = expected
         self._ready[id(unit)] = 0
 
-    def _prefetch_after(self, unit: FlatUnit, order: list[FlatUnit]) -> None:
-        """[Note: prefetch] issue the gathers of the next `prefetch` units in `order` (forward order
-        in the forward pass, its reverse in the backward pass), so they overlap this unit's compute.
-        At most the root, the running unit and `prefetch` more are whole at a time."""
-        if not self.prefetch or self.plan.params.persistent or not self._order_known or unit not in order:
+    def _prefetch_after(self, unit: FlatUnit, forward: bool) -> None:
+        """[Note: prefetch] issue the gathers of the next `prefetch` units (in forward order in the
+        forward pass, its reverse in the backward pass), so they overlap this unit's compute. At
+        most the root, the running unit and `prefetch` more are whole at a time."""
+        if not self.prefetch or self.plan.params.persistent or not self._order_known:
             return
-        i = order.index(unit)
-        for nxt in order[i + 1 : i + 1 + self.prefetch]:
+        position = self._position.get(id(unit))
+        if position is None:
+            return
+        if forward:
+            following = self._forward_order[position + 1 : position + 1 + self.prefetch]
+        else:
+            start = len(self._forward_order) - position
+            following = self._backward_order[start : start + self.prefetch]
+        for nxt in following:
             nxt.prefetch()
 
     def _on_grad_ready(self, unit: FlatUnit, param: torch.Tensor) -> None:
