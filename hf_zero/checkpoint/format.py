@@ -56,6 +56,11 @@ def optim_file(rank: int, world: int) -> str:
     return f"optim-rank{rank:05d}-of-{world:05d}.safetensors"
 
 
+def optim_file_for(model_file_name: str) -> str:
+    """The optimizer file written by the rank that wrote `model_file_name`."""
+    return "optim-" + model_file_name.removeprefix("model-")
+
+
 @dataclass
 class FileEntry:
     bytes: int

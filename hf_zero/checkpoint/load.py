@@ -20,7 +20,7 @@ from ..engine.collectives import raise_if_any_failed
 from ..engine.engine import Piece, ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer
-from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files
+from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files, optim_file_for
 from .reader import FileCache, read_pieces
 
 
@@ -98,14 +98,10 @@ def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizer: ShardedOpti
             if s < piece.end and e > piece.start:
                 needed.add(file)
                 if optimizer is not None and manifest.optimizer is not None:
-                    needed.add(_optim_file_for(file))
+                    needed.add(optim_file_for(file))
     if manifest.buffers:
         needed.add(BUFFERS_FILE)
     return sorted(needed)
-
-
-def _optim_file_for(model_file: str) -> str:
-    return "optim-" + model_file.removeprefix("model-")
 
 
 def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path) -> None:
@@ -173,7 +169,7 @@ def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: M
 
 def _piece_state(piece: Piece, kinds: dict[str, str], manifest: Manifest, cache: FileCache,
                  group: dict[str, Any]) -> dict[str, Any]:
-    stored = [[_optim_file_for(f), s, e] for f, s, e in manifest.slices[piece.name]]
+    stored = [[optim_file_for(f), s, e] for f, s, e in manifest.slices[piece.name]]
     state: dict[str, Any] = {}
     for key, kind in kinds.items():
         tkey = f"{piece.name}{STATE_SEP}{key}"
