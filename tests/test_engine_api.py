@@ -76,6 +76,7 @@ def test_memory_drops_with_stage(pools):
         ({"shard_group_size": -2}, "ZeroConfig.shard_group_size must be None or a positive int"),
         ({"group_timeout_s": 0}, "ZeroConfig.group_timeout_s must be > 0 seconds"),
         ({"prefetch": -1}, "ZeroConfig.prefetch must be an int >= 0"),
+        ({"collectives": "ring"}, "ZeroConfig.collectives must be 'auto', 'native' or 'point_to_point'; got 'ring'"),
     ],
 )
 def test_bad_config_raises_clear_error(kwargs, message):

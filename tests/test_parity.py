@@ -85,3 +85,11 @@ def test_bf16_mixed_precision_tracks_fp32(pools):
     ref = _reference(sc.single())
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=2e-2)
     assert got["losses"][-1] < got["losses"][0]  # it trains
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_native_collectives_match(pools, stage, world):
+    """The backend's own all-gather/reduce-scatter (what NCCL runs) give the same training as the
+    point-to-point exchanges `collectives="auto"` picks on gloo."""
+    run_and_compare(pools, Scenario(model="llama", stage=stage, world=world, config_overrides=(("collectives", "native"),)))

@@ -71,7 +71,9 @@ class ZeroEngine:
         self.model = model
         self.config = config
         self.world = world
-        self.plan: StagePlan = plan_for_stage(config.stage, world, config.shard_group_size, config.group_timeout_s)
+        self.plan: StagePlan = plan_for_stage(
+            config.stage, world, config.shard_group_size, config.group_timeout_s, config.collectives
+        )
         self.device = _compute_device(model, world, source is not None)
         model_dtype = _single_dtype(model)
         self.param_dtype = config.param_dtype or model_dtype

@@ -71,11 +71,16 @@ class StagePlan:
         return self.shard_group.size * self.replicate_group.size
 
 
-def plan_for_stage(stage: int, world: CommGroup, shard_group_size: int | None = None, timeout_s: float = 600.0) -> StagePlan:
+def plan_for_stage(
+    stage: int, world: CommGroup, shard_group_size: int | None = None, timeout_s: float = 600.0,
+    collectives: str = "auto",
+) -> StagePlan:
     """The `StagePlan` of `stage` over the process group `world`.
 
     With `shard_group_size`, stages 1-3 shard within groups of that many consecutive ranks and
     replicate across groups (hybrid sharding); the world size must be a multiple of it.
+    `collectives` says how the shard group's all-gathers and reduce-scatters travel
+    (see `CommGroup.using`).
 
     Example:
 
@@ -93,7 +98,7 @@ def plan_for_stage(stage: int, world: CommGroup, shard_group_size: int | None = 
         shard, replicate = hybrid_groups(world, shard_group_size, timeout_s)
     return StagePlan(
         stage,
-        shard,
+        shard.using(collectives),
         replicate,
         ShardedParams() if stage == 3 else PersistentParams(),
         keep_unsharded_grads=stage == 1,
