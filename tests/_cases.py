@@ -85,16 +85,28 @@ def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: in
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda m, a: counts.append(sum(u.is_unsharded for u in engine.units)))
     loss = model(input_ids=batch, labels=batch).loss
-    after_forward = sum(u.is_unsharded for u in engine.units)
+    after_forward = [u.spec.name for u in engine.units if u.is_unsharded]
+    gathered_in_backward: list[str] = []
+    for unit in engine.units:
+        unit.unshard = _counting(unit.unshard, unit.spec.name, gathered_in_backward)
     loss.backward()
     return {
         "counts": counts,
         "after_forward": after_forward,
+        "gathered_in_backward": gathered_in_backward,
         "after_backward": sum(u.is_unsharded for u in engine.units),
         "unsharded_grads_after_backward": sum(u.unsharded_grad is not None for u in engine.units),
         "n_units": len(engine.units),
     }
 
+
+
+def _counting(fn: Any, name: str, log: list[str]) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        log.append(name)
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def fp16_overflow_is_skipped() -> dict[str, Any]:
@@ -229,3 +241,22 @@ def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dic
     outcome["seconds"] = time.monotonic() - start
     del errno_module
     return outcome
+
+
+def pool_counts_per_iteration(layers: int) -> dict[str, int]:
+    """Pool fills of one steady-state stage-3 iteration of a LLaMA with `layers` blocks."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    pool = model.zero_engine.pool
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(3):
+        before = (pool.reused, pool.allocated)
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"reused": pool.reused - before[0], "allocated": pool.allocated - before[1], "pooled_after": pool.pooled_bytes}

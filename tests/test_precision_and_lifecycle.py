@@ -47,11 +47,16 @@ def test_stage3_keeps_only_running_and_prefetched_units_whole(pools, checkpointi
     """While a block runs forward, the whole units are the root (the final norm), that block and,
     with prefetch, the next unit in forward order (its gather already issued: block 1, then the
     head): [root+block0+block1, root+block1+head]; without prefetch [root+block0, root+block1].
-    The embedding is freed before the blocks run. After the forward and after the backward no
-    unit is whole, and no unsharded gradient buffer is left."""
+    The embedding is freed before the blocks run. After the forward only the head is whole (the
+    last unit of the forward is the first of the backward: kept, not gathered twice); the backward
+    gathers the root and the blocks (in reverse order) but neither the head (kept) nor the input
+    embedding (a lookup's backward needs no weights). After the backward no unit is whole, and no
+    unsharded gradient buffer is left."""
     for r in pools(2).values(_cases.gathered_units_during_training, 3, checkpointing, prefetch):
         assert r["counts"] == ([3, 3] if prefetch else [2, 2]), r
-        assert r["after_forward"] == 0 and r["after_backward"] == 0
+        assert r["after_forward"] == ["lm_head"], r
+        assert r["gathered_in_backward"] == ["", "model.layers.1", "model.layers.0"], r
+        assert r["after_backward"] == 0
         assert r["unsharded_grads_after_backward"] == 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -12,8 +13,9 @@ from torch import nn
 
 from ..config import ZeroConfig
 from .collectives import CommGroup, all_gather_into, all_reduce_, broadcast_, comm_device, max_scalar_
-from .flat import FlatUnit
+from .flat import FlatLayout, FlatUnit
 from .hooks import UnitHooks
+from .pool import BufferPool
 from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
@@ -82,6 +84,7 @@ class ZeroEngine:
         sync_from = world if config.sync_module_states and world.size > 1 else None
         _move_buffers(model, self.device, sync_from)
         source = source or LiveParams(sync_from)
+        self.pool = _pool_for(specs, world, self.plan, config, self.param_dtype, self.reduce_dtype)
         self.units = [
             FlatUnit(
                 spec,
@@ -93,6 +96,7 @@ class ZeroEngine:
                 reduce_dtype=self.reduce_dtype,
                 persistent_params=self.plan.params.persistent,
                 source=source,
+                pool=self.pool,
                 host=torch.device("cpu") if config.offload_optimizer else None,
                 offload_params=config.offload_params,
             )
@@ -104,7 +108,8 @@ class ZeroEngine:
         }
         _swap_parameters(model, self.replaced)
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
-        self.hooks = UnitHooks(self.units, self.plan, self.scaler.scale_outputs if self.scaler else None)
+        self.pool.clear()
+        self.hooks = UnitHooks(self.units, self.plan, self.pool, self.scaler.scale_outputs if self.scaler else None)
         self.hooks.grad_divisor = self._grad_divisor
         self.hooks.prefetch = config.prefetch
         self.hooks.on_reduced = self._mark_has_grads
@@ -242,6 +247,21 @@ class ZeroEngine:
                     if isinstance(v, torch.Tensor):
                         count("optimizer_states", v, "host" if offloaded and v.device.type == "cpu" else str(v.device))
         return ModelStateMemory(**parts)
+
+
+def _pool_for(
+    specs: list[UnitSpec], world: CommGroup, plan: StagePlan, config: ZeroConfig,
+    param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+) -> BufferPool:
+    """[Note: buffer reuse] pool the buffer sizes of which there are several units (the repeated
+    blocks): gathered parameters and unsharded gradients (and their cast for the reduction). At
+    most the units that can be live at once (the running one, the prefetched ones and the one
+    whose reduction is in flight) wait in the pool per size."""
+    numels = Counter(
+        FlatLayout.build(s.param_names, [p.shape for p in s.params], plan.shard_group.size).padded_numel for s in specs
+    )
+    sizes = {n * dtype.itemsize for n, c in numels.items() if c > 1 for dtype in (param_dtype, reduce_dtype)}
+    return BufferPool(sizes, per_size=config.prefetch + 2)
 
 
 def _swap_parameters(model: nn.Module, replaced: dict[int, nn.Parameter]) -> None:

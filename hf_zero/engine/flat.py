@@ -27,6 +27,7 @@ from torch import nn
 from typing import TYPE_CHECKING
 
 from .collectives import CommGroup, Pending, all_gather_into, all_reduce_, reduce_scatter_into
+from .pool import BufferPool
 from .units import UnitSpec
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class GradReduction:
     pending: Pending
     output: torch.Tensor  # 1D (shard_numel,), reduce dtype; may be `sharded_grad` itself
     source: torch.Tensor  # the unsharded input, kept alive until the collective is done
+    buffer: torch.Tensor  # the unit's unsharded gradients (`source` itself, or what it was cast from)
     into_accumulator: bool  # output is `sharded_grad` (no copy needed after the wait)
 
 
@@ -108,10 +110,12 @@ class FlatUnit:
         reduce_dtype: torch.dtype,
         persistent_params: bool,
         source: "ShardSource",
+        pool: BufferPool,
         host: torch.device | None = None,
         offload_params: bool = False,
     ) -> None:
         self.spec = spec
+        self.pool = pool  # [Note: buffer reuse] memory of freed gathered parameters and gradients
         self.host = host  # where offloaded state lives (ZeRO-Offload), or None
         self.offload_params = offload_params
         self.master_device = host or device  # where the master shard, its gradient and the optimizer live
@@ -197,7 +201,7 @@ class FlatUnit:
             return Pending()  # parameters are persistent: nothing to gather
         storage = self.unsharded_param.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(self.layout.padded_numel * self.unsharded_param.element_size())
+            self.pool.fill(storage, self.layout.padded_numel * self.unsharded_param.element_size())
         source = self.sharded_param
         if self.offload_params:  # the shard lives on the host: stage it on the device for the gather
             source = torch.empty_like(source, device=self.device).copy_(source, non_blocking=True)
@@ -208,7 +212,7 @@ class FlatUnit:
         if self._prefetched is not None:  # never free memory a collective is still writing
             self._prefetched.wait()
             self._prefetched = None
-        self.unsharded_param.untyped_storage().resize_(0)
+        self.pool.release(self.unsharded_param.untyped_storage())
 
     def publish_master(self, async_op: bool = False) -> Pending:
         """After an optimizer step, make the compute parameters equal to the updated master shards."""
@@ -245,7 +249,7 @@ class FlatUnit:
         if not self.has_trainable:
             return  # a frozen unit gets no gradient buffer
         if self.unsharded_grad is None:
-            self.unsharded_grad = torch.zeros(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
+            self.unsharded_grad = self.pool.new_tensor(self.layout.padded_numel, self.param_dtype, self.device).zero_()
         for slot, p in zip(self.layout.slots, self.params):
             if p.requires_grad:
                 view = self.unsharded_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -265,9 +269,9 @@ class FlatUnit:
                 f"[rank {self.shard_group.global_rank}] hf_zero: unit '{self.spec.name}' reduces gradients "
                 "it never allocated"
             )
-        source = self.unsharded_grad
+        source = buffer = self.unsharded_grad
         if source.dtype != self.reduce_dtype:
-            source = source.to(self.reduce_dtype)
+            source = self.pool.new_tensor(source.numel(), self.reduce_dtype, self.device).copy_(source)
         into_acc = self.grad_is_zero and self.reduce_dtype == self.master_dtype and self.host is None
         if into_acc:
             output = self.sharded_grad
@@ -279,7 +283,7 @@ class FlatUnit:
         if self.replicate_group.size > 1:
             pending.wait()  # the cross-replica sum needs the shard-group sum first
             pending = all_reduce_(output, self.replicate_group, async_op=async_op)
-        return GradReduction(pending, output, source, into_acc)
+        return GradReduction(pending, output, source, buffer, into_acc)
 
     def finish_reduction(self, reduction: GradReduction, divisor: float) -> None:
         """Wait for a reduction and add its mean into `sharded_grad`."""
@@ -293,6 +297,17 @@ class FlatUnit:
             else:
                 self.sharded_grad.add_(out.to(self.master_device))
         self.grad_is_zero = False
+
+    def release_reduced(self, reduction: GradReduction) -> None:
+        """Free a finished reduction's unsharded gradients and cast copy (stages 2-3), into the pool."""
+        for t in {id(reduction.buffer): reduction.buffer, id(reduction.source): reduction.source}.values():
+            self.release_unsharded_grad(t)
+
+    def release_unsharded_grad(self, grad: torch.Tensor) -> None:
+        """Free unsharded gradients (stages 2-3), into the pool when it has room."""
+        if grad is self.unsharded_grad:
+            self.unsharded_grad = None
+        self.pool.release(grad.untyped_storage())
 
     def zero_grad(self) -> None:
         self.grad_is_zero = True

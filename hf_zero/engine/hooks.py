@@ -4,18 +4,22 @@
 For each unit (the root included), in one training iteration:
 
 1. pre_forward (module forward-pre hook): the stage's `before_compute` (stage 3: gather).
-2. post_forward (module forward hook): `after_forward` (stage 3: free), and, when grad mode is
-   on, a hook on every output tensor that requires grad: the first of them to receive its
-   gradient runs pre_backward.
-3. pre_backward: gather again (stage 3) and point the trainable parameters' `.grad` at the
-   unit's unsharded gradient buffer. The first pre_backward of a backward pass queues the
-   final callback on the autograd engine.
+2. post_forward (module forward hook): `after_forward` (stage 3: free; but the last unit of a
+   forward run with grad mode on stays gathered, since it is the first unit of the backward),
+   and, when grad mode is on, a hook on every output tensor that requires grad: the first of
+   them to receive its gradient runs pre_backward. The root's post_forward empties the buffer
+   pool ([Note: buffer reuse] in pool.py).
+3. pre_backward: gather again (stage 3; not for a unit whose backward reads no parameters, an
+   `nn.Embedding`) and point the trainable parameters' `.grad` at the unit's unsharded gradient
+   buffer. The first pre_backward of a backward pass queues the final callback on the
+   autograd engine.
 4. post_backward: when every trainable parameter of the unit has accumulated its gradient
    (counted by post-accumulate-grad hooks), detach the `.grad` views, issue the asynchronous
    reduce-scatter (unless inside `no_sync()`), and `after_backward` (stage 3: free).
 5. final callback (end of the backward pass): post_backward for every unit that started but
    did not finish (parameters unused this time, frozen units), wait for every issued
-   reduction, add the means into the fp32 gradient shards, reset the iteration state.
+   reduction, add the means into the fp32 gradient shards, reset the iteration state, empty
+   the buffer pool.
 
 Activation checkpointing needs no special case: recomputation runs inside the unit's backward,
 after step 3 has gathered the parameters. `reset()` discards the iteration state after an
@@ -32,6 +36,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .flat import FlatUnit, GradReduction
+from .pool import BufferPool
 from .stages import StagePlan
 
 
@@ -41,19 +46,24 @@ MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the ne
 class UnitHooks:
     """Registers the hooks of every unit and owns the state of the running backward pass."""
 
-    def __init__(self, units: list[FlatUnit], plan: StagePlan, root_output_fn: Callable[[Any], Any] | None = None):
+    def __init__(
+        self, units: list[FlatUnit], plan: StagePlan, pool: BufferPool,
+        root_output_fn: Callable[[Any], Any] | None = None,
+    ):
         self.units = units  # inner units in module order, the root last
         self.root = units[-1]
         self.plan = plan
+        self.pool = pool  # emptied at the end of every pass ([Note: buffer reuse])
         self.requires_grad_sync = True  # False inside no_sync(): keep unsharded grads, no reduction
         self.grad_divisor: Callable[[], float] = lambda: float(plan.data_parallel_size)
         self.on_reduced: Callable[[], None] = lambda: None  # told when fresh gradients reached the shards
         self._root_output_fn = root_output_fn  # rewrites the root's outputs (the fp16 loss scale)
         self.prefetch = 0  # units gathered ahead of the running one (stage 3)
         self._forward_order: list[FlatUnit] = []  # inner units in the order the first forward ran them
-        self._backward_order: list[FlatUnit] = []  # its reverse
-        self._position: dict[int, int] = {}  # id(unit) -> index in _forward_order
+        self._next_forward: dict[int, list[FlatUnit]] = {}  # id(unit) -> the units to prefetch as it starts
+        self._next_backward: dict[int, list[FlatUnit]] = {}
         self._order_known = False
+        self._held: FlatUnit | None = None  # the last unit of the forward, kept gathered for the backward
         self._handles: list[RemovableHandle] = []
         # Per backward pass:
         self._started: dict[int, int] = {}  # id(unit) -> trainable params expected
@@ -85,17 +95,43 @@ class UnitHooks:
         if unit is self.root:
             if self.in_backward:
                 self.reset()  # a previous backward pass was interrupted by an exception
+            if self._held is not None:  # no backward used it: gather it afresh in this forward
+                self._held, held = None, self._held
+                held.reshard()
             if not self._order_known and self._forward_order:
-                self._order_known = True
-                self._backward_order = self._forward_order[::-1]
-                self._position = {id(u): i for i, u in enumerate(self._forward_order)}
+                self._learn_order()
         elif not self._order_known and unit not in self._forward_order:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
         self.plan.params.before_compute(unit)
         self._prefetch_after(unit, forward=True)
 
+    def _learn_order(self) -> None:
+        """[Note: prefetch] fix the forward order and what each unit prefetches: the next `prefetch`
+        units in forward order, and in reverse order during backward (skipping units whose
+        backward needs no parameters, see `UnitSpec.backward_reads_params`)."""
+        self._order_known = True
+        order = self._forward_order
+        backward = [u for u in reversed(order) if u.spec.backward_reads_params]
+        for i, unit in enumerate(order):
+            self._next_forward[id(unit)] = order[i + 1 : i + 1 + self.prefetch]
+        for i, unit in enumerate(backward):
+            self._next_backward[id(unit)] = backward[i + 1 : i + 1 + self.prefetch]
+
+    def _keeps_for_backward(self, unit: FlatUnit) -> bool:
+        """The last unit of a forward that will have a backward is the first unit of that backward:
+        it stays gathered in between (one all-gather saved per iteration, no extra peak)."""
+        return (
+            torch.is_grad_enabled() and self._order_known and unit is self._forward_order[-1]
+            and unit.spec.backward_reads_params and not self.plan.params.persistent
+        )
+
     def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        self.plan.params.after_forward(unit)
+        if self._keeps_for_backward(unit):
+            self._held = unit
+        else:
+            self.plan.params.after_forward(unit)
+        if unit is self.root:
+            self.pool.clear()
         if not torch.is_grad_enabled():
             return None
         if unit is self.root and self._root_output_fn is not None:
@@ -119,7 +155,10 @@ class UnitHooks:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._callback_queued = True
-        self.plan.params.before_compute(unit)
+        if self._held is unit:
+            self._held = None  # the backward has it now; after_backward frees it
+        if unit.spec.backward_reads_params:
+            self.plan.params.before_compute(unit)
         self._prefetch_after(unit, forward=False)
         unit.attach_grads()
         expected = len(unit.trainable)
@@ -127,20 +166,12 @@ class UnitHooks:
         self._ready[id(unit)] = 0
 
     def _prefetch_after(self, unit: FlatUnit, forward: bool) -> None:
-        """[Note: prefetch] issue the gathers of the next `prefetch` units (in forward order in the
-        forward pass, its reverse in the backward pass), so they overlap this unit's compute. At
-        most the root, the running unit and `prefetch` more are whole at a time."""
+        """[Note: prefetch] issue the gathers of the units that follow `unit` (see `_learn_order`),
+        so they overlap its compute. At most the root, the running unit and `prefetch` more are
+        whole at a time."""
         if not self.prefetch or self.plan.params.persistent or not self._order_known:
             return
-        position = self._position.get(id(unit))
-        if position is None:
-            return
-        if forward:
-            following = self._forward_order[position + 1 : position + 1 + self.prefetch]
-        else:
-            start = len(self._forward_order) - position
-            following = self._backward_order[start : start + self.prefetch]
-        for nxt in following:
+        for nxt in (self._next_forward if forward else self._next_backward).get(id(unit), ()):
             nxt.prefetch()
 
     def _on_grad_ready(self, unit: FlatUnit, param: torch.Tensor) -> None:
@@ -172,10 +203,13 @@ class UnitHooks:
                 self._post_backward(unit)
         self.wait_reductions()
         self._clear()
+        self.pool.clear()
 
     def _finish(self, unit: FlatUnit, reduction: GradReduction) -> None:
         unit.finish_reduction(reduction, self.grad_divisor())
-        if self.plan.keep_unsharded_grads and unit.unsharded_grad is not None:
+        if not self.plan.keep_unsharded_grads:
+            unit.release_reduced(reduction)
+        elif unit.unsharded_grad is not None:
             unit.unsharded_grad.zero_()
         self._finished_since_wait.append(unit)
 
@@ -207,7 +241,9 @@ class UnitHooks:
             unit.detach_grads()
             if not self.plan.params.persistent:
                 unit.reshard()
+        self._held = None
         self._clear()
+        self.pool.clear()
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -23,6 +23,7 @@ class UnitSpec:
     module: nn.Module
     params: tuple[nn.Parameter, ...]
     param_names: tuple[str, ...]  # first qualified name of each parameter, same order as `params`
+    backward_reads_params: bool = True  # False for a lone nn.Embedding (see `_backward_reads_params`)
 
 
 def find_units(model: nn.Module, wrap: str | tuple[str, ...]) -> list[UnitSpec]:
@@ -149,9 +150,22 @@ def _assign_params(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> lis
                 break
         owned[owner].append((names[0], param))
     specs = [
-        UnitSpec(name=bname, module=bmod, params=tuple(p for _, p in owned[i]), param_names=tuple(n for n, _ in owned[i]))
+        UnitSpec(
+            name=bname, module=bmod, params=tuple(p for _, p in owned[i]), param_names=tuple(n for n, _ in owned[i]),
+            backward_reads_params=_backward_reads_params(bmod, [p for _, p in owned[i]]),
+        )
         for i, (bname, bmod) in enumerate(blocks)
     ]
     root = owned[len(blocks)]
     specs.append(UnitSpec(name="", module=model, params=tuple(p for _, p in root), param_names=tuple(n for n, _ in root)))
     return specs
+
+
+def _backward_reads_params(module: nn.Module, params: list[nn.Parameter]) -> bool:
+    """Whether a unit's backward needs the values of its parameters. A plain `nn.Embedding` unit's
+    does not: the gradient of a lookup is the output gradient scattered by the indices, so at
+    stage 3 its backward skips the all-gather (the input embedding of an LLM is among its
+    largest matrices). Subclasses may compute anything in `forward`, so only the exact class
+    qualifies, and only without `max_norm` (which rewrites the weight during the lookup)."""
+    is_lookup = type(module) is nn.Embedding and module.max_norm is None and not module.sparse
+    return not (is_lookup and len(params) == 1 and params[0] is module.weight)
