@@ -85,7 +85,8 @@ def initialize(
                 f"ZeroConfig.shard_group_size ({cfg.shard_group_size}) must divide the world size ({world.size}); "
                 "use the number of ranks per node."
             )
-        specs = find_units(model, cfg.wrap)
+        model_dtype = next(model.parameters(), torch.empty(0)).dtype
+        specs = find_units(model, cfg.wrap, cfg.bucket_numel(model_dtype))
         if weights_from is not None:
             source = SafetensorsSource(weights_from, model)
             source.check(specs)

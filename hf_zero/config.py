@@ -70,6 +70,16 @@ class ZeroConfig:
             order, and in reverse order during backward; the order is learned from the first
             forward), so communication overlaps computation. Each adds one gathered unit to the
             device memory peak; 0 gathers each unit only when it is needed.
+        bucket_size_mb (`float`, *optional*, defaults to 0):
+            The size of the communication bucket: consecutive transformer blocks are grouped into
+            one unit until it holds at least this many MB of parameters in the compute dtype, and
+            each unit is gathered with one all-gather and reduced with one reduce-scatter. Larger
+            buckets mean fewer, larger collectives (helps models with many small blocks, or slow
+            links where each collective pays a latency) at the cost of gathering more parameters
+            at once at stage 3. 0 makes every block a unit of its own. The default comes from the
+            sweep in `benchmarks/bench.py --sweep`: on 2 ranks with gloo, exchanges of 6 MB and
+            more run at the same bytes per second, so one block per unit is as fast and needs
+            the least memory.
         shard_group_size (`int`, *optional*):
             Hybrid sharding (FSDP's HYBRID_SHARD, ZeRO++ hpZ): shard within groups of this many
             consecutive ranks (usually the ranks of one node) and replicate across the groups.
@@ -111,6 +121,7 @@ class ZeroConfig:
     offload_optimizer: bool = False
     offload_params: bool = False
     prefetch: int = 1
+    bucket_size_mb: float = 0.0
     shard_group_size: int | None = None
     collectives: Collectives = "auto"
     group_timeout_s: float = 600.0
@@ -140,6 +151,12 @@ class ZeroConfig:
             )
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"ZeroConfig.prefetch must be an int >= 0 (units gathered ahead); got {self.prefetch!r}.")
+        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)) or not (
+            0 <= self.bucket_size_mb < float("inf")
+        ):
+            raise ValueError(
+                f"ZeroConfig.bucket_size_mb must be a number >= 0 (MB of parameters per unit); got {self.bucket_size_mb!r}."
+            )
         if self.shard_group_size is not None and (
             isinstance(self.shard_group_size, bool) or not isinstance(self.shard_group_size, int) or self.shard_group_size < 1
         ):
@@ -166,6 +183,10 @@ class ZeroConfig:
     def param_dtype(self) -> torch.dtype | None:
         """The compute dtype of the parameters, or `None` to keep the model's own dtype."""
         return None if self.mixed_precision == "no" else _DTYPES[self.mixed_precision]
+
+    def bucket_numel(self, model_dtype: torch.dtype) -> int:
+        """`bucket_size_mb` in parameters of the compute dtype (the model's own without mixed precision)."""
+        return int(self.bucket_size_mb * 2**20) // (self.param_dtype or model_dtype).itemsize
 
     @property
     def resolved_reduce_dtype(self) -> torch.dtype | None:

@@ -150,8 +150,8 @@ def estimate(
     """
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ValueError(f"--world-size ({world_size}) must be a positive multiple of --nodes ({nodes}).")
-    specs = find_units(model, "auto")
     model_dtype = next(model.parameters()).dtype
+    specs = find_units(model, "auto", ZeroConfig(mixed_precision=mixed_precision).bucket_numel(model_dtype))  # type: ignore[arg-type]
     rows = []
     per_node = world_size // nodes
     for stage in (0, 1, 2, 3):

@@ -76,6 +76,8 @@ def test_memory_drops_with_stage(pools):
         ({"shard_group_size": -2}, "ZeroConfig.shard_group_size must be None or a positive int"),
         ({"group_timeout_s": 0}, "ZeroConfig.group_timeout_s must be > 0 seconds"),
         ({"prefetch": -1}, "ZeroConfig.prefetch must be an int >= 0"),
+        ({"bucket_size_mb": -1}, "ZeroConfig.bucket_size_mb must be a number >= 0"),
+        ({"bucket_size_mb": "25"}, "ZeroConfig.bucket_size_mb must be a number >= 0"),
         ({"collectives": "ring"}, "ZeroConfig.collectives must be 'auto', 'native' or 'point_to_point'; got 'ring'"),
     ],
 )
@@ -225,3 +227,28 @@ def test_initialize_twice_is_refused():
     model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=2))
     with pytest.raises(ValueError, match="already sharded"):
         hf_zero.initialize(model)
+
+
+def test_bucket_size_groups_consecutive_blocks():
+    """Blocks join until a unit holds `bucket_numel` parameters; the untied embedding and head stay
+    units of their own, and every parameter still belongs to exactly one unit."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_zero.engine.units import find_units
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    names = lambda specs: [s.name for s in specs]  # noqa: E731
+    assert names(find_units(model, "auto")) == [
+        "model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3",
+        "model.layers.4", "lm_head", ""]
+    grouped = find_units(model, "auto", bucket_numel=2 * block)  # a unit closes once it holds >= 2 blocks
+    assert names(grouped) == ["model.embed_tokens", "model.layers.0-1", "model.layers.2-3", "model.layers.4", "lm_head", ""]
+    assert [len(s.all_modules) for s in grouped] == [1, 2, 2, 1, 1, 1]
+    assert grouped[1].all_modules == (model.model.layers[0], model.model.layers[1])
+    owned = [n for s in grouped for n in s.param_names]
+    assert sorted(owned) == sorted(n for n, _ in model.named_parameters())
+    assert not grouped[0].backward_reads_params and all(s.backward_reads_params for s in grouped[1:])
+    assert names(find_units(model, "auto", bucket_numel=10**9)) == ["model.embed_tokens", "model.layers.0-4", "lm_head", ""]

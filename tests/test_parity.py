@@ -93,3 +93,12 @@ def test_native_collectives_match(pools, stage, world):
     """The backend's own all-gather/reduce-scatter (what NCCL runs) give the same training as the
     point-to-point exchanges `collectives="auto"` picks on gloo."""
     run_and_compare(pools, Scenario(model="llama", stage=stage, world=world, config_overrides=(("collectives", "native"),)))
+
+
+@pytest.mark.parametrize("stage, world, checkpointing", [(3, 2, False), (3, 3, True), (2, 2, False), (1, 3, False)])
+def test_bucketed_units_match(pools, stage, world, checkpointing):
+    """`bucket_size_mb` large enough to join both blocks of the tiny LLaMA into one unit (one
+    all-gather and one reduce-scatter for the two), with and without activation checkpointing."""
+    sc = Scenario(model="llama", stage=stage, world=world, checkpointing=checkpointing,
+                  config_overrides=(("bucket_size_mb", 0.2),))
+    run_and_compare(pools, sc)

@@ -77,9 +77,9 @@ class UnitHooks:
     # ---- registration -----------------------------------------------------------------------
     def _register(self) -> None:
         for unit in self.units:
-            module = unit.spec.module
-            self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(partial(self._post_forward, unit), with_kwargs=True))
+            first, last = unit.spec.all_modules[0], unit.spec.all_modules[-1]  # one module, or a bucket of blocks
+            self._handles.append(first.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
+            self._handles.append(last.register_forward_hook(partial(self._post_forward, unit), with_kwargs=True))
             for p in unit.params:
                 if not p.requires_grad:
                     continue  # frozen now; if unfrozen later, the final callback still reduces its unit

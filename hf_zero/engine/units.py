@@ -17,21 +17,34 @@ from torch import nn
 
 @dataclass(frozen=True)
 class UnitSpec:
-    """One unit: its module, its qualified name ('' for the root) and the parameters it owns."""
+    """One unit: its module(s), its qualified name ('' for the root) and the parameters it owns.
+
+    A unit is usually one module; with a bucket size it may be several consecutive sibling blocks
+    (`modules`, in forward-definition order; `module` is the first of them).
+    """
 
     name: str
     module: nn.Module
     params: tuple[nn.Parameter, ...]
     param_names: tuple[str, ...]  # first qualified name of each parameter, same order as `params`
     backward_reads_params: bool = True  # False for a lone nn.Embedding (see `_backward_reads_params`)
+    modules: tuple[nn.Module, ...] = ()  # every module of the unit; () means (module,)
+
+    @property
+    def all_modules(self) -> tuple[nn.Module, ...]:
+        return self.modules or (self.module,)
 
 
-def find_units(model: nn.Module, wrap: str | tuple[str, ...]) -> list[UnitSpec]:
+def find_units(model: nn.Module, wrap: str | tuple[str, ...], bucket_numel: int = 0) -> list[UnitSpec]:
     """Split `model` into units: the matched blocks in forward-definition order, then the root.
 
     Args:
         model (`nn.Module`): the model to shard.
         wrap (`"auto"` or `tuple[str, ...]`): as `ZeroConfig.wrap`.
+        bucket_numel (`int`, *optional*, defaults to 0):
+            Consecutive sibling blocks (children of one module, e.g. the decoder `ModuleList`) are
+            grouped into one unit until it holds at least this many parameters (see
+            `ZeroConfig.bucket_size_mb`); 0 makes every block a unit of its own.
 
     Returns:
         `list[UnitSpec]`: inner units in module order, the root unit last.
@@ -64,7 +77,35 @@ def find_units(model: nn.Module, wrap: str | tuple[str, ...]) -> list[UnitSpec]:
             f"hf_zero found no module of class {sorted(class_names)} in {type(model).__name__}. "
             f"{_candidates_hint(model)}"
         )
-    return _assign_params(model, blocks)
+    return _assign_params(model, _group_blocks(blocks, extra, bucket_numel))
+
+
+Group = list[tuple[str, nn.Module]]  # the (qualified name, module) of each block of one unit
+
+
+def _group_blocks(blocks: list[tuple[str, nn.Module]], ungrouped: set[int], bucket_numel: int) -> list[Group]:
+    """Consecutive sibling blocks joined while a group holds fewer than `bucket_numel` parameters.
+    The embedding and the head (`ungrouped`) always stay alone."""
+    groups: list[Group] = []
+    size = 0
+    for name, module in blocks:
+        numel = sum(p.numel() for p in module.parameters())
+        last = groups[-1] if groups else None
+        joins = (
+            last is not None and size < bucket_numel and id(module) not in ungrouped
+            and id(last[-1][1]) not in ungrouped and _parent(last[-1][0]) == _parent(name)
+        )
+        if joins:
+            last.append((name, module))
+            size += numel
+        else:
+            groups.append([(name, module)])
+            size = numel
+    return groups
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
 
 
 def _embedding_units(model: nn.Module) -> set[int]:
@@ -136,29 +177,37 @@ def _candidates_hint(model: nn.Module) -> str:
     )
 
 
-def _assign_params(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[UnitSpec]:
+def _assign_params(model: nn.Module, groups: list[Group]) -> list[UnitSpec]:
     # Every use of every parameter, by qualified name, tied aliases included.
     uses: dict[nn.Parameter, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         uses.setdefault(param, []).append(name)
-    owned: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(blocks) + 1)]
+    owned: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(groups) + 1)]
     for param, names in uses.items():
-        owner = len(blocks)  # the root, unless one block holds every use
-        for i, (block_name, _) in enumerate(blocks):
-            if all(n.startswith(block_name + ".") for n in names):
+        owner = len(groups)  # the root, unless one unit holds every use
+        for i, group in enumerate(groups):
+            if all(any(n.startswith(block_name + ".") for block_name, _ in group) for n in names):
                 owner = i
                 break
         owned[owner].append((names[0], param))
     specs = [
         UnitSpec(
-            name=bname, module=bmod, params=tuple(p for _, p in owned[i]), param_names=tuple(n for n, _ in owned[i]),
-            backward_reads_params=_backward_reads_params(bmod, [p for _, p in owned[i]]),
+            name=_group_name(group), module=group[0][1], params=tuple(p for _, p in owned[i]),
+            param_names=tuple(n for n, _ in owned[i]),
+            backward_reads_params=len(group) > 1 or _backward_reads_params(group[0][1], [p for _, p in owned[i]]),
+            modules=tuple(m for _, m in group) if len(group) > 1 else (),
         )
-        for i, (bname, bmod) in enumerate(blocks)
+        for i, group in enumerate(groups)
     ]
-    root = owned[len(blocks)]
+    root = owned[len(groups)]
     specs.append(UnitSpec(name="", module=model, params=tuple(p for _, p in root), param_names=tuple(n for n, _ in root)))
     return specs
+
+
+def _group_name(group: Group) -> str:
+    """`model.layers.3` for one block, `model.layers.0-3` for blocks 0 to 3."""
+    first = group[0][0]
+    return first if len(group) == 1 else f"{first}-{group[-1][0].rsplit('.', 1)[-1]}"
 
 
 def _backward_reads_params(module: nn.Module, params: list[nn.Parameter]) -> bool:
