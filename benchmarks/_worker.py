@@ -1,20 +1,26 @@
 """One benchmark run under torchrun: train the preset model with one engine, write a JSON record.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/_worker.py \\
-        --engine hf_zero3 --preset small --steps 5 --warmup 2 --out result.json
+    python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/_worker.py \
+        --engine hf_zero3 --preset small --weights /tmp/init --steps 5 --warmup 2 --out result.json
 
-Every engine trains the same LLaMA (same config, init seed and token batches), with fp32 AdamW,
-global-norm clipping at 1.0 and the global batch split evenly over the ranks. Tokens/s is timed
-over the steps after the warm-up, between barriers. Peak memory is the process's peak resident
-set during training (VmHWM, reset with /proc/self/clear_refs after the model is built), minus the
-resident set at that reset; model-state bytes are the parameters, gradients and optimizer state
-this rank holds after the last step.
+Every engine trains the same LLaMA (the same saved initial weights, token batches and AdamW as a
+user writes it, fp32, global-norm clipping at 1.0, the global batch split evenly over the ranks).
+Each engine loads the weights the way its users do: hf_zero with `hf_zero.from_pretrained`
+(each rank reads only its shards), the others with `from_pretrained` on every rank, then wrap.
+Tokens/s is timed over the steps after the warm-up, between barriers.
+
+Memory is the process's resident set (VmRSS/VmHWM), which on CPU is what holds the model:
+- `peak_rss_bytes`: peak over loading, wrapping and training minus the baseline, the resident
+  set after imports and process-group set-up (before any model exists);
+- `train_peak_rss_bytes`: peak during the timed training loop minus the resident set when it starts;
+- `model_state_bytes`: parameters, gradients and optimizer state this rank holds after the last step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -31,14 +37,21 @@ ENGINES = ["ddp", "hf_zero1", "hf_zero2", "hf_zero3", "hf_zero3_offload", "fsdp2
 
 
 def build_model(p: dict) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    """The preset's LLaMA with its initial weights (seed 0); saved once, loaded by every engine."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(hf_config(p))
+
+
+def hf_config(p: dict):  # noqa: ANN201
+    from transformers import LlamaConfig
+
     config = LlamaConfig(vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["inter"],
                          num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
                          num_key_value_heads=p["kv_heads"], max_position_embeddings=p["seq"], tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config)
+    return config
 
 
 def _rss(field: str) -> int:
@@ -72,17 +85,20 @@ def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return total
 
 
-def setup(engine: str, model: torch.nn.Module, micro: int):
-    """Returns (model, step_fn(batch) -> loss float, state_bytes_fn)."""
+def setup(engine: str, weights: str, micro: int, options: dict):
+    """Returns (step_fn(batch) -> loss, state_bytes_fn)."""
+    from transformers import AutoModelForCausalLM
+
     def adamw(params):  # noqa: ANN001
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=True)
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)  # as a user writes it (per-tensor on CPU)
 
     if engine.startswith("hf_zero"):
         import hf_zero
 
         stage = int(engine[7])
-        config = hf_zero.ZeroConfig(stage=stage, offload_optimizer=engine.endswith("offload"))
-        model, opt = hf_zero.initialize(model, adamw(model.parameters()), config)
+        config = hf_zero.ZeroConfig(stage=stage, offload_optimizer=engine.endswith("offload"), **options)
+        model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, weights, config, optimizer_fn=lambda m: adamw(m.parameters()))
+        model.train()
 
         def step(batch):  # noqa: ANN001
             loss = model(input_ids=batch, labels=batch).loss
@@ -93,6 +109,8 @@ def setup(engine: str, model: torch.nn.Module, micro: int):
             return loss.detach()
 
         return step, lambda: hf_zero.model_state_memory(model).total()
+    model = AutoModelForCausalLM.from_pretrained(weights)
+    model.train()
     if engine == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = adamw(ddp.parameters())
@@ -137,29 +155,35 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=ENGINES, required=True)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--weights", required=True, help="save_pretrained directory of the preset's initial model")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--options", default="{}", help="JSON of extra ZeroConfig fields (hf_zero engines)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import transformers  # noqa: F401  (imports belong to the baseline, for every engine alike)
+
     if args.engine.startswith("ds"):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
     else:
+        if args.engine.startswith("hf_zero"):
+            import hf_zero  # noqa: F401
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     p = PRESETS[args.preset]
     micro = p["global_batch"] // world
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, p["vocab"], (args.warmup + args.steps, p["global_batch"], p["seq"]), generator=g)
-    model = build_model(p)
-    n_params = sum(q.numel() for q in model.parameters())
-    with open("/proc/self/clear_refs", "w") as f:  # reset the peak resident set: measure training only
-        f.write("5")
+    _reset_peak()
     base = _rss("VmRSS:")
-    step, state_bytes = setup(args.engine, model, micro)
+    step, state_bytes = setup(args.engine, args.weights, micro, json.loads(args.options))
+    setup_peak = _rss("VmHWM:")
+    _reset_peak()
+    train_base = _rss("VmRSS:")
     losses = []
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
@@ -172,10 +196,14 @@ def main() -> None:
         losses.append(float(mean) / world)
     dist.barrier()
     elapsed = time.perf_counter() - start
+    train_peak = _rss("VmHWM:")
+    n_params = sum(math.prod(s) for s in _param_shapes(p))
     record = {
         "engine": args.engine, "preset": args.preset, "rank": rank, "world": world, "params": n_params,
+        "options": json.loads(args.options),
         "tokens_per_s": args.steps * p["global_batch"] * p["seq"] / elapsed, "losses": losses,
-        "peak_rss_bytes": _rss("VmHWM:") - base, "model_state_bytes": state_bytes(),
+        "peak_rss_bytes": max(setup_peak, train_peak) - base, "train_peak_rss_bytes": train_peak - train_base,
+        "model_state_bytes": state_bytes(), "zero3_state_formula_bytes": 16 * n_params // world,
     }
     records = [None] * world
     dist.all_gather_object(records, record)
@@ -183,6 +211,16 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(records, f)
     dist.destroy_process_group()
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM restarts from the current resident set
+        f.write("5")
+
+
+def _param_shapes(p: dict) -> list[tuple[int, ...]]:
+    with torch.device("meta"):
+        return [tuple(t.shape) for t in build_model(p).parameters()]
 
 
 if __name__ == "__main__":

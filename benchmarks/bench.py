@@ -1,13 +1,18 @@
 """hf_zero beside DDP, FSDP2 (`fully_shard`) and DeepSpeed ZeRO on the same model, side by side.
 
     python benchmarks/bench.py --preset small --rounds 3 --steps 5 --out benchmarks/results
+    python benchmarks/bench.py --preset small --sweep --rounds 2        # tune hf_zero's settings
 
 Each round runs every engine once, in order, as a fresh 2-process torchrun job (so machine drift
 hits every engine alike, and each job's peak memory is its own); DeepSpeed runs when it is
-installed. Reports tokens/s (median, min, max over rounds), the ratios that matter, peak
-resident memory per rank during training, model-state bytes per rank, and checks that every
-engine's losses agree with DDP's. Writes `<out>/<preset>.json`, `<out>/<preset>.md` and, with
-matplotlib, `<out>/<preset>.png`.
+installed. Every engine starts from the same saved initial weights. Reports tokens/s (median,
+min, max over rounds), the ratios that matter (paired by round), peak resident memory per rank
+above the process baseline (loading included) and during training, model-state bytes per rank,
+and checks that every engine's losses agree with DDP's. Writes `<out>/<preset>.json`,
+`<out>/<preset>.md` and, with matplotlib, `<out>/<preset>.png`.
+
+`--sweep` instead runs hf_zero ZeRO-3 (and ZeRO-2) over `prefetch` x `bucket_size_mb`, interleaved
+the same way, and writes `<out>/<preset>_sweep.md`: the table the defaults were chosen from.
 """
 
 from __future__ import annotations
@@ -29,17 +34,26 @@ LABELS = {"ddp": "DDP", "hf_zero1": "hf_zero ZeRO-1", "hf_zero2": "hf_zero ZeRO-
           "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3"}
 
 
-def run_one(engine: str, preset: str, steps: int, warmup: int, threads: int) -> list[dict]:
+def run_one(engine: str, preset: str, weights: str, steps: int, warmup: int, threads: int,
+            options: dict | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "_worker.py"), "--engine", engine, "--preset", preset, "--steps", str(steps),
-               "--warmup", str(warmup), "--out", str(out)]
+               str(HERE / "_worker.py"), "--engine", engine, "--preset", preset, "--weights", weights,
+               "--steps", str(steps), "--warmup", str(warmup), "--options", json.dumps(options or {}), "--out", str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(HERE.parent)}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
         if done.returncode != 0:
-            raise RuntimeError(f"{engine} failed:\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"{engine} {options or ''} failed:\n{done.stderr[-3000:]}")
         return json.loads(out.read_text())
+
+
+def save_initial_weights(preset: str, directory: str) -> None:
+    """The preset's initial model, saved once: every engine of every round loads these weights."""
+    sys.path.insert(0, str(HERE))
+    from _worker import PRESETS, build_model
+
+    build_model(PRESETS[preset]).save_pretrained(directory)
 
 
 def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
@@ -49,7 +63,9 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
         summary[engine] = {
             "tokens_per_s": {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "all": tps},
             "peak_rss_bytes_per_rank": max(rec["peak_rss_bytes"] for r in rounds for rec in r),
+            "train_peak_rss_bytes_per_rank": max(rec["train_peak_rss_bytes"] for r in rounds for rec in r),
             "model_state_bytes_per_rank": max(rec["model_state_bytes"] for rec in rounds[-1]),
+            "zero3_state_formula_bytes": rounds[-1][0]["zero3_state_formula_bytes"],
             "losses": rounds[-1][0]["losses"],
             "params": rounds[-1][0]["params"],
         }
@@ -74,15 +90,20 @@ def ratios(summary: dict[str, dict]) -> list[tuple[str, float, float, float]]:
 def markdown(preset: str, summary: dict[str, dict], rs: list, rounds: int, steps: int) -> str:
     mib = 2**20
     first = next(iter(summary.values()))
+    formula = first["zero3_state_formula_bytes"]
     lines = [f"### preset `{preset}`: LLaMA with {first['params'] / 1e6:.0f}M parameters, 2 ranks (gloo, CPU), "
              f"fp32 AdamW; {rounds} interleaved rounds of {steps} timed steps",
-             "", "| engine | tokens/s median | min | max | peak RSS / rank (MiB) | model states / rank (MiB) |",
-             "|---|---|---|---|---|---|"]
+             "", f"Peak memory is per rank, above the process baseline (loading and wrapping included), and as "
+             f"a multiple of the ZeRO-3 model-state formula 16Ψ/N = {formula / mib:.0f} MiB.", "",
+             "| engine | tokens/s median | min | max | peak RSS / rank (MiB) | peak / (16Ψ/N) | "
+             "training-loop peak growth (MiB) | model states / rank (MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
     for engine, s in summary.items():
         t = s["tokens_per_s"]
         state = f"{s['model_state_bytes_per_rank'] / mib:.0f}" if s["model_state_bytes_per_rank"] >= 0 else "n/a"
-        lines.append(f"| {LABELS[engine]} | {t['median']:.0f} | {t['min']:.0f} | {t['max']:.0f} | "
-                     f"{s['peak_rss_bytes_per_rank'] / mib:.0f} | {state} |")
+        peak = s["peak_rss_bytes_per_rank"]
+        lines.append(f"| {LABELS[engine]} | {t['median']:.1f} | {t['min']:.1f} | {t['max']:.1f} | {peak / mib:.0f} | "
+                     f"{peak / formula:.2f} | {s['train_peak_rss_bytes_per_rank'] / mib:.0f} | {state} |")
     lines += ["", "| ratio (tokens/s, paired by round) | median | min | max |", "|---|---|---|---|"]
     lines += [f"| {n} | {m:.3f} | {lo:.3f} | {hi:.3f} |" for n, m, lo, hi in rs]
     return "\n".join(lines) + "\n"
@@ -103,11 +124,38 @@ def chart(path: Path, preset: str, summary: dict[str, dict]) -> None:
     ax1.barh(names, med, xerr=err, color=colors)
     ax1.set_xlabel("tokens/s (median, min-max)")
     ax2.barh(names, [s["peak_rss_bytes_per_rank"] / 2**30 for s in summary.values()], color=colors)
-    ax2.set_xlabel("peak resident memory per rank during training (GiB)")
+    ax2.set_xlabel("peak resident memory per rank above the process baseline (GiB)")
     ax2.set_yticklabels([])
     fig.suptitle(f"hf_zero vs DDP, FSDP2, DeepSpeed — preset {preset}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+SWEEP = [{"prefetch": p, "bucket_size_mb": b} for p in (0, 1, 2) for b in (0, 25)] + [{"prefetch": 1, "bucket_size_mb": 50}]
+
+
+def sweep(args: argparse.Namespace, weights: str) -> None:
+    """hf_zero ZeRO-3 and ZeRO-2 over prefetch x bucket_size_mb, interleaved; a markdown table."""
+    cases = [("hf_zero3", o) for o in SWEEP] + [("hf_zero2", {"bucket_size_mb": b}) for b in (0, 25)]
+    results: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        for engine, options in cases:
+            key = f"{engine} {json.dumps(options)}"
+            results.setdefault(key, []).append(run_one(engine, args.preset, weights, args.steps, args.warmup, args.threads, options)[0])
+            print(f"round {r + 1}/{args.rounds} {key}: {results[key][-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+    mib = 2**20
+    lines = [f"### `{args.preset}` sweep: {args.rounds} interleaved rounds of {args.steps} steps", "",
+             "| engine | settings | tokens/s median | min | max | peak RSS / rank (MiB) |", "|---|---|---|---|---|---|"]
+    for key, recs in results.items():
+        engine, options = key.split(" ", 1)
+        tps = [x["tokens_per_s"] for x in recs]
+        lines.append(f"| {LABELS[engine]} | `{options}` | {statistics.median(tps):.1f} | {min(tps):.1f} | {max(tps):.1f} | "
+                     f"{max(x['peak_rss_bytes'] for x in recs) / mib:.0f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.preset}_sweep.json").write_text(json.dumps(results, indent=1))
+    (out / f"{args.preset}_sweep.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -118,14 +166,24 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     ap.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    ap.add_argument("--sweep", action="store_true", help="tune hf_zero's prefetch and bucket size instead")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as weights:
+        save_initial_weights(args.preset, weights)
+        if args.sweep:
+            sweep(args, weights)
+            return
+        compare(args, weights)
+
+
+def compare(args: argparse.Namespace, weights: str) -> None:
     engines = [e for e in args.engines if not e.startswith("ds") or importlib.util.find_spec("deepspeed")]
     runs: dict[str, list[list[dict]]] = {e: [] for e in engines}
     for r in range(args.rounds):
         for engine in engines:
-            runs[engine].append(run_one(engine, args.preset, args.steps, args.warmup, args.threads))
-            print(f"round {r + 1}/{args.rounds} {engine}: {runs[engine][-1][0]['tokens_per_s']:.0f} tokens/s", flush=True)
+            runs[engine].append(run_one(engine, args.preset, weights, args.steps, args.warmup, args.threads))
+            print(f"round {r + 1}/{args.rounds} {engine}: {runs[engine][-1][0]['tokens_per_s']:.1f} tokens/s", flush=True)
     summary = summarize(runs)
     reference = summary.get("ddp", next(iter(summary.values())))["losses"]
     for engine, s in summary.items():
