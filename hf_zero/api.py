@@ -14,7 +14,7 @@ from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.engine import ModelStateMemory, ZeroEngine, validate_model
 from .engine.module import attach, get_engine, is_sharded
 from .engine.optim import ShardedOptimizer, check_optimizer, shard_optimizer
-from .engine.units import UnitSpec, find_units
+from .engine.units import UnitSpec, units_for
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -85,8 +85,7 @@ def initialize(
                 f"ZeroConfig.shard_group_size ({cfg.shard_group_size}) must divide the world size ({world.size}); "
                 "use the number of ranks per node."
             )
-        model_dtype = next(model.parameters(), torch.empty(0)).dtype
-        specs = find_units(model, cfg.wrap, cfg.bucket_numel(model_dtype))
+        specs = units_for(model, cfg)
         if weights_from is not None:
             source = SafetensorsSource(weights_from, model)
             source.check(specs)

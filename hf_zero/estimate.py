@@ -1,15 +1,18 @@
 """Memory estimates per device and per host, for every stage and offload setting, before launching.
 
 [Note: estimator]
-Model states are computed with the engine's own rules (the same `find_units` and `FlatLayout`
+Model states are computed with the engine's own rules (the same `units_for` and `FlatLayout`
 on a meta-device model, so padding, tied weights and frozen parameters count exactly as they
 will), for Adam-type optimizers (two moments of the master dtype and a scalar step per parameter
 piece). The estimate equals what `hf_zero.model_state_memory` reports after the first step.
 
 On top of model states, a device holds, at its peak (the start of the backward pass):
 - gathered units (stage 3): the root unit and the two largest other units (the running one and
-  the prefetched one), in the compute dtype, and the gradient buffers of the root and the
-  largest unit while they run backward;
+  the prefetched one; with the default bucket size a unit may be several small blocks), in the
+  compute dtype;
+- unsharded gradients (stages 2-3): those of the root, the running unit and the unit whose
+  reduction is in flight (at most one), plus a cast copy for the reduction when the reduce
+  dtype differs from the compute dtype;
 - activations of a decoder LLM (eager attention): each layer saves, per token, 8h + 3I elements
   in the compute dtype and aL attention probabilities in fp32 (plus their compute-dtype copy
   under bf16/fp16), h hidden, I intermediate, a heads, L sequence length. Without activation
@@ -18,7 +21,7 @@ On top of model states, a device holds, at its peak (the start of the backward p
   layer's backward, with that layer's activations recomputed.
   The logits add B·L·V elements in the compute dtype, an fp32 copy when that is not fp32 (the
   loss upcasts), and fp32 log-probabilities;
-- a reduction buffer of the largest unit in the reduce dtype.
+- stages 0-1: a reduction buffer of the largest unit in the reduce dtype.
 The activation coefficients were fitted on measured CPU runs of LLaMA (one configuration, with
 and without checkpointing) and checked on others: tests/test_estimate.py states the method.
 """
@@ -34,7 +37,7 @@ from torch import nn
 from .config import ZeroConfig
 from .engine.engine import ModelStateMemory
 from .engine.flat import FlatLayout
-from .engine.units import UnitSpec, find_units
+from .engine.units import UnitSpec, units_for
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 _ADAM_STEP_BYTES = 4  # torch keeps Adam's `step` as a float32 scalar per parameter
@@ -76,7 +79,7 @@ def model_states(
     ```python
     >>> with torch.device("meta"):
     ...     model = AutoModelForCausalLM.from_config(config)
-    >>> model_states(find_units(model, "auto"), ZeroConfig(stage=3), world_size=8, rank=0).total()
+    >>> model_states(units_for(model, ZeroConfig(stage=3)), ZeroConfig(stage=3), world_size=8, rank=0).total()
     ```
     """
     param_dtype = config.param_dtype or model_dtype
@@ -151,7 +154,7 @@ def estimate(
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ValueError(f"--world-size ({world_size}) must be a positive multiple of --nodes ({nodes}).")
     model_dtype = next(model.parameters()).dtype
-    specs = find_units(model, "auto", ZeroConfig(mixed_precision=mixed_precision).bucket_numel(model_dtype))  # type: ignore[arg-type]
+    specs = units_for(model, ZeroConfig(mixed_precision=mixed_precision))  # type: ignore[arg-type]
     rows = []
     per_node = world_size // nodes
     for stage in (0, 1, 2, 3):
@@ -168,12 +171,13 @@ def estimate(
             unit_sizes = [sum(p.numel() for p in s.params) for s in specs]
             root = unit_sizes[-1]
             inner = sorted(unit_sizes[:-1], reverse=True) + [0, 0]
-            largest_block = inner[0]
-            gathered = ((2 * root + 2 * inner[0] + inner[1]) * e) if stage == 3 else 0  # params + running grads
+            live = root + inner[0] + inner[1]  # the root, the running unit and the next / in-flight one
+            gathered = live * e if stage == 3 else 0  # parameters: running + prefetched
             reduce_bytes = _BYTES[config.resolved_reduce_dtype or config.param_dtype or model_dtype]
-            buffers = max(unit_sizes) * reduce_bytes
-            if stage == 2:
-                buffers += (root + largest_block) * e  # unsharded gradients of the running units
+            if stage >= 2:  # unsharded gradients: running unit + the one whose reduction is in flight
+                buffers = live * e + (max(unit_sizes) * reduce_bytes if reduce_bytes != e else 0)
+            else:
+                buffers = max(unit_sizes) * reduce_bytes
             rows.append(Estimate(
                 stage=stage, offload=offload, model_states=worst.total("device"), gathered_units=gathered,
                 activations=activation_bytes(hf_config, workload, e), buffers=buffers,

@@ -74,7 +74,7 @@ def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: in
     model = make_model("llama")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    config = hf_zero.ZeroConfig(stage=stage, prefetch=prefetch)
+    config = hf_zero.ZeroConfig(stage=stage, prefetch=prefetch, bucket_size_mb=0)  # one unit per block
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
     engine = model.zero_engine
     batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -251,7 +251,8 @@ def pool_counts_per_iteration(layers: int) -> dict[str, int]:
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(cfg)
-    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    config = hf_zero.ZeroConfig(stage=3, bucket_size_mb=0)  # one block per unit: the count follows the depth
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
     pool = model.zero_engine.pool
     batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     for _ in range(3):

@@ -91,6 +91,10 @@ def test_zero_plugin_validates_with_the_config_messages():
         hf_zero.ZeroPlugin(zero_stage=7)
     with pytest.raises(ValueError, match="ZeroConfig.offload_params needs stage=3"):
         hf_zero.ZeroPlugin(zero_stage=1, offload_params=True)
+    with pytest.raises(ValueError, match="ZeroConfig.collectives must be"):
+        hf_zero.ZeroPlugin(collectives="tree")
+    plugin = hf_zero.ZeroPlugin(bucket_size_mb=25, collectives="native")
+    assert (plugin.to_zero_config("no").bucket_size_mb, plugin.to_zero_config("no").collectives) == (25, "native")
     with pytest.raises(TypeError, match="zero_plugin must be a ZeroPlugin"):
         hf_zero.ZeroAccelerator(zero_plugin={"zero_stage": 3})
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_zero
-from hf_zero.engine.units import find_units
+from hf_zero.engine.units import units_for
 from hf_zero.estimate import model_states
 from tests._training import Scenario, _freeze, make_model, sharded_run
 
@@ -38,7 +38,7 @@ def test_estimated_model_states_equal_the_engine_accounting(pools, sc):
     model = make_model(sc.model)
     _freeze(model, sc.frozen)
     config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, **dict(sc.config_overrides))
-    specs = find_units(model, "auto")
+    specs = units_for(model, config)
     for rank, result in enumerate(results):
         measured = result["memory"]
         estimated = model_states(specs, config, sc.world, rank)

@@ -62,12 +62,14 @@ def test_zero_stage_parsed_from_the_command_line():
     parser = HfArgumentParser(hf_zero.ZeroTrainingArguments)
     (args,) = parser.parse_args_into_dataclasses(
         ["--output_dir", "out", "--use_cpu", "--zero_stage", "3", "--zero_wrap", "LlamaDecoderLayer",
-         "--zero_reduce_dtype", "bf16", "--zero_offload_optimizer", "--zero_offload_params"]
+         "--zero_reduce_dtype", "bf16", "--zero_offload_optimizer", "--zero_offload_params",
+         "--zero_bucket_size_mb", "25", "--zero_collectives", "native"]
     )
     assert args.zero_stage == 3 and isinstance(args.zero_stage, int)
     config = args.to_zero_config()
     assert (config.stage, config.wrap, config.reduce_dtype) == (3, ("LlamaDecoderLayer",), "bf16")
     assert config.offload_optimizer and config.offload_params
+    assert (config.bucket_size_mb, config.collectives) == (25.0, "native")
     with pytest.raises(SystemExit):  # argparse rejects a stage outside 0-3
         parser.parse_args_into_dataclasses(["--output_dir", "out", "--zero_stage", "4"])
     json.loads(args.to_json_string())  # the arguments stay JSON-serializable (saved by the Trainer)

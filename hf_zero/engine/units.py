@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..config import ZeroConfig
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,20 @@ def find_units(model: nn.Module, wrap: str | tuple[str, ...], bucket_numel: int 
 
 
 Group = list[tuple[str, nn.Module]]  # the (qualified name, module) of each block of one unit
+
+
+def units_for(model: nn.Module, config: "ZeroConfig") -> list[UnitSpec]:
+    """The units `hf_zero.initialize` makes of `model` under `config` (its `wrap` and bucket size).
+
+    Example:
+
+    ```python
+    >>> [u.name for u in units_for(model, ZeroConfig(bucket_size_mb=0))][:2]
+    ['model.embed_tokens', 'model.layers.0']
+    ```
+    """
+    model_dtype = next(model.parameters(), torch.empty(0)).dtype
+    return find_units(model, config.wrap, config.bucket_numel(model_dtype))
 
 
 def _group_blocks(blocks: list[tuple[str, nn.Module]], ungrouped: set[int], bucket_numel: int) -> list[Group]:

@@ -56,6 +56,8 @@ class ZeroPlugin:
         offload_params (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_params`.
         shard_group_size (`int`, *optional*): hybrid sharding, as `ZeroConfig.shard_group_size`.
         prefetch (`int`, *optional*, defaults to 1): as `ZeroConfig.prefetch`.
+        bucket_size_mb (`float`, *optional*, defaults to 25): as `ZeroConfig.bucket_size_mb`.
+        collectives (`str`, *optional*, defaults to `"auto"`): as `ZeroConfig.collectives`.
 
     Example:
 
@@ -72,6 +74,8 @@ class ZeroPlugin:
     offload_params: bool = _DEFAULT.offload_params
     shard_group_size: int | None = _DEFAULT.shard_group_size
     prefetch: int = _DEFAULT.prefetch
+    bucket_size_mb: float = _DEFAULT.bucket_size_mb
+    collectives: str = _DEFAULT.collectives
 
     def __post_init__(self) -> None:
         self.to_zero_config("no")  # validates every field, with ZeroConfig's messages
@@ -84,6 +88,7 @@ class ZeroPlugin:
             wrap=self.wrap, sync_module_states=self.sync_module_states,
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
             shard_group_size=self.shard_group_size, prefetch=self.prefetch,
+            bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,  # type: ignore[arg-type]
         )
 
 

@@ -65,6 +65,17 @@ class ZeroTrainingArguments(TrainingArguments):
         metadata={"help": "Stage 3: units gathered ahead of the running one (overlaps communication with compute; "
                           "each adds one gathered unit of device memory). 0 disables."},
     )
+    zero_bucket_size_mb: float = field(
+        default=_DEFAULT.bucket_size_mb,
+        metadata={"help": "Group consecutive transformer blocks into one unit (one all-gather, one reduce-scatter) "
+                          "until it holds this many MB of parameters. 0: one block per unit."},
+    )
+    zero_collectives: str = field(
+        default=_DEFAULT.collectives,
+        metadata={"help": "How gathers and reductions travel: the backend's collectives, point-to-point exchanges, "
+                          "or auto (point-to-point on gloo, native on NCCL).",
+                  "choices": ["auto", "native", "point_to_point"]},
+    )
     zero_hybrid_shard: bool = field(
         default=False,
         metadata={"help": "Hybrid sharding: shard within each node (the launcher's LOCAL_WORLD_SIZE ranks) and replicate "
@@ -139,6 +150,8 @@ class ZeroTrainingArguments(TrainingArguments):
             wrap=wrap,
             sync_module_states=self.zero_sync_module_states,
             prefetch=self.zero_prefetch,
+            bucket_size_mb=self.zero_bucket_size_mb,
+            collectives=self.zero_collectives,  # type: ignore[arg-type]
             offload_optimizer=self.zero_offload_optimizer,
             offload_params=self.zero_offload_params,
         )
