@@ -84,7 +84,8 @@ def test_estimated_total_is_within_15_percent_of_the_measured_peak(small_llama, 
     profiling; the CPU allocator's running "Total Allocated" gives the peak allocated above the model
     states present at the start (the CPU counterpart of torch.cuda.max_memory_allocated). Measured
     peak = those model states + that maximum. The estimate is the table's per-device total for the
-    same stage, world size, micro-batch and sequence length (measured: within 2.5% for these three)."""
+    same stage, world size, micro-batch and sequence length (measured, default bucket size: +5.8%,
+    +3.9% and +6.1% for these three)."""
     for measured, estimated in _measured_and_estimated(small_llama, stage, batch, seq, checkpointing):
         assert abs(estimated - measured) <= 0.15 * measured, (measured, estimated)
 
