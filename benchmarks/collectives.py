@@ -72,6 +72,7 @@ def main() -> None:
     if world.rank == 0:
         print(f"{args.backend}, {world.size} ranks, fp32, median of {args.repeats}\n")
         print("\n".join(rows))
+    dist.barrier()
     dist.destroy_process_group()
 
 
