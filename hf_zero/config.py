@@ -93,8 +93,8 @@ class ZeroConfig:
             How the parameter all-gathers and gradient reduce-scatters travel: `"native"` uses the
             backend's own collectives, `"point_to_point"` a pairwise exchange of the same bytes
             (each rank sends every peer the chunk that peer owns), and `"auto"` picks
-            point-to-point on gloo (where it runs 1.7-2.8x faster than gloo's all-gather and
-            reduce-scatter) and the native collectives on NCCL and other backends.
+            point-to-point on gloo (where it runs 1.4-4x faster than gloo's all-gather and
+            reduce-scatter, `benchmarks/collectives.py`) and the native collectives on NCCL and other backends.
         group_timeout_s (`float`, *optional*, defaults to 600):
             Timeout of the process groups hf_zero creates (hybrid sharding): a rank that stops
             answering makes the others raise after this long instead of hanging. The default

@@ -13,10 +13,10 @@ The two bulk collectives of ZeRO (all-gather of parameters, reduce-scatter of gr
 two implementations, chosen per group once (`CommGroup.point_to_point`): the backend's own
 collectives, or a pairwise exchange in which every rank sends each peer the chunk that peer
 owns (`batch_isend_irecv`) and sums what it receives. Both move the same bytes. The backend's
-collectives are the fast path on NCCL; gloo's all-gather and reduce-scatter run at a third to a
-half of the speed of its point-to-point transfers of the same bytes (2 ranks, 50-130 MB:
-all-gather 80-210 ms vs 30-90 ms; measured by `benchmarks/collectives.py`), so "auto" picks the
-pairwise exchange on gloo. Point-to-point messages carry tags from one counter per process
+collectives are the fast path on NCCL; gloo's all-gather and reduce-scatter are 1.4x to 4x
+slower than its point-to-point transfers of the same bytes (2 ranks, fp32 buffers of 3-100 MB;
+at 100 MB: all-gather 172 vs 55 ms, reduce-scatter 188 vs 56 ms; `benchmarks/collectives.py`),
+so "auto" picks the pairwise exchange on gloo. Point-to-point messages carry tags from one counter per process
 group, advanced identically on every rank (every rank issues the same exchanges in the same
 order), so exchanges in flight at once, from one engine or several, never mix.
 """
