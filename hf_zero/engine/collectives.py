@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 import datetime
 import itertools
+import weakref
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
@@ -37,7 +38,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 BulkCollectives = Literal["auto", "native", "point_to_point"]
 _TAG_BASE = 1 << 20  # above the tags users pass to their own send/recv (0 by default)
-_tags: dict[Any, Iterator[int]] = {}  # process group -> its next point-to-point tags
+# process group -> its next point-to-point tags. Weak keys: holding a process group past
+# `destroy_process_group` would leave gloo to tear it down at interpreter exit, which can abort.
+_tags: "weakref.WeakKeyDictionary[Any, Iterator[int]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
