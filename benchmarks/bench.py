@@ -44,7 +44,8 @@ def run_one(engine: str, preset: str, weights: str, steps: int, warmup: int, thr
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(HERE.parent)}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
         if done.returncode != 0:
-            raise RuntimeError(f"{engine} {options or ''} failed:\n{done.stderr[-3000:]}")
+            # Never drop a failure: stop the benchmark, naming the engine and its last output.
+            raise RuntimeError(f"{engine} {options or ''} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         return json.loads(out.read_text())
 
 
@@ -180,10 +181,15 @@ def main() -> None:
 def compare(args: argparse.Namespace, weights: str) -> None:
     engines = [e for e in args.engines if not e.startswith("ds") or importlib.util.find_spec("deepspeed")]
     runs: dict[str, list[list[dict]]] = {e: [] for e in engines}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / f"{args.preset}.partial.json"  # every finished run, in case a later one fails
     for r in range(args.rounds):
         for engine in engines:
             runs[engine].append(run_one(engine, args.preset, weights, args.steps, args.warmup, args.threads))
+            partial.write_text(json.dumps(runs))
             print(f"round {r + 1}/{args.rounds} {engine}: {runs[engine][-1][0]['tokens_per_s']:.1f} tokens/s", flush=True)
+    partial.unlink()
     summary = summarize(runs)
     reference = summary.get("ddp", next(iter(summary.values())))["losses"]
     for engine, s in summary.items():
@@ -192,8 +198,6 @@ def compare(args: argparse.Namespace, weights: str) -> None:
         if worst > 1e-4:
             raise SystemExit(f"{engine}'s losses differ from DDP's by {worst:.2e} (relative): not the same training")
     rs = ratios(summary)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.preset}.json").write_text(json.dumps({"summary": summary, "ratios": rs, "runs": runs}, indent=1))
     table = markdown(args.preset, summary, rs, args.rounds, args.steps)
     (out / f"{args.preset}.md").write_text(table)

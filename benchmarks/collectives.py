@@ -1,13 +1,13 @@
-"""The bulk collectives of ZeRO on this machine's backend: native vs point-to-point, and all-reduce.
+"""The bulk collectives of ZeRO on this machine's backend: native vs composed, and all-reduce.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/collectives.py
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/collectives.py --backend nccl
 
 Times hf_zero's `all_gather_into` and `reduce_scatter_into` with `collectives="native"` (the
-backend's own all-gather / reduce-scatter) and `"point_to_point"` (pairwise exchanges), next to
+backend's own all-gather / reduce-scatter) and `"composed"` (broadcasts / an all-reduce), next to
 the backend's all-reduce of the same buffer (what DDP runs), for several buffer sizes; prints a
 markdown table of milliseconds and MB/s (buffer bytes per second). This is the measurement behind
-`ZeroConfig.collectives="auto"` (see [Note: point-to-point exchanges] in
+`ZeroConfig.collectives="auto"` (see [Note: composed collectives] in
 hf_zero/engine/collectives.py) and behind the `bucket_size_mb` default.
 """
 
@@ -51,9 +51,9 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world = CommGroup.world()
-    native, pairwise = world.using("native"), world.using("point_to_point")
-    rows = ["| buffer (MB) | all-gather native (ms) | all-gather p2p (ms) | reduce-scatter native (ms) | "
-            "reduce-scatter p2p (ms) | all-reduce (ms) | p2p MB/s (gather, reduce) |", "|---|---|---|---|---|---|---|"]
+    native, pairwise = world.using("native"), world.using("composed")
+    rows = ["| buffer (MB) | all-gather native (ms) | all-gather composed (ms) | reduce-scatter native (ms) | "
+            "reduce-scatter composed (ms) | all-reduce (ms) | composed MB/s (gather, reduce) |", "|---|---|---|---|---|---|---|"]
     for mb in args.sizes_mb:
         n = int(mb * 2**20) // 4 // world.size * world.size
         full = torch.randn(n, device=device)

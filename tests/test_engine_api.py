@@ -78,7 +78,7 @@ def test_memory_drops_with_stage(pools):
         ({"prefetch": -1}, "ZeroConfig.prefetch must be an int >= 0"),
         ({"bucket_size_mb": -1}, "ZeroConfig.bucket_size_mb must be a number >= 0"),
         ({"bucket_size_mb": "25"}, "ZeroConfig.bucket_size_mb must be a number >= 0"),
-        ({"collectives": "ring"}, "ZeroConfig.collectives must be 'auto', 'native' or 'point_to_point'; got 'ring'"),
+        ({"collectives": "ring"}, "ZeroConfig.collectives must be 'auto', 'native' or 'composed'; got 'ring'"),
     ],
 )
 def test_bad_config_raises_clear_error(kwargs, message):

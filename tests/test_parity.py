@@ -91,7 +91,7 @@ def test_bf16_mixed_precision_tracks_fp32(pools):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_native_collectives_match(pools, stage, world):
     """The backend's own all-gather/reduce-scatter (what NCCL runs) give the same training as the
-    point-to-point exchanges `collectives="auto"` picks on gloo."""
+    composed collectives `collectives="auto"` picks on gloo."""
     run_and_compare(pools, Scenario(model="llama", stage=stage, world=world, config_overrides=(("collectives", "native"),)))
 
 

@@ -8,26 +8,25 @@ Functions that take `async_op=True` return a `Pending` whose `wait()` must be ca
 output is read; on CUDA + NCCL the work runs on the communicator's stream and `wait()` makes the
 current stream wait on it, on gloo it runs on gloo's own threads.
 
-[Note: point-to-point exchanges]
+[Note: composed collectives]
 The two bulk collectives of ZeRO (all-gather of parameters, reduce-scatter of gradients) have
-two implementations, chosen per group once (`CommGroup.point_to_point`): the backend's own
-collectives, or a pairwise exchange in which every rank sends each peer the chunk that peer
-owns (`batch_isend_irecv`) and sums what it receives. Both move the same bytes. The backend's
-collectives are the fast path on NCCL; gloo's all-gather and reduce-scatter are 1.4x to 4x
-slower than its point-to-point transfers of the same bytes (2 ranks, fp32 buffers of 3-100 MB;
-at 100 MB: all-gather 172 vs 55 ms, reduce-scatter 188 vs 56 ms; `benchmarks/collectives.py`),
-so "auto" picks the pairwise exchange on gloo. Point-to-point messages carry tags from one counter per process
-group, advanced identically on every rank (every rank issues the same exchanges in the same
-order), so exchanges in flight at once, from one engine or several, never mix.
+two implementations, chosen per group once (`CommGroup.composed`): the backend's own
+collectives, or ones composed of the backend's faster primitives: an all-gather as one
+broadcast from each rank (every rank's chunk sent once to every peer, the bytes of an
+all-gather), and a reduce-scatter as an all-reduce of the whole buffer (which overwrites it)
+keeping this rank's chunk (twice the bytes of a reduce-scatter). The backend's collectives are
+the fast path on NCCL. gloo's all-gather and reduce-scatter are slow for their bytes, so "auto"
+composes them there: 2 ranks, fp32, 100 MB buffers, all-gather 172 ms native vs 60 ms as
+broadcasts, reduce-scatter 188 ms native vs 118 ms through all-reduce (`benchmarks/collectives.py`).
+Point-to-point sends were faster still for the reduce-scatter (58 ms) but were dropped: a gloo
+group that had run them occasionally aborted the process at exit (2 of about 100 benchmark jobs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 import datetime
-import itertools
-import weakref
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,11 +35,7 @@ import torch.distributed as dist
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-BulkCollectives = Literal["auto", "native", "point_to_point"]
-_TAG_BASE = 1 << 20  # above the tags users pass to their own send/recv (0 by default)
-# process group -> its next point-to-point tags. Weak keys: holding a process group past
-# `destroy_process_group` would leave gloo to tear it down at interpreter exit, which can abort.
-_tags: "weakref.WeakKeyDictionary[Any, Iterator[int]]" = weakref.WeakKeyDictionary()
+BulkCollectives = Literal["auto", "native", "composed"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,7 @@ class CommGroup:
     pg: dist.ProcessGroup | None
     rank: int
     size: int
-    point_to_point: bool = False  # bulk collectives as pairwise exchanges ([Note: point-to-point exchanges])
+    composed: bool = False  # bulk collectives composed of broadcasts / all-reduce ([Note: composed collectives])
 
     @staticmethod
     def single() -> "CommGroup":
@@ -71,12 +66,12 @@ class CommGroup:
 
     def using(self, bulk: BulkCollectives) -> "CommGroup":
         """This group with its all-gather and reduce-scatter carried as `bulk` says: `"native"` (the
-        backend's collectives), `"point_to_point"` (pairwise exchanges) or `"auto"` (pairwise on
-        gloo, native elsewhere). See [Note: point-to-point exchanges]."""
-        if bulk not in ("auto", "native", "point_to_point"):
-            raise ValueError(f"bulk collectives must be 'auto', 'native' or 'point_to_point'; got {bulk!r}.")
-        pairwise = bulk == "point_to_point" or (bulk == "auto" and _backend(self) == "gloo")
-        return replace(self, point_to_point=pairwise and self.size > 1)
+        backend's collectives), `"composed"` (broadcasts / an all-reduce) or `"auto"` (composed on
+        gloo, native elsewhere). See [Note: composed collectives]."""
+        if bulk not in ("auto", "native", "composed"):
+            raise ValueError(f"bulk collectives must be 'auto', 'native' or 'composed'; got {bulk!r}.")
+        composed = bulk == "composed" or (bulk == "auto" and _backend(self) == "gloo")
+        return replace(self, composed=composed and self.size > 1)
 
 
 @dataclass
@@ -85,7 +80,7 @@ class Pending:
     `then` (the local step that completes it, e.g. summing received chunks)."""
 
     work: dist.Work | list[dist.Work] | None = None
-    then: Callable[[], None] | None = None
+    then: Callable[[], object] | None = None
 
     def wait(self) -> None:
         works, self.work = self.work, None
@@ -148,62 +143,33 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: CommGroup,
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
         return Pending()
-    if not group.point_to_point:
+    if not group.composed:
         return Pending(_all_gather_single(output, shard, group=group.pg, async_op=async_op))
     chunks = output.view(group.size, -1)
-    own = chunks[group.rank]
-    if own.data_ptr() != shard.data_ptr():
-        own.copy_(shard)
-    ops = []
-    for peer, chunk in _peers(group, chunks):
-        ops += [(dist.isend, own, peer), (dist.irecv, chunk, peer)]
-    return _exchange(ops, group, async_op)
-
-
-def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
-    """Sum `full` over the group and keep this rank's chunk in `output` (SUM, not mean).
-
-    `output` must not overlap `full`; `full` is only read.
-    """
-    if group.size == 1:
-        if output.data_ptr() != full.data_ptr():
-            output.copy_(full)
-        return Pending()
-    if not group.point_to_point:
-        return Pending(_reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op))
-    chunks = full.view(group.size, -1)
-    # The first peer's chunk lands in `output` itself; any others in one scratch buffer.
-    scratch = torch.empty((group.size - 2, output.numel()), dtype=output.dtype, device=output.device)
-    received = [output, *scratch]
-    ops = []
-    for i, (peer, chunk) in enumerate(_peers(group, chunks)):
-        ops += [(dist.isend, chunk, peer), (dist.irecv, received[i], peer)]
-
-    def add_own_and_rest() -> None:
-        output.add_(chunks[group.rank])
-        for extra in scratch:
-            output.add_(extra)
-
-    pending = _exchange(ops, group, async_op=True)
-    pending.then = add_own_and_rest
+    if chunks[group.rank].data_ptr() != shard.data_ptr():
+        chunks[group.rank].copy_(shard)
+    works = [dist.broadcast(chunks[i], src=dist.get_global_rank(group.pg, i), group=group.pg, async_op=True)
+             for i in range(group.size)]
+    pending = Pending(works)
     if not async_op:
         pending.wait()
     return pending
 
 
-def _peers(group: CommGroup, chunks: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    """`(group rank, its chunk)` of every other rank of the group."""
-    for peer in range(group.size):
-        if peer != group.rank:
-            yield peer, chunks[peer]
+def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
+    """Sum `full` over the group and keep this rank's chunk in `output` (SUM, not mean).
 
-
-def _exchange(ops: list[tuple[Callable[..., Any], torch.Tensor, int]], group: CommGroup, async_op: bool) -> Pending:
-    """Issue point-to-point sends/receives as one batch, under one fresh tag of the group."""
-    counter = _tags.setdefault(group.pg, itertools.count())
-    tag = _TAG_BASE + next(counter) % (1 << 30)
-    batch = [dist.P2POp(op, t, group=group.pg, tag=tag, group_peer=peer) for op, t, peer in ops]
-    pending = Pending(dist.batch_isend_irecv(batch))
+    `output` must not overlap `full`. `full` is consumed: the composed implementation sums it in
+    place (see [Note: composed collectives]).
+    """
+    if group.size == 1:
+        if output.data_ptr() != full.data_ptr():
+            output.copy_(full)
+        return Pending()
+    if not group.composed:
+        return Pending(_reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op))
+    own = full.view(group.size, -1)[group.rank]
+    pending = Pending(dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), then=lambda: output.copy_(own))
     if not async_op:
         pending.wait()
     return pending

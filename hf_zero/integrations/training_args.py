@@ -72,9 +72,9 @@ class ZeroTrainingArguments(TrainingArguments):
     )
     zero_collectives: str = field(
         default=_DEFAULT.collectives,
-        metadata={"help": "How gathers and reductions travel: the backend's collectives, point-to-point exchanges, "
-                          "or auto (point-to-point on gloo, native on NCCL).",
-                  "choices": ["auto", "native", "point_to_point"]},
+        metadata={"help": "How gathers and reductions travel: the backend's collectives (native), composed of "
+                          "broadcasts and all-reduce (composed), or auto (composed on gloo, native on NCCL).",
+                  "choices": ["auto", "native", "composed"]},
     )
     zero_hybrid_shard: bool = field(
         default=False,
