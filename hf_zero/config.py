@@ -93,7 +93,7 @@ class ZeroConfig:
             How the parameter all-gathers and gradient reduce-scatters travel: `"native"` uses the
             backend's own collectives; `"composed"` builds them from faster primitives (an
             all-gather as one broadcast per rank, a reduce-scatter as an all-reduce of the buffer);
-            `"auto"` composes them on gloo (2.9x and 1.6x faster there at 100 MB,
+            `"auto"` composes them on gloo (3.3x and 1.7x faster there at 100 MB,
             `benchmarks/collectives.py`) and uses the native ones on NCCL and other backends.
         group_timeout_s (`float`, *optional*, defaults to 600):
             Timeout of the process groups hf_zero creates (hybrid sharding): a rank that stops

@@ -16,8 +16,8 @@ broadcast from each rank (every rank's chunk sent once to every peer, the bytes 
 all-gather), and a reduce-scatter as an all-reduce of the whole buffer (which overwrites it)
 keeping this rank's chunk (twice the bytes of a reduce-scatter). The backend's collectives are
 the fast path on NCCL. gloo's all-gather and reduce-scatter are slow for their bytes, so "auto"
-composes them there: 2 ranks, fp32, 100 MB buffers, all-gather 172 ms native vs 60 ms as
-broadcasts, reduce-scatter 188 ms native vs 118 ms through all-reduce (`benchmarks/collectives.py`).
+composes them there: 2 ranks, fp32, 100 MB buffers, all-gather 164 ms native vs 50 ms as
+broadcasts, reduce-scatter 178 ms native vs 106 ms through all-reduce (`benchmarks/collectives.py`).
 Point-to-point sends were faster still for the reduce-scatter (58 ms) but were dropped: a gloo
 group that had run them occasionally aborted the process at exit (2 of about 100 benchmark jobs).
 """
