@@ -261,3 +261,42 @@ def pool_counts_per_iteration(layers: int) -> dict[str, int]:
         opt.step()
         opt.zero_grad()
     return {"reused": pool.reused - before[0], "allocated": pool.allocated - before[1], "pooled_after": pool.pooled_bytes}
+
+
+def large_head_backward(vocab: int) -> dict[str, Any]:
+    """The second stage-3 iteration of a LLaMA whose head (vocab x 32) may dwarf its blocks: what is
+    pooled when the head starts its forward, which block is whole when the head's backward starts,
+    and whether the head's reduction read autograd's own gradient tensor (no second buffer)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3, bucket_size_mb=0))
+    engine = model.zero_engine
+    units = {u.spec.name: u for u in engine.units}
+    head, last_block = units["lm_head"], units["model.layers.2"]
+    batch = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    seen: dict[str, Any] = {}
+    model.lm_head.register_forward_pre_hook(lambda m, a: seen.update(pooled_at_head=engine.pool.pooled_bytes))
+    out = model(input_ids=batch, labels=batch)
+    out.logits.register_hook(lambda g: seen.update(block_whole_in_head_backward=last_block.is_unsharded))
+    model.lm_head.weight.register_hook(lambda g: seen.update(autograd_grad=g.data_ptr()))
+    reduce = head.reduce_grads
+
+    def reduce_and_record(*args: Any, **kwargs: Any) -> Any:
+        seen["reduced"] = head.unsharded_grad.data_ptr()
+        return reduce(*args, **kwargs)
+
+    head.reduce_grads = reduce_and_record
+    out.loss.backward()
+    return {
+        "pooled_at_head": seen["pooled_at_head"],
+        "block_whole_in_head_backward": seen["block_whole_in_head_backward"],
+        "adopted": seen["reduced"] == seen["autograd_grad"],
+        "adopts": head.adopts_grads,
+    }

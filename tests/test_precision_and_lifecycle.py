@@ -65,3 +65,23 @@ def test_gradient_checkpointing_matches(pools, stage):
     """Activation checkpointing (non-reentrant, as transformers enables it) recomputes inside the
     unit's backward, after the unit was gathered: same losses and weights as the reference."""
     run_and_compare(pools, Scenario(model="llama", stage=stage, world=2, checkpointing=True))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage3_large_head_adds_only_its_own_buffers(pools, world):
+    """With a head much larger than a block (vocab 2048 x 32 = 64 K parameters vs 10 K per block):
+    - no block-sized buffer waits in the pool while the head runs its forward (the pool keeps only
+      the sizes the next units take);
+    - the last block is not gathered ahead while the head's backward runs (its prefetch would hold
+      more than the head's parameters and gradients, the floor of the peak), whereas with a small
+      head (vocab 64) it is gathered ahead as usual;
+    - the head's reduction reads autograd's own gradient tensor when its flat layout has no padding
+      (2 ranks: 65536 elements split evenly), and an attached flat buffer otherwise (3 ranks)."""
+    large = pools(world).values(_cases.large_head_backward, 2048)
+    small = pools(world).values(_cases.large_head_backward, 64)
+    for r in large:
+        assert r["pooled_at_head"] == 0, r
+        assert r["block_whole_in_head_backward"] is False, r
+        assert r["adopts"] is (world == 2) and r["adopted"] is (world == 2), r
+    for r in small:
+        assert r["block_whole_in_head_backward"] is True, r

@@ -62,6 +62,8 @@ class UnitHooks:
         self._forward_order: list[FlatUnit] = []  # inner units in the order the first forward ran them
         self._next_forward: dict[int, list[FlatUnit]] = {}  # id(unit) -> the units to prefetch as it starts
         self._next_backward: dict[int, list[FlatUnit]] = {}
+        self._pool_sizes: dict[tuple[int, bool], frozenset[int]] = {}  # (id(unit), forward) -> sizes to keep pooled
+        self._late_prefetch: set[int] = set()  # id(unit) whose backward prefetch waits for its post_backward
         self._order_known = False
         self._held: FlatUnit | None = None  # the last unit of the forward, kept gathered for the backward
         self._handles: list[RemovableHandle] = []
@@ -116,6 +118,28 @@ class UnitHooks:
             self._next_forward[id(unit)] = order[i + 1 : i + 1 + self.prefetch]
         for i, unit in enumerate(backward):
             self._next_backward[id(unit)] = backward[i + 1 : i + 1 + self.prefetch]
+        # A backward prefetch that would hold more at once than the largest unit's parameters and
+        # gradients (the floor of the peak) is issued after the unit's backward instead: with a
+        # 32000-word head, not gathering the last block during the head's backward saves a block.
+        budget = max(u.param_nbytes + u.grad_nbytes for u in order)
+        reverse = order[::-1]
+        for unit in backward:
+            i = reverse.index(unit)
+            in_flight = reverse[i - 1].grad_nbytes if i > 0 else 0  # the reduction of the unit before
+            ahead = sum(u.param_nbytes for u in self._next_backward[id(unit)])
+            if unit.param_nbytes + unit.grad_nbytes + in_flight + ahead > budget:
+                self._late_prefetch.add(id(unit))
+        for forward, units in ((True, order), (False, order[::-1])):
+            for i, unit in enumerate(units):
+                ahead = units[i + 1 : i + 2 + self.prefetch]
+                self._pool_sizes[(id(unit), forward)] = frozenset().union(*(u.buffer_nbytes for u in ahead))
+
+    def _trim_pool(self, unit: FlatUnit, forward: bool) -> None:
+        """[Note: buffer reuse] after `unit` freed its buffers, keep pooled only the sizes that the
+        next units take."""
+        sizes = self._pool_sizes.get((id(unit), forward))
+        if sizes is not None:
+            self.pool.retain(sizes)
 
     def _keeps_for_backward(self, unit: FlatUnit) -> bool:
         """The last unit of a forward that will have a backward is the first unit of that backward:
@@ -130,6 +154,7 @@ class UnitHooks:
             self._held = unit
         else:
             self.plan.params.after_forward(unit)
+        self._trim_pool(unit, forward=True)
         if unit is self.root:
             self.pool.clear()
         if not torch.is_grad_enabled():
@@ -159,7 +184,8 @@ class UnitHooks:
             self._held = None  # the backward has it now; after_backward frees it
         if unit.spec.backward_reads_params:
             self.plan.params.before_compute(unit)
-        self._prefetch_after(unit, forward=False)
+        if id(unit) not in self._late_prefetch:
+            self._prefetch_after(unit, forward=False)
         unit.attach_grads()
         expected = len(unit.trainable)
         self._started[id(unit)] = expected
@@ -185,7 +211,7 @@ class UnitHooks:
         if id(unit) in self._done:
             return
         self._done.add(id(unit))
-        unit.detach_grads()
+        unit.collect_grads()
         if self.requires_grad_sync and self._started[id(unit)] > 0:
             self._pending.append((unit, unit.reduce_grads(async_op=True)))
             if not self.plan.keep_unsharded_grads:
@@ -196,6 +222,9 @@ class UnitHooks:
             while len(self._pending) > MAX_PENDING_REDUCTIONS:
                 self._finish(*self._pending.pop(0))
         self.plan.params.after_backward(unit)
+        self._trim_pool(unit, forward=False)
+        if id(unit) in self._late_prefetch:
+            self._prefetch_after(unit, forward=False)
 
     def _finalize(self) -> None:
         for unit in reversed(self.units):

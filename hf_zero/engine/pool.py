@@ -14,7 +14,9 @@ them, point into one storage for the unit's whole life; the pool exchanges the m
 that storage (`UntypedStorage._swap_data_ptr_`), as resizing it to zero and back would, minus
 the allocation. Memory stays bounded: at most `per_size` buffers of each size wait in the pool,
 and `clear()` (called at the end of every forward and backward pass) returns them all, so
-between passes the pool holds nothing.
+between passes the pool holds nothing. Within a pass, each unit's hooks first `retain` only the
+sizes that it and the next few units use: idle blocks' buffers are not kept while the embedding
+or the head, the largest units, compute.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ class BufferPool:
             free.append(empty)
         else:
             storage.resize_(0)
+
+    def retain(self, sizes: frozenset[int]) -> None:
+        """Return the pooled buffers of every size not in `sizes` to the allocator (the units about to
+        run need none of them), so idle memory does not add to the peak of the units that follow."""
+        for key in [k for k in self._free if k[1] not in sizes]:
+            del self._free[key]
 
     def clear(self) -> None:
         """Return every pooled buffer to the allocator."""
