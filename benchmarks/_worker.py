@@ -13,7 +13,8 @@ Memory is the process's resident set (VmRSS/VmHWM), which on CPU is what holds t
 - `peak_rss_bytes`: peak over loading, wrapping and training minus the baseline, the resident
   set after imports and process-group set-up (before any model exists);
 - `train_peak_rss_bytes`: peak during the timed training loop minus the resident set when it starts;
-- `model_state_bytes`: parameters, gradients and optimizer state this rank holds after the last step.
+- `model_state_bytes`: parameters, gradients and optimizer state this rank holds at the last
+  optimizer step (hf_zero frees its gradient shards in `zero_grad`, so it is read before that).
 """
 
 from __future__ import annotations
@@ -100,15 +101,18 @@ def setup(engine: str, weights: str, micro: int, options: dict):
         model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, weights, config, optimizer_fn=lambda m: adamw(m.parameters()))
         model.train()
 
+        held = {"bytes": 0}
+
         def step(batch):  # noqa: ANN001
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
             opt.clip_grad_norm_(1.0)
             opt.step()
+            held["bytes"] = hf_zero.model_state_memory(model).total()  # zero_grad frees the gradient shards
             opt.zero_grad()
             return loss.detach()
 
-        return step, lambda: hf_zero.model_state_memory(model).total()
+        return step, lambda: held["bytes"]
     model = AutoModelForCausalLM.from_pretrained(weights)
     model.train()
     if engine == "ddp":

@@ -300,3 +300,27 @@ def large_head_backward(vocab: int) -> dict[str, Any]:
         "adopted": seen["reduced"] == seen["autograd_grad"],
         "adopts": head.adopts_grads,
     }
+
+
+def gradient_memory_over_steps(stage: int) -> dict[str, Any]:
+    """Gradient bytes this rank holds at each point of two training steps ([Note: gradient shard
+    lifetime]): none before the first backward and after each zero_grad."""
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine = model.zero_engine
+
+    def grads() -> int:
+        return sum(hf_zero.model_state_memory(model).gradients.values())
+
+    seen = {"initialized": grads()}
+    for i in range(2):
+        model(input_ids=batch, labels=batch).loss.backward()
+        seen[f"backward{i}"] = grads()
+        opt.step()
+        seen[f"step{i}"] = grads()
+        opt.zero_grad()
+        seen[f"zero_grad{i}"] = grads()
+    seen["shard_bytes"] = sum(u.layout.shard_numel * 4 for u in engine.units if u.has_trainable)
+    seen["grads_bound_after_zero_grad"] = sum(p.grad is not None for g in opt.param_groups for p in g["params"])
+    return seen

@@ -211,9 +211,9 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         if sc.max_grad_norm is not None:
             norms.append(float(opt.clip_grad_norm_(sc.max_grad_norm)))
         opt.step()
-        opt.zero_grad()
-        if step == sc.start_step:
+        if step == sc.start_step:  # at the step: zero_grad frees the gradient shards
             memory = hf_zero.model_state_memory(model)
+        opt.zero_grad()
     if sc.save_to is not None:
         hf_zero.save_checkpoint(sc.save_to, model, opt, metadata={"step": sc.stop_step or sc.steps})
     state = hf_zero.full_state_dict(model)

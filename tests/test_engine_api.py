@@ -256,3 +256,14 @@ def test_bucket_size_groups_consecutive_blocks():
     assert sorted(owned) == sorted(n for n, _ in model.named_parameters())
     assert not grouped[0].backward_reads_params and all(s.backward_reads_params for s in grouped[1:])
     assert names(find_units(model, "auto", bucket_numel=10**9)) == ["model.embed_tokens", "model.layers.0-4", "lm_head", ""]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_shards_exist_only_from_backward_to_zero_grad(pools, stage):
+    """[Note: gradient shard lifetime]: no gradient memory after initialize or after zero_grad (as
+    with `set_to_none`); after each backward exactly this rank's fp32 shards (stage 2-3 free the
+    unsharded gradients), kept through the step."""
+    for r in pools(2).values(_cases.gradient_memory_over_steps, stage):
+        assert r["initialized"] == r["zero_grad0"] == r["zero_grad1"] == 0, r
+        assert r["backward0"] == r["step0"] == r["backward1"] == r["step1"] == r["shard_bytes"] > 0, r
+        assert r["grads_bound_after_zero_grad"] == 0, r

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import ZeroConfig
 from .collectives import CommGroup, all_gather_into, all_reduce_, broadcast_, comm_device, max_scalar_
-from .flat import FlatLayout, FlatUnit
+from .flat import FlatLayout, FlatUnit, grad_slab
 from .hooks import UnitHooks
 from .pool import BufferPool
 from .scaler import LossScaler
@@ -107,6 +107,7 @@ class ZeroEngine:
             id(old): new for unit in self.units for old, new in zip(unit.spec.params, unit.params) if old is not new
         }
         _swap_parameters(model, self.replaced)
+        grad_slab(self.units)
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
         self.pool.clear()
         self.hooks = UnitHooks(self.units, self.plan, self.pool, self.scaler.scale_outputs if self.scaler else None)
@@ -151,13 +152,15 @@ class ZeroEngine:
             unit.zero_grad()
             if not self.plan.keep_unsharded_grads:
                 unit.unsharded_grad = None
+        for piece in self.pieces:
+            piece.master.grad = None
         self.has_grads = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the sharded gradients by their global norm; returns the norm of the unsharded gradients."""
         self.hooks.wait_reductions()
         norm_type = float(norm_type)
-        shards = [unit.sharded_grad for unit in self.units if unit.has_trainable]
+        shards = [unit.sharded_grad for unit in self.units if unit.has_trainable and not unit.grad_is_zero]
         group = self.plan.shard_group
         if not shards:  # nothing trainable: the norm is zero on every rank
             shards = [torch.zeros(1, device=self.device)]
@@ -184,6 +187,8 @@ class ZeroEngine:
             return False
         if self.scaler is not None and not self.scaler.check_and_update(self.units, self.world):
             return False
+        for piece in self.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
+            piece.master.grad = None if piece.unit.grad_is_zero else piece.grad
         optimizer.step()
         for pending in [unit.publish_master(async_op=True) for unit in self.units]:
             pending.wait()

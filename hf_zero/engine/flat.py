@@ -14,6 +14,19 @@ While a unit's backward runs, each trainable parameter's `.grad` is a view of th
 `unsharded_grad` buffer (zeroed when it is created), so autograd accumulates in place. After the
 unit's backward the buffer is reduce-scattered into this rank's `sharded_grad` (fp32 master dtype
 by default) and the `.grad` views are detached again.
+[Note: gradient shard lifetime]
+A unit's fp32 gradient shard holds memory only from the first reduction that lands in it to
+`zero_grad` (PyTorch's `set_to_none`): the reduce-scatter writes into freshly allocated memory,
+and `zero_grad` releases it (the tensor object, which the optimizer's pieces view, stays). So
+during a backward pass only the units already reduced hold gradient shards: the largest moment of
+the pass (the head's backward, its parameters and gradients whole) comes before any shard exists,
+and evaluation between steps holds none. The optimizer steps only the pieces of units that got a
+reduction (the others have `.grad = None`, as with `set_to_none`).
+The shards of the units trainable at set-up are views of one buffer (`grad_slab`), allocated by the
+first reduction of a step and freed by `zero_grad`: host memory is only made resident where a
+reduction writes, and one large block returns to the system at once, where per-unit blocks of
+tens of MB would be left in (and fragment) the allocator's heap.
+
 A unit of one parameter without padding (an embedding, an LM head) skips the buffer when it has
 none yet: autograd's own gradient tensor, which it hands to `.grad` without a copy, is adopted as
 `unsharded_grad` (`collect_grads`). Accumulating into a view would cost a second full-size
@@ -156,7 +169,8 @@ class FlatUnit:
         else:
             self.reshard()
 
-        self._sharded_grad: torch.Tensor | None = None  # 1D (shard_numel,), master dtype; allocated on first use
+        self._sharded_grad: torch.Tensor | None = None  # 1D (shard_numel,), master dtype; held from the first reduction to zero_grad
+        self._grad_storage_nbytes = 0  # bytes of the storage `_sharded_grad` views (a shared slab, or its own)
         self.grad_is_zero = True  # sharded_grad holds no reduced gradient yet (a lazy zero)
         self.unsharded_grad: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
 
@@ -254,10 +268,22 @@ class FlatUnit:
     # ---- gradients --------------------------------------------------------------------------
     @property
     def sharded_grad(self) -> torch.Tensor:
-        """This rank's reduced gradient shard (master dtype); allocated, zeroed, on first use, so a
-        model that only loads or runs inference holds no gradient memory."""
+        """This rank's reduced gradient shard (master dtype); zeros while no reduction reached it
+        since `zero_grad` ([Note: gradient shard lifetime])."""
+        grad = self._grad_shard()
+        if self.grad_is_zero:
+            grad.zero_()
+        return grad
+
+    def _grad_shard(self) -> torch.Tensor:
+        """The gradient shard's memory, allocated on first use and again after `zero_grad` released
+        it; its values are meaningless while `grad_is_zero`."""
         if self._sharded_grad is None:
-            self._sharded_grad = self._alloc(self.layout.shard_numel, self.master_dtype, self.master_device).zero_()
+            self._sharded_grad = self._alloc(self.layout.shard_numel, self.master_dtype, self.master_device)
+            self._grad_storage_nbytes = self._sharded_grad.untyped_storage().nbytes()
+        storage = self._sharded_grad.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self._grad_storage_nbytes)  # the whole shared slab, when the shard is in one
         return self._sharded_grad
 
     @property
@@ -323,7 +349,7 @@ class FlatUnit:
             source = self.pool.new_tensor(source.numel(), self.reduce_dtype, self.device).copy_(source)
         into_acc = self.grad_is_zero and self.reduce_dtype == self.master_dtype and self.host is None
         if into_acc:
-            output = self.sharded_grad
+            output = self._grad_shard()
         elif self.shard_group.size == 1 and source is not self.unsharded_grad:
             output = source  # a fresh cast copy: reduce it in place
         else:
@@ -342,7 +368,7 @@ class FlatUnit:
             out.div_(divisor)
         if not reduction.into_accumulator:
             if self.grad_is_zero:
-                self.sharded_grad.copy_(out, non_blocking=True)  # to the host when offloaded
+                self._grad_shard().copy_(out, non_blocking=True)  # to the host when offloaded
             else:
                 self.sharded_grad.add_(out.to(self.master_device))
         self.grad_is_zero = False
@@ -358,10 +384,23 @@ class FlatUnit:
             self.unsharded_grad = None
         self.pool.release(grad.untyped_storage())
 
+    @property
+    def releases_grad_memory(self) -> bool:
+        """Whether `zero_grad` frees the gradient shard's memory: not for a pinned host shard
+        (offload from an accelerator), as pinning memory again each step is slow."""
+        return not (self.host is not None and self.device.type != "cpu")
+
+    def use_grad_slab(self, slab: torch.Tensor) -> None:
+        """Keep the gradient shard in `slab`, a 1D view of `shard_numel` elements of one buffer shared
+        by every unit ([Note: gradient shard lifetime])."""
+        self._sharded_grad = slab
+        self._grad_storage_nbytes = slab.untyped_storage().nbytes()
+
     def zero_grad(self) -> None:
+        """Forget the gradients: the shard's memory is released ([Note: gradient shard lifetime])."""
         self.grad_is_zero = True
-        if self._sharded_grad is not None:
-            self._sharded_grad.zero_()
+        if self._sharded_grad is not None and self.releases_grad_memory:
+            self._sharded_grad.untyped_storage().resize_(0)
         if self.unsharded_grad is not None:
             self.unsharded_grad.zero_()
         self.detach_grads()
@@ -382,3 +421,18 @@ class FlatUnit:
                 held.append(("gradients", g, where(g, offloaded)))
         held.append(("optimizer_states", self.sharded_master, where(self.sharded_master, self.host is not None)))
         return held
+
+
+def grad_slab(units: list[FlatUnit]) -> None:
+    """Give every unit that has trainable parameters a gradient shard in one shared buffer, holding no
+    memory until the first reduction ([Note: gradient shard lifetime])."""
+    trainable = [u for u in units if u.has_trainable]
+    if not trainable or not all(u.releases_grad_memory for u in trainable):
+        return  # pinned host shards stay per unit, allocated on first use
+    first = trainable[0]
+    slab = first._alloc(sum(u.layout.shard_numel for u in trainable), first.master_dtype, first.master_device)
+    offset = 0
+    for unit in trainable:
+        unit.use_grad_slab(slab[offset : offset + unit.layout.shard_numel])
+        offset += unit.layout.shard_numel
+    slab.untyped_storage().resize_(0)

@@ -33,8 +33,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
             param = engine.replaced.get(id(param), param)  # built over meta parameters: use their views
             piece = by_param.get(id(param))
             if piece is not None:
-                piece.master.grad = piece.grad
-                pieces.append(piece.master)
+                pieces.append(piece.master)  # `.grad` is bound by each step ([Note: gradient shard lifetime])
             names.append(engine.name_of(param))
         group["params"] = pieces
         group_names.append(names)

@@ -57,7 +57,7 @@ class LossScaler:
 
     def check_and_update(self, units: list["FlatUnit"], world: CommGroup) -> bool:
         """Whether the reduced gradients are finite on every rank; updates the scale either way."""
-        shards = [unit.sharded_grad for unit in units if unit.has_trainable] or [torch.zeros(1)]
+        shards = [unit.sharded_grad for unit in units if unit.has_trainable and not unit.grad_is_zero] or [torch.zeros(1)]
         local = torch.stack([(~torch.isfinite(g)).any().cpu() for g in shards]).any().float()
         found = local.reshape(1).to(comm_device(world))  # the shards may be on the host (offload)
         all_reduce_(found, world, op=dist.ReduceOp.MAX)
