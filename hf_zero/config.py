@@ -69,7 +69,9 @@ class ZeroConfig:
             Stage 3: how many units' all-gathers are issued ahead of the running unit (in forward
             order, and in reverse order during backward; the order is learned from the first
             forward), so communication overlaps computation. Each adds one gathered unit to the
-            device memory peak; 0 gathers each unit only when it is needed.
+            device memory peak; 0 gathers each unit only when it is needed. A backward prefetch
+            that would hold more at once than the largest unit's parameters and gradients (e.g.
+            the last block during the head's backward) is issued when the unit's backward ends.
         bucket_size_mb (`float`, *optional*, defaults to 25):
             The size of the communication bucket: a unit takes in the next sibling transformer
             block for as long as it holds less than this many MiB of parameters (in the compute
