@@ -1,6 +1,6 @@
 """Run under torchrun: peak RSS growth of one rank while it loads a model (sharded or ordinary way).
 
-Prints `rank peak_growth_bytes` per rank. Not a test by itself: tests/test_pretrained_loading.py runs it.
+Rank 0 prints `rank peak_growth_bytes` for every rank. Not a test by itself: tests/test_pretrained_loading.py runs it.
 """
 
 import resource
@@ -30,7 +30,10 @@ def main() -> None:
     else:
         model, _ = hf_zero.initialize(AutoModelForCausalLM.from_pretrained(path), None, config)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"{dist.get_rank()} {peak - baseline}", flush=True)
+    growth = [None] * dist.get_world_size()
+    dist.all_gather_object(growth, peak - baseline)
+    if dist.get_rank() == 0:  # one writer: two ranks printing to one stdout can interleave their lines
+        print("\n".join(f"{rank} {g}" for rank, g in enumerate(growth)), flush=True)
     dist.destroy_process_group()
 
 
