@@ -324,3 +324,52 @@ def gradient_memory_over_steps(stage: int) -> dict[str, Any]:
     seen["shard_bytes"] = sum(u.layout.shard_numel * 4 for u in engine.units if u.has_trainable)
     seen["grads_bound_after_zero_grad"] = sum(p.grad is not None for g in opt.param_groups for p in g["params"])
     return seen
+
+
+def lookup_gradient_rows(stage: int, tokens_per_rank: int, bypass_rank: int | None = None) -> dict[str, Any]:
+    """One backward of a LLaMA (vocab 256 x 64) under hf_zero: the input embedding's gradient shard
+    against the dense gradient of an unsharded replica that ran every rank's batch, and how the
+    embedding's reduction travelled ([Note: sparse lookup gradients]). `bypass_rank` computes its
+    embedding output with `F.embedding` on the weight directly (a dense gradient on that rank)."""
+    import torch.nn.functional as F
+    from hf_zero.engine import flat
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = make_model("llama")
+    model = make_model("llama")
+    # Token ids with repeats; each rank's batch differs. Row 255 is used by no rank.
+    batches = [torch.randint(0, 255, (1, tokens_per_rank), generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for b in batches:
+        (reference(input_ids=b, labels=b).loss / world).backward()
+    expected = reference.model.embed_tokens.weight.grad.reshape(-1)
+
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
+    unit = next(u for u in model.zero_engine.units if u.spec.name == "model.embed_tokens")
+    paths: list[str] = []
+    inside: list[bool] = []  # whether the embedding unit's reduce_grads is running
+    gather, scatter, reduce = flat.all_gather_rows, flat.reduce_scatter_into, unit.reduce_grads
+    flat.all_gather_rows = lambda *a, **k: (paths.append("rows"), gather(*a, **k))[1]
+    flat.reduce_scatter_into = lambda *a, **k: (paths.append("dense") if inside else None, scatter(*a, **k))[1]
+    unit.reduce_grads = lambda *a, **k: (inside.append(True), reduce(*a, **k), inside.clear())[1]
+    try:
+        batch = batches[rank]
+        if rank == bypass_rank:
+            embeds = F.embedding(batch, model.model.embed_tokens.weight)
+            loss = model(inputs_embeds=embeds, labels=batch).loss
+        else:
+            loss = model(input_ids=batch, labels=batch).loss
+        sparse_after_forward = model.model.embed_tokens.sparse
+        loss.backward()
+        opt.clip_grad_norm_(float("inf"))  # waits for every reduction
+    finally:
+        flat.all_gather_rows, flat.reduce_scatter_into = gather, scatter
+    lo, hi = unit.layout.shard_range(unit.shard_group.rank)
+    padded = torch.cat([expected, expected.new_zeros(unit.layout.padded_numel - expected.numel())])
+    got = unit.sharded_grad
+    return {
+        "paths": paths,
+        "max_abs_err": float((got - padded[lo:hi]).abs().max()),
+        "scale": float(padded.abs().max()),
+        "sparse_after_forward": sparse_after_forward,
+        "sparse_lookup": unit.sparse_lookup,
+    }

@@ -267,3 +267,31 @@ def test_gradient_shards_exist_only_from_backward_to_zero_grad(pools, stage):
         assert r["initialized"] == r["zero_grad0"] == r["zero_grad1"] == 0, r
         assert r["backward0"] == r["step0"] == r["backward1"] == r["step1"] == r["shard_bytes"] > 0, r
         assert r["grads_bound_after_zero_grad"] == 0, r
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_embedding_gradient_travels_as_rows(pools, stage):
+    """[Note: sparse lookup gradients]: with few tokens per rank the input embedding's gradient is
+    exchanged as rows (no dense embedding-sized reduction), and its shard equals the dense gradient
+    of an unsharded replica that ran every rank's batch (fp32, 1e-6 of the largest entry); the
+    module's `sparse` switch is back off after the forward."""
+    for r in pools(2).values(_cases.lookup_gradient_rows, stage, 24):
+        assert r["sparse_lookup"] and r["paths"] == ["rows"], r
+        assert r["max_abs_err"] <= 1e-6 * r["scale"], r
+        assert r["sparse_after_forward"] is False, r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_embedding_gradient_falls_back_to_dense_on_every_rank(pools, world):
+    """When the rows would outweigh the dense collective (many tokens per rank), or when one rank's
+    forward bypassed the module and got a dense gradient, every rank takes the dense path (no rank
+    is left in a different collective) and the shard still equals the reference. 3 ranks: shard
+    boundaries cut through embedding rows."""
+    many = pools(world).values(_cases.lookup_gradient_rows, 3, 200)
+    bypass = pools(world).values(_cases.lookup_gradient_rows, 2, 24, 1)  # stage 2: the weight is whole
+    few = pools(world).values(_cases.lookup_gradient_rows, 3, 24)
+    for r in many + bypass:
+        assert r["paths"] == ["dense"], r
+        assert r["max_abs_err"] <= 1e-6 * r["scale"], r
+    for r in few:
+        assert r["paths"] == ["rows"] and r["max_abs_err"] <= 1e-6 * r["scale"], r

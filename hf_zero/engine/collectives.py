@@ -82,6 +82,18 @@ class Pending:
     work: dist.Work | list[dist.Work] | None = None
     then: Callable[[], object] | None = None
 
+    @property
+    def works(self) -> list[dist.Work]:
+        w = self.work
+        return w if isinstance(w, list) else [w] if w is not None else []
+
+    @staticmethod
+    def join(*pendings: "Pending", then: Callable[[], object] | None = None) -> "Pending":
+        """One `Pending` for several issued collectives (without their own `then`), finished by `then`."""
+        if any(p.then is not None for p in pendings):
+            raise RuntimeError("hf_zero: Pending.join takes collectives without a completion step")
+        return Pending([w for p in pendings for w in p.works], then)
+
     def wait(self) -> None:
         works, self.work = self.work, None
         for w in works if isinstance(works, list) else [works] if works is not None else []:
@@ -173,6 +185,42 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: CommGro
     if not async_op:
         pending.wait()
     return pending
+
+
+def all_gather_rows(
+    rows: torch.Tensor, values: torch.Tensor, capacity: int, group: CommGroup, async_op: bool = False
+) -> tuple[Pending, torch.Tensor, torch.Tensor]:
+    """Gather every rank's rows of a sparse matrix: `rows` (n,) int64 and `values` (n, dim), with
+    `n <= capacity` on every rank (see `max_ints`). Each rank's entries are padded to `capacity`,
+    the padding with row -1 and zero values.
+
+    Returns the `Pending` and the gathered `(size * capacity,)` rows and `(size * capacity, dim)` values.
+    """
+    n, dim = values.shape
+    if n > capacity:
+        raise RuntimeError(f"[rank {group.global_rank}] hf_zero: {n} rows to gather exceed the agreed capacity {capacity}")
+    padded_rows = torch.full((capacity,), -1, dtype=torch.int64, device=values.device)
+    padded_rows[:n] = rows
+    padded_values = values.new_zeros(capacity, dim)
+    padded_values[:n] = values
+    all_rows = torch.empty(group.size * capacity, dtype=torch.int64, device=values.device)
+    all_values = values.new_empty(group.size * capacity, dim)
+    pending = Pending.join(
+        all_gather_into(all_rows, padded_rows, group, async_op=True),
+        all_gather_into(all_values.view(-1), padded_values.view(-1), group, async_op=True),
+    )
+    if not async_op:
+        pending.wait()
+    return pending, all_rows, all_values
+
+
+def max_ints(values: Sequence[int], group: CommGroup) -> list[int]:
+    """The elementwise maximum of small non-negative integers over the group (a host sync)."""
+    if group.size == 1:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
+    return [int(v) for v in t.tolist()]
 
 
 def all_reduce_(

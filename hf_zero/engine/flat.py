@@ -43,8 +43,9 @@ from torch import nn
 
 from typing import TYPE_CHECKING
 
-from .collectives import CommGroup, Pending, all_gather_into, all_reduce_, reduce_scatter_into
+from .collectives import CommGroup, Pending, all_gather_into, all_gather_rows, all_reduce_, max_ints, reduce_scatter_into
 from .pool import BufferPool
+from .sparse import coalesced_rows, scatter_rows_
 from .units import UnitSpec
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ class FlatUnit:
         self._grad_storage_nbytes = 0  # bytes of the storage `_sharded_grad` views (a shared slab, or its own)
         self.grad_is_zero = True  # sharded_grad holds no reduced gradient yet (a lazy zero)
         self.unsharded_grad: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
+        self.sparse_grad: torch.Tensor | None = None  # a lookup's sparse COO gradient, not yet reduced
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer; host buffers are pinned when the compute device is an accelerator (async copies)."""
@@ -306,7 +308,7 @@ class FlatUnit:
         a unit that adopts autograd's gradient and has no buffer yet leaves `.grad` unset."""
         if not self.has_trainable:
             return  # a frozen unit gets no gradient buffer
-        if self.unsharded_grad is None and self.adopts_grads and self.params[0].grad is None:
+        if self.unsharded_grad is None and (self.sparse_lookup or self.adopts_grads) and self.params[0].grad is None:
             return
         if self.unsharded_grad is None:
             self.unsharded_grad = self.pool.new_tensor(self.layout.padded_numel, self.param_dtype, self.device).zero_()
@@ -318,27 +320,46 @@ class FlatUnit:
                         view.add_(p.grad.to(view.dtype))
                     p.grad = view
 
+    @property
+    def sparse_lookup(self) -> bool:
+        """Whether the unit is a plain embedding lookup whose gradient travels as rows
+        ([Note: sparse lookup gradients] in sparse.py)."""
+        return not self.spec.backward_reads_params and len(self.params) == 1 and self.params[0].requires_grad
+
     def collect_grads(self) -> None:
-        """After the unit's backward: adopt autograd's gradient as `unsharded_grad` when no buffer was
-        attached ([Note: gradients]; zeros when the parameter got none), then detach every `.grad`."""
-        if self.unsharded_grad is None and self.adopts_grads:
+        """After the unit's backward: keep a lookup's sparse gradient, or adopt autograd's dense one as
+        `unsharded_grad` when no buffer was attached ([Note: gradients]; zeros when the parameter got
+        none), then detach every `.grad`."""
+        if self.unsharded_grad is None and (self.adopts_grads or self.sparse_lookup):
             grad = self.params[0].grad
-            if grad is not None and grad.is_contiguous() and grad.dtype == self.param_dtype:
-                self.unsharded_grad = grad.detach().view(-1)
-            else:
-                self.unsharded_grad = self.pool.new_tensor(self.layout.padded_numel, self.param_dtype, self.device)
-                if grad is None:
-                    self.unsharded_grad.zero_()
-                else:
-                    self.unsharded_grad.copy_(grad.reshape(-1))
+            if grad is not None and grad.is_sparse:
+                grad = grad.detach()
+                self.sparse_grad = grad if self.sparse_grad is None else self.sparse_grad + grad
+            elif grad is not None or not self.sparse_lookup:
+                self.unsharded_grad = self._dense_grad(grad)
         self.detach_grads()
+
+    def _dense_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """`grad` (dense, sparse or absent) as a flat buffer: autograd's own tensor when it fits as is."""
+        if grad is not None and not grad.is_sparse and grad.is_contiguous() and grad.dtype == self.param_dtype \
+                and grad.numel() == self.layout.padded_numel:
+            return grad.detach().view(-1)
+        buffer = self.pool.new_tensor(self.layout.padded_numel, self.param_dtype, self.device).zero_()
+        if grad is not None:
+            buffer[: self.layout.numel].view(self.params[0].shape).add_(grad.to(self.param_dtype))
+        return buffer
 
     def detach_grads(self) -> None:
         for p in self.params:
             p.grad = None
 
     def reduce_grads(self, async_op: bool = True) -> GradReduction:
-        """Issue the reduce-scatter (and cross-replica all-reduce) of `unsharded_grad`. Sums, not means."""
+        """Issue the reduce-scatter (and cross-replica all-reduce) of `unsharded_grad`, or a lookup's row
+        exchange ([Note: sparse lookup gradients]). Sums, not means."""
+        if self.sparse_lookup:
+            rows = self._reduce_rows(async_op)
+            if rows is not None:
+                return rows
         if self.unsharded_grad is None:
             raise RuntimeError(
                 f"[rank {self.shard_group.global_rank}] hf_zero: unit '{self.spec.name}' reduces gradients "
@@ -359,6 +380,34 @@ class FlatUnit:
             pending.wait()  # the cross-replica sum needs the shard-group sum first
             pending = all_reduce_(output, self.replicate_group, async_op=async_op)
         return GradReduction(pending, output, source, buffer, into_acc)
+
+    def _reduce_rows(self, async_op: bool) -> GradReduction | None:
+        """A lookup's reduction as a row exchange, or None after densifying when the ranks agree that the
+        dense path is cheaper or some rank holds a dense gradient. Every rank takes the same path."""
+        dim = self.params[0].shape[-1]
+        sparse, self.sparse_grad = self.sparse_grad, None
+        rows, values = coalesced_rows(sparse, dim, self.reduce_dtype, self.device)
+        capacity, any_dense = max_ints([rows.numel(), int(self.unsharded_grad is not None)], self.shard_group)
+        if any_dense or 2 * capacity * self.shard_group.size * (dim + 1) > self.layout.padded_numel:
+            if self.unsharded_grad is None:
+                self.unsharded_grad = self._dense_grad(sparse)
+            elif sparse is not None:
+                self.unsharded_grad[: self.layout.numel].view(self.params[0].shape).add_(sparse.to(self.param_dtype))
+            return None
+        into_acc = self.grad_is_zero and self.reduce_dtype == self.master_dtype and self.host is None
+        if into_acc:
+            output = self._grad_shard().zero_()
+        else:
+            output = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        pending, all_rows, all_values = all_gather_rows(rows, values, capacity, self.shard_group, async_op=True)
+        lo, _ = self.layout.shard_range(self.shard_group.rank)
+        pending.then = lambda: scatter_rows_(output, lo, all_rows, all_values)
+        if self.replicate_group.size > 1:
+            pending.wait()
+            pending = all_reduce_(output, self.replicate_group, async_op=True)
+        if not async_op:
+            pending.wait()
+        return GradReduction(pending, output, all_values, all_values, into_acc)
 
     def finish_reduction(self, reduction: GradReduction, divisor: float) -> None:
         """Wait for a reduction and add its mean into `sharded_grad`."""
@@ -399,6 +448,7 @@ class FlatUnit:
     def zero_grad(self) -> None:
         """Forget the gradients: the shard's memory is released ([Note: gradient shard lifetime])."""
         self.grad_is_zero = True
+        self.sparse_grad = None
         if self._sharded_grad is not None and self.releases_grad_memory:
             self._sharded_grad.untyped_storage().resize_(0)
         if self.unsharded_grad is not None:

@@ -10,7 +10,7 @@ For each unit (the root included), in one training iteration:
    them to receive its gradient runs pre_backward. The root's post_forward empties the buffer
    pool ([Note: buffer reuse] in pool.py).
 3. pre_backward: gather again (stage 3; not for a unit whose backward reads no parameters, an
-   `nn.Embedding`) and point the trainable parameters' `.grad` at the unit's unsharded gradient
+   `nn.Embedding`, which ran its forward with `sparse=True`: [Note: sparse lookup gradients]) and point the trainable parameters' `.grad` at the unit's unsharded gradient
    buffer. The first pre_backward of a backward pass queues the final callback on the
    autograd engine.
 4. post_backward: when every trainable parameter of the unit has accumulated its gradient
@@ -106,6 +106,8 @@ class UnitHooks:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
         self.plan.params.before_compute(unit)
         self._prefetch_after(unit, forward=True)
+        if unit.sparse_lookup:
+            unit.spec.module.sparse = True  # [Note: sparse lookup gradients]; switched back after the forward
 
     def _learn_order(self) -> None:
         """[Note: prefetch] fix the forward order and what each unit prefetches: the next `prefetch`
@@ -150,6 +152,8 @@ class UnitHooks:
         )
 
     def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if unit.sparse_lookup:
+            unit.spec.module.sparse = False
         if self._keeps_for_backward(unit):
             self._held = unit
         else:
