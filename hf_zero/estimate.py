@@ -22,6 +22,7 @@ On top of model states, a device holds, at its peak (the start of the backward p
   The logits add B·L·V elements in the compute dtype, an fp32 copy when that is not fp32 (the
   loss upcasts), and fp32 log-probabilities;
 - stages 0-1: a reduction buffer of the largest unit in the reduce dtype.
+An input embedding's gradient is sparse rows, not a dense buffer ([Note: sparse lookup gradients]).
 The activation coefficients were fitted on measured CPU runs of LLaMA (one configuration, with
 and without checkpointing) and checked on others: tests/test_estimate.py states the method.
 """
@@ -115,7 +116,7 @@ def model_states(
             add("optimizer_states", host, s * md)
         if has_grads:
             add("gradients", host, s * md)
-            if config.stage <= 1:
+            if config.stage <= 1 and spec.backward_reads_params:  # a lookup's gradient travels as rows
                 add("gradients", "device", padded * pd)  # the unsharded buffer, kept and reused
         add("optimizer_states", host, sum(2 * (b - a) * md + _ADAM_STEP_BYTES for _, a, b in trainable))
     return ModelStateMemory(**parts)

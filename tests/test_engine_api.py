@@ -8,20 +8,22 @@ import torch
 
 import hf_zero
 from tests import _cases
-from tests._training import Scenario, make_model, make_optimizer, sharded_run
+from tests._training import VOCAB, Scenario, make_model, make_optimizer, sharded_run
 
 
 # ---- per-rank model-state bytes follow the ZeRO formula ----------------------------------------
-def _formula(stage: int, psi: int, n: int) -> dict[str, float]:
+def _formula(stage: int, psi: int, n: int, lookup: int = 0) -> dict[str, float]:
     """fp32 AdamW model-state bytes per rank (params, grads, optimizer state incl. master copies).
 
     4 bytes per fp32 value; Adam keeps two moments (8 bytes). Stage 1 keeps the unsharded gradient
     buffer (reused across steps) and a reduced fp32 gradient shard; in fp32 the master weights are
     the parameters themselves, so no extra copy. Stage 0 (plain DP) keeps a reduced gradient copy.
+    The `lookup` parameters (the input embedding) have no unsharded gradient buffer: their
+    gradient travels as rows ([Note: sparse lookup gradients]).
     """
     return {
-        0: {"parameters": 4 * psi, "gradients": 8 * psi, "optimizer_states": 8 * psi},
-        1: {"parameters": 4 * psi, "gradients": 4 * psi + 4 * psi / n, "optimizer_states": 8 * psi / n},
+        0: {"parameters": 4 * psi, "gradients": 8 * psi - 4 * lookup, "optimizer_states": 8 * psi},
+        1: {"parameters": 4 * psi, "gradients": 4 * (psi - lookup) + 4 * psi / n, "optimizer_states": 8 * psi / n},
         2: {"parameters": 4 * psi, "gradients": 4 * psi / n, "optimizer_states": 8 * psi / n},
         3: {"parameters": 4 * psi / n, "gradients": 4 * psi / n, "optimizer_states": 8 * psi / n},
     }[stage]
@@ -37,7 +39,7 @@ def test_model_state_bytes_follow_zero_formula(pools, stage):
     psi = results[0]["numel"]
     n_units = 3  # two decoder layers and the root
     slack = n_units * world * 4 * 4 + 64 * 8  # padding in 4 buffers, plus scalar step counters
-    expected = _formula(stage, psi, world)
+    expected = _formula(stage, psi, world, lookup=VOCAB * 64)  # the 256 x 64 input embedding
     for r in results:
         mem = r["memory"]
         for category, want in expected.items():
