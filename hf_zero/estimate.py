@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig
-from .engine.engine import ModelStateMemory
+from .engine.engine import ModelStateMemory, chunk_bounds
 from .engine.flat import FlatLayout
 from .engine.units import UnitSpec, units_for
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-_ADAM_STEP_BYTES = 4  # torch keeps Adam's `step` as a float32 scalar per parameter
+_ADAM_STEP_BYTES = 4  # torch keeps Adam's `step` as a float32 scalar per optimizer tensor (chunk)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def model_states(
             add("gradients", host, s * md)
             if config.stage <= 1 and spec.backward_reads_params:  # a lookup's gradient travels as rows
                 add("gradients", "device", padded * pd)  # the unsharded buffer, kept and reused
-        add("optimizer_states", host, sum(2 * (b - a) * md + _ADAM_STEP_BYTES for _, a, b in trainable))
+        add("optimizer_states", host, sum(2 * (b - a) * md + _ADAM_STEP_BYTES * len(chunk_bounds(b - a)) for _, a, b in trainable))
     return ModelStateMemory(**parts)
 
 

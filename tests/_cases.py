@@ -373,3 +373,57 @@ def lookup_gradient_rows(stage: int, tokens_per_rank: int, bypass_rank: int | No
         "sparse_after_forward": sparse_after_forward,
         "sparse_lookup": unit.sparse_lookup,
     }
+
+
+def optimizer_chunks(stage: int, chunk: int, tmp: str) -> dict[str, Any]:
+    """[Note: optimizer chunks] with a tiny chunk size: 3 AdamW steps (clipping on) give the same
+    weights as unchunked pieces; a checkpoint saved from the chunked run and loaded without chunks
+    (and the reverse) restores the same optimizer state, so the next step agrees too."""
+    from hf_zero.engine import engine as engine_module
+
+    rank = dist.get_rank()
+    default = engine_module.OPTIMIZER_CHUNK_NUMEL
+    batches = torch.randint(0, 256, (4, 2, 16), generator=torch.Generator().manual_seed(100 + rank))
+
+    def build(chunk_numel: int) -> tuple[Any, Any]:
+        engine_module.OPTIMIZER_CHUNK_NUMEL = chunk_numel
+        try:
+            model = make_model("llama")
+            return hf_zero.initialize(model, make_optimizer(model, 1e-2), hf_zero.ZeroConfig(stage=stage))
+        finally:
+            engine_module.OPTIMIZER_CHUNK_NUMEL = default
+
+    def train(model: Any, opt: Any, steps: range) -> None:
+        for i in steps:
+            model(input_ids=batches[i], labels=batches[i]).loss.backward()
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+
+    def weights(model: Any) -> dict[str, torch.Tensor]:
+        return model.zero_engine.full_state_dict(rank0_only=False)
+
+    out: dict[str, Any] = {}
+    chunked, chunked_opt = build(chunk)
+    plain, plain_opt = build(default)
+    out["chunks"] = sum(len(g["params"]) for g in chunked_opt.param_groups)
+    out["pieces"] = sum(len(g["params"]) for g in plain_opt.param_groups)
+    train(chunked, chunked_opt, range(3))
+    train(plain, plain_opt, range(3))
+    a, b = weights(chunked), weights(plain)
+    out["weights_err"] = max(float((a[k] - b[k]).abs().max()) for k in a)
+    # Checkpoints across chunkings: chunked -> plain and plain -> chunked, then one more step each.
+    hf_zero.save_checkpoint(f"{tmp}/chunked", chunked, chunked_opt)
+    hf_zero.save_checkpoint(f"{tmp}/plain", plain, plain_opt)
+    to_plain, to_plain_opt = build(default)
+    hf_zero.load_checkpoint(f"{tmp}/chunked", to_plain, to_plain_opt)
+    to_chunked, to_chunked_opt = build(chunk)
+    hf_zero.load_checkpoint(f"{tmp}/plain", to_chunked, to_chunked_opt)
+    for model, opt in ((to_plain, to_plain_opt), (to_chunked, to_chunked_opt), (plain, plain_opt)):
+        train(model, opt, range(3, 4))
+    ref = weights(plain)
+    out["resumed_err"] = max(
+        float((w[k] - ref[k]).abs().max()) for w in (weights(to_plain), weights(to_chunked)) for k in ref
+    )
+    out["scale"] = max(float(v.abs().max()) for v in ref.values())
+    return out

@@ -297,3 +297,15 @@ def test_embedding_gradient_falls_back_to_dense_on_every_rank(pools, world):
         assert r["max_abs_err"] <= 1e-6 * r["scale"], r
     for r in few:
         assert r["paths"] == ["rows"] and r["max_abs_err"] <= 1e-6 * r["scale"], r
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_optimizer_chunks_step_and_checkpoint_like_whole_pieces(pools, tmp_path, stage):
+    """[Note: optimizer chunks]: with chunks of 1000 elements the optimizer gets more tensors than
+    there are pieces, and 3 steps of AdamW with clipping give the same weights as whole pieces
+    (fp32, 1e-6 of the largest weight); checkpoints move between chunkings both ways, and the
+    step after the resume agrees with the run that never stopped."""
+    for r in pools(2).values(_cases.optimizer_chunks, stage, 1000, str(tmp_path)):
+        assert r["chunks"] > r["pieces"], r
+        assert r["weights_err"] <= 1e-6 * r["scale"], r
+        assert r["resumed_err"] <= 1e-6 * r["scale"], r

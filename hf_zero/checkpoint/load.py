@@ -164,7 +164,13 @@ def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: M
     for piece in engine.pieces:
         kinds = saved["state"].get(piece.name)
         if kinds:
-            inner.state[piece.master] = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.master)])
+            whole = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
+            for t, (a, b) in zip(piece.optim_params, piece.bounds):  # [Note: optimizer chunks]
+                inner.state[t] = {
+                    key: value[a:b] if kinds[key] == "elementwise"
+                    else value.clone() if isinstance(value, torch.Tensor) else value
+                    for key, value in whole.items()
+                }
 
 
 def _piece_state(piece: Piece, kinds: dict[str, str], manifest: Manifest, cache: FileCache,

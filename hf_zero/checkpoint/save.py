@@ -154,20 +154,23 @@ def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optim
 
 
 def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]]]:
-    """This rank's optimizer state: elementwise tensors as pieces, scalars whole, numbers as 0-d tensors."""
+    """This rank's optimizer state: elementwise tensors as pieces (the piece's chunks joined, [Note:
+    optimizer chunks]), scalars whole (the first chunk's: every chunk steps together), numbers as 0-d tensors."""
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, dict[str, str]] = {}
     for piece in engine.pieces:
-        state = optimizer.optimizer.state.get(piece.master)
-        if not state:
+        states = [optimizer.optimizer.state.get(t) for t in piece.optim_params]
+        if not all(states):
             continue
         kinds[piece.name] = {}
-        for key, value in state.items():
+        for key, value in states[0].items():
             tkey = f"{piece.name}{STATE_SEP}{key}"
             if isinstance(value, torch.Tensor):
-                elementwise = value.ndim == 1 and value.numel() == piece.end - piece.start
+                parts = [state[key] for state in states]
+                elementwise = all(v.ndim == 1 and v.numel() == b - a for v, (a, b) in zip(parts, piece.bounds))
                 kinds[piece.name][key] = "elementwise" if elementwise else "whole"
-                tensors[tkey] = value.detach().to("cpu", copy=True).contiguous()
+                joined = torch.cat([v.detach().to("cpu") for v in parts]) if elementwise and len(parts) > 1 else None
+                tensors[tkey] = joined if joined is not None else value.detach().to("cpu", copy=True).contiguous()
             elif isinstance(value, (bool, int, float)):
                 kinds[piece.name][key] = "int" if isinstance(value, int) and not isinstance(value, bool) else "float"
                 tensors[tkey] = torch.tensor(float(value), dtype=torch.float64)

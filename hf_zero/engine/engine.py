@@ -22,10 +22,36 @@ from .stages import StagePlan, plan_for_stage
 from .units import UnitSpec
 
 
+OPTIMIZER_CHUNK_NUMEL = 1 << 22  # [Note: optimizer chunks]: at most 16 MiB of fp32 per optimizer tensor
+
+
+def chunk_bounds(numel: int) -> tuple[tuple[int, int], ...]:
+    """The `[a, b)` ranges a piece of `numel` elements is stepped in ([Note: optimizer chunks]).
+
+    Example:
+
+    ```python
+    >>> chunk_bounds(OPTIMIZER_CHUNK_NUMEL + 1)
+    ((0, 4194304), (4194304, 4194305))
+    ```
+    """
+    return tuple((a, min(a + OPTIMIZER_CHUNK_NUMEL, numel)) for a in range(0, max(numel, 1), OPTIMIZER_CHUNK_NUMEL))
+
+
 @dataclass(frozen=True)
 class Piece:
     """The part of one parameter that this rank's shard holds: elements `[start, end)` of the
-    flattened parameter, as views of the unit's master and gradient shards."""
+    flattened parameter, as views of the unit's master and gradient shards.
+
+    [Note: optimizer chunks]
+    An elementwise optimizer written per tensor (torch's AdamW without `foreach`, the default on
+    the CPU) allocates temporaries of the size of the tensor it updates: two for AdamW's
+    denominator. Stepping the 62.5 MiB piece of a 32000 x 1024 head would put 125 MiB on top of
+    every model state at once, the largest transient of the whole step. So the optimizer gets
+    each piece as chunks of at most `OPTIMIZER_CHUNK_NUMEL` elements (`optim_params`, views of
+    `master`): the math is the same, elementwise, and the transient is bounded by two chunks.
+    Checkpoints stay keyed by parameter: the chunks' states are joined on save and split on load.
+    """
 
     name: str  # the parameter's first qualified name
     param: nn.Parameter
@@ -34,11 +60,24 @@ class Piece:
     master: torch.Tensor  # 1D view of FlatUnit.sharded_master
     unit: FlatUnit
     local: tuple[int, int]  # the same range in the unit's shard coordinates
+    bounds: tuple[tuple[int, int], ...]  # `chunk_bounds` of the piece, in `master` coordinates
+    optim_params: tuple[torch.Tensor, ...]  # views of `master` at `bounds`: what the optimizer steps
 
     @property
     def grad(self) -> torch.Tensor:
         """1D view of the unit's `sharded_grad` (allocating it on first use)."""
         return self.unit.sharded_grad[self.local[0] : self.local[1]]
+
+    def bind_grads(self) -> None:
+        """Point each optimizer chunk's `.grad` at its part of the gradient shard, or None when the unit
+        got no reduction since `zero_grad` ([Note: gradient shard lifetime])."""
+        grad = None if self.unit.grad_is_zero else self.grad
+        for t, (a, b) in zip(self.optim_params, self.bounds):
+            t.grad = None if grad is None else grad[a:b]
+
+    def unbind_grads(self) -> None:
+        for t in self.optim_params:
+            t.grad = None
 
 
 @dataclass(frozen=True)
@@ -153,7 +192,7 @@ class ZeroEngine:
             if not self.plan.keep_unsharded_grads:
                 unit.unsharded_grad = None
         for piece in self.pieces:
-            piece.master.grad = None
+            piece.unbind_grads()
         self.has_grads = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -188,7 +227,7 @@ class ZeroEngine:
         if self.scaler is not None and not self.scaler.check_and_update(self.units, self.world):
             return False
         for piece in self.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
-            piece.master.grad = None if piece.unit.grad_is_zero else piece.grad
+            piece.bind_grads()
         optimizer.step()
         for pending in [unit.publish_master(async_op=True) for unit in self.units]:
             pending.wait()
@@ -283,15 +322,19 @@ def _pieces(unit: FlatUnit) -> list[Piece]:
     pieces = []
     for slot_index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
         slot = unit.layout.slots[slot_index]
+        master = unit.sharded_master[start - lo : end - lo]
+        bounds = chunk_bounds(end - start)
         pieces.append(
             Piece(
                 name=slot.name,
                 param=unit.params[slot_index],
                 start=start - slot.offset,
                 end=end - slot.offset,
-                master=unit.sharded_master[start - lo : end - lo],
+                master=master,
                 unit=unit,
                 local=(start - lo, end - lo),
+                bounds=bounds,
+                optim_params=tuple(master[a:b] for a, b in bounds),
             )
         )
     return pieces

@@ -4,8 +4,9 @@
 The user builds any elementwise `torch.optim.Optimizer` (AdamW, Adam, SGD, ...) over
 `model.parameters()`, with its own param groups and per-group hyperparameters. `initialize`
 keeps that optimizer object and replaces each group's `params` by the pieces of those
-parameters that fall into this rank's shard: 1D views of the units' `sharded_master`, whose
-`.grad` are the matching views of `sharded_grad`. So the optimizer updates the master shards in
+parameters that fall into this rank's shard: 1D views of the units' `sharded_master` (in
+chunks of bounded size, [Note: optimizer chunks] in engine.py), whose `.grad` are the matching
+views of `sharded_grad`. So the optimizer updates the master shards in
 place, with every group's hyperparameters intact, and its state is created for the shards only.
 Optimizers that need a parameter's full shape (Adafactor's factored moments, Shampoo) are not
 elementwise and are refused for stages 1-3.
@@ -32,8 +33,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
         for param in group["params"]:
             param = engine.replaced.get(id(param), param)  # built over meta parameters: use their views
             piece = by_param.get(id(param))
-            if piece is not None:
-                pieces.append(piece.master)  # `.grad` is bound by each step ([Note: gradient shard lifetime])
+            if piece is not None:  # in chunks ([Note: optimizer chunks]); `.grad` is bound by each step
+                pieces.extend(piece.optim_params)
             names.append(engine.name_of(param))
         group["params"] = pieces
         group_names.append(names)
