@@ -345,9 +345,13 @@ class FlatUnit:
                 and grad.numel() == self.layout.padded_numel:
             return grad.detach().view(-1)
         buffer = self.pool.new_tensor(self.layout.padded_numel, self.param_dtype, self.device).zero_()
+        self._add_into(buffer, grad)
+        return buffer
+
+    def _add_into(self, buffer: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Add the single parameter's `grad` (dense or sparse) into the flat `buffer`."""
         if grad is not None:
             buffer[: self.layout.numel].view(self.params[0].shape).add_(grad.to(self.param_dtype))
-        return buffer
 
     def detach_grads(self) -> None:
         for p in self.params:
@@ -368,7 +372,7 @@ class FlatUnit:
         source = buffer = self.unsharded_grad
         if source.dtype != self.reduce_dtype:
             source = self.pool.new_tensor(source.numel(), self.reduce_dtype, self.device).copy_(source)
-        into_acc = self.grad_is_zero and self.reduce_dtype == self.master_dtype and self.host is None
+        into_acc = self._reduces_into_shard
         if into_acc:
             output = self._grad_shard()
         elif self.shard_group.size == 1 and source is not self.unsharded_grad:
@@ -381,6 +385,12 @@ class FlatUnit:
             pending = all_reduce_(output, self.replicate_group, async_op=async_op)
         return GradReduction(pending, output, source, buffer, into_acc)
 
+    @property
+    def _reduces_into_shard(self) -> bool:
+        """Whether a reduction can write straight into the (empty) gradient shard: no sum to add to, no
+        cast and no host copy after it."""
+        return self.grad_is_zero and self.reduce_dtype == self.master_dtype and self.host is None
+
     def _reduce_rows(self, async_op: bool) -> GradReduction | None:
         """A lookup's reduction as a row exchange, or None after densifying when the ranks agree that the
         dense path is cheaper or some rank holds a dense gradient. Every rank takes the same path."""
@@ -391,10 +401,10 @@ class FlatUnit:
         if any_dense or 2 * capacity * self.shard_group.size * (dim + 1) > self.layout.padded_numel:
             if self.unsharded_grad is None:
                 self.unsharded_grad = self._dense_grad(sparse)
-            elif sparse is not None:
-                self.unsharded_grad[: self.layout.numel].view(self.params[0].shape).add_(sparse.to(self.param_dtype))
+            else:
+                self._add_into(self.unsharded_grad, sparse)
             return None
-        into_acc = self.grad_is_zero and self.reduce_dtype == self.master_dtype and self.host is None
+        into_acc = self._reduces_into_shard
         if into_acc:
             output = self._grad_shard().zero_()
         else:
