@@ -40,7 +40,7 @@ parity-demo: $(STAMP)
 		examples/zero_parity_demo.py
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -3,6 +3,7 @@
 Rank 0 prints `rank peak_growth_bytes` for every rank. Not a test by itself: tests/test_pretrained_loading.py runs it.
 """
 
+import os
 import resource
 import sys
 
@@ -35,6 +36,11 @@ def main() -> None:
     if dist.get_rank() == 0:  # one writer: two ranks printing to one stdout can interleave their lines
         print("\n".join(f"{rank} {g}" for rank, g in enumerate(growth)), flush=True)
     dist.destroy_process_group()
+    # Leave without interpreter shutdown: the figures are out, and there a gloo worker thread that is still
+    # releasing the last collective's tensors can abort the process (torch 2.13, pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
