@@ -6,9 +6,10 @@
 Each round runs every engine once, in order, as a fresh 2-process torchrun job (so machine drift
 hits every engine alike, and each job's peak memory is its own); DeepSpeed runs when it is
 installed. Every engine starts from the same saved initial weights. Reports tokens/s (median,
-min, max over rounds), the ratios that matter (paired by round), peak resident memory per rank
-above the process baseline (loading included) and during training, model-state bytes per rank,
-and checks that every engine's losses agree with DDP's. Writes `<out>/<preset>.json`,
+min, max over rounds; a run's throughput is that of its median timed step), the ratios that
+matter (paired by round), peak resident memory per rank above the process baseline (loading
+included) and during training, model-state bytes per rank, and checks that every engine's
+losses agree with DDP's. Writes `<out>/<preset>.json`,
 `<out>/<preset>.md` and, with matplotlib, `<out>/<preset>.png`.
 
 `--sweep` instead runs hf_zero ZeRO-3 (and ZeRO-2) over `prefetch` x `bucket_size_mb`, interleaved
@@ -93,7 +94,7 @@ def markdown(preset: str, summary: dict[str, dict], rs: list, rounds: int, steps
     first = next(iter(summary.values()))
     formula = first["zero3_state_formula_bytes"]
     lines = [f"### preset `{preset}`: LLaMA with {first['params'] / 1e6:.0f}M parameters, 2 ranks (gloo, CPU), "
-             f"fp32 AdamW; {rounds} interleaved rounds of {steps} timed steps",
+             f"fp32 AdamW; {rounds} interleaved rounds of {steps} timed steps (a run counts its median step)",
              "", f"Peak memory is per rank, above the process baseline (loading and wrapping included), and as "
              f"a multiple of the ZeRO-3 model-state formula 16Ψ/N = {formula / mib:.0f} MiB.", "",
              "| engine | tokens/s median | min | max | peak RSS / rank (MiB) | peak / (16Ψ/N) | "
