@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -300,6 +300,67 @@ def large_head_backward(vocab: int) -> dict[str, Any]:
         "adopted": seen["reduced"] == seen["autograd_grad"],
         "adopts": head.adopts_grads,
     }
+
+
+def block_buffers_in_backward(layers: int = 5) -> dict[str, Any]:
+    """The second stage-3 iteration of a LLaMA of `layers` equal blocks (one unit each, prefetch 1)
+    whose head is over twice a block (1024 x 32 vs 9 K parameters, as in a 32000-word model), so the
+    head's parameters and gradients leave room for four blocks' buffers:
+    at every gradient of a block, how many block-sized buffers are alive (gathered parameters,
+    unsharded gradients being filled, and reductions issued but not finished), and which blocks the
+    backward gathered asynchronously (prefetched) rather than on demand."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    config = hf_zero.ZeroConfig(stage=3, prefetch=1, bucket_size_mb=0)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
+    units = {u.spec.name: u for u in model.zero_engine.units}
+    blocks = [units[f"model.layers.{i}"] for i in range(layers)]
+    batch = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    in_flight: set[str] = set()
+    gathered: list[tuple[str, bool]] = []
+    for unit in blocks:
+        unit.reduce_grads = _tracking(unit.reduce_grads, lambda name=unit.spec.name: in_flight.add(name))
+        unit.finish_reduction = _tracking(unit.finish_reduction, lambda name=unit.spec.name: in_flight.discard(name))
+        unit.unshard = _logging_gathers(unit.unshard, unit.spec.name, gathered)
+    alive: list[int] = []
+
+    def count(_: torch.Tensor) -> None:
+        whole = sum(u.is_unsharded for u in blocks)
+        filling = sum(u.unsharded_grad is not None and u.spec.name not in in_flight for u in blocks)
+        alive.append(whole + filling + len(in_flight))
+
+    for layer in model.model.layers:  # after the engine's own hooks, which may have issued a prefetch
+        for param in layer.parameters():
+            param.register_post_accumulate_grad_hook(count)
+    loss = model(input_ids=batch, labels=batch).loss
+    gathered.clear()  # the forward's gathers
+    loss.backward()
+    return {"max_alive": max(alive), "prefetched": [name for name, is_async in gathered if is_async],
+            "on_demand": [name for name, is_async in gathered if not is_async]}
+
+
+def _tracking(fn: Any, after: Callable[[], None]) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        after()
+        return out
+
+    return wrapper
+
+
+def _logging_gathers(fn: Any, name: str, log: list[tuple[str, bool]]) -> Any:
+    def wrapper(async_op: bool = False) -> Any:
+        log.append((name, async_op))
+        return fn(async_op=async_op)
+
+    return wrapper
 
 
 def gradient_memory_over_steps(stage: int) -> dict[str, Any]:

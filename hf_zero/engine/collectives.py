@@ -94,6 +94,10 @@ class Pending:
             raise RuntimeError("hf_zero: Pending.join takes collectives without a completion step")
         return Pending([w for p in pendings for w in p.works], then)
 
+    def done(self) -> bool:
+        """Whether every issued collective has completed (a query: it neither blocks nor syncs)."""
+        return all(w.is_completed() for w in self.works)
+
     def wait(self) -> None:
         works, self.work = self.work, None
         for w in works if isinstance(works, list) else [works] if works is not None else []:

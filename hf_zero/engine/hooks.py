@@ -64,6 +64,7 @@ class UnitHooks:
         self._next_backward: dict[int, list[FlatUnit]] = {}
         self._pool_sizes: dict[tuple[int, bool], frozenset[int]] = {}  # (id(unit), forward) -> sizes to keep pooled
         self._late_prefetch: set[int] = set()  # id(unit) whose backward prefetch waits for its post_backward
+        self._gated: FlatUnit | None = None  # [Note: reduction-gated prefetch] the running unit's deferred prefetch
         self._order_known = False
         self._held: FlatUnit | None = None  # the last unit of the forward, kept gathered for the backward
         self._handles: list[RemovableHandle] = []
@@ -123,13 +124,14 @@ class UnitHooks:
         # A backward prefetch that would hold more at once than the largest unit's parameters and
         # gradients (the floor of the peak) is issued after the unit's backward instead: with a
         # 32000-word head, not gathering the last block during the head's backward saves a block.
+        # The reduction in flight and the prefetch never coexist ([Note: reduction-gated prefetch]).
         budget = max(u.param_nbytes + u.grad_nbytes for u in order)
         reverse = order[::-1]
         for unit in backward:
             i = reverse.index(unit)
             in_flight = reverse[i - 1].grad_nbytes if i > 0 else 0  # the reduction of the unit before
             ahead = sum(u.param_nbytes for u in self._next_backward[id(unit)])
-            if unit.param_nbytes + unit.grad_nbytes + in_flight + ahead > budget:
+            if unit.param_nbytes + unit.grad_nbytes + max(in_flight, ahead) > budget:
                 self._late_prefetch.add(id(unit))
         for forward, units in ((True, order), (False, order[::-1])):
             for i, unit in enumerate(units):
@@ -181,6 +183,7 @@ class UnitHooks:
     def _pre_backward(self, unit: FlatUnit) -> None:
         if id(unit) in self._started:
             return
+        self._open_gate()  # a deferred prefetch goes out before anything this unit issues
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._callback_queued = True
@@ -189,7 +192,10 @@ class UnitHooks:
         if unit.spec.backward_reads_params:
             self.plan.params.before_compute(unit)
         if id(unit) not in self._late_prefetch:
-            self._prefetch_after(unit, forward=False)
+            if self._pending and self._prefetches(unit, forward=False):
+                self._gated = unit  # [Note: reduction-gated prefetch]
+            else:
+                self._prefetch_after(unit, forward=False)
         unit.attach_grads()
         expected = len(unit.trainable)
         self._started[id(unit)] = expected
@@ -199,14 +205,35 @@ class UnitHooks:
         """[Note: prefetch] issue the gathers of the units that follow `unit` (see `_learn_order`),
         so they overlap its compute. At most the root, the running unit and `prefetch` more are
         whole at a time."""
-        if not self.prefetch or self.plan.params.persistent or not self._order_known:
-            return
-        for nxt in (self._next_forward if forward else self._next_backward).get(id(unit), ()):
+        for nxt in self._prefetches(unit, forward):
             nxt.prefetch()
+
+    def _prefetches(self, unit: FlatUnit, forward: bool) -> list[FlatUnit]:
+        """The units `_prefetch_after(unit, forward)` gathers."""
+        if not self.prefetch or self.plan.params.persistent or not self._order_known:
+            return []
+        return (self._next_forward if forward else self._next_backward).get(id(unit), [])
+
+    def _open_gate(self) -> None:
+        """[Note: reduction-gated prefetch]
+        During a unit's backward its parameters and gradients are whole, and so are either the
+        previous unit's gradients (their reduction in flight) or the next unit's parameters (the
+        prefetch), not both: the prefetch is issued once the reduction is done (polled at each of
+        the running unit's gradients, a query that never blocks), or at the latest before the next
+        collective any unit issues, so every rank issues its collectives in the same order. Three
+        units' buffers instead of four, and the gather still overlaps the rest of the backward."""
+        unit, self._gated = self._gated, None
+        if unit is None:
+            return
+        while self._pending:
+            self._finish(*self._pending.pop(0))
+        self._prefetch_after(unit, forward=False)
 
     def _on_grad_ready(self, unit: FlatUnit, param: torch.Tensor) -> None:
         if id(unit) not in self._started:
             self._pre_backward(unit)  # a gradient that reached the unit without passing its outputs
+        if self._gated is not None and all(reduction.pending.done() for _, reduction in self._pending):
+            self._open_gate()
         self._ready[id(unit)] += 1
         if self._ready[id(unit)] == self._started[id(unit)]:
             self._post_backward(unit)
@@ -215,6 +242,7 @@ class UnitHooks:
         if id(unit) in self._done:
             return
         self._done.add(id(unit))
+        self._open_gate()  # before this unit's reduction is issued
         unit.collect_grads()
         if self.requires_grad_sync and self._started[id(unit)] > 0:
             self._pending.append((unit, unit.reduce_grads(async_op=True)))
@@ -270,6 +298,7 @@ class UnitHooks:
             reduction.pending.wait()
         self._pending.clear()
         self._finished_since_wait.clear()
+        self._gated = None
         for unit in self.units:
             unit.detach_grads()
             if not self.plan.params.persistent:
