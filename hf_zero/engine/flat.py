@@ -223,9 +223,14 @@ class FlatUnit:
     def is_unsharded(self) -> bool:
         return self.unsharded_param.untyped_storage().nbytes() > 0
 
+    @property
+    def needs_gather(self) -> bool:
+        """Whether making the parameters whole would issue a gather (none is done or in flight)."""
+        return self.sharded_param is not None and self._prefetched is None and not self.is_unsharded
+
     def prefetch(self) -> None:
         """Issue this unit's gather asynchronously (it overlaps the running unit's compute)."""
-        if self.sharded_param is not None and self._prefetched is None and not self.is_unsharded:
+        if self.needs_gather:
             self._prefetched = self.unshard(async_op=True)
 
     def ensure_unsharded(self) -> None:

@@ -105,6 +105,8 @@ class UnitHooks:
                 self._learn_order()
         elif not self._order_known and unit not in self._forward_order:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
+        if self._gated is not None and self._forward_gathers(unit):
+            self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
         self.plan.params.before_compute(unit)
         self._prefetch_after(unit, forward=True)
         if unit.sparse_lookup:
@@ -208,6 +210,11 @@ class UnitHooks:
         for nxt in self._prefetches(unit, forward):
             nxt.prefetch()
 
+    def _forward_gathers(self, unit: FlatUnit) -> bool:
+        """Whether `unit`'s forward issues a gather (its own, or a prefetch); the same on every rank."""
+        own = not self.plan.params.persistent and unit.needs_gather
+        return own or any(u.needs_gather for u in self._prefetches(unit, forward=True))
+
     def _prefetches(self, unit: FlatUnit, forward: bool) -> list[FlatUnit]:
         """The units `_prefetch_after(unit, forward)` gathers."""
         if not self.prefetch or self.plan.params.persistent or not self._order_known:
@@ -220,7 +227,8 @@ class UnitHooks:
         previous unit's gradients (their reduction in flight) or the next unit's parameters (the
         prefetch), not both: the prefetch is issued once the reduction is done (polled at each of
         the running unit's gradients, a query that never blocks), or at the latest before the next
-        collective any unit issues, so every rank issues its collectives in the same order. Three
+        collective any hook issues (a unit's pre-forward, pre-backward or post-backward), so every
+        rank issues its collectives in the same order. Three
         units' buffers instead of four, and the gather still overlaps the rest of the backward."""
         unit, self._gated = self._gated, None
         if unit is None:
