@@ -302,7 +302,7 @@ def large_head_backward(vocab: int) -> dict[str, Any]:
     }
 
 
-def block_buffers_in_backward(layers: int = 5) -> dict[str, Any]:
+def block_buffers_in_backward(layers: int = 5, checkpointing: bool = False) -> dict[str, Any]:
     """The second stage-3 iteration of a LLaMA of `layers` equal blocks (one unit each, prefetch 1)
     whose head is over twice a block (1024 x 32 vs 9 K parameters, as in a 32000-word model), so the
     head's parameters and gradients leave room for four blocks' buffers:
@@ -315,6 +315,8 @@ def block_buffers_in_backward(layers: int = 5) -> dict[str, Any]:
     cfg = LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(cfg)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = hf_zero.ZeroConfig(stage=3, prefetch=1, bucket_size_mb=0)
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
     units = {u.spec.name: u for u in model.zero_engine.units}

@@ -19,7 +19,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Scenario:
-    model: str = "llama"  # "llama", "falcon" or "toy"
+    model: str = "llama"  # "llama", "llama_deep", "falcon" or "toy"
     stage: int = 3
     world: int = 2
     steps: int = 5
@@ -60,6 +60,11 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     if kind == "llama":
         cfg = LlamaConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        )
+    elif kind == "llama_deep":  # 4 blocks of 2 K parameters under a 4 K head: stage 3's backward prefetch is gated
+        cfg = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
         )
     elif kind == "falcon":

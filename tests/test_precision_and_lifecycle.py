@@ -60,16 +60,27 @@ def test_stage3_keeps_only_running_and_prefetched_units_whole(pools, checkpointi
         assert r["unsharded_grads_after_backward"] == 0
 
 
-def test_stage3_backward_holds_three_blocks_and_still_prefetches(pools):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_stage3_backward_holds_three_blocks_and_still_prefetches(pools, checkpointing):
     """[Note: reduction-gated prefetch] with 5 equal blocks and a head over twice their size, at every
     gradient of a block at most three block-sized buffers are alive: the running block's parameters
     and gradients, and either the previous block's reduction in flight or the next block's
     prefetched parameters, never both (four before the gate). The prefetch still happens: the
-    backward gathers every block asynchronously (block 4 after the head's backward) and none on demand."""
-    for r in pools(2).values(_cases.block_buffers_in_backward, 5):
+    backward gathers every block asynchronously (block 4 after the head's backward) and none on demand,
+    with activation checkpointing too (the recomputation gathers nothing more)."""
+    for r in pools(2).values(_cases.block_buffers_in_backward, 5, checkpointing):
         assert r["max_alive"] == 3, r
         assert r["prefetched"] == [f"model.layers.{i}" for i in (4, 3, 2, 1, 0)], r
         assert r["on_demand"] == [], r
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_stage3_gated_backward_prefetch_matches(pools, checkpointing):
+    """[Note: reduction-gated prefetch] engaged: 4 blocks of 2 K parameters, one unit each, under a 4 K
+    head (the prefetch of each block waits for the previous block's reduction): same losses and
+    weights as the single-process reference over 5 steps with accumulation and clipping."""
+    run_and_compare(pools, Scenario(model="llama_deep", stage=3, world=2, checkpointing=checkpointing,
+                                    config_overrides=(("bucket_size_mb", 0),)))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
