@@ -228,8 +228,8 @@ class UnitHooks:
         prefetch), not both: the prefetch is issued once the reduction is done (polled at each of
         the running unit's gradients, a query that never blocks), or at the latest before the next
         collective any hook issues (a unit's pre-forward, pre-backward or post-backward), so every
-        rank issues its collectives in the same order. Three
-        units' buffers instead of four, and the gather still overlaps the rest of the backward."""
+        rank issues its collectives in the same order. Three units' buffers instead of four, and
+        the gather still overlaps the rest of the backward."""
         unit, self._gated = self._gated, None
         if unit is None:
             return
