@@ -8,7 +8,7 @@ Example:
 ```
 """
 
-from .api import attach_optimizer, full_state_dict, initialize, model_state_memory
+from .api import attach_optimizer, full_state_dict, gathered_parameters, initialize, model_state_memory, state_dict_options
 from .checkpoint import consolidate, last_complete_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
@@ -45,10 +45,12 @@ __all__ = [
     "consolidate",
     "from_pretrained",
     "full_state_dict",
+    "gathered_parameters",
     "initialize",
     "last_complete_checkpoint",
     "load_checkpoint",
     "model_state_memory",
     "save_checkpoint",
     "save_pretrained",
+    "state_dict_options",
 ]

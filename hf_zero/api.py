@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import TypeVar
+from typing import Iterable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -11,8 +12,10 @@ from torch import nn
 from .checkpoint.pretrained import SafetensorsSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
-from .engine.engine import ModelStateMemory, ZeroEngine, validate_model
-from .engine.module import attach, get_engine, is_sharded
+from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine, validate_model
+from .engine.full_state import gathered_parameters as _gathered, unique_params
+from .engine.module import engine_of_param, get_engine, is_sharded
+from .model import attach
 from .engine.optim import ShardedOptimizer, check_optimizer, shard_optimizer
 from .engine.units import UnitSpec, units_for
 
@@ -179,8 +182,88 @@ def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Shar
     try:
         if engine.optimizer is not None:
             raise ValueError("This model already has a sharded optimizer; attach one optimizer per model.")
-        check_optimizer(optimizer, model, engine.config.stage)
+        check_optimizer(optimizer, model, engine.config.stage, engine)
     except (TypeError, ValueError) as e:
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.attach_optimizer")
     return shard_optimizer(optimizer, engine)
+
+
+@contextlib.contextmanager
+def gathered_parameters(
+    module_or_params: nn.Module | torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None
+) -> Iterator[None]:
+    """Make parameters of a sharded model whole inside the block; with `modifier_rank`, keep that
+    rank's changes on every rank.
+
+    A collective: every rank must enter it with the same parameters. Inside, the parameters hold
+    their full values (at stage 3 the modules hold the real parameters again; at stages 0-2 they
+    always do) and the block may read them, run forward passes or change them in place. On exit,
+    with `modifier_rank=r`, rank r's values are broadcast and written into every rank's shards
+    *and* fp32 master weights (elements the block changed take the new value; the others keep
+    their exact master value), so the next training step starts from them. With
+    `modifier_rank=None` the block is read-only: changes are dropped at stage 3 and must not be
+    made at stages 0-2. Memory: the gathered units, as during their forward. This is DeepSpeed's
+    `GatheredParameters`, which also updates the master weights here.
+
+    Args:
+        module_or_params (`nn.Module`, `torch.Tensor` or an iterable of them):
+            A module of the sharded model (all its parameters), one parameter, or several.
+        modifier_rank (`int`, *optional*): the rank whose changes are kept.
+
+    Raises:
+        ValueError: for tensors that are not parameters of a sharded model, or a bad rank (on every rank).
+
+    Example:
+
+    ```python
+    >>> with hf_zero.gathered_parameters(model.lm_head, modifier_rank=0):
+    ...     if torch.distributed.get_rank() == 0:
+    ...         model.lm_head.weight[tokenizer.pad_token_id].zero_()
+    ```
+    """
+    params = unique_params(module_or_params)
+    engine = None
+    if isinstance(module_or_params, nn.Module) and is_sharded(module_or_params):
+        engine = get_engine(module_or_params)
+    engines = {id(e): e for e in (engine_of_param(p) for p in params) if e is not None}
+    if engine is None and len(engines) == 1:
+        engine = next(iter(engines.values()))
+    if engine is None:
+        raise ValueError(
+            "gathered_parameters needs parameters of one model sharded by hf_zero.initialize; "
+            f"got {len(params)} tensor(s) belonging to {len(engines)} sharded model(s)."
+        )
+    with _gathered(engine, params, modifier_rank):
+        yield
+
+
+@contextlib.contextmanager
+def state_dict_options(
+    model: nn.Module, *, rank0_only: bool = False, device: torch.device | str | None = None
+) -> Iterator[None]:
+    """Choose what `model.state_dict()` returns inside the block (FSDP's `FULL_STATE_DICT` options).
+
+    Args:
+        model (`nn.Module`): a model returned by `hf_zero.initialize`.
+        rank0_only (`bool`, *optional*, defaults to `False`): only rank 0 gets the tensors; the
+            other ranks take part in the gathers and get `{}`.
+        device (`str` or `torch.device`, *optional*): where the tensors are put (`"cpu"` keeps a
+            GPU free of the full copy); defaults to the compute device.
+
+    Example:
+
+    ```python
+    >>> with hf_zero.state_dict_options(model, rank0_only=True, device="cpu"):
+    ...     sd = model.state_dict()
+    >>> if torch.distributed.get_rank() == 0:
+    ...     torch.save(sd, "weights.pt")
+    ```
+    """
+    engine = get_engine(model)
+    previous = engine.state_dict_options
+    engine.state_dict_options = StateDictOptions(rank0_only=rank0_only, device=device)
+    try:
+        yield
+    finally:
+        engine.state_dict_options = previous

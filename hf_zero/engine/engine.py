@@ -81,6 +81,18 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class StateDictOptions:
+    """What `model.state_dict()` of a sharded model returns (set with `hf_zero.state_dict_options`).
+
+    `rank0_only`: only rank 0 gets the tensors, the others `{}` (every rank still takes part).
+    `device`: where the tensors live; `None` is the compute device, like an unsharded model's.
+    """
+
+    rank0_only: bool = False
+    device: torch.device | str | None = None
+
+
+@dataclass(frozen=True)
 class ModelStateMemory:
     """Bytes of model state this rank holds, by category and device (e.g. `{"cuda:0": 1024}`).
 
@@ -117,6 +129,7 @@ class ZeroEngine:
         )
         self.device = _compute_device(model, world, source is not None)
         model_dtype = _single_dtype(model)
+        self.model_dtype = model_dtype  # the dtype the model had before sharding: what save_pretrained writes
         self.param_dtype = config.param_dtype or model_dtype
         self.master_dtype = torch.float32 if config.param_dtype is not None else model_dtype
         self.reduce_dtype = config.resolved_reduce_dtype or self.param_dtype
@@ -154,13 +167,27 @@ class ZeroEngine:
         self.hooks.prefetch = config.prefetch
         self.hooks.on_reduced = self._mark_has_grads
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
+        self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, once attached
         self.pieces: list[Piece] = [piece for unit in self.units for piece in _pieces(unit)]  # this rank's
         self._names = {id(p): n for unit in self.units for p, n in zip(unit.params, unit.spec.param_names)}
+        # Stand-ins ([Note: resting parameters]) and meta originals, mapped to the engine's parameters.
+        self._real: dict[int, nn.Parameter] = dict(self.replaced)
+        for unit in self.units:
+            if unit.module_slots is not None:
+                for stand_in, p, n in zip(unit.module_slots.resting, unit.params, unit.spec.param_names):
+                    self._real[id(stand_in)] = p
+                    self._names[id(stand_in)] = n
 
     def name_of(self, param: nn.Parameter) -> str:
-        """The first qualified name of one of the model's parameters."""
+        """The first qualified name of one of the model's parameters (or of its stand-in)."""
         return self._names[id(param)]
+
+    @property
+    def generation_needs_sync(self) -> bool:
+        """Whether every rank must run every forward of `generate` (stage 3, several ranks): each
+        forward gathers parameters, so a rank that stopped early would leave the others waiting."""
+        return not self.plan.params.persistent and self.world.size > 1
 
     @property
     def writes_shards(self) -> bool:
@@ -241,6 +268,7 @@ class ZeroEngine:
         A collective: every rank must exhaust the iterator. With `rank0_only`, the other ranks
         take part in each gather but get empty lists. Peak memory: one unit, plus what the caller keeps.
         """
+        self.hooks.wait_reductions()
         is_writer = self.world.rank == 0 or not rank0_only
         for unit in self.units:
             full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
@@ -256,16 +284,27 @@ class ZeroEngine:
             del full
 
     def full_state_dict(self, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Gather the master (fp32) parameters unit by unit; a collective, every rank must call it."""
-        values: dict[int, torch.Tensor] = {}
+        """Gather the master parameters unit by unit, keyed like an unsharded `state_dict()`; a collective."""
+        values: dict[str, torch.Tensor] = {}
         for gathered in self.gather_units(rank0_only=rank0_only, device=device):
-            values.update({id(p): value for _, p, value in gathered})
+            values.update({name: value for name, _, value in gathered})
         if rank0_only and self.world.rank != 0:
             return {}
         out: dict[str, torch.Tensor] = {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            out[name] = values[id(t)] if id(t) in values else t.detach().to(device).clone()
+        for key, t in self.module_state(with_params=True).items():
+            name = self._names.get(id(t))
+            out[key] = values[name] if name is not None else t.detach().to(device).clone()
         return out
+
+    def module_state(self, *, with_params: bool) -> dict[str, torch.Tensor]:
+        """The model's own `state_dict(keep_vars=True)` (parameters as the modules hold them now, real or
+        stand-ins), or only its persistent buffers."""
+        state = nn.Module.state_dict(self.model, keep_vars=True)
+        return state if with_params else {k: v for k, v in state.items() if id(v) not in self._names}
+
+    def compute_param(self, param: torch.Tensor) -> torch.Tensor:
+        """The engine's own parameter behind `param` (itself, or the one a stand-in or a meta original stands for)."""
+        return self._real.get(id(param), param)
 
     # ---- accounting -------------------------------------------------------------------------
     def memory(self) -> ModelStateMemory:

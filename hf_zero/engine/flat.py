@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from .collectives import CommGroup, Pending, all_gather_into, all_gather_rows, all_reduce_, max_ints, reduce_scatter_into
 from .pool import BufferPool
+from .resting import ModuleSlots
 from .sparse import coalesced_rows, scatter_rows_
 from .units import UnitSpec
 
@@ -157,6 +158,7 @@ class FlatUnit:
             source.fill(self.layout, spec.params, shard_group.rank, self.sharded_master)
         self.sharded_param = None
         self._prefetched: Pending | None = None  # an issued, not yet waited, gather of this unit
+        self.pins = 0  # open `gathered_parameters` contexts holding the unit whole: reshard waits for them
         if not persistent_params:
             shard_device = host if offload_params and host is not None else device
             if self.sharded_master.device == shard_device and param_dtype == master_dtype:
@@ -165,6 +167,8 @@ class FlatUnit:
                 self.sharded_param = self._alloc(self.layout.shard_numel, param_dtype, shard_device)
                 self.sharded_param.copy_(self.sharded_master)
         self.params = self._bind_params(spec.params)
+        # [Note: resting parameters] in resting.py: what the modules hold while the unit is resharded
+        self.module_slots = None if persistent_params else ModuleSlots(self.params, spec.param_names, spec.slots)
         if persistent_params:
             self.publish_master().wait()  # every rank's shard into the unsharded parameters
         else:
@@ -240,6 +244,8 @@ class FlatUnit:
             self._prefetched = None
         elif not self.is_unsharded:
             self.unshard().wait()
+        if self.module_slots is not None:
+            self.module_slots.bind(real=True)
 
     def unshard(self, async_op: bool = False) -> Pending:
         """Allocate the unsharded buffer and gather every rank's shard into it."""
@@ -254,10 +260,15 @@ class FlatUnit:
         return all_gather_into(self.unsharded_param, source, self.shard_group, async_op)
 
     def reshard(self) -> None:
-        """Free the unsharded buffer (stage 3); the parameters keep their shapes."""
+        """Free the unsharded buffer (stage 3; not while a `gathered_parameters` context pins the unit);
+        the modules then hold the parameters' stand-ins ([Note: resting parameters])."""
+        if self.pins:
+            return
         if self._prefetched is not None:  # never free memory a collective is still writing
             self._prefetched.wait()
             self._prefetched = None
+        if self.module_slots is not None:
+            self.module_slots.bind(real=False)
         self.pool.release(self.unsharded_param.untyped_storage())
 
     def publish_master(self, async_op: bool = False) -> Pending:

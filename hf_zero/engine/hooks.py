@@ -98,9 +98,7 @@ class UnitHooks:
         if unit is self.root:
             if self.in_backward:
                 self.reset()  # a previous backward pass was interrupted by an exception
-            if self._held is not None:  # no backward used it: gather it afresh in this forward
-                self._held, held = None, self._held
-                held.reshard()
+            self.release_held()  # no backward used it: gather it afresh in this forward
             if not self._order_known and self._forward_order:
                 self._learn_order()
         elif not self._order_known and unit not in self._forward_order:
@@ -299,6 +297,12 @@ class UnitHooks:
         self._ready.clear()
         self._done.clear()
         self._callback_queued = False
+
+    def release_held(self) -> None:
+        """Free the unit a forward kept gathered for its backward, when no backward will use it."""
+        if self._held is not None:
+            self._held, held = None, self._held
+            held.reshard()
 
     def reset(self) -> None:
         """Forget an interrupted backward pass: wait for issued work, free gathered units, detach grads."""

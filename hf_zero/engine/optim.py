@@ -31,7 +31,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
     for group in optimizer.param_groups:
         pieces, names = [], []
         for param in group["params"]:
-            param = engine.replaced.get(id(param), param)  # built over meta parameters: use their views
+            param = engine.compute_param(param)  # built over meta parameters or stand-ins: the engine's own
             piece = by_param.get(id(param))
             if piece is not None:  # in chunks ([Note: optimizer chunks]); `.grad` is bound by each step
                 pieces.extend(piece.optim_params)
@@ -42,8 +42,11 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
     return ShardedOptimizer(optimizer, engine, group_names)
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, stage: int) -> None:
-    """Raise a clear error for an optimizer that `initialize` cannot shard."""
+def check_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, stage: int, engine: ZeroEngine | None = None
+) -> None:
+    """Raise a clear error for an optimizer that `initialize` (or, with the model's `engine`,
+    `attach_optimizer`) cannot shard."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"hf_zero.initialize expects a torch.optim.Optimizer built over model.parameters(); got "
@@ -62,6 +65,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, stage: i
             "Use an elementwise optimizer (AdamW, Adam, SGD, ...) or zero stage 0."
         )
     model_params = {id(p) for p in model.parameters()}
+    if engine is not None:  # the engine's own parameters too: the modules may hold their stand-ins now
+        model_params |= {id(p) for unit in engine.units for p in unit.params}
     for i, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
             if id(param) not in model_params:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .resting import parameter_slots
+
 if TYPE_CHECKING:
     from ..config import ZeroConfig
 
@@ -34,6 +36,7 @@ class UnitSpec:
     param_names: tuple[str, ...]  # first qualified name of each parameter, same order as `params`
     backward_reads_params: bool = True  # False for a lone nn.Embedding (see `_backward_reads_params`)
     modules: tuple[nn.Module, ...] = ()  # every module of the unit; () means (module,)
+    slots: tuple[tuple[tuple[nn.Module, str], ...], ...] = ()  # per parameter: every (module, attribute) holding it
 
     @property
     def all_modules(self) -> tuple[nn.Module, ...]:
@@ -215,11 +218,13 @@ def _assign_params(model: nn.Module, groups: list[Group]) -> list[UnitSpec]:
             param_names=tuple(n for n, _ in owned[i]),
             backward_reads_params=len(group) > 1 or _backward_reads_params(group[0][1], [p for _, p in owned[i]]),
             modules=tuple(m for _, m in group) if len(group) > 1 else (),
+            slots=parameter_slots(model, tuple(p for _, p in owned[i])),
         )
         for i, group in enumerate(groups)
     ]
-    root = owned[len(groups)]
-    specs.append(UnitSpec(name="", module=model, params=tuple(p for _, p in root), param_names=tuple(n for n, _ in root)))
+    root = tuple(p for _, p in owned[len(groups)])
+    specs.append(UnitSpec(name="", module=model, params=root, param_names=tuple(n for n, _ in owned[len(groups)]),
+                          slots=parameter_slots(model, root)))
     return specs
 
 

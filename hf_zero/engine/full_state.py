@@ -1,0 +1,165 @@
+"""Full (unsharded) views of a sharded model: reading and writing whole weights between steps.
+
+Everything here is a collective over the engine's world: every rank calls it with the same
+arguments, and every check is agreed on by all ranks before the first transfer, so a mistake on
+one rank raises on all of them instead of leaving the others waiting.
+
+[Note: write-back]
+A change made to gathered parameters (in the compute dtype) reaches the fp32 master shards
+element by element: rank r's master element takes the new value where it differs from the
+master rounded to the compute dtype (what the parameter held before the change), and keeps its
+own, more precise value elsewhere. So a `gathered_parameters` context that edits one row of a
+bf16 embedding leaves every other master element bit for bit as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from .collectives import broadcast_, raise_if_any_failed
+from .engine import StateDictOptions, ZeroEngine
+from .flat import FlatUnit
+
+
+def state_dict(engine: ZeroEngine, options: StateDictOptions) -> dict[str, torch.Tensor]:
+    """The full state dict under `options`: master values (the most precise copy), tied names sharing one tensor."""
+    return engine.full_state_dict(rank0_only=options.rank0_only, device=options.device or engine.device)
+
+
+@torch.no_grad()
+def load_state_dict(engine: ZeroEngine, values: Mapping[str, torch.Tensor], strict: bool = True) -> _IncompatibleKeys:
+    """Write a full state dict into every rank's shards, master weights included, as
+    `nn.Module.load_state_dict` defines it (missing / unexpected keys, `strict`, shape checks)."""
+    expected = engine.module_state(with_params=True)
+    error: Exception | None = None
+    missing = [k for k in expected if k not in values]
+    unexpected = [k for k in values if k not in expected]
+    try:
+        if not isinstance(values, Mapping):
+            raise TypeError(f"load_state_dict expects a dict of tensors; got {type(values).__name__}.")
+        problems = [
+            f"size mismatch for {k}: copying a param with shape {tuple(values[k].shape)} from checkpoint, "
+            f"the shape in current model is {tuple(t.shape)}."
+            for k, t in expected.items() if k in values and tuple(values[k].shape) != tuple(t.shape)
+        ]
+        if strict and unexpected:
+            problems.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+        if strict and missing:
+            problems.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+        if problems:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(engine.model).__name__}:\n\t" + "\n\t".join(problems))
+    except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
+        error = e
+    raise_if_any_failed(error, engine.world, "load_state_dict")
+
+    release_gathered(engine)
+    by_name = {engine.name_of(t): values[k] for k, t in expected.items() if k in values and id(t) in engine._names}
+    for unit in engine.units:
+        lo, _ = unit.layout.shard_range(unit.shard_group.rank)
+        for index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
+            slot = unit.layout.slots[index]
+            value = by_name.get(slot.name)
+            if value is not None:
+                flat = value.detach().reshape(-1)[start - slot.offset : end - slot.offset]
+                unit.sharded_master[start - lo : end - lo].copy_(flat)
+        unit.publish_master().wait()
+    for key, t in engine.module_state(with_params=False).items():
+        if key in values:
+            t.copy_(values[key])
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def release_gathered(engine: ZeroEngine) -> None:
+    """Finish the reductions in flight and free every gathered unit (stage 3): no copy of the
+    parameters gathered before a change of the master weights is used after it."""
+    engine.hooks.wait_reductions()
+    engine.hooks.release_held()
+    if not engine.plan.params.persistent:
+        for unit in engine.units:
+            unit.reshard()
+
+
+@contextlib.contextmanager
+def gathered_parameters(
+    engine: ZeroEngine, params: Iterable[torch.Tensor], modifier_rank: int | None
+) -> Iterator[None]:
+    """The context behind `hf_zero.gathered_parameters` (see its docstring and [Note: write-back])."""
+    error: Exception | None = None
+    units: list[FlatUnit] = []
+    try:
+        wanted = {id(engine.compute_param(p)) for p in params}
+        units = [u for u in engine.units if any(id(p) in wanted for p in u.params)]
+        unknown = len(wanted) - sum(1 for u in units for p in u.params if id(p) in wanted)
+        if unknown:
+            raise ValueError(
+                f"gathered_parameters got {unknown} tensor(s) that are not parameters of this sharded model."
+            )
+        if modifier_rank is not None and not 0 <= modifier_rank < engine.world.size:
+            raise ValueError(f"modifier_rank must be a rank in [0, {engine.world.size}) or None; got {modifier_rank}.")
+    except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
+        error = e
+    raise_if_any_failed(error, engine.world, "hf_zero.gathered_parameters")
+    engine.hooks.wait_reductions()
+    for unit in units:
+        unit.ensure_unsharded()
+        unit.pins += 1
+    try:
+        with torch.no_grad():
+            yield
+            if modifier_rank is not None:
+                for unit in units:
+                    _write_back(engine, unit, modifier_rank)
+    finally:
+        for unit in units:
+            unit.pins -= 1
+            if not engine.plan.params.persistent and not unit.pins:
+                unit.reshard()
+
+
+def _write_back(engine: ZeroEngine, unit: FlatUnit, modifier_rank: int) -> None:
+    """Make `modifier_rank`'s gathered values of `unit` every rank's ([Note: write-back])."""
+    full = unit.unsharded_param
+    broadcast_(full, engine.world, modifier_rank)
+    lo, hi = unit.layout.shard_range(unit.shard_group.rank)
+    new, master = full[lo:hi], unit.sharded_master
+    if new.data_ptr() == master.data_ptr():
+        return  # the master is this rank's chunk of the parameters (fp32, stages 0-2): already written
+    before = master.to(unit.param_dtype)
+    changed = (new != before) & ~(new.isnan() & before.isnan())
+    master[changed] = new[changed].to(master.dtype)
+    if unit.sharded_param is not None:
+        unit.publish_master().wait()  # stage 3: the gather source follows the master
+
+
+@torch.no_grad()
+def unshard_model(engine: ZeroEngine) -> None:
+    """Give every parameter its full value as a tensor of its own (the master dtype) and register
+    the real parameters in the modules again: the model is a plain module, for a change of its
+    structure (`resize_token_embeddings`) before it is sharded anew. Costs a full copy per rank."""
+    release_gathered(engine)
+    engine.hooks.remove()
+    for gathered in engine.gather_units(rank0_only=False, device=engine.device):
+        for _, p, value in gathered:
+            p.data = value
+    for unit in engine.units:
+        if unit.module_slots is not None:
+            unit.module_slots.bind(real=True)
+
+
+def unique_params(module_or_params: nn.Module | torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters named by `gathered_parameters`' first argument, each once, in order."""
+    if isinstance(module_or_params, nn.Module):
+        return list(module_or_params.parameters())
+    if isinstance(module_or_params, torch.Tensor):
+        return [module_or_params]
+    seen: dict[int, torch.Tensor] = {}
+    for p in module_or_params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"gathered_parameters takes a module, a parameter or an iterable of parameters; got a {type(p).__name__} inside.")
+        seen.setdefault(id(p), p)
+    return list(seen.values())

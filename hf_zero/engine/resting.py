@@ -1,0 +1,143 @@
+"""What a stage-3 parameter is between uses: a `ShardedParameter`, safe to touch.
+
+[Note: resting parameters]
+At stage 3 a unit's compute parameters (views of its flat buffer, [Note: flat layout] in flat.py)
+hold memory only while the unit is gathered. Between uses the modules do not hold those views
+(reading a view of a freed buffer reads freed memory: a segfault, or garbage); each module slot
+holds a `ShardedParameter` instead, registered in `module._parameters` whenever the unit is
+resharded and swapped back for the real parameter when it is gathered (as FSDP2 swaps its
+sharded and unsharded parameters). A `ShardedParameter`:
+
+- has the parameter's full shape, dtype, device and `requires_grad`, so metadata code works
+  unchanged: `numel()`, `model.num_parameters()`, `model.device`, `model.dtype`, `.to()` to the
+  same device, `requires_grad_()` (kept in step with the real parameter);
+- raises a `RuntimeError` on any read of values (`sum`, `norm`, `clone`, `torch.equal`,
+  `tolist`, `torch.save`, `copy.deepcopy`, ...) naming the parameter and what to use instead:
+  `model.state_dict()`, `hf_zero.gathered_parameters(...)` or `hf_zero.full_state_dict(model)`.
+
+Why not torch's `DTensor`: a `DTensor` shards each parameter along a dimension (`Shard(0)`: rank r
+holds rows `[r*c, (r+1)*c)` of every parameter), while a unit's flat shard holds contiguous
+element ranges of the concatenated parameters, so most parameters live on one or two ranks
+only. Representing that as a `DTensor` needs the per-parameter layout (and a copy-in/copy-out
+around every collective); an error that names the way out costs nothing and never lies.
+Why not DeepSpeed's empty tensors: `p.sum()` of an emptied parameter is 0, a silently wrong
+value, and its shape is wrong for code that checks shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_METADATA_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _message(name: str) -> str:
+    return (
+        f"'{name}' is sharded across ranks by hf_zero (ZeRO stage 3) and holds no full value between forward "
+        "passes. To read it, call model.state_dict() (full tensors; every rank must call it); to read or change "
+        "it in place, use `with hf_zero.gathered_parameters(module, modifier_rank=0): ...` on every rank."
+    )
+
+
+class ShardedParameter(torch.Tensor):
+    """The stand-in a module holds for a stage-3 parameter while its unit is resharded
+    ([Note: resting parameters]). Metadata works; any read of values raises a `RuntimeError`
+    that says what to use.
+
+    Example:
+
+    ```python
+    >>> model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3))
+    >>> model.lm_head.weight.shape          # metadata: fine
+    torch.Size([32000, 4096])
+    >>> model.lm_head.weight.norm()         # a value: RuntimeError, naming state_dict / gathered_parameters
+    ```
+    """
+
+    _hf_zero_name: str
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, name: str) -> "ShardedParameter":
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=like.requires_grad
+        )
+        t._hf_zero_name = name
+        return t
+
+    @staticmethod
+    def of(param: nn.Parameter, name: str) -> nn.Parameter:
+        """The stand-in of `param`: an `nn.Parameter` (by `isinstance`) of the same shape, dtype and device."""
+        return nn.Parameter(ShardedParameter(param, name), requires_grad=param.requires_grad)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        first = args[0] if args else None
+        if func in _METADATA_OPS and isinstance(first, ShardedParameter):
+            return ShardedParameter(first, first._hf_zero_name)
+        names = [a._hf_zero_name for a in _flat(args, kwargs) if isinstance(a, ShardedParameter)]
+        raise RuntimeError(f"{_message(names[0] if names else 'a parameter')} (operation: {func})")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"ShardedParameter('{self._hf_zero_name}', shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(_message(self._hf_zero_name))
+
+    tolist = item = numpy = __reduce_ex__ = __deepcopy__ = __array__ = _refuse  # type: ignore[assignment]
+
+
+def _flat(args: Any, kwargs: Any) -> list[Any]:
+    out: list[Any] = []
+    for obj in (args, kwargs or {}):
+        stack = [obj]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, (list, tuple)):
+                stack.extend(x)
+            elif isinstance(x, dict):
+                stack.extend(x.values())
+            else:
+                out.append(x)
+    return out
+
+
+class ModuleSlots:
+    """Where a unit's parameters are registered (every `(module, attribute)` of each, tied aliases
+    included), and which of the real parameter or its stand-in those slots hold now."""
+
+    def __init__(
+        self, params: tuple[nn.Parameter, ...], names: tuple[str, ...],
+        slots: tuple[tuple[tuple[nn.Module, str], ...], ...],
+    ) -> None:
+        self.params = params  # the real parameters: views of the unit's flat buffer
+        self.resting = tuple(ShardedParameter.of(p, n) for p, n in zip(params, names))
+        self.slots = slots  # per parameter: the (module, attribute name) pairs that hold it
+        self.holds_real = True
+
+    def bind(self, real: bool) -> None:
+        """Register the real parameters (`real`) or their stand-ins in every slot; `requires_grad`
+        follows whichever object the modules held until now."""
+        if real == self.holds_real:
+            return
+        for p, r, slots in zip(self.params, self.resting, self.slots):
+            new, old = (p, r) if real else (r, p)
+            if new.requires_grad != old.requires_grad:
+                new.requires_grad_(old.requires_grad)
+            for module, attr in slots:
+                module._parameters[attr] = new
+        self.holds_real = real
+
+
+def parameter_slots(model: nn.Module, params: tuple[nn.Parameter, ...]) -> tuple[tuple[tuple[nn.Module, str], ...], ...]:
+    """For each of `params`, every `(module, attribute name)` of `model` that registers it."""
+    where: dict[int, list[tuple[nn.Module, str]]] = {id(p): [] for p in params}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None and id(p) in where:
+                where[id(p)].append((module, attr))
+    return tuple(tuple(where[id(p)]) for p in params)

@@ -1,0 +1,213 @@
+"""`ZeroModel`: what a sharded model gains, added by swapping its class in place.
+
+The model stays an instance of its own class (a subclass is made with the same name), so
+`isinstance(model, LlamaForCausalLM)`, `model.config` and the rest of the HF API keep working and
+there is nothing to unwrap. The methods below are the ones whose stock behaviour would read
+sharded memory, or hang when ranks diverge, and do the sharded equivalent instead:
+`state_dict` / `load_state_dict` (full tensors, gathered unit by unit), `save_pretrained` (one
+`from_pretrained` directory, written once), `generate` (`synced_gpus` at stage 3),
+`resize_token_embeddings` (re-shards the changed model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from .engine.engine import ModelStateMemory, ZeroEngine
+from .engine.full_state import load_state_dict, state_dict, unshard_model
+from .engine.module import ENGINE_ATTR, get_engine, register_params
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+class ZeroModel:
+    """Mixin placed first in the MRO of a model sharded by `hf_zero.initialize`."""
+
+    _is_accelerate_prepared = True  # Accelerate must not wrap it in DDP
+
+    @property
+    def zero_engine(self) -> ZeroEngine:
+        return self.__dict__[ENGINE_ATTR]
+
+    # ---- the training loop ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the gradient communication of the backward passes run inside, as with DDP and FSDP.
+
+        Gradients then accumulate unsharded on each rank until a backward pass outside the
+        context reduces them. At stages 0-1 they accumulate in the buffer that exists anyway; at
+        stages 2-3 each unit keeps an unsharded gradient buffer (the parameters' size in the
+        compute dtype) alive until the synchronising micro-batch, which costs that memory but
+        saves one reduce-scatter per micro-batch.
+
+        Example:
+
+        ```python
+        >>> with model.no_sync():
+        ...     model(**micro_batch_1).loss.backward()
+        >>> model(**micro_batch_2).loss.backward()  # reduces both micro-batches' gradients
+        ```
+        """
+        with self.zero_engine.no_sync():
+            yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the sharded gradients (and any unsharded ones held by `no_sync`)."""
+        self.zero_engine.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm over all shards; returns that norm."""
+        return self.zero_engine.clip_grad_norm_(max_norm, norm_type)
+
+    def model_state_memory(self) -> ModelStateMemory:
+        """The bytes of parameters, gradients and optimizer state this rank holds, by device."""
+        return self.zero_engine.memory()
+
+    # ---- whole weights ----------------------------------------------------------------------
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The full, unsharded state dict, as the unsharded model's, at every stage: master values,
+        tied names sharing one tensor. A collective: every rank must call it.
+
+        Gathered one unit at a time (transient memory: one unit, plus the result). By default every
+        rank gets every tensor on the compute device; `hf_zero.state_dict_options(model,
+        rank0_only=True, device="cpu")` makes it rank 0 only, in host memory (FSDP's
+        `FULL_STATE_DICT` with `rank0_only` and `offload_to_cpu`). With `keep_vars=True` the
+        parameter objects the modules hold now are returned, as `nn.Module.state_dict` does.
+
+        Example:
+
+        ```python
+        >>> sd = model.state_dict()                 # on every rank
+        >>> torch.save(sd, f"weights-rank{rank}.pt")
+        ```
+        """
+        if args:  # the positional form nn.Module still accepts: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
+        if keep_vars:
+            return nn.Module.state_dict(self, destination=destination, prefix=prefix, keep_vars=True)  # type: ignore[arg-type]
+        full = state_dict(self.zero_engine, self.zero_engine.state_dict_options)
+        out = OrderedDict() if destination is None else destination
+        for key, value in full.items():
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Write a full state dict into every rank's shards (master weights included), at every stage.
+
+        Keys, `strict` and the returned missing / unexpected keys are as in `nn.Module.load_state_dict`.
+        A collective: every rank must call it, each with the full state dict.
+
+        Example:
+
+        ```python
+        >>> model.load_state_dict(torch.load("weights.pt"))
+        ```
+        """
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the sharded parameters; hf_zero copies values into its shards, so use assign=False.")
+        return load_state_dict(self.zero_engine, state_dict, strict=strict)
+
+    def save_pretrained(
+        self, save_directory: str | os.PathLike[str], is_main_process: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None, push_to_hub: bool = False,
+        max_shard_size: int | str = "50GB", **kwargs: Any,
+    ) -> None:
+        """Write a `from_pretrained` directory of the sharded model, once, from rank 0.
+
+        Call it on every rank, as with any distributed model (the ranks take part in gathering one
+        unit at a time; `is_main_process` is not needed). Weights are written in the dtype the model
+        had before `hf_zero.initialize`, with `config.json` and `generation_config.json`. With a
+        `state_dict` already gathered (`model.state_dict()`), the stock writer saves that instead.
+
+        Example:
+
+        ```python
+        >>> model.save_pretrained("llama-domain")          # every rank
+        >>> AutoModelForCausalLM.from_pretrained("llama-domain")
+        ```
+        """
+        if state_dict is not None:
+            super().save_pretrained(  # type: ignore[misc]
+                save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,
+                max_shard_size=max_shard_size, **kwargs,
+            )
+            return
+        if push_to_hub or kwargs.get("safe_serialization") is False:
+            raise ValueError(
+                "save_pretrained of a sharded model writes safetensors locally; push the written directory with "
+                "huggingface_hub afterwards."
+            )
+        from .checkpoint.consolidate import save_pretrained as write_pretrained
+
+        engine = self.zero_engine
+        write_pretrained(self, save_directory, dtype=engine.model_dtype, max_shard_size=max_shard_size, progress=False)
+
+    # ---- generation and structure -----------------------------------------------------------
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """`generate`, with `synced_gpus=True` by default at stage 3 on several ranks: a rank whose
+        sequences are done keeps running forwards (on dummy input) until every rank is done, since
+        each forward gathers parameters. An explicit `synced_gpus` is respected. Every rank must call it."""
+        if kwargs.get("synced_gpus") is None and self.zero_engine.generation_needs_sync:
+            kwargs["synced_gpus"] = True
+        return super().generate(*args, **kwargs)  # type: ignore[misc]
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> Any:
+        """Resize the vocabulary of a sharded model: the model is gathered (a full copy on each rank for
+        the moment), resized by the stock method, and sharded anew with rank 0's values for the new
+        rows. Call it on every rank, before an optimizer is attached.
+
+        Example:
+
+        ```python
+        >>> tokenizer.add_special_tokens({"pad_token": "<pad>"})
+        >>> model.resize_token_embeddings(len(tokenizer))
+        ```
+        """
+        engine = self.zero_engine
+        if engine.optimizer is not None:
+            raise ValueError(
+                "resize_token_embeddings replaces the embedding parameters, which the attached optimizer holds. "
+                "Resize before building the optimizer (hf_zero.initialize(model, None, config), resize, then "
+                "hf_zero.attach_optimizer), or before hf_zero.initialize."
+            )
+        return restructure(self, lambda model: type(model).resize_token_embeddings(model, *args, **kwargs))
+
+
+def restructure(model: nn.Module, change: Any) -> Any:
+    """Undo the sharding of `model`, apply `change(model)` (which may replace parameters), shard it
+    again with the same settings (values of new parameters from rank 0); returns what `change` returned."""
+    from .api import initialize
+
+    engine = get_engine(model)
+    unshard_model(engine)
+    detach(model)
+    result = change(model)
+    initialize(model, None, replace(engine.config, sync_module_states=True))
+    return result
+
+
+def attach(model: nn.Module, engine: ZeroEngine) -> None:
+    """Swap `model`'s class for a same-named subclass with `ZeroModel` first, and store the engine."""
+    cls = type(model)
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (ZeroModel, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _SUBCLASSES[cls] = sub
+    model.__class__ = sub
+    model.__dict__[ENGINE_ATTR] = engine
+    register_params(engine)
+
+
+def detach(model: nn.Module) -> None:
+    """Give `model` its own class back and forget its engine (after `unshard_model`)."""
+    cls = type(model)
+    if ZeroModel in cls.__bases__:
+        model.__class__ = next(base for base in cls.__bases__ if base is not ZeroModel)
+    model.__dict__.pop(ENGINE_ATTR, None)
