@@ -95,7 +95,7 @@ def initialize(
         validate_model(model, world, has_source=source is not None)
         if optimizer is not None:
             check_optimizer(optimizer, model, cfg.stage)
-    except (TypeError, ValueError, FileNotFoundError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     # Agree before the first collective: a mistake on one rank raises on every rank.
     raise_if_any_failed(error, world, "hf_zero.initialize")
@@ -183,7 +183,7 @@ def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Shar
         if engine.optimizer is not None:
             raise ValueError("This model already has a sharded optimizer; attach one optimizer per model.")
         check_optimizer(optimizer, model, engine.config.stage, engine)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.attach_optimizer")
     return shard_optimizer(optimizer, engine)

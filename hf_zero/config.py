@@ -11,11 +11,12 @@ from typing import Literal
 
 import torch
 
+from .dtypes import SHORT_NAMES
+
 MixedPrecision = Literal["no", "bf16", "fp16"]
 ReduceDtype = Literal["fp32", "bf16", "fp16"]
 Collectives = Literal["auto", "native", "composed"]
 
-_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _STAGE_HELP = (
     "0 = plain data parallel, 1 = shard optimizer state, 2 = also shard gradients, "
     "3 = also shard parameters"
@@ -139,7 +140,7 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.mixed_precision must be 'no', 'bf16' or 'fp16'; got {self.mixed_precision!r}."
             )
-        if self.reduce_dtype is not None and self.reduce_dtype not in _DTYPES:
+        if self.reduce_dtype is not None and self.reduce_dtype not in SHORT_NAMES:
             raise ValueError(
                 f"ZeroConfig.reduce_dtype must be None, 'fp32', 'bf16' or 'fp16'; got {self.reduce_dtype!r}."
             )
@@ -186,7 +187,7 @@ class ZeroConfig:
     @property
     def param_dtype(self) -> torch.dtype | None:
         """The compute dtype of the parameters, or `None` to keep the model's own dtype."""
-        return None if self.mixed_precision == "no" else _DTYPES[self.mixed_precision]
+        return None if self.mixed_precision == "no" else SHORT_NAMES[self.mixed_precision]
 
     def bucket_numel(self, model_dtype: torch.dtype) -> int:
         """`bucket_size_mb` in parameters of the compute dtype (the model's own without mixed precision)."""
@@ -196,7 +197,7 @@ class ZeroConfig:
     def resolved_reduce_dtype(self) -> torch.dtype | None:
         """The gradient-reduction dtype, or `None` for "the parameters' dtype"."""
         if self.reduce_dtype is not None:
-            return _DTYPES[self.reduce_dtype]
+            return SHORT_NAMES[self.reduce_dtype]
         return torch.float32 if self.mixed_precision != "no" else None
 
 

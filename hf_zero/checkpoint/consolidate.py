@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.collectives import broadcast_object, raise_if_any_failed
+from ..engine.collectives import agreement, broadcast_object
 from ..engine.module import get_engine
-from .format import BUFFERS_FILE, HF_FILES, Manifest, check_files
+from ..dtypes import dtype_from_name, parse_dtype
+from .format import BUFFERS_FILE, HF_FILES, Manifest, check_files, save_hf_files, set_config_dtype
 from .reader import FileCache, read_pieces
-from .writer import HFShardWriter, parse_dtype, parse_size, set_config_dtype
+from .writer import HFShardWriter, parse_size
 
 
 def consolidate(
@@ -75,7 +76,7 @@ def consolidate(
     cache = FileCache(ckpt)
     try:
         for name, info in manifest.params.items():
-            full = torch.empty(math.prod(info["shape"]), dtype=getattr(torch, info["dtype"]))
+            full = torch.empty(math.prod(info["shape"]), dtype=dtype_from_name(info["dtype"]))
             read_pieces(cache, name, manifest.slices[name], 0, full.numel(), full)
             if writer.add(name, full.view(info["shape"])):
                 cache.close()  # unmap what the flushed shard was read from: keeps the resident set bounded
@@ -94,7 +95,7 @@ def consolidate(
     for name in HF_FILES:
         if (ckpt / name).is_file():
             shutil.copyfile(ckpt / name, out / name)
-    saved_dtype = getattr(torch, next(iter(manifest.params.values()))["dtype"]) if manifest.params else torch.float32
+    saved_dtype = dtype_from_name(next(iter(manifest.params.values()))["dtype"]) if manifest.params else torch.float32
     set_config_dtype(out / "config.json", out_dtype or saved_dtype)
     return files
 
@@ -131,13 +132,18 @@ def save_pretrained(
     ```
     """
     engine = get_engine(model)
-    out_dtype = parse_dtype(dtype)
-    parse_size(max_shard_size)
-    writing = engine.world.rank == 0
-    writer = HFShardWriter(Path(output_dir), max_shard_size, out_dtype) if writing else None
-    error: str | None = None
+    with agreement(engine.world, "hf_zero.save_pretrained"):
+        out_dtype = parse_dtype(dtype)
+        parse_size(max_shard_size)
+    writer: HFShardWriter | None = None
+    error: Exception | None = None  # rank 0's first failure; the ranks still finish every gather
+    if engine.world.rank == 0:
+        try:
+            writer = HFShardWriter(Path(output_dir), max_shard_size, out_dtype)
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            error = e
     files: list[str] = []
-    bar = _progress(len(engine.units), "gathering", progress and writing, "unit")
+    bar = _progress(len(engine.units), "gathering", progress and engine.world.rank == 0, "unit")
     for gathered in engine.gather_units(rank0_only=True):  # every rank joins every gather
         bar.update(1)
         if writer is None or error is not None:
@@ -145,37 +151,22 @@ def save_pretrained(
         try:
             for name, _, value in gathered:
                 writer.add(name, value)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            error = e
     bar.close()
-    if writer is not None and error is None:
-        try:
-            params = {id(p) for p in model.parameters()}
-            for name, buf in model.state_dict(keep_vars=True).items():
-                if id(buf) not in params:
+    with agreement(engine.world, f"hf_zero.save_pretrained ({output_dir})"):
+        if error is not None:
+            raise error
+        if writer is not None:
+            try:
+                for name, buf in engine.module_state(with_params=False).items():
                     writer.add(name, buf, is_parameter=False)
-            files = writer.close()
-            _save_config_and_tokenizer(model, tokenizer, Path(output_dir), out_dtype or engine.master_dtype)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-    if writer is not None and error is not None:
-        writer.abort()
-    error = broadcast_object(error, engine.world)
-    raise_if_any_failed(OSError(f"save_pretrained could not write {output_dir}: {error}") if error else None,
-                        engine.world, "hf_zero.save_pretrained")
+                files = writer.close()
+                save_hf_files(model, tokenizer, Path(output_dir), out_dtype or engine.master_dtype)
+            except BaseException:
+                writer.abort()
+                raise
     return broadcast_object(files, engine.world)
-
-
-def _save_config_and_tokenizer(model: nn.Module, tokenizer: Any, out: Path, dtype: torch.dtype) -> None:
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(str(out))
-        set_config_dtype(out / "config.json", dtype)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(str(out))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
 
 
 class _NoBar:

@@ -27,7 +27,13 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ..dtypes import dtype_name
 
 FORMAT_NAME = "hf_zero"
 FORMAT_VERSION = 1
@@ -129,14 +135,54 @@ def sha256_of(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def write_bytes_atomically(path: Path, data: bytes) -> None:
-    """Write under a temporary name, flush to disk, then rename: readers see all or nothing."""
+def write_file_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """[Note: atomic files] `write(tmp)` writes the file under a temporary name beside `path`; it is
+    flushed to disk, then renamed: readers see the old file or the whole new one, never a part."""
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write(tmp)
+    fsync_file(tmp)
     os.replace(tmp, path)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically ([Note: atomic files])."""
+    write_file_atomically(path, lambda tmp: tmp.write_bytes(data))
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> None:
+    """A safetensors file at `path`, flushed to disk (the caller names it: temporary or final)."""
+    save_file(tensors, str(path), metadata=metadata)
+    fsync_file(path)
+
+
+def save_hf_files(model: nn.Module, tokenizer: Any, directory: Path, dtype: torch.dtype | None = None) -> None:
+    """The side files of a Hugging Face model directory: `config.json` (with its `dtype` set to the
+    weights' dtype when given), `generation_config.json` and the tokenizer's files."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(str(directory))
+        if dtype is not None:
+            set_config_dtype(directory / "config.json", dtype)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(str(directory))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+
+
+def set_config_dtype(config_path: Path, dtype: torch.dtype) -> None:
+    """Record the weights' dtype in a `config.json`, so `from_pretrained` loads them as written."""
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text())
+    config["dtype"] = dtype_name(dtype)
+    config.pop("torch_dtype", None)
+    write_bytes_atomically(config_path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 def check_files(directory: Path, manifest: Manifest, names: list[str], verify: bool) -> None:

@@ -69,7 +69,7 @@ def load_checkpoint(
         _check_model_matches(manifest, engine, directory)
         _check_optimizer_matches(manifest, optimizer, directory)
         check_files(directory, manifest, _files_needed(manifest, engine, optimizer), verify)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.load_checkpoint")
     if manifest is None:  # unreachable: a missing manifest raised above

@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from ..engine.collectives import CommGroup, broadcast_object, failed_ranks, gather_objects, raise_if_any_failed
+from ..engine.collectives import CommGroup, agreement, broadcast_object, failed_ranks, gather_objects, raise_if_any_failed
 from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer
@@ -38,9 +37,13 @@ from .format import (
     Manifest,
     model_file,
     optim_file,
+    save_hf_files,
+    save_safetensors,
     sha256_of,
     write_bytes_atomically,
+    write_file_atomically,
 )
+from ..dtypes import dtype_name
 
 
 def save_checkpoint(
@@ -83,9 +86,10 @@ def save_checkpoint(
     engine = get_engine(model)
     world = engine.world
     target = Path(path)
-    if optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
-        raise TypeError("save_checkpoint expects the optimizer returned by hf_zero.initialize.")
-    _check_json(metadata)
+    with agreement(world, "hf_zero.save_checkpoint"):  # arguments may differ between ranks: agree first
+        if optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
+            raise TypeError("save_checkpoint expects the optimizer returned by hf_zero.initialize.")
+        _check_json(metadata)
     engine.hooks.wait_reductions()
     token = broadcast_object(uuid.uuid4().hex[:12], world)
     staging = target.parent / f".{target.name}.incomplete-{token}"
@@ -95,24 +99,21 @@ def save_checkpoint(
     try:
         staging.mkdir(parents=True, exist_ok=True)
         record = _write_rank_files(staging, model, engine, optimizer)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         error = e
     _raise_if_failed(error, world, staging, "write its shards to", target)
 
     records = gather_objects(record, world)
-    commit_error: str | None = None
-    if world.rank == 0:
-        try:
-            manifest = _manifest(model, engine, optimizer, records, metadata)
-            _save_hf_files(model, tokenizer, staging)
-            write_bytes_atomically(staging / MANIFEST, manifest.to_json().encode())
-            _swap_into_place(staging, target, token)
-        except OSError as e:
-            commit_error = f"{type(e).__name__}: {e}"
-            shutil.rmtree(staging, ignore_errors=True)
-    commit_error = broadcast_object(commit_error, world)
-    if commit_error is not None:
-        raise OSError(f"hf_zero.save_checkpoint could not commit {target}: {commit_error}. Nothing was replaced.")
+    with agreement(world, f"hf_zero.save_checkpoint (commit of {target}; nothing was replaced)"):
+        if world.rank == 0:
+            try:
+                manifest = _manifest(model, engine, optimizer, records, metadata)
+                save_hf_files(model, tokenizer, staging)
+                write_bytes_atomically(staging / MANIFEST, manifest.to_json().encode())
+                _swap_into_place(staging, target, token)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
     return target
 
 
@@ -121,7 +122,7 @@ def _raise_if_failed(error: BaseException | None, world: CommGroup, staging: Pat
         return
     if world.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    if error is not None:
+    if isinstance(error, OSError):
         error = OSError(
             f"[rank {world.global_rank}] hf_zero.save_checkpoint could not {what} {staging.parent}: {error}. "
             f"Check free space and permissions; {target} was left as it was."
@@ -132,7 +133,7 @@ def _raise_if_failed(error: BaseException | None, world: CommGroup, staging: Pat
 def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer | None) -> dict[str, Any]:
     record: dict[str, Any] = {"files": {}, "slices": {}, "state": {}}
     if engine.world.rank == 0:
-        buffers = _persistent_buffers(model)
+        buffers = engine.module_state(with_params=False)
         if buffers:
             _write_safetensors(staging, BUFFERS_FILE, {k: v.detach().to("cpu", copy=True).contiguous() for k, v in buffers.items()}, {}, record)
     if not engine.writes_shards:
@@ -184,17 +185,9 @@ def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[
 
 def _write_safetensors(staging: Path, name: str, tensors: dict[str, torch.Tensor], header: dict[str, Any], record: dict[str, Any]) -> None:
     final = staging / name
-    partial = staging / (name + ".partial")
-    save_file(tensors, str(partial), metadata={"hf_zero": json.dumps(header)} if header else None)
-    with open(partial, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(partial, final)
+    metadata = {"hf_zero": json.dumps(header)} if header else None
+    write_file_atomically(final, lambda tmp: save_safetensors(tmp, tensors, metadata))
     record["files"][name] = {"bytes": final.stat().st_size, "sha256": sha256_of(final)}
-
-
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    params = {id(p) for p in model.parameters()}
-    return {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in params}
 
 
 def _manifest(model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer | None,
@@ -202,10 +195,10 @@ def _manifest(model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer 
     params: dict[str, dict[str, Any]] = {}
     for unit in engine.units:
         for slot in unit.layout.slots:
-            params[slot.name] = {"shape": list(slot.shape), "dtype": _dtype_name(unit.master_dtype)}
+            params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(unit.master_dtype)}
     aliases = {name: engine.name_of(p) for name, p in model.named_parameters(remove_duplicate=False)
                if name != engine.name_of(p)}
-    buffers = {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in _persistent_buffers(model).items()}
+    buffers = {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in engine.module_state(with_params=False).items()}
     files: dict[str, FileEntry] = {}
     slices: dict[str, list[list[Any]]] = {name: [] for name in params}
     state: dict[str, dict[str, str]] = {}
@@ -230,17 +223,6 @@ def _manifest(model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer 
                     user=dict(metadata or {}))
 
 
-def _save_hf_files(model: nn.Module, tokenizer: Any, staging: Path) -> None:
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(str(staging))
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(str(staging))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(staging))
-
-
 def _swap_into_place(staging: Path, target: Path, token: str) -> None:
     previous = target.parent / f".{target.name}.previous-{token}"
     if target.exists():
@@ -257,10 +239,6 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:

@@ -15,14 +15,11 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from .format import write_bytes_atomically
+from .format import save_safetensors, write_bytes_atomically
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
 _WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -47,15 +44,6 @@ def parse_size(size: int | str, name: str = "max_shard_size") -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive; got {size!r}.")
     return value
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """`None` (keep), a `torch.dtype`, or one of 'fp32', 'bf16', 'fp16' (or their long names)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of 'fp32', 'bf16', 'fp16' (or None to keep the saved dtype); got {dtype!r}.")
-    return _DTYPES[dtype]
 
 
 class HFShardWriter:
@@ -97,9 +85,7 @@ class HFShardWriter:
         if not self._open:
             return
         path = self.output_dir / f".hf_zero-shard-{len(self._written):05d}.partial"
-        save_file(self._open, str(path), metadata={"format": "pt"})
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
+        save_safetensors(path, self._open, {"format": "pt"})
         self._written.append((path, list(self._open)))
         self._open, self._open_bytes = {}, 0
 
@@ -127,13 +113,3 @@ class HFShardWriter:
             tmp.unlink(missing_ok=True)
         self._written.clear()
         self._open.clear()
-
-
-def set_config_dtype(config_path: Path, dtype: torch.dtype) -> None:
-    """Record the weights' dtype in a copied `config.json`, so `from_pretrained` loads them as written."""
-    if not config_path.is_file():
-        return
-    config = json.loads(config_path.read_text())
-    config["dtype"] = str(dtype).removeprefix("torch.")
-    config.pop("torch_dtype", None)
-    write_bytes_atomically(config_path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())

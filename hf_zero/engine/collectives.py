@@ -325,3 +325,32 @@ def raise_if_any_failed(error: BaseException | None, group: CommGroup, what: str
     first = next(r for r in reports if r is not None)
     kind = _RAISABLE.get(first[0], RuntimeError)
     raise kind(f"[rank {group.global_rank}] {what} failed on rank(s) {bad}: {first[1]}")
+
+
+class agreement:
+    """A block whose failure on any rank raises on every rank: on leaving it, the ranks agree (one
+    small all-reduce) on whether any of them raised, and those that did not raise the failing rank's
+    error type and message (see `raise_if_any_failed`). Any `Exception` counts, whatever its type;
+    a `BaseException` such as `KeyboardInterrupt` passes through without a collective.
+
+    Example:
+
+    ```python
+    >>> with agreement(world, "hf_zero.save_checkpoint"):
+    ...     if world.rank == 0:
+    ...         tokenizer.save_pretrained(staging)   # a ValueError here raises on every rank
+    ```
+    """
+
+    def __init__(self, group: CommGroup, what: str) -> None:
+        self.group = group
+        self.what = what
+
+    def __enter__(self) -> "agreement":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and not isinstance(exc, Exception):
+            return False
+        raise_if_any_failed(exc, self.group, self.what)
+        return False

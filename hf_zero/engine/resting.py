@@ -11,6 +11,8 @@ sharded and unsharded parameters). A `ShardedParameter`:
 - has the parameter's full shape, dtype, device and `requires_grad`, so metadata code works
   unchanged: `numel()`, `model.num_parameters()`, `model.device`, `model.dtype`, `.to()` to the
   same device, `requires_grad_()` (kept in step with the real parameter);
+- forwards gradient hooks (`register_hook`, `register_post_accumulate_grad_hook`) to the real
+  parameter, which is the one autograd sees;
 - raises a `RuntimeError` on any read of values (`sum`, `norm`, `clone`, `torch.equal`,
   `tolist`, `torch.save`, `copy.deepcopy`, ...) naming the parameter and what to use instead:
   `model.state_dict()`, `hf_zero.gathered_parameters(...)` or `hf_zero.full_state_dict(model)`.
@@ -70,7 +72,16 @@ class ShardedParameter(torch.Tensor):
     @staticmethod
     def of(param: nn.Parameter, name: str) -> nn.Parameter:
         """The stand-in of `param`: an `nn.Parameter` (by `isinstance`) of the same shape, dtype and device."""
-        return nn.Parameter(ShardedParameter(param, name), requires_grad=param.requires_grad)
+        stand_in = nn.Parameter(ShardedParameter(param, name), requires_grad=param.requires_grad)
+        stand_in._hf_zero_param = param  # type: ignore[attr-defined]
+        return stand_in
+
+    # Gradient hooks belong to the parameter that autograd sees: the real one.
+    def register_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        return self._hf_zero_param.register_hook(hook)
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        return self._hf_zero_param.register_post_accumulate_grad_hook(hook)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

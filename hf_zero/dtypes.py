@@ -1,0 +1,42 @@
+"""Dtype names, in one place: the short names of settings and the long names files record.
+
+Example:
+
+```python
+>>> parse_dtype("bf16"), dtype_name(torch.bfloat16), dtype_from_name("bfloat16")
+(torch.bfloat16, 'bfloat16', torch.bfloat16)
+```
+"""
+
+from __future__ import annotations
+
+import torch
+
+SHORT_NAMES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_FILE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """`None` (keep), a `torch.dtype`, or one of 'fp32', 'bf16', 'fp16' (or their long names)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = SHORT_NAMES.get(dtype) or (_FILE_NAMES.get(dtype) if dtype in ("float32", "bfloat16", "float16") else None)
+    if found is None:
+        raise ValueError(f"dtype must be one of 'fp32', 'bf16', 'fp16' (or None to keep the saved dtype); got {dtype!r}.")
+    return found
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name files record (`config.json`'s `dtype`, the checkpoint manifest): 'float32', 'bfloat16', ..."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype a file records by name; `ValueError` for one this release does not know."""
+    if name not in _FILE_NAMES:
+        raise ValueError(f"Unknown dtype {name!r} in the checkpoint; this release reads {sorted(_FILE_NAMES)}.")
+    return _FILE_NAMES[name]

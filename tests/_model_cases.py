@@ -1,0 +1,309 @@
+"""Rank functions for tests/test_sharded_model.py: a sharded model used as a whole HF model between steps."""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from tests._training import VOCAB, make_model, make_optimizer
+
+STEPS = 3
+MICRO_BS = 2
+SEQ = 12
+
+
+def batches(world: int, steps: int = STEPS + 1) -> torch.Tensor:
+    """`(steps, world * MICRO_BS, SEQ)` token ids; rank r takes rows `[r*MICRO_BS, (r+1)*MICRO_BS)`."""
+    return torch.randint(0, VOCAB, (steps, world * MICRO_BS, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def perturbation(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state dict moved away from `state` by a fixed, seeded amount (the same on every process)."""
+    g = torch.Generator().manual_seed(11)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v.clone()
+            for k, v in sorted(state.items())}
+
+
+def _numpy(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.detach().float().cpu().numpy().copy() for k, v in state.items()}
+
+
+def reference(kind: str, world: int) -> dict[str, Any]:
+    """Unsharded: the state dict after init, after STEPS steps, and after loading a perturbed state
+    and one more step; each step on the whole global batch (every rank's micro-batch)."""
+    torch.set_num_threads(1)
+    model = make_model(kind)
+    opt = make_optimizer(model, 1e-2)
+    data = batches(world)
+    out: dict[str, Any] = {"init": _numpy(model.state_dict()), "losses": []}
+    for step in range(STEPS):
+        loss = model(input_ids=data[step], labels=data[step]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(float(loss.detach()))
+    out["trained"] = _numpy(model.state_dict())
+    model.load_state_dict(perturbation(model.state_dict()))
+    loss = model(input_ids=data[STEPS], labels=data[STEPS]).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    out["losses"].append(float(loss.detach()))
+    out["after_load"] = _numpy(model.state_dict())
+    return out
+
+
+def _read_everything(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Read every parameter, buffer and state_dict entry as user code does; a parameter may refuse
+    with a RuntimeError that names what to use, and must otherwise hold its state_dict value."""
+    counts = {"read": 0, "refused": 0, "buffers": 0}
+    for name, p in model.named_parameters():
+        try:
+            value = torch.tensor(p.tolist())
+            torch.save(p, io.BytesIO())
+            float(p.norm())
+        except RuntimeError as e:
+            if "gathered_parameters" not in str(e) or "state_dict()" not in str(e):
+                raise
+            counts["refused"] += 1
+            continue
+        if not torch.equal(value.to(state[name].dtype), state[name].cpu()):
+            raise AssertionError(f"{name} reads another value than its state_dict entry")
+        counts["read"] += 1
+    for name, b in model.named_buffers():
+        float(b.float().norm()), b.tolist()
+        counts["buffers"] += 1
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    for v in state.values():
+        float(v.float().norm()), v.tolist()
+    return counts
+
+
+def state_dict_lifecycle(kind: str, stage: int) -> dict[str, Any]:
+    """The sharded twin of `reference`, with every read users make between steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(kind)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), hf_zero.ZeroConfig(stage=stage))
+    data = batches(world)
+    out: dict[str, Any] = {"init": _numpy(model.state_dict()), "losses": [], "reads": []}
+    rows = slice(rank * MICRO_BS, (rank + 1) * MICRO_BS)
+
+    def step(i: int) -> None:
+        loss = model(input_ids=data[i, rows], labels=data[i, rows]).loss
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        out["losses"].append(float(mean) / world)
+        out["reads"].append(_read_everything(model, model.state_dict()))
+
+    for i in range(STEPS):
+        step(i)
+    trained = model.state_dict()
+    out["trained"] = _numpy(trained)
+    out["tied_shares_tensor"] = "lm_head.weight" in trained and any(
+        trained["lm_head.weight"] is v for k, v in trained.items() if k != "lm_head.weight")
+    out["load_result"] = model.load_state_dict(perturbation(trained))
+    step(STEPS)
+    out["after_load"] = _numpy(model.state_dict())
+    with hf_zero.state_dict_options(model, rank0_only=True, device="cpu"):
+        out["rank0_only_keys"] = len(model.state_dict())
+    return out
+
+
+def load_state_dict_errors(stage: int) -> dict[str, Any]:
+    """strict / non-strict as PyTorch defines them; a shape error raises on every rank, unchanged model."""
+    model = make_model("llama")
+    model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=stage))
+    full = model.state_dict()
+    partial = {k: v + 1 for k, v in full.items() if "layers.0." in k}
+    partial["not.a.key"] = torch.zeros(1)
+    out: dict[str, Any] = {}
+    try:
+        model.load_state_dict(partial)
+    except RuntimeError as e:
+        out["strict"] = str(e)
+    result = model.load_state_dict(partial, strict=False)
+    out["missing"], out["unexpected"] = len(result.missing_keys), list(result.unexpected_keys)
+    after = model.state_dict()
+    out["loaded"] = all(torch.equal(after[k], partial[k]) for k in partial if k != "not.a.key")
+    out["kept"] = all(torch.equal(after[k], full[k]) for k in full if k not in partial)
+    bad = dict(after)
+    if dist.get_rank() == 1:  # only one rank has the wrong shape: every rank must still raise
+        bad["lm_head.weight"] = torch.zeros(3, 3)
+    try:
+        model.load_state_dict(bad)
+    except RuntimeError as e:
+        out["shape"] = str(e)
+    out["unchanged_after_error"] = all(torch.equal(model.state_dict()[k], after[k]) for k in after)
+    return out
+
+
+def save_pretrained_everywhere(kind: str, stage: int, directory: str, fsdp_style: str) -> dict[str, Any]:
+    """Train two steps, then `model.save_pretrained(directory)` on every rank (or, FSDP's habit, a
+    state_dict gathered on every rank and saved by rank 0 with the stock writer)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(kind)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), hf_zero.ZeroConfig(stage=stage))
+    data = batches(world)
+    for i in range(2):
+        model(input_ids=data[i, rank * MICRO_BS:(rank + 1) * MICRO_BS], labels=data[i, rank * MICRO_BS:(rank + 1) * MICRO_BS]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if fsdp_style:
+        sd = model.state_dict()
+        if rank == 0:
+            model.save_pretrained(directory, state_dict=sd)
+        dist.barrier()
+    else:
+        model.save_pretrained(directory)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=data[3, :2]).logits
+    return {"state": _numpy(model.state_dict()), "logits": logits.numpy().copy()}
+
+
+def modify_in_gathered_parameters(kind: str, stage: int, mixed_precision: str) -> dict[str, Any]:
+    """Rank 0 edits weights inside `gathered_parameters(modifier_rank=0)`; rank 1 scribbles on its own
+    copy too (it must be overwritten). Then one training step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(kind)
+    config = hf_zero.ZeroConfig(stage=stage, mixed_precision=mixed_precision)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
+    before = model.state_dict()
+    head = model.get_output_embeddings()
+    layer = model.model.layers[0] if kind == "llama" else model.transformer.h[0]
+    with hf_zero.gathered_parameters([head.weight, *layer.parameters()], modifier_rank=0):
+        seen_inside = float(head.weight.float().norm())
+        if rank == 0:
+            head.weight[3].fill_(0.5)
+            next(layer.parameters()).mul_(0.5)
+        else:
+            head.weight.fill_(123.0)
+    after = model.state_dict()
+    data = batches(world)
+    rows = slice(rank * MICRO_BS, (rank + 1) * MICRO_BS)
+    loss = model(input_ids=data[0, rows], labels=data[0, rows]).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    head_name = "lm_head.weight"
+    layer_name = next(n for n, _ in layer.named_parameters())
+    prefix = "model.layers.0." if kind == "llama" else "transformer.h.0."
+    edited = {k for k in before if before[k] is before[head_name]} | {prefix + layer_name}  # tied names share one tensor
+    untouched = [k for k in before if k not in edited]
+    return {
+        "seen_inside": seen_inside,
+        "after": _numpy(after),
+        "before": _numpy(before),
+        "untouched_exact": all(torch.equal(after[k], before[k]) for k in untouched),
+        "head_other_rows_exact": torch.equal(after[head_name][4:], before[head_name][4:]),
+        "loss": float(mean) / world,
+        "trained": _numpy(model.state_dict()),
+        "layer_param": prefix + layer_name,
+        "rests_after": type(model.get_output_embeddings().weight).__name__ if stage == 3 else None,
+    }
+
+
+def resize_then_train(stage: int, new_vocab: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model("llama")
+    model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=stage))
+    torch.manual_seed(100 + rank)  # the new rows are sampled per rank: rank 0's must win
+    model.resize_token_embeddings(new_vocab)
+    opt = hf_zero.attach_optimizer(model, make_optimizer(model, 1e-2))
+    data = batches(world) % new_vocab
+    rows = slice(rank * MICRO_BS, (rank + 1) * MICRO_BS)
+    losses = []
+    for i in range(2):
+        loss = model(input_ids=data[i, rows], labels=data[i, rows]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    error = None
+    try:
+        model.resize_token_embeddings(new_vocab + 8)
+    except ValueError as e:
+        error = str(e)
+    return {"losses": losses, "state": _numpy(model.state_dict()), "vocab": model.config.vocab_size, "error": error}
+
+
+def resize_reference(new_vocab: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = make_model("llama")
+    torch.manual_seed(100)
+    model.resize_token_embeddings(new_vocab)
+    opt = make_optimizer(model, 1e-2)
+    data = batches(world) % new_vocab
+    losses = []
+    for i in range(2):
+        loss = model(input_ids=data[i], labels=data[i]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "state": _numpy(model.state_dict())}
+
+
+PROMPTS = [[5, 17, 42, 7], [9, 3, 101, 64]]
+
+
+def generate_unevenly(kind: str, eos_step: int | None) -> dict[str, Any]:
+    """Each rank generates for its own prompt, rank 0 stopping earlier (by max_new_tokens, or by an
+    EOS token that only its sequence reaches); greedy outputs vs the same model unsharded."""
+    rank = dist.get_rank()
+    prompt = torch.tensor([PROMPTS[rank % len(PROMPTS)]])
+    plain = make_model(kind).eval()
+    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0}
+    if eos_step is None:
+        kwargs["max_new_tokens"] = 3 if rank == 0 else 9
+    else:
+        first = plain.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=9, do_sample=False, pad_token_id=0)
+        kwargs.update(max_new_tokens=9, eos_token_id=int(first[0, len(PROMPTS[0]) + eos_step]))
+    expected = plain.generate(prompt, **kwargs)
+    model = make_model(kind)
+    model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3))
+    model.eval()
+    start = time.monotonic()
+    got = model.generate(prompt, **kwargs)
+    return {"expected": expected.tolist(), "got": got.tolist(), "seconds": time.monotonic() - start}
+
+
+class _FailingTokenizer:
+    def save_pretrained(self, directory: str) -> None:
+        raise ValueError("this tokenizer cannot be saved")
+
+
+def save_checkpoint_commit_error(directory: str, how: str) -> dict[str, Any]:
+    """A failure that only rank 0 meets while committing (or metadata only rank 0 cannot encode):
+    every rank must raise, quickly, with the cause."""
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    kwargs: dict[str, Any] = {}
+    if how == "tokenizer":
+        kwargs["tokenizer"] = _FailingTokenizer() if dist.get_rank() == 0 else None
+    else:
+        kwargs["metadata"] = {"step": {1, 2}} if dist.get_rank() == 0 else {"step": 1}
+    start = time.monotonic()
+    error_type = error = None
+    try:
+        hf_zero.save_checkpoint(directory, model, opt, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        error_type, error = type(e).__name__, str(e)
+    dist.barrier()  # the group is still usable: every rank got here
+    return {"error_type": error_type, "error": error, "seconds": time.monotonic() - start}

@@ -1,0 +1,144 @@
+"""A sharded model is still a whole Hugging Face model: state_dict, load_state_dict, save_pretrained,
+gathered_parameters, resize_token_embeddings and generate, against the unsharded model in the same run.
+
+Tolerance: fp32 training, 1e-5 relative per tensor (reductions run in another order than the
+reference's); states right after `initialize` must be bit for bit equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import _model_cases as cases
+from tests._training import make_model, make_optimizer, rel_err
+
+TOL = 1e-5
+STAGES = [0, 1, 2, 3]
+
+
+def _close(got: dict, want: dict, tol: float = TOL) -> None:
+    assert set(got) == set(want), set(got) ^ set(want)
+    worst = max((rel_err(got[k], want[k]), k) for k in want)
+    assert worst[0] <= tol, worst
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict]:
+    return {kind: cases.reference(kind, world=2) for kind in ("llama", "falcon")}
+
+
+@pytest.mark.parametrize("kind", ["llama", "falcon"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_state_dict_reads_and_load_state_dict_match_the_unsharded_model(pools, references, kind, stage):
+    ref = references[kind]
+    results = pools(2).values(cases.state_dict_lifecycle, kind, stage)
+    for rank, r in enumerate(results):
+        for k in ref["init"]:  # right after initialize: exactly the model's own values
+            assert (r["init"][k] == ref["init"][k]).all(), (rank, k)
+        _close(r["trained"], ref["trained"])
+        _close(r["after_load"], ref["after_load"])
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"])) <= TOL, (r["losses"], ref["losses"])
+        assert not r["load_result"].missing_keys and not r["load_result"].unexpected_keys
+        if kind == "falcon":  # tied: both names, one tensor, as HF's save expects
+            assert r["tied_shares_tensor"]
+        n_params = len(list(make_model(kind).parameters()))
+        for reads in r["reads"]:
+            if stage == 3:  # every parameter rests sharded: each read refuses, naming what to use
+                assert reads["refused"] == n_params and reads["read"] == 0, reads
+            else:  # persistent parameters read as their state_dict values
+                assert reads["refused"] == 0 and reads["read"] == n_params, reads
+            assert reads["buffers"] == len(list(make_model(kind).buffers()))
+    assert results[0]["rank0_only_keys"] == len(ref["init"]) and results[1]["rank0_only_keys"] == 0
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_state_dict_strict_nonstrict_and_shape_errors(pools, stage):
+    for r in pools(2).values(cases.load_state_dict_errors, stage):
+        assert "Missing key(s)" in r["strict"] and 'Unexpected key(s) in state_dict: "not.a.key"' in r["strict"]
+        assert r["missing"] > 0 and r["unexpected"] == ["not.a.key"]
+        assert r["loaded"] and r["kept"]
+        assert "size mismatch for lm_head.weight" in r["shape"]
+        assert r["unchanged_after_error"]
+
+
+@pytest.mark.parametrize("kind,stage,fsdp_style", [
+    ("llama", 3, False), ("falcon", 3, False), ("llama", 1, False), ("falcon", 3, True), ("llama", 2, True),
+])
+def test_save_pretrained_from_every_rank_reloads_with_from_pretrained(pools, tmp_path, kind, stage, fsdp_style):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "model"
+    results = pools(2).values(cases.save_pretrained_everywhere, kind, stage, str(out), fsdp_style)
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    state = {k: v.numpy() for k, v in loaded.state_dict().items()}
+    for r in results:
+        assert set(state) == set(r["state"])
+        for k, v in state.items():
+            assert (v == r["state"][k]).all(), k  # the trained weights, exactly
+    with torch.no_grad():
+        logits = loaded(input_ids=cases.batches(2)[3, :2]).logits.numpy()
+    assert rel_err(logits, results[0]["logits"]) <= TOL
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("kind,stage,mp", [("llama", 3, "no"), ("falcon", 3, "no"), ("llama", 2, "no"), ("llama", 3, "bf16")])
+def test_gathered_parameters_modifier_rank_writes_back_everywhere(pools, kind, stage, mp):
+    results = pools(2).values(cases.modify_in_gathered_parameters, kind, stage, mp)
+    # The reference: the same edit made on the unsharded model, then the same step.
+    torch.set_num_threads(1)
+    model = make_model(kind)
+    opt = make_optimizer(model, 1e-3)
+    head = model.get_output_embeddings()
+    layer = model.model.layers[0] if kind == "llama" else model.transformer.h[0]
+    with torch.no_grad():
+        head.weight[3].fill_(0.5)
+        next(layer.parameters()).mul_(0.5)
+    edited = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    data = cases.batches(2)
+    loss = model(input_ids=data[0], labels=data[0]).loss
+    loss.backward()
+    opt.step()
+    loss = loss.detach()
+    trained = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    for r in results:
+        assert r["seen_inside"] > 0
+        assert r["untouched_exact"] and r["head_other_rows_exact"]  # [Note: write-back]: nothing else moves
+        if mp == "no":
+            _close(r["after"], edited, tol=0.0)
+            assert abs(r["loss"] - float(loss)) <= TOL * abs(float(loss))
+            _close(r["trained"], trained)
+        else:  # bf16 compute: the edit reached the fp32 masters (0.5 and halved bf16 values are exact)
+            assert (r["after"]["lm_head.weight"][3] == 0.5).all()
+            assert rel_err(r["after"][r["layer_param"]], r["before"][r["layer_param"]] * 0.5) <= 1e-2
+        if stage == 3:
+            assert r["rests_after"] == "ShardedParameter"
+    assert results[0]["after"]["lm_head.weight"][3].tolist() == results[1]["after"]["lm_head.weight"][3].tolist()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resize_token_embeddings_on_a_sharded_model_then_training_matches(pools, stage):
+    ref = cases.resize_reference(300, world=2)
+    for r in pools(2).values(cases.resize_then_train, stage, 300):
+        assert r["vocab"] == 300
+        _close(r["state"], ref["state"])
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"])) <= TOL
+        assert "Resize before building the optimizer" in r["error"]
+
+
+@pytest.mark.parametrize("kind,eos_step", [("llama", None), ("falcon", None), ("llama", 1)])
+def test_generate_with_ranks_finishing_at_different_steps_returns_everywhere(pools, kind, eos_step):
+    results = pools(2).values(cases.generate_unevenly, kind, eos_step, timeout=120)
+    for r in results:
+        assert r["got"] == r["expected"]
+    assert len(results[0]["got"][0]) != len(results[1]["got"][0])  # the ranks really did stop at different steps
+
+
+@pytest.mark.parametrize("how", ["tokenizer", "metadata"])
+def test_checkpoint_commit_errors_raise_on_every_rank_quickly(pools, tmp_path, how):
+    results = pools(2).values(cases.save_checkpoint_commit_error, str(tmp_path / "ckpt"), how, timeout=120)
+    for r in results:
+        assert r["error_type"] is not None and r["seconds"] < 30, r
+    cause = "this tokenizer cannot be saved" if how == "tokenizer" else "JSON-serializable"
+    assert cause in results[0]["error"] and cause in results[1]["error"] and "rank(s) [0]" in results[1]["error"]
+    assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt.incomplete-*"))
