@@ -307,3 +307,47 @@ def save_checkpoint_commit_error(directory: str, how: str) -> dict[str, Any]:
         error_type, error = type(e).__name__, str(e)
     dist.barrier()  # the group is still usable: every rank got here
     return {"error_type": error_type, "error": error, "seconds": time.monotonic() - start}
+
+
+def seq2seq_trainer_predict(output_dir: str) -> dict[str, Any]:
+    """`Seq2SeqTrainer` composed with `ZeroTrainer` at stage 3: `predict` with generation passes
+    `synced_gpus=True` to every generate call, and the predictions are the unsharded model's."""
+    from dataclasses import dataclass
+
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    @dataclass
+    class Args(hf_zero.ZeroTrainingArguments, Seq2SeqTrainingArguments):
+        pass
+
+    class Trainer(hf_zero.ZeroTrainer, Seq2SeqTrainer):
+        pass
+
+    args = Args(output_dir=output_dir, zero_stage=3, predict_with_generate=True, per_device_eval_batch_size=2,
+                report_to=[], use_cpu=True, disable_tqdm=True)
+    model = make_model("llama")
+    model.config.pad_token_id = model.generation_config.pad_token_id = 0
+    trainer = Trainer(model=model, args=args)
+    seen: list[Any] = []
+    original = type(model).generate
+
+    def recording(self: Any, *a: Any, **kw: Any) -> Any:
+        seen.append(kw.get("synced_gpus"))
+        return original(self, *a, **kw)
+
+    type(model).generate = recording  # type: ignore[method-assign]
+    try:
+        out = trainer.predict(_Prompts(), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    finally:
+        type(model).generate = original  # type: ignore[method-assign]
+    return {"predictions": out.predictions.tolist(), "synced": seen, "sharded": hf_zero.api.is_sharded(trainer.model)}
+
+
+class _Prompts(torch.utils.data.Dataset):
+    ROWS = torch.randint(0, VOCAB, (8, 6), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.ROWS)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ROWS[i]}

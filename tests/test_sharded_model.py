@@ -142,3 +142,13 @@ def test_checkpoint_commit_errors_raise_on_every_rank_quickly(pools, tmp_path, h
     cause = "this tokenizer cannot be saved" if how == "tokenizer" else "JSON-serializable"
     assert cause in results[0]["error"] and cause in results[1]["error"] and "rank(s) [0]" in results[1]["error"]
     assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt.incomplete-*"))
+
+
+def test_seq2seq_trainer_generation_is_synced_and_matches(pools, tmp_path):
+    results = pools(2).values(cases.seq2seq_trainer_predict, str(tmp_path / "out"), timeout=180)
+    model = make_model("llama").eval()
+    want = model.generate(cases._Prompts.ROWS, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    for r in results:
+        assert r["sharded"] and r["synced"] and all(s is True for s in r["synced"]), r["synced"]
+        got = torch.tensor(r["predictions"])
+        assert torch.equal(got[:, : want.shape[1]], want)

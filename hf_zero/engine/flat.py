@@ -5,9 +5,11 @@ A unit's parameters are laid end to end in one 1D buffer, padded to `shard_numel
 elements. Rank r of the shard group owns elements `[r * shard_numel, (r + 1) * shard_numel)`.
 The model's own `nn.Parameter` objects stay in place (the user's optimizer, tied weights and
 `named_parameters()` keep seeing them); their `.data` is set once to a view of
-`unsharded_param` (a model built on the meta device gets new parameters that are such views). Freeing a unit (stage 3) shrinks that buffer's storage to zero bytes, and
-gathering it grows the storage back: the views keep their shapes and see the new data, so
-nothing is ever re-attached and no attribute is written on a parameter.
+`unsharded_param` (a model built on the meta device gets new parameters that are such views).
+Freeing a unit (stage 3) shrinks that buffer's storage to zero bytes, and gathering it grows the
+storage back: the views keep their shapes and see the new data, so autograd's saved tensors
+follow and no attribute is written on a parameter. While the storage is empty the modules hold
+stand-ins instead of the views ([Note: resting parameters] in resting.py).
 
 [Note: gradients]
 While a unit's backward runs, each trainable parameter's `.grad` is a view of the unit's

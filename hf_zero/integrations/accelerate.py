@@ -35,7 +35,7 @@ from torch import nn
 from ..api import full_state_dict, initialize
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from ..config import ZeroConfig
-from ..engine.module import is_sharded
+from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
 
 CHECKPOINT_SUBDIR = "hf_zero"
@@ -170,8 +170,9 @@ class ZeroAccelerator(Accelerator):
         if self._zero_optimizer is None or self._zero_model is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        ours = {id(p) for p in self._zero_model.parameters()}
-        if not all(id(p) in ours for p in params):
+        engine = get_engine(self._zero_model)
+        ours = {id(p) for unit in engine.units for p in unit.params}  # stand-ins map to these (compute_param)
+        if not all(id(engine.compute_param(p)) in ours for p in params):
             raise ValueError(
                 "clip_grad_norm_ got parameters that are not the sharded model's; pass model.parameters() of the "
                 "model ZeroAccelerator prepared (its norm is taken over every rank's gradient shards)."

@@ -34,7 +34,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 from ..api import attach_optimizer, initialize
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from ..checkpoint.format import last_complete_checkpoint
-from ..engine.module import is_sharded
+from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
 from .training_args import ZeroTrainingArguments
 
@@ -101,6 +101,22 @@ class ZeroTrainer(Trainer):
         if not isinstance(self.optimizer, ShardedOptimizer):
             raise RuntimeError(f"[rank {self.args.process_index}] ZeroTrainer: the optimizer was not sharded")
         return self.optimizer
+
+    # ---- evaluation -------------------------------------------------------------------------
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None,
+        **gen_kwargs: Any,
+    ) -> Any:
+        """As the Trainer's; a generating Trainer (`Seq2SeqTrainer`, whose `prediction_step` passes
+        `synced_gpus=False` unless DeepSpeed or FSDP is on) gets `synced_gpus=True` at stage 3 on
+        several ranks, so ranks whose sequences end at different steps all return. A `synced_gpus`
+        the caller gave is kept."""
+        if not gen_kwargs and not hasattr(self, "_gen_kwargs"):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if is_sharded(self.model) and get_engine(self.model).generation_needs_sync:
+            gen_kwargs = dict(gen_kwargs or getattr(self, "_gen_kwargs", {}))
+            gen_kwargs.setdefault("synced_gpus", True)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
 
     # ---- saving -----------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
