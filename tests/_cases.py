@@ -218,7 +218,7 @@ def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dic
     import errno as errno_module
     import os
 
-    import hf_zero.checkpoint.save as save_module
+    import hf_zero.checkpoint.format as save_module  # where every safetensors file is written
 
     model = make_model("llama")
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
