@@ -10,6 +10,7 @@ from torch import nn
 
 from ..api import initialize
 from ..config import ZeroConfig
+from ..dtypes import dtype_from_name
 from ..engine.optim import ShardedOptimizer
 
 
@@ -57,7 +58,7 @@ def from_pretrained(
     hf_config = AutoConfig.from_pretrained(path)
     if dtype == "auto":
         dtype = getattr(hf_config, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be 'auto' or a torch.dtype; got {dtype!r}.")
     with init_empty_weights(include_buffers=False):
