@@ -102,6 +102,16 @@ class ZeroConfig:
             Timeout of the process groups hf_zero creates (hybrid sharding): a rank that stops
             answering makes the others raise after this long instead of hanging. The default
             process group's timeout is the launcher's (`--ddp_timeout` with the Trainer).
+        no_sync_keeps_grads (`bool`, *optional*, defaults to `False`):
+            Stages 2-3: what `model.no_sync()` does (the Trainer and `accelerator.accumulate` use it
+            on every micro-batch but the last). By default every micro-batch's gradients are still
+            reduce-scattered into the fp32 gradient shards, so model states stay at the ZeRO
+            formula during gradient accumulation, as DeepSpeed does. `True` skips those
+            reductions and keeps every unit's unsharded gradients, in the compute dtype, until the
+            synchronising micro-batch (FSDP's `no_sync`): one reduce-scatter per unit per
+            optimizer step instead of one per micro-batch, for the full model's gradients on every
+            rank (2Ψ bytes in bf16, 4Ψ in fp32) and a sum in the compute dtype. Stages 0-1 always
+            skip (their unsharded gradient buffer exists anyway).
         initial_loss_scale (`float`, *optional*, defaults to 65536.0):
             Starting loss scale for fp16 (ignored otherwise). The scale halves on overflow and
             doubles after `loss_scale_window` clean steps.
@@ -130,6 +140,7 @@ class ZeroConfig:
     shard_group_size: int | None = None
     collectives: Collectives = "auto"
     group_timeout_s: float = 600.0
+    no_sync_keeps_grads: bool = False
     initial_loss_scale: float = 65536.0
     loss_scale_window: int = 1000
 
@@ -145,7 +156,7 @@ class ZeroConfig:
                 f"ZeroConfig.reduce_dtype must be None, 'fp32', 'bf16' or 'fp16'; got {self.reduce_dtype!r}."
             )
         object.__setattr__(self, "wrap", _normalize_wrap(self.wrap))
-        for name in ("sync_module_states", "offload_optimizer", "offload_params"):
+        for name in ("sync_module_states", "offload_optimizer", "offload_params", "no_sync_keeps_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ZeroConfig.{name} must be a bool; got {getattr(self, name)!r}.")
         if self.offload_params and (self.stage != 3 or not self.offload_optimizer):

@@ -256,7 +256,7 @@ def resize_reference(new_vocab: int, world: int) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": losses, "state": _numpy(model.state_dict())}
 
 

@@ -202,11 +202,18 @@ class ZeroEngine:
     def _mark_has_grads(self) -> None:
         self.has_grads = True
 
+    @property
+    def defers_reduction_in_no_sync(self) -> bool:
+        """[Note: accumulation] whether `no_sync()` skips the reduction: stages 0-1 (the unsharded
+        gradient buffer exists anyway), or stages 2-3 with `ZeroConfig.no_sync_keeps_grads`."""
+        return self.plan.keep_unsharded_grads or self.config.no_sync_keeps_grads
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skip gradient communication for the backward passes run inside (see `ZeroModel.no_sync`)."""
+        """The backward passes run inside accumulate without reduction where that costs no memory
+        ([Note: accumulation]); see `ZeroModel.no_sync`."""
         previous = self.hooks.requires_grad_sync
-        self.hooks.requires_grad_sync = False
+        self.hooks.requires_grad_sync = not self.defers_reduction_in_no_sync
         try:
             yield
         finally:
@@ -258,7 +265,17 @@ class ZeroEngine:
         optimizer.step()
         for pending in [unit.publish_master(async_op=True) for unit in self.units]:
             pending.wait()
+        self.release_gathered()  # no copy gathered before the step is used after it
         return True
+
+    def release_gathered(self) -> None:
+        """Finish the reductions in flight and free every gathered unit (stage 3, prefetches included),
+        so no copy of the parameters gathered before a change of the master weights is used after it."""
+        self.hooks.wait_reductions()
+        self.hooks.release_held()
+        if not self.plan.params.persistent:
+            for unit in self.units:
+                unit.reshard()
 
     # ---- gathering --------------------------------------------------------------------------
     @torch.no_grad()

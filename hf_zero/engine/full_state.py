@@ -57,7 +57,7 @@ def load_state_dict(engine: ZeroEngine, values: Mapping[str, torch.Tensor], stri
         error = e
     raise_if_any_failed(error, engine.world, "load_state_dict")
 
-    release_gathered(engine)
+    engine.release_gathered()
     by_name = {engine.name_of(t): values[k] for k, t in expected.items() if k in values and id(t) in engine._names}
     for unit in engine.units:
         lo, _ = unit.layout.shard_range(unit.shard_group.rank)
@@ -72,16 +72,6 @@ def load_state_dict(engine: ZeroEngine, values: Mapping[str, torch.Tensor], stri
         if key in values:
             t.copy_(values[key])
     return _IncompatibleKeys(missing, unexpected)
-
-
-def release_gathered(engine: ZeroEngine) -> None:
-    """Finish the reductions in flight and free every gathered unit (stage 3): no copy of the
-    parameters gathered before a change of the master weights is used after it."""
-    engine.hooks.wait_reductions()
-    engine.hooks.release_held()
-    if not engine.plan.params.persistent:
-        for unit in engine.units:
-            unit.reshard()
 
 
 @contextlib.contextmanager
@@ -141,7 +131,7 @@ def unshard_model(engine: ZeroEngine) -> None:
     """Give every parameter its full value as a tensor of its own (the master dtype) and register
     the real parameters in the modules again: the model is a plain module, for a change of its
     structure (`resize_token_embeddings`) before it is sharded anew. Costs a full copy per rank."""
-    release_gathered(engine)
+    engine.release_gathered()
     engine.hooks.remove()
     for gathered in engine.gather_units(rank0_only=False, device=engine.device):
         for _, p, value in gathered:

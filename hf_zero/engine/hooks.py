@@ -1,29 +1,41 @@
 """Forward/backward hooks and the per-iteration backward state.
 
 [Note: lifecycle]
-For each unit (the root included), in one training iteration:
+For each unit (the root included), in one training iteration ([Note: unit lifecycle] in
+lifecycle.py names the states):
 
-1. pre_forward (module forward-pre hook): the stage's `before_compute` (stage 3: gather).
+1. pre_forward (module forward-pre hook): the stage's `before_compute` (stage 3: gather), the
+   forward prefetch, and, with grad mode on, the unit's tensor inputs that require grad are passed
+   through `_EndOfBackward`, whose backward is the unit's end-of-backward signal ([Note: backward end]).
 2. post_forward (module forward hook): `after_forward` (stage 3: free; but the last unit of a
    forward run with grad mode on stays gathered, since it is the first unit of the backward),
    and, when grad mode is on, a hook on every output tensor that requires grad: the first of
    them to receive its gradient runs pre_backward. The root's post_forward empties the buffer
    pool ([Note: buffer reuse] in pool.py).
-3. pre_backward: gather again (stage 3; not for a unit whose backward reads no parameters, an
-   `nn.Embedding`, which ran its forward with `sparse=True`: [Note: sparse lookup gradients]) and point the trainable parameters' `.grad` at the unit's unsharded gradient
-   buffer. The first pre_backward of a backward pass queues the final callback on the
-   autograd engine.
-4. post_backward: when every trainable parameter of the unit has accumulated its gradient
-   (counted by post-accumulate-grad hooks), detach the `.grad` views, issue the asynchronous
-   reduce-scatter (unless inside `no_sync()`), and `after_backward` (stage 3: free).
-5. final callback (end of the backward pass): post_backward for every unit that started but
-   did not finish (parameters unused this time, frozen units), wait for every issued
-   reduction, add the means into the fp32 gradient shards, reset the iteration state, empty
-   the buffer pool.
+3. pre_backward (IDLE -> IN_BACKWARD): gather again (stage 3; not for a unit whose backward reads
+   no parameters, an `nn.Embedding`, which ran its forward with `sparse=True`: [Note: sparse lookup
+   gradients]) and point the trainable parameters' `.grad` at the unit's unsharded gradient
+   buffer. The first pre_backward of a backward pass queues the final callback on the autograd
+   engine.
+4. post_backward (IN_BACKWARD -> REDUCING), on the unit's end signal: detach the `.grad` views,
+   issue the asynchronous reduce-scatter (unless `no_sync()` defers it, stages 0-1 or by opt-in),
+   and `after_backward` (stage 3: free; frozen units too, as soon as their backward is through).
+5. final callback (end of the backward pass): post_backward for every unit that began but got no
+   signal (units whose inputs need no gradient: the root, the embedding), in reverse unit order on
+   every rank; wait for every issued reduction, add the means into the fp32 gradient shards,
+   every unit back to IDLE, empty the buffer pool.
 
-Activation checkpointing needs no special case: recomputation runs inside the unit's backward,
-after step 3 has gathered the parameters. `reset()` discards the iteration state after an
-exception interrupted a backward pass; the root's pre_forward calls it when it finds one.
+[Note: recomputation]
+Activation checkpointing runs a unit's forward again inside its backward: HF's
+`gradient_checkpointing_enable` inside the block's `forward` (the block's own hooks stay outside),
+torch's `checkpoint_wrapper` / `checkpoint(layer, ...)` around the block's `__call__` (its hooks run
+again). A forward inside a backward (`torch._C._current_graph_task_id() != -1`) gathers what it
+needs and nothing more: no forward prefetch (the next unit's backward already ran), no reshard
+after it (the unit's backward follows at once) and no new end signal counted (a non-reentrant
+recomputation's graph is never backpropagated; a reentrant one's is, and its signal is the only
+one the unit gets, as its first forward ran without grad). So a unit is gathered at most twice per
+step. `reset()` discards the iteration state after an exception interrupted a backward pass; the
+root's pre_forward calls it when it finds one.
 """
 
 from __future__ import annotations
@@ -36,11 +48,36 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .flat import FlatUnit, GradReduction
+from .lifecycle import Phase, TrainingState, UnitRun
 from .pool import BufferPool
 from .stages import StagePlan
 
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
+
+
+def _in_backward() -> bool:
+    """Whether this runs inside an autograd backward pass (a recomputation, [Note: recomputation])."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _EndOfBackward(torch.autograd.Function):
+    """[Note: backward end]
+    The identity on a unit's forward inputs that require grad; its backward runs when the gradient
+    of those inputs is complete, i.e. when every operation of the unit that they feed has run its
+    backward, and autograd runs the parameters' gradient accumulation (the highest priority in its
+    queue) before it. That is the end of the unit's backward, decided by the graph's structure,
+    which is the same on every rank, and not by which parameters received gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, hooks: "UnitHooks", unit: FlatUnit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hooks, ctx.unit = hooks, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hooks._on_end_signal(ctx.unit)
+        return (None, None, *grads)
 
 
 class UnitHooks:
@@ -68,10 +105,10 @@ class UnitHooks:
         self._order_known = False
         self._held: FlatUnit | None = None  # the last unit of the forward, kept gathered for the backward
         self._handles: list[RemovableHandle] = []
-        # Per backward pass:
-        self._started: dict[int, int] = {}  # id(unit) -> trainable params expected
-        self._ready: dict[int, int] = {}  # id(unit) -> trainable params whose grad accumulated
-        self._done: set[int] = set()  # id(unit) whose post_backward ran
+        # Per iteration ([Note: unit lifecycle]):
+        self.state = TrainingState.IDLE
+        rank = plan.shard_group.global_rank
+        self._runs: dict[int, UnitRun] = {id(u): UnitRun(u.spec.name or "<root>", rank) for u in units}
         self._pending: list[tuple[FlatUnit, GradReduction]] = []  # issued, not yet waited
         self._finished_since_wait: list[FlatUnit] = []  # reduced during this backward pass
         self._callback_queued = False
@@ -84,9 +121,8 @@ class UnitHooks:
             self._handles.append(first.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
             self._handles.append(last.register_forward_hook(partial(self._post_forward, unit), with_kwargs=True))
             for p in unit.params:
-                if not p.requires_grad:
-                    continue  # frozen now; if unfrozen later, the final callback still reduces its unit
-                self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
+                if p.requires_grad:  # the reduction-gated prefetch is polled at each gradient
+                    self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -94,21 +130,47 @@ class UnitHooks:
         self._handles.clear()
 
     # ---- forward ----------------------------------------------------------------------------
-    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if unit is self.root:
+    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        recompute = _in_backward()  # [Note: recomputation]
+        if unit is self.root and not recompute:
             if self.in_backward:
                 self.reset()  # a previous backward pass was interrupted by an exception
             self.release_held()  # no backward used it: gather it afresh in this forward
             if not self._order_known and self._forward_order:
                 self._learn_order()
-        elif not self._order_known and unit not in self._forward_order:
+            self.state = TrainingState.FORWARD
+        elif not self._order_known and not recompute and unit is not self.root and unit not in self._forward_order:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
-        if self._gated is not None and self._forward_gathers(unit):
+        if self._gated is not None and self._forward_gathers(unit, recompute):
             self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
         self.plan.params.before_compute(unit)
-        self._prefetch_after(unit, forward=True)
+        if not recompute:
+            self._prefetch_after(unit, forward=True)
         if unit.sparse_lookup:
             unit.spec.module.sparse = True  # [Note: sparse lookup gradients]; switched back after the forward
+        if not torch.is_grad_enabled():
+            return None
+        args, kwargs, wrapped = self._carry_end_signal(unit, args, kwargs)
+        if wrapped and not recompute:
+            self._runs[id(unit)].expected_signals += 1
+        return (args, kwargs) if wrapped else None
+
+    def _carry_end_signal(self, unit: FlatUnit, args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
+        """Pass the unit's top-level tensor inputs that require grad through `_EndOfBackward`
+        ([Note: backward end]); returns the new args and kwargs and whether any was wrapped."""
+        positions = [("a", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        positions += [("k", k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not positions:
+            return args, kwargs, False
+        tensors = [args[i] if kind == "a" else kwargs[i] for kind, i in positions]
+        carried = _EndOfBackward.apply(self, unit, *tensors)
+        args, kwargs = list(args), dict(kwargs)
+        for (kind, i), t in zip(positions, carried):
+            if kind == "a":
+                args[i] = t
+            else:
+                kwargs[i] = t
+        return tuple(args), kwargs, True
 
     def _learn_order(self) -> None:
         """[Note: prefetch] fix the forward order and what each unit prefetches: the next `prefetch`
@@ -156,6 +218,10 @@ class UnitHooks:
     def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if unit.sparse_lookup:
             unit.spec.module.sparse = False
+        if _in_backward():  # [Note: recomputation]: the unit's backward follows, keep it gathered
+            if torch.is_grad_enabled():
+                self._hook_outputs(unit, output)
+            return None
         if self._keeps_for_backward(unit):
             self._held = unit
         else:
@@ -163,14 +229,18 @@ class UnitHooks:
         self._trim_pool(unit, forward=True)
         if unit is self.root:
             self.pool.clear()
+            self.state = TrainingState.IDLE
         if not torch.is_grad_enabled():
             return None
         if unit is self.root and self._root_output_fn is not None:
             output = self._root_output_fn(output)
+        self._hook_outputs(unit, output)
+        return output
+
+    def _hook_outputs(self, unit: FlatUnit, output: Any) -> None:
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(partial(self._on_output_grad, unit))
-        return output
 
     # ---- backward ---------------------------------------------------------------------------
     @property
@@ -181,8 +251,9 @@ class UnitHooks:
         self._pre_backward(unit)
 
     def _pre_backward(self, unit: FlatUnit) -> None:
-        if id(unit) in self._started:
+        if not self._runs[id(unit)].begin_backward():
             return
+        self.state = TrainingState.BACKWARD
         self._open_gate()  # a deferred prefetch goes out before anything this unit issues
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
@@ -197,9 +268,6 @@ class UnitHooks:
             else:
                 self._prefetch_after(unit, forward=False)
         unit.attach_grads()
-        expected = len(unit.trainable)
-        self._started[id(unit)] = expected
-        self._ready[id(unit)] = 0
 
     def _prefetch_after(self, unit: FlatUnit, forward: bool) -> None:
         """[Note: prefetch] issue the gathers of the units that follow `unit` (see `_learn_order`),
@@ -208,10 +276,11 @@ class UnitHooks:
         for nxt in self._prefetches(unit, forward):
             nxt.prefetch()
 
-    def _forward_gathers(self, unit: FlatUnit) -> bool:
-        """Whether `unit`'s forward issues a gather (its own, or a prefetch); the same on every rank."""
+    def _forward_gathers(self, unit: FlatUnit, recompute: bool) -> bool:
+        """Whether `unit`'s forward issues a gather (its own, or, outside backward, a prefetch); the
+        same on every rank."""
         own = not self.plan.params.persistent and unit.needs_gather
-        return own or any(u.needs_gather for u in self._prefetches(unit, forward=True))
+        return own or (not recompute and any(u.needs_gather for u in self._prefetches(unit, forward=True)))
 
     def _prefetches(self, unit: FlatUnit, forward: bool) -> list[FlatUnit]:
         """The units `_prefetch_after(unit, forward)` gathers."""
@@ -236,21 +305,29 @@ class UnitHooks:
         self._prefetch_after(unit, forward=False)
 
     def _on_grad_ready(self, unit: FlatUnit, param: torch.Tensor) -> None:
-        if id(unit) not in self._started:
-            self._pre_backward(unit)  # a gradient that reached the unit without passing its outputs
+        run = self._runs[id(unit)]
+        if run.phase is Phase.REDUCING:
+            raise RuntimeError(
+                f"[rank {run.rank}] hf_zero: a gradient of unit '{run.name}' arrived after the gradient of the unit's "
+                "inputs, i.e. after its reduction ([Note: backward end]): one of its parameters is used outside the "
+                "unit's forward. Wrap the module that uses it in the same unit (ZeroConfig.wrap)."
+            )
+        self._pre_backward(unit)  # a no-op, unless a gradient reached the unit without passing its outputs
         if self._gated is not None and all(reduction.pending.done() for _, reduction in self._pending):
             self._open_gate()
-        self._ready[id(unit)] += 1
-        if self._ready[id(unit)] == self._started[id(unit)]:
+
+    def _on_end_signal(self, unit: FlatUnit) -> None:
+        """[Note: backward end] the gradient of the unit's inputs is complete."""
+        self._pre_backward(unit)  # a no-op, unless no output of the unit got a gradient before
+        if self._runs[id(unit)].signal():
             self._post_backward(unit)
 
     def _post_backward(self, unit: FlatUnit) -> None:
-        if id(unit) in self._done:
+        if not self._runs[id(unit)].end_backward():
             return
-        self._done.add(id(unit))
         self._open_gate()  # before this unit's reduction is issued
         unit.collect_grads()
-        if self.requires_grad_sync and self._started[id(unit)] > 0:
+        if self.requires_grad_sync and unit.has_trainable:
             self._pending.append((unit, unit.reduce_grads(async_op=True)))
             if not self.plan.keep_unsharded_grads:
                 unit.unsharded_grad = None  # the reduction holds it until its wait
@@ -266,7 +343,7 @@ class UnitHooks:
 
     def _finalize(self) -> None:
         for unit in reversed(self.units):
-            if id(unit) in self._started:
+            if self._runs[id(unit)].phase is Phase.IN_BACKWARD:
                 self._post_backward(unit)
         self.wait_reductions()
         self._clear()
@@ -293,10 +370,10 @@ class UnitHooks:
         self.on_reduced()
 
     def _clear(self) -> None:
-        self._started.clear()
-        self._ready.clear()
-        self._done.clear()
+        for run in self._runs.values():
+            run.reset()
         self._callback_queued = False
+        self.state = TrainingState.IDLE
 
     def release_held(self) -> None:
         """Free the unit a forward kept gathered for its backward, when no backward will use it."""

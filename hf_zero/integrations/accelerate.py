@@ -56,6 +56,7 @@ class ZeroPlugin:
         offload_params (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_params`.
         shard_group_size (`int`, *optional*): hybrid sharding, as `ZeroConfig.shard_group_size`.
         prefetch (`int`, *optional*, defaults to 1): as `ZeroConfig.prefetch`.
+        no_sync_keeps_grads (`bool`, *optional*, defaults to `False`): as `ZeroConfig.no_sync_keeps_grads`.
         bucket_size_mb (`float`, *optional*, defaults to 25): as `ZeroConfig.bucket_size_mb`.
         collectives (`str`, *optional*, defaults to `"auto"`): as `ZeroConfig.collectives`.
 
@@ -74,6 +75,7 @@ class ZeroPlugin:
     offload_params: bool = _DEFAULT.offload_params
     shard_group_size: int | None = _DEFAULT.shard_group_size
     prefetch: int = _DEFAULT.prefetch
+    no_sync_keeps_grads: bool = _DEFAULT.no_sync_keeps_grads
     bucket_size_mb: float = _DEFAULT.bucket_size_mb
     collectives: str = _DEFAULT.collectives
 
@@ -88,6 +90,7 @@ class ZeroPlugin:
             wrap=self.wrap, sync_module_states=self.sync_module_states,
             offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
             shard_group_size=self.shard_group_size, prefetch=self.prefetch,
+            no_sync_keeps_grads=self.no_sync_keeps_grads,
             bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,  # type: ignore[arg-type]
         )
 

@@ -60,6 +60,12 @@ class ZeroTrainingArguments(TrainingArguments):
         metadata={"help": "Stage 3 with --zero_offload_optimizer: the parameter shards live in host memory too and "
                           "are copied to the device before each gather."},
     )
+    zero_no_sync_keeps_grads: bool = field(
+        default=_DEFAULT.no_sync_keeps_grads,
+        metadata={"help": "Stages 2-3 with gradient accumulation: keep unsharded gradients across micro-batches and "
+                          "reduce once per step (fewer collectives, the full model's gradients on every rank) instead "
+                          "of reducing every micro-batch into the shards (the default)."},
+    )
     zero_prefetch: int = field(
         default=_DEFAULT.prefetch,
         metadata={"help": "Stage 3: units gathered ahead of the running one (overlaps communication with compute; "
@@ -150,6 +156,7 @@ class ZeroTrainingArguments(TrainingArguments):
             wrap=wrap,
             sync_module_states=self.zero_sync_module_states,
             prefetch=self.zero_prefetch,
+            no_sync_keeps_grads=self.zero_no_sync_keeps_grads,
             bucket_size_mb=self.zero_bucket_size_mb,
             collectives=self.zero_collectives,  # type: ignore[arg-type]
             offload_optimizer=self.zero_offload_optimizer,
