@@ -33,6 +33,8 @@ class Scenario:
     wrap: Any = "auto"
     frozen: tuple[str, ...] = ()  # parameter name substrings to freeze
     checkpointing: bool = False  # activation checkpointing (non-reentrant) on the sharded model
+    ac: str = ""  # activation checkpointing users' other ways: "wrapper", "wrapper_reentrant" (torch's
+    #               checkpoint_wrapper on every block), "user", "user_reentrant" (checkpoint(block, x) in forward)
     seed: int = 0  # model init seed (a resumed run starts from another init to prove the load)
     start_step: int = 0  # first step to run (after load_from)
     stop_step: int | None = None  # run steps [start_step, stop_step), then save_to
@@ -46,7 +48,7 @@ class Scenario:
 
     def single(self) -> "Scenario":
         """The reference's key: everything that changes the math, nothing that only changes sharding."""
-        return replace(self, stage=0, mixed_precision="no", use_no_sync=False, wrap="auto", config_overrides=(), checkpointing=False,
+        return replace(self, stage=0, mixed_precision="no", use_no_sync=False, wrap="auto", config_overrides=(), checkpointing=False, ac="",
             seed=0, start_step=0, stop_step=None, load_from=None, save_to=None)
 
 
@@ -75,6 +77,10 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         )
     elif kind == "toy":
         return ToyLM()
+    elif kind == "moe":
+        return MoELM()
+    elif kind == "layerdrop":
+        return ToyLM(layer_drop=True)
     else:
         raise ValueError(kind)
     cfg._attn_implementation = "eager"
@@ -104,21 +110,86 @@ class ToyGain(nn.Module):
 
 
 class ToyLM(nn.Module):
-    """A non-HF model: no `_no_split_modules`, an odd number of parameters (not divisible by 2 or 3)."""
+    """A non-HF model: no `_no_split_modules`, an odd number of parameters (not divisible by 2 or 3).
 
-    def __init__(self, d: int = 13) -> None:
+    `checkpoint_blocks` ("reentrant" / "non_reentrant") calls each block through
+    `torch.utils.checkpoint.checkpoint`, as user code does; with `layer_drop`, `drop_block = True`
+    skips the middle block (LayerDrop with a schedule every rank shares)."""
+
+    def __init__(self, d: int = 13, layer_drop: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(VOCAB, d)
         self.blocks = nn.ModuleList([ToyBlock(d) for _ in range(3)])
         self.gain = ToyGain()
         self.head = nn.Linear(d, VOCAB)
+        self.checkpoint_blocks: str | None = None
+        if layer_drop:
+            self.drop_block = False
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.emb(input_ids)
+        for i, block in enumerate(self.blocks):
+            if i == 1 and getattr(self, "drop_block", False):
+                continue
+            if self.checkpoint_blocks is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.checkpoint_blocks == "reentrant")
+        logits = self.head(self.gain(x))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return out
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class MoEBlock(nn.Module):
+    """Top-1 routing over an `nn.ModuleList` of experts, by token id (expert `(id // 64) % 4`), each
+    expert's output weighted by a learned router's probability for it; an expert that gets no token
+    is not called at all, so its parameters are unused on that rank in that step."""
+
+    def __init__(self, d: int, n_experts: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.router = nn.Linear(d, n_experts)
+        self.experts = nn.ModuleList([Expert(d) for _ in range(n_experts)])
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        route = (ids // 64) % len(self.experts)
+        gate = torch.softmax(self.router(h), dim=-1).gather(-1, route.unsqueeze(-1))
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = route == e
+            if chosen.any():
+                out = out.index_put((chosen,), expert(h[chosen]) * gate[chosen])
+        return x + out
+
+
+class MoELM(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList([MoEBlock(d) for _ in range(2)])
+        self.head = nn.Linear(d, VOCAB)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         x = self.emb(input_ids)
         for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.gain(x))
+            x = block(x, input_ids)
+        logits = self.head(x)
         out = {"logits": logits}
         if labels is not None:
             out["loss"] = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
@@ -127,7 +198,18 @@ class ToyLM(nn.Module):
 
 def make_batches(sc: Scenario) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, VOCAB, (sc.steps, sc.global_batch, sc.seq), generator=g)
+    data = torch.randint(0, VOCAB, (sc.steps, sc.global_batch, sc.seq), generator=g)
+    if sc.model == "moe":  # rank 0's micro-batches only reach experts 0-1; the other ranks', all four
+        for a in range(sc.accum):
+            start = a * sc.world * sc.micro_bs
+            data[:, start : start + sc.micro_bs] %= 128
+    return data
+
+
+def _set_step(model: nn.Module, step: int) -> None:
+    """Per-step switches a model offers (LayerDrop's schedule: the middle block is skipped on odd steps)."""
+    if hasattr(model, "drop_block"):
+        model.drop_block = step % 2 == 1
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -166,6 +248,7 @@ def reference_run(sc: Scenario) -> dict[str, Any]:
     losses, norms = [], []
     for step in range(sc.steps):
         batch = data[step]
+        _set_step(model, step)
         loss = _loss(model(input_ids=batch, labels=batch))
         loss.backward()
         if sc.max_grad_norm is not None:
@@ -190,18 +273,23 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     _freeze(model, sc.frozen)
     if sc.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _activation_checkpointing(model, sc.ac)
     opt = make_optimizer(model, sc.lr)
     config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, wrap=sc.wrap, **dict(sc.config_overrides))
     model, opt = hf_zero.initialize(model, opt, config)
+    gathers = _count_gathers(model)
     if sc.load_from is not None:
         meta = hf_zero.load_checkpoint(sc.load_from, model, opt)
         if meta.get("step") != sc.start_step:
             raise RuntimeError(f"checkpoint says step {meta.get('step')}, scenario resumes at {sc.start_step}")
     data = make_batches(sc)
     losses, norms, memory = [], [], None
+    max_gathers = 0  # the most all-gathers of one unit in one forward + backward pass
     for step in range(sc.start_step, sc.stop_step or sc.steps):
+        _set_step(model, step)
         micro_losses = []
         for a in range(sc.accum):
+            gathers.clear()
             start = (a * sc.world + rank) * sc.micro_bs
             batch = data[step, start : start + sc.micro_bs]
             last = a == sc.accum - 1
@@ -210,6 +298,7 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
                 loss = _loss(model(input_ids=batch, labels=batch))
                 (loss / sc.accum).backward()
             micro_losses.append(loss.detach().float())
+            max_gathers = max([max_gathers, *gathers.values()])
         mean = torch.stack(micro_losses).mean()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
@@ -228,8 +317,43 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         "state": {k: v.float().numpy().copy() for k, v in state.items()},
         "memory": memory,
         "numel": sum(p.numel() for p in model.parameters()),
+        "max_gathers": max_gathers,
         "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
+
+
+def _activation_checkpointing(model: nn.Module, how: str) -> None:
+    """Activation checkpointing as users of FSDP write it (`Scenario.ac`)."""
+    if not how:
+        return
+    if how.startswith("user"):
+        model.checkpoint_blocks = "reentrant" if how.endswith("reentrant") else "non_reentrant"
+        return
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper,
+    )
+
+    if hasattr(model, "config"):
+        model.config.use_cache = False  # a replayed layer would append to the KV cache twice (sharded or not)
+    impl = CheckpointImpl.REENTRANT if how == "wrapper_reentrant" else CheckpointImpl.NO_REENTRANT
+    block = type(model.model.layers[0]) if hasattr(model, "model") else type(model.blocks[0])
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=impl),
+                                   check_fn=lambda m: isinstance(m, block))
+
+
+def _count_gathers(model: nn.Module) -> dict[str, int]:
+    """Count every all-gather of each unit (prefetches included) into the returned dict."""
+    counts: dict[str, int] = {}
+    for unit in model.zero_engine.units:
+        def counting(*args: Any, _unit: Any = unit, _unshard: Any = unit.unshard, **kwargs: Any) -> Any:
+            pending = _unshard(*args, **kwargs)
+            if _unit.sharded_param is not None:
+                counts[_unit.spec.name] = counts.get(_unit.spec.name, 0) + 1
+            return pending
+        unit.unshard = counting
+    return counts
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:

@@ -62,16 +62,18 @@ class Piece:
     local: tuple[int, int]  # the same range in the unit's shard coordinates
     bounds: tuple[tuple[int, int], ...]  # `chunk_bounds` of the piece, in `master` coordinates
     optim_params: tuple[torch.Tensor, ...]  # views of `master` at `bounds`: what the optimizer steps
+    slot_index: int  # the parameter's index in its unit
 
     @property
     def grad(self) -> torch.Tensor:
         """1D view of the unit's `sharded_grad` (allocating it on first use)."""
         return self.unit.sharded_grad[self.local[0] : self.local[1]]
 
-    def bind_grads(self) -> None:
+    def bind_grads(self, used: bool) -> None:
         """Point each optimizer chunk's `.grad` at its part of the gradient shard, or None when the unit
-        got no reduction since `zero_grad` ([Note: gradient shard lifetime])."""
-        grad = None if self.unit.grad_is_zero else self.grad
+        got no reduction since `zero_grad` ([Note: gradient shard lifetime]) or the parameter got no
+        gradient on any rank (`used`, [Note: unused parameters])."""
+        grad = None if self.unit.grad_is_zero or not used else self.grad
         for t, (a, b) in zip(self.optim_params, self.bounds):
             t.grad = None if grad is None else grad[a:b]
 
@@ -260,13 +262,30 @@ class ZeroEngine:
             return False
         if self.scaler is not None and not self.scaler.check_and_update(self.units, self.world):
             return False
+        used = self._used_anywhere()
         for piece in self.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
-            piece.bind_grads()
+            piece.bind_grads(used[id(piece.unit)][piece.slot_index])
         optimizer.step()
         for pending in [unit.publish_master(async_op=True) for unit in self.units]:
             pending.wait()
         self.release_gathered()  # no copy gathered before the step is used after it
         return True
+
+    def _used_anywhere(self) -> dict[int, list[bool]]:
+        """[Note: unused parameters]
+        A parameter that no rank's backward reached since `zero_grad` (an expert no token was routed
+        to, a block LayerDrop skipped, a pooler the loss does not use) has no gradient in unsharded
+        training, and the optimizer skips it: no weight decay, no moment update. Its unit's reduced
+        shard holds zeros for it instead, so the ranks agree, with one small all-reduce per optimizer
+        step, on which parameters got a gradient anywhere, and the others keep `.grad = None`."""
+        flags = torch.tensor([int(u) for unit in self.units for u in unit.used], dtype=torch.int32, device=comm_device(self.world))
+        if self.world.size > 1:
+            max_scalar_(flags, self.world)
+        out, offset = {}, 0
+        for unit in self.units:
+            out[id(unit)] = [bool(f) for f in flags[offset : offset + len(unit.params)].tolist()]
+            offset += len(unit.params)
+        return out
 
     def release_gathered(self) -> None:
         """Finish the reductions in flight and free every gathered unit (stage 3, prefetches included),
@@ -391,6 +410,7 @@ def _pieces(unit: FlatUnit) -> list[Piece]:
                 local=(start - lo, end - lo),
                 bounds=bounds,
                 optim_params=tuple(master[a:b] for a, b in bounds),
+                slot_index=slot_index,
             )
         )
     return pieces

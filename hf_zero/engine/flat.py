@@ -181,6 +181,12 @@ class FlatUnit:
         self.grad_is_zero = True  # sharded_grad holds no reduced gradient yet (a lazy zero)
         self.unsharded_grad: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
         self.sparse_grad: torch.Tensor | None = None  # a lookup's sparse COO gradient, not yet reduced
+        self.used = [False] * len(self.params)  # per parameter: got a gradient on this rank since zero_grad
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+
+    def mark_used(self, param: torch.Tensor) -> None:
+        """Record that `param` received a gradient ([Note: unused parameters] in engine.py)."""
+        self.used[self._index[id(param)]] = True
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer; host buffers are pinned when the compute device is an accelerator (async copies)."""
@@ -477,6 +483,7 @@ class FlatUnit:
         """Forget the gradients: the shard's memory is released ([Note: gradient shard lifetime])."""
         self.grad_is_zero = True
         self.sparse_grad = None
+        self.used = [False] * len(self.params)
         if self._sharded_grad is not None and self.releases_grad_memory:
             self._sharded_grad.untyped_storage().resize_(0)
         if self.unsharded_grad is not None:

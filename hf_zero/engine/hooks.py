@@ -117,11 +117,16 @@ class UnitHooks:
     # ---- registration -----------------------------------------------------------------------
     def _register(self) -> None:
         for unit in self.units:
-            first, last = unit.spec.all_modules[0], unit.spec.all_modules[-1]  # one module, or a bucket of blocks
+            modules = unit.spec.all_modules  # one module, or a bucket of blocks
+            first, last = modules[0], modules[-1]
             self._handles.append(first.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
             self._handles.append(last.register_forward_hook(partial(self._post_forward, unit), with_kwargs=True))
+            for member in modules[1:]:  # [Note: recomputation] a bucket's block may be replayed alone
+                self._handles.append(member.register_forward_pre_hook(partial(self._member_pre_forward, unit)))
+            for member in modules[:-1]:
+                self._handles.append(member.register_forward_hook(partial(self._member_post_forward, unit)))
             for p in unit.params:
-                if p.requires_grad:  # the reduction-gated prefetch is polled at each gradient
+                if p.requires_grad:  # which parameters got gradients; the reduction-gated prefetch is polled here
                     self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
 
     def remove(self) -> None:
@@ -154,6 +159,18 @@ class UnitHooks:
         if wrapped and not recompute:
             self._runs[id(unit)].expected_signals += 1
         return (args, kwargs) if wrapped else None
+
+    def _member_pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any) -> None:
+        """A block of a bucketed unit other than its first, replayed alone inside backward: gather the unit
+        (outside backward the first block's pre_forward has)."""
+        if _in_backward():
+            self.plan.params.before_compute(unit)
+
+    def _member_post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> None:
+        """A block of a bucketed unit other than its last, replayed inside backward: its outputs' gradients
+        begin the unit's backward, as the last block's do after a forward."""
+        if _in_backward() and torch.is_grad_enabled():
+            self._hook_outputs(unit, output)
 
     def _carry_end_signal(self, unit: FlatUnit, args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
         """Pass the unit's top-level tensor inputs that require grad through `_EndOfBackward`
@@ -313,6 +330,7 @@ class UnitHooks:
                 "unit's forward. Wrap the module that uses it in the same unit (ZeroConfig.wrap)."
             )
         self._pre_backward(unit)  # a no-op, unless a gradient reached the unit without passing its outputs
+        unit.mark_used(param)
         if self._gated is not None and all(reduction.pending.done() for _, reduction in self._pending):
             self._open_gate()
 
