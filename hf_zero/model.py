@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from .engine.collectives import agreement
 from .engine.engine import ModelStateMemory, ZeroEngine
 from .engine.full_state import load_state_dict, state_dict, unshard_model
 from .engine.module import ENGINE_ATTR, get_engine, register_params
@@ -125,6 +126,7 @@ class ZeroModel:
         unit at a time; `is_main_process` is not needed). Weights are written in the dtype the model
         had before `hf_zero.initialize`, with `config.json` and `generation_config.json`. With a
         `state_dict` already gathered (`model.state_dict()`), the stock writer saves that instead.
+        A sharded `PeftModel` writes its adapter (PEFT's files), gathering only units that hold one.
 
         Example:
 
@@ -133,6 +135,8 @@ class ZeroModel:
         >>> AutoModelForCausalLM.from_pretrained("llama-domain")
         ```
         """
+        if getattr(self, "peft_config", None) is not None and state_dict is None:
+            return self._save_peft_adapter(save_directory, is_main_process=is_main_process, **kwargs)
         if state_dict is not None:
             super().save_pretrained(  # type: ignore[misc]
                 save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,
@@ -148,6 +152,16 @@ class ZeroModel:
 
         engine = self.zero_engine
         write_pretrained(self, save_directory, dtype=engine.model_dtype, max_shard_size=max_shard_size, progress=False)
+
+    def _save_peft_adapter(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
+        """A `PeftModel` sharded as a whole: its trainable parameters (the adapter) are gathered to rank 0
+        (units without one are not gathered at all) and PEFT's own `save_pretrained` writes them there."""
+        engine = self.zero_engine
+        adapter = engine.full_state_dict(rank0_only=True, device="cpu", trainable_only=True)
+        kwargs.pop("is_main_process", None)
+        with agreement(engine.world, "save_pretrained (PEFT adapter)"):
+            if engine.world.rank == 0:
+                super().save_pretrained(save_directory, state_dict=adapter, is_main_process=True, **kwargs)  # type: ignore[misc]
 
     # ---- generation and structure -----------------------------------------------------------
     def generate(self, *args: Any, **kwargs: Any) -> Any:

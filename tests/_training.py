@@ -32,6 +32,7 @@ class Scenario:
     use_no_sync: bool = False
     wrap: Any = "auto"
     frozen: tuple[str, ...] = ()  # parameter name substrings to freeze
+    lora: bool = False  # peft LoRA (rank 8 on the attention projections) around the model
     checkpointing: bool = False  # activation checkpointing (non-reentrant) on the sharded model
     ac: str = ""  # activation checkpointing users' other ways: "wrapper", "wrapper_reentrant" (torch's
     #               checkpoint_wrapper on every block), "user", "user_reentrant" (checkpoint(block, x) in forward)
@@ -228,6 +229,17 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     )
 
 
+LORA_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj"], "falcon": ["query_key_value", "dense"]}
+
+
+def with_lora(model: nn.Module, kind: str) -> nn.Module:
+    """`get_peft_model` with LoRA rank 8 on the attention projections (seeded: the same adapter everywhere)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS[kind]))
+
+
 def _freeze(model: nn.Module, patterns: tuple[str, ...]) -> None:
     for name, p in model.named_parameters():
         if any(pat in name for pat in patterns):
@@ -242,6 +254,8 @@ def reference_run(sc: Scenario) -> dict[str, Any]:
     """Single-process training on the whole global batch."""
     torch.set_num_threads(1)
     model = make_model(sc.model)
+    if sc.lora:
+        model = with_lora(model, sc.model)
     _freeze(model, sc.frozen)
     opt = make_optimizer(model, sc.lr)
     data = make_batches(sc)
@@ -270,6 +284,8 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     if world != sc.world:
         raise RuntimeError(f"scenario for world {sc.world} run on {world} ranks")
     model = make_model(sc.model, seed=sc.seed)
+    if sc.lora:
+        model = with_lora(model, sc.model)
     _freeze(model, sc.frozen)
     if sc.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -308,7 +324,9 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         if step == sc.start_step:  # at the step: zero_grad frees the gradient shards
             memory = hf_zero.model_state_memory(model)
         opt.zero_grad()
-    if sc.save_to is not None:
+    if sc.save_to is not None and sc.lora:
+        model.save_pretrained(sc.save_to)  # PEFT's adapter files
+    elif sc.save_to is not None:
         hf_zero.save_checkpoint(sc.save_to, model, opt, metadata={"step": sc.stop_step or sc.steps})
     state = hf_zero.full_state_dict(model)
     return {

@@ -298,15 +298,21 @@ class ZeroEngine:
 
     # ---- gathering --------------------------------------------------------------------------
     @torch.no_grad()
-    def gather_units(self, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> Iterator[list[tuple[str, nn.Parameter, torch.Tensor]]]:
+    def gather_units(
+        self, *, rank0_only: bool = True, device: torch.device | str = "cpu", trainable_only: bool = False,
+    ) -> Iterator[list[tuple[str, nn.Parameter, torch.Tensor]]]:
         """Gather the master parameters one unit at a time: yields `[(name, param, full value), ...]`.
 
         A collective: every rank must exhaust the iterator. With `rank0_only`, the other ranks
-        take part in each gather but get empty lists. Peak memory: one unit, plus what the caller keeps.
+        take part in each gather but get empty lists; with `trainable_only`, units without a
+        trainable parameter are skipped and only trainable parameters are yielded (e.g. a LoRA
+        adapter). Peak memory: one unit, plus what the caller keeps.
         """
         self.hooks.wait_reductions()
         is_writer = self.world.rank == 0 or not rank0_only
         for unit in self.units:
+            if trainable_only and not unit.has_trainable:
+                continue
             full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
             all_gather_into(full, unit.sharded_master, unit.shard_group)
             if not is_writer:
@@ -315,21 +321,27 @@ class ZeroEngine:
             full = full.to(device)
             yield [
                 (slot.name, p, full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone())
-                for slot, p in zip(unit.layout.slots, unit.params)
+                for slot, p in zip(unit.layout.slots, unit.params) if p.requires_grad or not trainable_only
             ]
             del full
 
-    def full_state_dict(self, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Gather the master parameters unit by unit, keyed like an unsharded `state_dict()`; a collective."""
+    def full_state_dict(
+        self, *, rank0_only: bool = True, device: torch.device | str = "cpu", trainable_only: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Gather the master parameters unit by unit, keyed like an unsharded `state_dict()`; a collective.
+        `trainable_only`: only the parameters that require grad (no buffers)."""
         values: dict[str, torch.Tensor] = {}
-        for gathered in self.gather_units(rank0_only=rank0_only, device=device):
+        for gathered in self.gather_units(rank0_only=rank0_only, device=device, trainable_only=trainable_only):
             values.update({name: value for name, _, value in gathered})
         if rank0_only and self.world.rank != 0:
             return {}
         out: dict[str, torch.Tensor] = {}
         for key, t in self.module_state(with_params=True).items():
             name = self._names.get(id(t))
-            out[key] = values[name] if name is not None else t.detach().to(device).clone()
+            if name is not None and name in values:
+                out[key] = values[name]
+            elif name is None and not trainable_only:
+                out[key] = t.detach().to(device).clone()
         return out
 
     def module_state(self, *, with_params: bool) -> dict[str, torch.Tensor]:
