@@ -42,10 +42,32 @@ class Job:
     checkpointing: bool = False
     save_model_to: str | None = None
     tokenizer_dir: str | None = None
+    zero_args: tuple[tuple[str, Any], ...] = ()  # extra ZeroTrainingArguments fields
+    measure_window: bool = False  # record model-state memory between the micro-batches of each step
 
     @property
     def accum(self) -> int:
         return self.global_batch // (self.micro_bs * self.world)
+
+
+class _WindowMemory(TrainerCallback):
+    """After every micro-batch but the last of a step (the Trainer runs them under `no_sync`): the
+    gradient bytes the engine accounts and how many units hold unsharded gradients."""
+
+    def __init__(self) -> None:
+        self.samples: list[dict[str, int]] = []
+
+    def on_substep_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
+        engine = model.zero_engine
+        memory = engine.memory()
+        self.samples.append({
+            "gradients": sum(memory.gradients.values()),
+            "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.units),
+            "shard_bytes": sum(u.layout.shard_numel * 4 for u in engine.units if u.has_trainable),
+            "held_unsharded_bytes": sum(u.unsharded_grad.untyped_storage().nbytes() for u in engine.units
+                                        if u.unsharded_grad is not None),
+            "dense_trainable_units": sum(u.has_trainable and not u.sparse_lookup for u in engine.units),
+        })
 
 
 class _StopAt(TrainerCallback):
@@ -77,16 +99,18 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
 
     model = make_model(job.kind, seed=job.seed)
     if zero:
-        args = hf_zero.ZeroTrainingArguments(zero_stage=job.stage, **_common(job))
+        args = hf_zero.ZeroTrainingArguments(zero_stage=job.stage, **dict(job.zero_args), **_common(job))
         trainer_cls = hf_zero.ZeroTrainer
     else:
         args = TrainingArguments(**_common(job))
         trainer_cls = Trainer
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir) if job.tokenizer_dir else None
+    window = _WindowMemory() if job.measure_window else None
+    callbacks = [c for c in (_StopAt(job.stop_after) if job.stop_after else None, window) if c is not None]
     trainer = trainer_cls(
         model=model, args=args, train_dataset=TokenDataset(job.global_batch * job.steps, 16, seed=1),
         eval_dataset=TokenDataset(job.global_batch, 16, seed=2), processing_class=tokenizer,
-        callbacks=[_StopAt(job.stop_after)] if job.stop_after else None,
+        callbacks=callbacks or None,
     )
     trainer.train(resume_from_checkpoint=job.resume_from)
     eval_loss = trainer.evaluate()["eval_loss"]
@@ -101,9 +125,10 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         "world": trainer.args.world_size,
         "state": {k: v.detach().clone() for k, v in state.items()} if main else None,
         "checkpoints": sorted(os.listdir(job.out_dir)) if main and os.path.isdir(job.out_dir) else None,
+        "window": window.samples if window is not None else None,
     }
 
 
 def reference(job: Job) -> dict[str, Any]:
     """The stock Trainer in this process, same global batch (one rank does all the micro-batches)."""
-    return run(replace(job, world=1, micro_bs=job.micro_bs), zero=False)
+    return run(replace(job, world=1, micro_bs=job.micro_bs, zero_args=(), measure_window=False), zero=False)

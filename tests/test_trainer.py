@@ -49,6 +49,27 @@ def test_zero_trainer_matches_stock_trainer(pools, tmp_path, kind, stage):
     _assert_close_to_reference(got, _reference(_ref_key(job)))
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["reduce-each-micro-batch", "no_sync_keeps_grads"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_accumulation_holds_only_gradient_shards_between_micro_batches(pools, tmp_path, stage, keep):
+    """gradient_accumulation_steps=4: the Trainer runs three of each step's micro-batches under
+    `model.no_sync()`. By default every micro-batch is reduced into the fp32 gradient shards, so between
+    micro-batches the gradients held are exactly the shards (the ZeRO formula's 4Ψ/N, padding included)
+    and no unit keeps unsharded gradients; `--zero_no_sync_keeps_grads` keeps every trainable unit's
+    unsharded gradients instead (an embedding its gradient rows), and the accounting shows them. Losses match the stock Trainer either way."""
+    job = tc.Job(kind="llama", stage=stage, world=2, global_batch=16, micro_bs=2, out_dir=str(tmp_path / "out"),
+                 zero_args=(("zero_no_sync_keeps_grads", keep),), measure_window=True)
+    got = pools(2).values(tc.run, job)[0]
+    assert job.accum == 4 and len(got["window"]) == 3 * job.steps
+    for sample in got["window"]:
+        if keep:
+            assert sample["unsharded_grads"] == sample["dense_trainable_units"], sample  # (the embedding keeps rows)
+            assert sample["held_unsharded_bytes"] > 0 and sample["gradients"] >= sample["held_unsharded_bytes"], sample
+        else:
+            assert sample["unsharded_grads"] == 0 and sample["gradients"] == sample["shard_bytes"], sample
+    _assert_close_to_reference(got, _reference(_ref_key(job)))
+
+
 def test_gradient_checkpointing_gives_the_same_losses(pools, tmp_path):
     job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), checkpointing=True)
     _assert_close_to_reference(pools(2).values(tc.run, job)[0], _reference(_ref_key(job)))
