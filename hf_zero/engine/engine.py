@@ -14,6 +14,7 @@ from torch import nn
 from ..config import ZeroConfig
 from .collectives import CommGroup, all_gather_into, all_reduce_, broadcast_, comm_device, max_scalar_
 from .flat import FlatLayout, FlatUnit, grad_slab
+from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
 from .pool import BufferPool
 from .scaler import LossScaler
@@ -138,6 +139,8 @@ class ZeroEngine:
         sync_from = world if config.sync_module_states and world.size > 1 else None
         _move_buffers(model, self.device, sync_from)
         source = source or LiveParams(sync_from)
+        grouped = [split_frozen(spec) for spec in specs]  # [Note: frozen parameters] in group.py
+        specs = [part for parts in grouped for part in parts]
         self.pool = _pool_for(specs, world, self.plan, config, self.param_dtype, self.reduce_dtype)
         self.units = [
             FlatUnit(
@@ -146,12 +149,12 @@ class ZeroEngine:
                 replicate_group=self.plan.replicate_group,
                 device=self.device,
                 param_dtype=self.param_dtype,
-                master_dtype=self.master_dtype,
+                master_dtype=self.param_dtype if spec.frozen else self.master_dtype,
                 reduce_dtype=self.reduce_dtype,
                 persistent_params=self.plan.params.persistent,
                 source=source,
                 pool=self.pool,
-                host=torch.device("cpu") if config.offload_optimizer else None,
+                host=torch.device("cpu") if config.offload_optimizer and not spec.frozen else None,
                 offload_params=config.offload_params,
             )
             for spec in specs
@@ -164,7 +167,9 @@ class ZeroEngine:
         grad_slab(self.units)
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
         self.pool.clear()
-        self.hooks = UnitHooks(self.units, self.plan, self.pool, self.scaler.scale_outputs if self.scaler else None)
+        parts = iter(self.units)
+        self.groups = [UnitGroup([next(parts) for _ in split]) for split in grouped]  # what the hooks run
+        self.hooks = UnitHooks(self.groups, self.plan, self.pool, self.scaler.scale_outputs if self.scaler else None)
         self.hooks.grad_divisor = self._grad_divisor
         self.hooks.prefetch = config.prefetch
         self.hooks.on_reduced = self._mark_has_grads

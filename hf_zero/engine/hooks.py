@@ -47,7 +47,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .flat import FlatUnit, GradReduction
+from .flat import GradReduction
+from .group import UnitGroup
 from .lifecycle import Phase, TrainingState, UnitRun
 from .pool import BufferPool
 from .stages import StagePlan
@@ -70,7 +71,7 @@ class _EndOfBackward(torch.autograd.Function):
     which is the same on every rank, and not by which parameters received gradients."""
 
     @staticmethod
-    def forward(ctx: Any, hooks: "UnitHooks", unit: FlatUnit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, hooks: "UnitHooks", unit: UnitGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hooks, ctx.unit = hooks, unit
         return inputs
 
@@ -84,10 +85,10 @@ class UnitHooks:
     """Registers the hooks of every unit and owns the state of the running backward pass."""
 
     def __init__(
-        self, units: list[FlatUnit], plan: StagePlan, pool: BufferPool,
+        self, units: list[UnitGroup], plan: StagePlan, pool: BufferPool,
         root_output_fn: Callable[[Any], Any] | None = None,
     ):
-        self.units = units  # inner units in module order, the root last
+        self.units = units  # inner units in module order, the root last (each a group of parts, group.py)
         self.root = units[-1]
         self.plan = plan
         self.pool = pool  # emptied at the end of every pass ([Note: buffer reuse])
@@ -96,21 +97,21 @@ class UnitHooks:
         self.on_reduced: Callable[[], None] = lambda: None  # told when fresh gradients reached the shards
         self._root_output_fn = root_output_fn  # rewrites the root's outputs (the fp16 loss scale)
         self.prefetch = 0  # units gathered ahead of the running one (stage 3)
-        self._forward_order: list[FlatUnit] = []  # inner units in the order the first forward ran them
-        self._next_forward: dict[int, list[FlatUnit]] = {}  # id(unit) -> the units to prefetch as it starts
-        self._next_backward: dict[int, list[FlatUnit]] = {}
+        self._forward_order: list[UnitGroup] = []  # inner units in the order the first forward ran them
+        self._next_forward: dict[int, list[UnitGroup]] = {}  # id(unit) -> the units to prefetch as it starts
+        self._next_backward: dict[int, list[UnitGroup]] = {}
         self._pool_sizes: dict[tuple[int, bool], frozenset[int]] = {}  # (id(unit), forward) -> sizes to keep pooled
         self._late_prefetch: set[int] = set()  # id(unit) whose backward prefetch waits for its post_backward
-        self._gated: FlatUnit | None = None  # [Note: reduction-gated prefetch] the running unit's deferred prefetch
+        self._gated: UnitGroup | None = None  # [Note: reduction-gated prefetch] the running unit's deferred prefetch
         self._order_known = False
-        self._held: FlatUnit | None = None  # the last unit of the forward, kept gathered for the backward
+        self._held: UnitGroup | None = None  # the last unit of the forward, kept gathered for the backward
         self._handles: list[RemovableHandle] = []
         # Per iteration ([Note: unit lifecycle]):
         self.state = TrainingState.IDLE
         rank = plan.shard_group.global_rank
         self._runs: dict[int, UnitRun] = {id(u): UnitRun(u.spec.name or "<root>", rank) for u in units}
-        self._pending: list[tuple[FlatUnit, GradReduction]] = []  # issued, not yet waited
-        self._finished_since_wait: list[FlatUnit] = []  # reduced during this backward pass
+        self._pending: list[tuple[UnitGroup, GradReduction]] = []  # issued, not yet waited
+        self._finished_since_wait: list[UnitGroup] = []  # reduced during this backward pass
         self._callback_queued = False
         self._register()
 
@@ -135,7 +136,7 @@ class UnitHooks:
         self._handles.clear()
 
     # ---- forward ----------------------------------------------------------------------------
-    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    def _pre_forward(self, unit: UnitGroup, module: nn.Module, args: Any, kwargs: Any) -> Any:
         recompute = _in_backward()  # [Note: recomputation]
         if unit is self.root and not recompute:
             if self.in_backward:
@@ -160,19 +161,19 @@ class UnitHooks:
             self._runs[id(unit)].expected_signals += 1
         return (args, kwargs) if wrapped else None
 
-    def _member_pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any) -> None:
+    def _member_pre_forward(self, unit: UnitGroup, module: nn.Module, args: Any) -> None:
         """A block of a bucketed unit other than its first, replayed alone inside backward: gather the unit
         (outside backward the first block's pre_forward has)."""
         if _in_backward():
             self.plan.params.before_compute(unit)
 
-    def _member_post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> None:
+    def _member_post_forward(self, unit: UnitGroup, module: nn.Module, args: Any, output: Any) -> None:
         """A block of a bucketed unit other than its last, replayed inside backward: its outputs' gradients
         begin the unit's backward, as the last block's do after a forward."""
         if _in_backward() and torch.is_grad_enabled():
             self._hook_outputs(unit, output)
 
-    def _carry_end_signal(self, unit: FlatUnit, args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
+    def _carry_end_signal(self, unit: UnitGroup, args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
         """Pass the unit's top-level tensor inputs that require grad through `_EndOfBackward`
         ([Note: backward end]); returns the new args and kwargs and whether any was wrapped."""
         positions = [("a", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -217,14 +218,14 @@ class UnitHooks:
                 ahead = units[i + 1 : i + 2 + self.prefetch]
                 self._pool_sizes[(id(unit), forward)] = frozenset().union(*(u.buffer_nbytes for u in ahead))
 
-    def _trim_pool(self, unit: FlatUnit, forward: bool) -> None:
+    def _trim_pool(self, unit: UnitGroup, forward: bool) -> None:
         """[Note: buffer reuse] after `unit` freed its buffers, keep pooled only the sizes that the
         next units take."""
         sizes = self._pool_sizes.get((id(unit), forward))
         if sizes is not None:
             self.pool.retain(sizes)
 
-    def _keeps_for_backward(self, unit: FlatUnit) -> bool:
+    def _keeps_for_backward(self, unit: UnitGroup) -> bool:
         """The last unit of a forward that will have a backward is the first unit of that backward:
         it stays gathered in between (one all-gather saved per iteration, no extra peak)."""
         return (
@@ -232,7 +233,7 @@ class UnitHooks:
             and unit.spec.backward_reads_params and not self.plan.params.persistent
         )
 
-    def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    def _post_forward(self, unit: UnitGroup, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if unit.sparse_lookup:
             unit.spec.module.sparse = False
         if _in_backward():  # [Note: recomputation]: the unit's backward follows, keep it gathered
@@ -254,7 +255,7 @@ class UnitHooks:
         self._hook_outputs(unit, output)
         return output
 
-    def _hook_outputs(self, unit: FlatUnit, output: Any) -> None:
+    def _hook_outputs(self, unit: UnitGroup, output: Any) -> None:
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(partial(self._on_output_grad, unit))
@@ -264,10 +265,10 @@ class UnitHooks:
     def in_backward(self) -> bool:
         return self._callback_queued
 
-    def _on_output_grad(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, unit: UnitGroup, grad: torch.Tensor) -> None:
         self._pre_backward(unit)
 
-    def _pre_backward(self, unit: FlatUnit) -> None:
+    def _pre_backward(self, unit: UnitGroup) -> None:
         if not self._runs[id(unit)].begin_backward():
             return
         self.state = TrainingState.BACKWARD
@@ -286,20 +287,20 @@ class UnitHooks:
                 self._prefetch_after(unit, forward=False)
         unit.attach_grads()
 
-    def _prefetch_after(self, unit: FlatUnit, forward: bool) -> None:
+    def _prefetch_after(self, unit: UnitGroup, forward: bool) -> None:
         """[Note: prefetch] issue the gathers of the units that follow `unit` (see `_learn_order`),
         so they overlap its compute. At most the root, the running unit and `prefetch` more are
         whole at a time."""
         for nxt in self._prefetches(unit, forward):
             nxt.prefetch()
 
-    def _forward_gathers(self, unit: FlatUnit, recompute: bool) -> bool:
+    def _forward_gathers(self, unit: UnitGroup, recompute: bool) -> bool:
         """Whether `unit`'s forward issues a gather (its own, or, outside backward, a prefetch); the
         same on every rank."""
         own = not self.plan.params.persistent and unit.needs_gather
         return own or (not recompute and any(u.needs_gather for u in self._prefetches(unit, forward=True)))
 
-    def _prefetches(self, unit: FlatUnit, forward: bool) -> list[FlatUnit]:
+    def _prefetches(self, unit: UnitGroup, forward: bool) -> list[UnitGroup]:
         """The units `_prefetch_after(unit, forward)` gathers."""
         if not self.prefetch or self.plan.params.persistent or not self._order_known:
             return []
@@ -321,7 +322,7 @@ class UnitHooks:
             self._finish(*self._pending.pop(0))
         self._prefetch_after(unit, forward=False)
 
-    def _on_grad_ready(self, unit: FlatUnit, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, unit: UnitGroup, param: torch.Tensor) -> None:
         run = self._runs[id(unit)]
         if run.phase is Phase.REDUCING:
             raise RuntimeError(
@@ -334,13 +335,13 @@ class UnitHooks:
         if self._gated is not None and all(reduction.pending.done() for _, reduction in self._pending):
             self._open_gate()
 
-    def _on_end_signal(self, unit: FlatUnit) -> None:
+    def _on_end_signal(self, unit: UnitGroup) -> None:
         """[Note: backward end] the gradient of the unit's inputs is complete."""
         self._pre_backward(unit)  # a no-op, unless no output of the unit got a gradient before
         if self._runs[id(unit)].signal():
             self._post_backward(unit)
 
-    def _post_backward(self, unit: FlatUnit) -> None:
+    def _post_backward(self, unit: UnitGroup) -> None:
         if not self._runs[id(unit)].end_backward():
             return
         self._open_gate()  # before this unit's reduction is issued
@@ -367,7 +368,7 @@ class UnitHooks:
         self._clear()
         self.pool.clear()
 
-    def _finish(self, unit: FlatUnit, reduction: GradReduction) -> None:
+    def _finish(self, unit: UnitGroup, reduction: GradReduction) -> None:
         unit.finish_reduction(reduction, self.grad_divisor())
         if not self.plan.keep_unsharded_grads:
             unit.release_reduced(reduction)

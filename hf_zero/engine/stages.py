@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .collectives import CommGroup, hybrid_groups
-from .flat import FlatUnit
+from .group import UnitGroup
 
 
 class PersistentParams:
@@ -28,13 +28,13 @@ class PersistentParams:
 
     persistent = True
 
-    def before_compute(self, unit: FlatUnit) -> None:
+    def before_compute(self, unit: UnitGroup) -> None:
         pass
 
-    def after_forward(self, unit: FlatUnit) -> None:
+    def after_forward(self, unit: UnitGroup) -> None:
         pass
 
-    def after_backward(self, unit: FlatUnit) -> None:
+    def after_backward(self, unit: UnitGroup) -> None:
         pass
 
 
@@ -43,13 +43,13 @@ class ShardedParams:
 
     persistent = False
 
-    def before_compute(self, unit: FlatUnit) -> None:
+    def before_compute(self, unit: UnitGroup) -> None:
         unit.ensure_unsharded()
 
-    def after_forward(self, unit: FlatUnit) -> None:
+    def after_forward(self, unit: UnitGroup) -> None:
         unit.reshard()
 
-    def after_backward(self, unit: FlatUnit) -> None:
+    def after_backward(self, unit: UnitGroup) -> None:
         unit.reshard()
 
 
