@@ -125,12 +125,15 @@ class UnitGroup:
 
 
 def split_frozen(spec: UnitSpec) -> list[UnitSpec]:
-    """`spec` as its trainable part and its frozen part (each only if it has parameters)."""
+    """`spec` as its trainable part and its frozen part (each only if it has parameters); a unit with
+    no trainable parameter is one frozen part."""
     groups: dict[bool, list[int]] = {True: [], False: []}
     for i, p in enumerate(spec.params):
         groups[p.requires_grad].append(i)
-    if not groups[True] or not groups[False]:
+    if not groups[False]:
         return [spec]
+    if not groups[True]:
+        return [_subset(spec, groups[False], frozen=True)]
     return [_subset(spec, groups[True], frozen=False), _subset(spec, groups[False], frozen=True)]
 
 
