@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import sys
 
 
@@ -27,6 +28,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from .estimate import Workload, estimate, format_table
 
     hf_config, model = _meta_model(args.model)
+    trainable_note = _trainable(model, args)
     device_memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
                         gradient_checkpointing=args.gradient_checkpointing)
@@ -36,9 +38,35 @@ def _estimate(args: argparse.Namespace) -> int:
     n = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {n / 1e9:.2f}B parameters; {args.world_size} ranks on {args.nodes} node(s); "
           f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, fp32 Adam; "
-          f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}. GiB per device / per node:")
+          f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}{trainable_note}. "
+          "GiB per device / per node:")
     print(format_table(rows, device_memory))
     return 0
+
+
+def _trainable(model: Any, args: argparse.Namespace) -> str:
+    """Apply `--lora-rank` / `--trainable` to the meta model; returns a note for the header."""
+    import re
+
+    if args.lora_rank:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as e:
+            raise ValueError("--lora-rank needs peft (pip install 'hf_zero[peft]').") from e
+        targets = args.lora_targets.split(",") if args.lora_targets else None
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, target_modules=targets))
+    if args.trainable:
+        try:
+            pattern = re.compile(args.trainable)
+        except re.error as e:
+            raise ValueError(f"--trainable {args.trainable!r} is not a regular expression: {e}") from e
+        for name, p in model.named_parameters():
+            p.requires_grad_(bool(pattern.search(name)))
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trained == 0:
+        raise ValueError("No parameter is trainable with these --trainable / --lora-rank settings.")
+    return "" if trained == total else f"; trainable {trained / 1e6:.1f}M of {total / 1e9:.2f}B (frozen weights in the compute dtype only)"
 
 
 def _meta_model(path: str) -> tuple[object, object]:
@@ -88,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gradient-checkpointing", action="store_true")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype (default bf16)")
     e.add_argument("--device-memory", default=None, help="device size, e.g. 80GB: adds a 'fits' column")
+    e.add_argument("--trainable", default=None, metavar="REGEX",
+                   help="only parameters whose names match are trained (the others frozen: no gradient, no optimizer "
+                        "state, no fp32 master), e.g. 'layers\\.(30|31)\\.'")
+    e.add_argument("--lora-rank", type=int, default=0, help="estimate LoRA training (peft) of this rank")
+    e.add_argument("--lora-targets", default=None, help="comma-separated module names for LoRA (default: peft's for the model)")
     e.set_defaults(func=_estimate)
     return parser
 

@@ -3,7 +3,7 @@
 [Note: estimator]
 Model states are computed with the engine's own rules (the same `units_for` and `FlatLayout`
 on a meta-device model, so padding, tied weights and frozen parameters count exactly as they
-will), for Adam-type optimizers (two moments of the master dtype and a scalar step per parameter
+will: frozen ones in the compute dtype only, [Note: frozen parameters]), for Adam-type optimizers (two moments of the master dtype and a scalar step per parameter
 piece). The estimate equals what `hf_zero.model_state_memory` reports after the first step.
 
 On top of model states, a device holds, at its peak (the start of the backward pass):
@@ -38,6 +38,7 @@ from torch import nn
 from .config import ZeroConfig
 from .engine.engine import ModelStateMemory, chunk_bounds
 from .engine.flat import FlatLayout
+from .engine.group import split_frozen
 from .engine.units import UnitSpec, units_for
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -96,12 +97,15 @@ def model_states(
         if n:
             parts[category][where] = parts[category].get(where, 0) + n
 
-    for spec in specs:
+    for spec in (part for unit in specs for part in split_frozen(unit)):  # [Note: frozen parameters]
         layout = FlatLayout.build(spec.param_names, [p.shape for p in spec.params], shards)
         s, padded = layout.shard_numel, layout.padded_numel
         pieces = layout.local_pieces(shard_rank)
         trainable = [(i, a, b) for i, a, b in pieces if spec.params[i].requires_grad]
         has_grads = any(p.requires_grad for p in spec.params)
+        if spec.frozen:  # the compute-dtype shard is the only copy; never offloaded, no gradient, no state
+            add("parameters", "device", (padded if persistent else s) * pd)
+            continue
         aliased_master = persistent and param_dtype == master_dtype and not config.offload_optimizer
         if persistent:
             add("parameters", "device", padded * pd)
@@ -175,10 +179,13 @@ def estimate(
             live = root + inner[0] + inner[1]  # the root, the running unit and the next / in-flight one
             gathered = live * e if stage == 3 else 0  # parameters: running + prefetched
             reduce_bytes = _BYTES[config.resolved_reduce_dtype or config.param_dtype or model_dtype]
+            grad_sizes = [sum(p.numel() for p in s.params if p.requires_grad) for s in specs]  # frozen: none
+            top = sorted(grad_sizes[:-1], reverse=True) + [0, 0]
+            live_grads = grad_sizes[-1] + top[0] + top[1]
             if stage >= 2:  # unsharded gradients: running unit + the one whose reduction is in flight
-                buffers = live * e + (max(unit_sizes) * reduce_bytes if reduce_bytes != e else 0)
+                buffers = live_grads * e + (max(grad_sizes) * reduce_bytes if reduce_bytes != e else 0)
             else:
-                buffers = max(unit_sizes) * reduce_bytes
+                buffers = max(grad_sizes) * reduce_bytes
             rows.append(Estimate(
                 stage=stage, offload=offload, model_states=worst.total("device"), gathered_units=gathered,
                 activations=activation_bytes(hf_config, workload, e), buffers=buffers,

@@ -14,7 +14,7 @@ import torch
 import hf_zero
 from hf_zero.engine.units import units_for
 from hf_zero.estimate import model_states
-from tests._training import Scenario, _freeze, make_model, sharded_run
+from tests._training import Scenario, _freeze, make_model, sharded_run, with_lora
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,13 +29,18 @@ ROOT = Path(__file__).resolve().parent.parent
         Scenario(model="falcon", stage=3, world=2,
                  config_overrides=(("offload_optimizer", True), ("offload_params", True))),
         Scenario(model="llama", stage=3, world=2, mixed_precision="bf16", config_overrides=(("offload_optimizer", True),)),
+        Scenario(model="llama", stage=3, world=2, mixed_precision="bf16", lora=True),
+        Scenario(model="falcon", stage=2, world=3, lora=True, config_overrides=(("offload_optimizer", True),)),
+        Scenario(model="llama", stage=1, world=2, mixed_precision="bf16", lora=True),
     ],
-    ids=lambda sc: f"{sc.model}-stage{sc.stage}-w{sc.world}-{sc.mixed_precision}-{len(sc.config_overrides)}off-{len(sc.frozen)}frozen",
+    ids=lambda sc: f"{sc.model}-stage{sc.stage}-w{sc.world}-{sc.mixed_precision}-{len(sc.config_overrides)}off-{len(sc.frozen)}frozen{'-lora' * sc.lora}",
 )
 def test_estimated_model_states_equal_the_engine_accounting(pools, sc):
     """Byte for byte, per rank and per placement, after the first optimizer step."""
     results = pools(sc.world).values(sharded_run, replace_steps(sc))
     model = make_model(sc.model)
+    if sc.lora:
+        model = with_lora(model, sc.model)
     _freeze(model, sc.frozen)
     config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, **dict(sc.config_overrides))
     specs = units_for(model, config)
@@ -128,3 +133,22 @@ def test_cli_estimate_errors(tmp_path):
     done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(tmp_path / "c.json"),
                            "--world-size", "8", "--device-memory", "eighty"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--device-memory must look like '5GB'" in done.stderr
+
+
+@pytest.mark.parametrize("flags", [["--lora-rank", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj"],
+                                   ["--trainable", r"layers\.(78|79)\."]], ids=["lora", "trainable-regex"])
+def test_cli_estimate_learns_the_frozen_trainable_split(tmp_path, flags):
+    """With most weights frozen, stage 3 model states are the compute-dtype weights / N plus the trained
+    part's 16 bytes per parameter / N (frozen weights carry no master, gradient or optimizer state)."""
+    path = tmp_path / "llama-70b.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    cmd = [sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(path), "--world-size", "16", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    header = done.stdout.splitlines()[0]
+    params = float(header.split(": ")[1].split("B parameters")[0]) * 1e9
+    trained = float(header.split("trainable ")[1].split("M of")[0]) * 1e6
+    stage3 = next(r for r in done.stdout.splitlines() if r.startswith("| 3 | none |")).split("|")
+    expected = (2 * (params - trained) + 2 * trained + 16 * trained) / 16 / 2**30
+    assert float(stage3[3]) == pytest.approx(expected, rel=0.01)
+    assert float(stage3[3]) < 18 * params / 16 / 2**30 / 4  # far below full fine-tuning's
