@@ -40,20 +40,23 @@ class ZeroModel:
     # ---- the training loop ------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skip the gradient communication of the backward passes run inside, as with DDP and FSDP.
+        """Gradient accumulation's context, as with DDP and FSDP (the Trainer and `accelerator.accumulate`
+        enter it on every micro-batch but the last).
 
-        Gradients then accumulate unsharded on each rank until a backward pass outside the
-        context reduces them. At stages 0-1 they accumulate in the buffer that exists anyway; at
-        stages 2-3 each unit keeps an unsharded gradient buffer (the parameters' size in the
-        compute dtype) alive until the synchronising micro-batch, which costs that memory but
-        saves one reduce-scatter per micro-batch.
+        At stages 0-1 the backward passes run inside skip their reduction: gradients accumulate in
+        the unsharded buffer that exists anyway and the synchronising micro-batch reduces them once.
+        At stages 2-3 every micro-batch is still reduced into the fp32 gradient shards, so model
+        states stay at the ZeRO formula during accumulation (what DeepSpeed does);
+        `ZeroConfig(no_sync_keeps_grads=True)` skips those reductions instead, keeping every
+        unit's unsharded gradients (the full model's, in the compute dtype) until the synchronising
+        micro-batch: fewer collectives, more memory.
 
         Example:
 
         ```python
         >>> with model.no_sync():
         ...     model(**micro_batch_1).loss.backward()
-        >>> model(**micro_batch_2).loss.backward()  # reduces both micro-batches' gradients
+        >>> model(**micro_batch_2).loss.backward()  # both micro-batches' gradients are in the shards now
         ```
         """
         with self.zero_engine.no_sync():

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from tests._training import VOCAB, make_model
+from tests._training import VOCAB, make_model, with_lora
 
 
 class TokenDataset(Dataset):
@@ -44,6 +44,7 @@ class Job:
     tokenizer_dir: str | None = None
     zero_args: tuple[tuple[str, Any], ...] = ()  # extra ZeroTrainingArguments fields
     measure_window: bool = False  # record model-state memory between the micro-batches of each step
+    lora: bool = False  # peft LoRA around the model (tests/_training.with_lora)
 
     @property
     def accum(self) -> int:
@@ -98,6 +99,8 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     import hf_zero
 
     model = make_model(job.kind, seed=job.seed)
+    if job.lora:
+        model = with_lora(model, job.kind)
     if zero:
         args = hf_zero.ZeroTrainingArguments(zero_stage=job.stage, **dict(job.zero_args), **_common(job))
         trainer_cls = hf_zero.ZeroTrainer

@@ -61,3 +61,25 @@ def test_lora_model_states_follow_the_formula_with_frozen_weights_at_compute_dty
         assert 0 <= scalars <= 8 * 64, (sum(mem.optimizer_states.values()), masters, moments)  # AdamW's step counters
         psi_frozen = sum(p["shard"] for p in frozen) * 2  # ≈ Ψ_frozen (2 ranks), padding included
         assert psi_frozen > 20 * moments / 8  # the base dominates: without the split it would cost 16x as much
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_trainer_trains_a_peft_model_like_the_stock_trainer(pools, tmp_path, stage):
+    """`ZeroTrainer(model=get_peft_model(...))`: losses and the trained adapter match the stock Trainer with
+    the same PEFT model; `trainer.save_model` writes the adapter, which `PeftModel.from_pretrained` loads."""
+    from dataclasses import replace
+
+    from peft import PeftModel
+
+    from tests import _trainer_cases as tc
+
+    job = tc.Job(kind="llama", stage=stage, world=2, out_dir=str(tmp_path / "out"), lora=True,
+                 save_model_to=str(tmp_path / "final"))
+    got = pools(2).values(tc.run, job)[0]
+    ref = tc.reference(replace(job, out_dir=str(tmp_path / "ref"), save_model_to=None))
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+    for k, v in ref["state"].items():
+        assert rel_err(got["state"][k].numpy(), v.numpy()) <= 1e-5, k
+    reloaded = PeftModel.from_pretrained(make_model("llama"), tmp_path / "final").state_dict()
+    for k in (k for k in ref["state"] if "lora_" in k):
+        np.testing.assert_array_equal(reloaded[k].numpy(), got["state"][k].numpy())

@@ -129,8 +129,13 @@ class ZeroTrainer(Trainer):
                 tokenizer=self.processing_class, metadata={"global_step": self.state.global_step},
             )
             return
-        save_pretrained(self.model, output_dir, tokenizer=self.processing_class,
-                        progress=not self.args.disable_tqdm and self.args.should_save)
+        if getattr(self.model, "peft_config", None) is not None:  # a PEFT model: its adapter, as the stock Trainer
+            self.model.save_pretrained(output_dir)
+            if self.args.should_save and self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+        else:
+            save_pretrained(self.model, output_dir, tokenizer=self.processing_class,
+                            progress=not self.args.disable_tqdm and self.args.should_save)
         if self.args.should_save:
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
