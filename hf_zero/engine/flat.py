@@ -45,6 +45,7 @@ from torch import nn
 
 from typing import TYPE_CHECKING
 
+from .lifecycle import ShardState
 from .collectives import CommGroup, Pending, all_gather_into, all_gather_rows, all_reduce_, max_ints, reduce_scatter_into
 from .pool import BufferPool
 from .resting import ModuleSlots
@@ -161,6 +162,8 @@ class FlatUnit:
         self.sharded_param = None
         self._prefetched: Pending | None = None  # an issued, not yet waited, gather of this unit
         self.pins = 0  # open `gathered_parameters` contexts holding the unit whole: reshard waits for them
+        # [Note: unit lifecycle] in lifecycle.py; moved only by prefetch / ensure_unsharded / reshard
+        self.state = ShardState.UNSHARDED
         if not persistent_params:
             shard_device = host if offload_params and host is not None else device
             if self.sharded_master.device == shard_device and param_dtype == master_dtype:
@@ -238,15 +241,17 @@ class FlatUnit:
     @property
     def needs_gather(self) -> bool:
         """Whether making the parameters whole would issue a gather (none is done or in flight)."""
-        return self.sharded_param is not None and self._prefetched is None and not self.is_unsharded
+        return self.sharded_param is not None and self.state is ShardState.SHARDED
 
     def prefetch(self) -> None:
-        """Issue this unit's gather asynchronously (it overlaps the running unit's compute)."""
+        """SHARDED -> GATHERING: issue this unit's gather asynchronously (it overlaps the running unit's compute)."""
         if self.needs_gather:
             self._prefetched = self.unshard(async_op=True)
+            self.state = ShardState.GATHERING
 
     def ensure_unsharded(self) -> None:
-        """Make the unsharded parameters ready: wait for a prefetch, or gather now."""
+        """SHARDED / GATHERING -> UNSHARDED: make the parameters whole (wait for a prefetch, or gather
+        now) and register them in the modules."""
         if self._prefetched is not None:
             self._prefetched.wait()
             self._prefetched = None
@@ -254,6 +259,7 @@ class FlatUnit:
             self.unshard().wait()
         if self.module_slots is not None:
             self.module_slots.bind(real=True)
+        self.state = ShardState.UNSHARDED
 
     def unshard(self, async_op: bool = False) -> Pending:
         """Allocate the unsharded buffer and gather every rank's shard into it."""
@@ -268,7 +274,7 @@ class FlatUnit:
         return all_gather_into(self.unsharded_param, source, self.shard_group, async_op)
 
     def reshard(self) -> None:
-        """Free the unsharded buffer (stage 3; not while a `gathered_parameters` context pins the unit);
+        """-> SHARDED: free the unsharded buffer (stage 3; not while a `gathered_parameters` context pins the unit);
         the modules then hold the parameters' stand-ins ([Note: resting parameters])."""
         if self.pins:
             return
@@ -278,6 +284,7 @@ class FlatUnit:
         if self.module_slots is not None:
             self.module_slots.bind(real=False)
         self.pool.release(self.unsharded_param.untyped_storage())
+        self.state = ShardState.SHARDED if self.sharded_param is not None else ShardState.UNSHARDED
 
     def publish_master(self, async_op: bool = False) -> Pending:
         """After an optimizer step, make the compute parameters equal to the updated master shards."""

@@ -3,9 +3,11 @@
 [Note: unit lifecycle]
 Two states describe a unit at any time:
 
-- its *storage* state (`ShardState`, owned by `FlatUnit`, read from its tensors): SHARDED (only
-  this rank's shard holds memory), GATHERING (an all-gather into the unsharded buffer is in
-  flight), UNSHARDED (the parameters are whole and registered in the modules);
+- its *storage* state (`ShardState`, held by each `FlatUnit` part, moved only by `prefetch`
+  (SHARDED -> GATHERING), `ensure_unsharded` (-> UNSHARDED) and `reshard` (-> SHARDED)): SHARDED
+  (only this rank's shard holds memory; the modules hold stand-ins), GATHERING (an all-gather
+  into the unsharded buffer is in flight), UNSHARDED (the parameters are whole and registered in
+  the modules). Units of stages 0-2 are always UNSHARDED;
 - its *backward* state in the current iteration (`Phase`, owned by `UnitHooks` in a `UnitRun`):
   IDLE -> IN_BACKWARD (pre_backward: gathered, `.grad` views attached) -> REDUCING
   (post_backward: its gradients handed to a reduction, or dropped for a frozen unit) -> IDLE (the
