@@ -80,7 +80,7 @@ def main() -> None:
     args = parse_args()
     wrap = "auto" if args.zero_wrap == "auto" else tuple(w.strip() for w in args.zero_wrap.split(","))
     accelerator = hf_zero.ZeroAccelerator(
-        zero_plugin=hf_zero.ZeroPlugin(zero_stage=args.zero_stage, wrap=wrap),
+        zero_plugin=hf_zero.ZeroPlugin(zero_stage=args.zero_stage, zero_wrap=wrap),
         gradient_accumulation_steps=args.gradient_accumulation_steps,
     )
     set_seed(args.seed)

@@ -6,7 +6,7 @@ integrations each translate their own arguments into a `ZeroConfig` in one funct
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -128,21 +128,38 @@ class ZeroConfig:
     ```
     """
 
-    stage: int = 3
-    mixed_precision: MixedPrecision = "no"
-    reduce_dtype: ReduceDtype | None = None
-    wrap: str | tuple[str, ...] = "auto"
-    sync_module_states: bool = True
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    prefetch: int = 1
-    bucket_size_mb: float = 25.0
-    shard_group_size: int | None = None
-    collectives: Collectives = "auto"
-    group_timeout_s: float = 600.0
-    no_sync_keeps_grads: bool = False
-    initial_loss_scale: float = 65536.0
-    loss_scale_window: int = 1000
+    # Each field's `help` is its one-line summary for the integrations' settings (`--zero_<name>`,
+    # `ZeroPlugin(zero_<name>=...)`), derived from these fields in integrations/settings.py.
+    stage: Literal[0, 1, 2, 3] = field(default=3, metadata={"help": _STAGE_HELP + " (model-state memory per rank for "
+        "fp32 Adam: 1: 8Ψ+12Ψ/N, 2: 4Ψ+12Ψ/N, 3: 16Ψ/N bytes; stage 3 communicates 1.5x more)."})
+    mixed_precision: MixedPrecision = field(default="no", metadata={"help": "Compute dtype (no, bf16, fp16); the "
+        "integrations take it from the Trainer's --bf16/--fp16 or Accelerate's mixed_precision.", "host_owned": True})
+    reduce_dtype: ReduceDtype | None = field(default=None, metadata={"help": "Gradient reduction dtype (default: fp32 "
+        "under mixed precision, else the parameters' dtype). bf16 halves gradient traffic at some accuracy cost."})
+    wrap: str | tuple[str, ...] = field(default="auto", metadata={"help": "Sharding units: 'auto' (the model's "
+        "_no_split_modules, e.g. LlamaDecoderLayer) or module class names (comma-separated on the command line)."})
+    sync_module_states: bool = field(default=True, metadata={"help": "Broadcast rank 0's weights to every rank when "
+        "sharding (as DDP does)."})
+    offload_optimizer: bool = field(default=False, metadata={"help": "ZeRO-Offload: fp32 master weights, gradient "
+        "shards and optimizer state in host memory; the optimizer step runs on the CPU."})
+    offload_params: bool = field(default=False, metadata={"help": "Stage 3 with offload_optimizer: the parameter "
+        "shards live in host memory too and are copied to the device before each gather."})
+    prefetch: int = field(default=1, metadata={"help": "Stage 3: units gathered ahead of the running one (overlaps "
+        "communication with compute; each adds one gathered unit of device memory). 0 disables."})
+    bucket_size_mb: float = field(default=25.0, metadata={"help": "Group consecutive transformer blocks into one unit "
+        "(one all-gather, one reduce-scatter) until it holds this many MiB of parameters. 0: one block per unit."})
+    shard_group_size: int | None = field(default=None, metadata={"help": "Hybrid sharding: shard within groups of this "
+        "many consecutive ranks (a node) and replicate across them; must divide the world size."})
+    collectives: Collectives = field(default="auto", metadata={"help": "How gathers and reductions travel: native "
+        "(the backend's), composed (broadcasts and all-reduce) or auto (composed on gloo, native on NCCL)."})
+    group_timeout_s: float = field(default=600.0, metadata={"help": "Timeout in seconds of the process groups hf_zero "
+        "creates (hybrid sharding)."})
+    no_sync_keeps_grads: bool = field(default=False, metadata={"help": "Stages 2-3 with gradient accumulation: keep "
+        "unsharded gradients across micro-batches and reduce once per step (fewer collectives, the full model's "
+        "gradients on every rank) instead of reducing every micro-batch into the shards."})
+    initial_loss_scale: float = field(default=65536.0, metadata={"help": "fp16: the starting dynamic loss scale."})
+    loss_scale_window: int = field(default=1000, metadata={"help": "fp16: overflow-free steps after which the loss "
+        "scale doubles."})
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):

@@ -45,6 +45,7 @@ class Job:
     zero_args: tuple[tuple[str, Any], ...] = ()  # extra ZeroTrainingArguments fields
     measure_window: bool = False  # record model-state memory between the micro-batches of each step
     lora: bool = False  # peft LoRA around the model (tests/_training.with_lora)
+    save_total_limit: int | None = None
 
     @property
     def accum(self) -> int:
@@ -88,6 +89,7 @@ def _common(job: Job) -> dict[str, Any]:
         adam_epsilon=1e-6,  # see tests/_training.make_optimizer: keeps Adam's rounding sensitivity far below 1e-5
         max_grad_norm=1.0, logging_steps=1, report_to="none", seed=0, disable_tqdm=True, use_cpu=True,
         save_strategy="steps" if job.save_steps else "no", save_steps=job.save_steps or 500,
+        save_total_limit=job.save_total_limit,
         gradient_checkpointing=job.checkpointing, dataloader_num_workers=0,
     )
 

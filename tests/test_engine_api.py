@@ -92,10 +92,10 @@ def test_zero_plugin_validates_with_the_config_messages():
     with pytest.raises(ValueError, match="ZeroConfig.stage must be 0, 1, 2 or 3"):
         hf_zero.ZeroPlugin(zero_stage=7)
     with pytest.raises(ValueError, match="ZeroConfig.offload_params needs stage=3"):
-        hf_zero.ZeroPlugin(zero_stage=1, offload_params=True)
+        hf_zero.ZeroPlugin(zero_stage=1, zero_offload_params=True)
     with pytest.raises(ValueError, match="ZeroConfig.collectives must be"):
-        hf_zero.ZeroPlugin(collectives="tree")
-    plugin = hf_zero.ZeroPlugin(bucket_size_mb=25, collectives="native")
+        hf_zero.ZeroPlugin(zero_collectives="tree")
+    plugin = hf_zero.ZeroPlugin(zero_bucket_size_mb=25, zero_collectives="native")
     assert (plugin.to_zero_config("no").bucket_size_mb, plugin.to_zero_config("no").collectives) == (25, "native")
     with pytest.raises(TypeError, match="zero_plugin must be a ZeroPlugin"):
         hf_zero.ZeroAccelerator(zero_plugin={"zero_stage": 3})
@@ -309,3 +309,48 @@ def test_optimizer_chunks_step_and_checkpoint_like_whole_pieces(pools, tmp_path,
         assert r["chunks"] > r["pieces"], r
         assert r["weights_err"] <= 1e-6 * r["scale"], r
         assert r["resumed_err"] <= 1e-6 * r["scale"], r
+
+
+# A value other than the default for every ZeroConfig field (as the command line would spell it).
+_NON_DEFAULT = {
+    "stage": ("1", 1), "reduce_dtype": ("bf16", "bf16"), "wrap": ("LlamaDecoderLayer,LlamaMLP", ("LlamaDecoderLayer", "LlamaMLP")),
+    "sync_module_states": (None, False), "offload_optimizer": (None, True),
+    "prefetch": ("2", 2), "bucket_size_mb": ("7.5", 7.5), "shard_group_size": ("1", 1), "collectives": ("native", "native"),
+    "group_timeout_s": ("30", 30.0), "no_sync_keeps_grads": (None, True), "initial_loss_scale": ("1024", 1024.0),
+    "loss_scale_window": ("10", 10),
+}
+_NON_DEFAULT_STAGE3 = {"offload_optimizer": (None, True), "offload_params": (None, True)}  # needs stage 3
+
+
+def test_every_zero_config_field_reaches_the_engine_from_both_integrations(tmp_path):
+    """[Note: one source of truth] every ZeroConfig field but the host-owned precision is `--zero_<field>` and
+    `ZeroPlugin(zero_<field>=...)`, with ZeroConfig's default and help, and a non-default value reaches the
+    ZeroConfig through each. A field added to ZeroConfig without a value here fails this test."""
+    import dataclasses
+
+    from transformers import HfArgumentParser
+
+    fields = {f.name: f for f in dataclasses.fields(hf_zero.ZeroConfig)}
+    exposed = {name for name, f in fields.items() if not f.metadata.get("host_owned")}
+    assert exposed == set(_NON_DEFAULT) | set(_NON_DEFAULT_STAGE3), exposed ^ (set(_NON_DEFAULT) | set(_NON_DEFAULT_STAGE3))
+    args_fields = {f.name: f for f in dataclasses.fields(hf_zero.ZeroTrainingArguments)}
+    plugin_fields = {f.name: f for f in dataclasses.fields(hf_zero.ZeroPlugin)}
+    for name in exposed:
+        for where in (args_fields, plugin_fields):
+            f = where["zero_" + name]
+            assert f.default == fields[name].default and f.metadata["help"] == fields[name].metadata["help"], name
+    assert "zero_mixed_precision" not in args_fields and "zero_mixed_precision" not in plugin_fields
+    for values in (_NON_DEFAULT, _NON_DEFAULT_STAGE3):
+        argv = ["--output_dir", str(tmp_path), "--use_cpu"]
+        for name, (cli, _) in values.items():
+            flag = "--zero_" + name
+            if cli is None:  # a boolean: the bare flag for True, the --no_ form against a True default
+                argv.append(flag if not fields[name].default else "--no_zero_" + name)
+            else:
+                argv += [flag, cli]
+        (args,) = HfArgumentParser(hf_zero.ZeroTrainingArguments).parse_args_into_dataclasses(argv)
+        from_cli = args.to_zero_config()
+        from_plugin = hf_zero.ZeroPlugin(**{"zero_" + n: v for n, (_, v) in values.items()}).to_zero_config("no")
+        for name, (_, value) in values.items():
+            assert value != fields[name].default, name  # the round trip proves something
+            assert getattr(from_cli, name) == value and getattr(from_plugin, name) == value, name

@@ -78,13 +78,12 @@ def test_odd_sizes_and_unit_smaller_than_world(pools, world):
 
 
 def test_bf16_mixed_precision_tracks_fp32(pools):
-    """bf16 compute with fp32 master weights and fp32 reduction: losses within 2e-2 relative of fp32
-    (bf16 keeps 8 bits of mantissa, about 3 significant digits)."""
-    sc = Scenario(model="llama", stage=3, world=2, mixed_precision="bf16")
-    got = pools(2).values(sharded_run, sc)[0]
-    ref = _reference(sc.single())
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=2e-2)
-    assert got["losses"][-1] < got["losses"][0]  # it trains
+    """bf16 compute with fp32 master weights and fp32 reduction at stage 3: losses within 2e-2 relative of
+    fp32 (bf16 keeps 8 bits of mantissa, about 3 significant digits) over a trajectory that falls by more."""
+    from tests.test_precision_and_lifecycle import assert_tracks_fp32
+
+    sc = Scenario(model="llama", stage=3, world=2, mixed_precision="bf16", lr=1e-2)
+    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=2e-2)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -174,15 +174,16 @@ def test_interrupt_and_resume(pools, tmp_path, resume_world, global_batch):
 
 
 def test_save_total_limit_rotates_sharded_checkpoints(pools, tmp_path):
-    job = tc.Job(kind="llama", stage=2, world=2, out_dir=str(tmp_path / "out"), save_steps=1)
-    import dataclasses
-
-    got = pools(2).values(tc.run, dataclasses.replace(job, steps=3))[0]
-    assert [c for c in got["checkpoints"] if c.startswith("checkpoint-")] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
-    manifest = json.loads((tmp_path / "out" / "checkpoint-3" / "hf_zero" / "hf_zero_manifest.json").read_text())
-    assert manifest["user"] == {"global_step": 3} and manifest["optimizer"]["class"] == "AdamW"
-    assert (tmp_path / "out" / "checkpoint-3" / "scheduler.pt").is_file()
-    assert not (tmp_path / "out" / "checkpoint-3" / "optimizer.pt").exists()
+    """`--save_total_limit 2` with a checkpoint every step: after 4 steps only checkpoint-3 and -4 are left,
+    the older ones removed whole (their hf_zero/ shards included), and the last one is complete."""
+    job = tc.Job(kind="llama", stage=2, world=2, out_dir=str(tmp_path / "out"), save_steps=1, save_total_limit=2)
+    got = pools(2).values(tc.run, job)[0]
+    assert [c for c in got["checkpoints"] if c.startswith("checkpoint-")] == ["checkpoint-3", "checkpoint-4"]
+    assert not (tmp_path / "out" / "checkpoint-1").exists() and not (tmp_path / "out" / "checkpoint-2").exists()
+    manifest = json.loads((tmp_path / "out" / "checkpoint-4" / "hf_zero" / "hf_zero_manifest.json").read_text())
+    assert manifest["user"] == {"global_step": 4} and manifest["optimizer"]["class"] == "AdamW"
+    assert (tmp_path / "out" / "checkpoint-4" / "scheduler.pt").is_file()
+    assert not (tmp_path / "out" / "checkpoint-4" / "optimizer.pt").exists()
 
 
 def test_save_model_writes_a_from_pretrained_directory(pools, tmp_path):

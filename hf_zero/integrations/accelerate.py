@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -37,62 +37,37 @@ from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from ..config import ZeroConfig
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
+from .settings import field_specs, launch_env, to_zero_config
 
 CHECKPOINT_SUBDIR = "hf_zero"
-_DEFAULT = ZeroConfig()
-_TRUE = ("1", "true", "yes")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ZeroPlugin:
-    """The hf_zero engine settings for `ZeroAccelerator` (precision comes from Accelerate's own setting).
-
-    Args:
-        zero_stage (`int`, *optional*, defaults to 3): as `ZeroConfig.stage`.
-        wrap (`"auto"` or a sequence of class names, *optional*): as `ZeroConfig.wrap`.
-        reduce_dtype (`str`, *optional*): as `ZeroConfig.reduce_dtype`.
-        sync_module_states (`bool`, *optional*, defaults to `True`): as `ZeroConfig.sync_module_states`.
-        offload_optimizer (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_optimizer`.
-        offload_params (`bool`, *optional*, defaults to `False`): as `ZeroConfig.offload_params`.
-        shard_group_size (`int`, *optional*): hybrid sharding, as `ZeroConfig.shard_group_size`.
-        prefetch (`int`, *optional*, defaults to 1): as `ZeroConfig.prefetch`.
-        no_sync_keeps_grads (`bool`, *optional*, defaults to `False`): as `ZeroConfig.no_sync_keeps_grads`.
-        bucket_size_mb (`float`, *optional*, defaults to 25): as `ZeroConfig.bucket_size_mb`.
-        collectives (`str`, *optional*, defaults to `"auto"`): as `ZeroConfig.collectives`.
+class _ZeroPlugin:
+    """Every hf_zero engine setting for `ZeroAccelerator`, as `zero_<name>` (the `ZeroConfig` field of
+    that name, with its default; see [Note: one source of truth]). Precision comes from Accelerate's
+    own `mixed_precision` (argument, or `accelerate launch --mixed_precision`).
 
     Example:
 
     ```python
-    >>> accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(zero_stage=3), mixed_precision="bf16")
+    >>> plugin = ZeroPlugin(zero_stage=3, zero_offload_optimizer=True, zero_bucket_size_mb=50)
+    >>> accelerator = ZeroAccelerator(zero_plugin=plugin, mixed_precision="bf16")
     ```
     """
-
-    zero_stage: int = _DEFAULT.stage
-    wrap: str | tuple[str, ...] = _DEFAULT.wrap
-    reduce_dtype: str | None = _DEFAULT.reduce_dtype
-    sync_module_states: bool = _DEFAULT.sync_module_states
-    offload_optimizer: bool = _DEFAULT.offload_optimizer
-    offload_params: bool = _DEFAULT.offload_params
-    shard_group_size: int | None = _DEFAULT.shard_group_size
-    prefetch: int = _DEFAULT.prefetch
-    no_sync_keeps_grads: bool = _DEFAULT.no_sync_keeps_grads
-    bucket_size_mb: float = _DEFAULT.bucket_size_mb
-    collectives: str = _DEFAULT.collectives
 
     def __post_init__(self) -> None:
         self.to_zero_config("no")  # validates every field, with ZeroConfig's messages
 
     def to_zero_config(self, mixed_precision: str) -> ZeroConfig:
         """The `ZeroConfig` for this plugin and Accelerate's precision setting."""
-        return ZeroConfig(
-            stage=self.zero_stage, mixed_precision=mixed_precision,  # type: ignore[arg-type]
-            reduce_dtype=self.reduce_dtype,  # type: ignore[arg-type]
-            wrap=self.wrap, sync_module_states=self.sync_module_states,
-            offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-            shard_group_size=self.shard_group_size, prefetch=self.prefetch,
-            no_sync_keeps_grads=self.no_sync_keeps_grads,
-            bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,  # type: ignore[arg-type]
-        )
+        return to_zero_config(self, mixed_precision)
+
+
+ZeroPlugin = make_dataclass(
+    "ZeroPlugin", field_specs(cli=False), bases=(_ZeroPlugin,), frozen=True, kw_only=True,
+    namespace={"__doc__": _ZeroPlugin.__doc__, "__module__": __name__},
+)
 
 
 class _ShardedAcceleratedOptimizer(AcceleratedOptimizer):
@@ -130,15 +105,16 @@ class ZeroAccelerator(Accelerator):
         for key in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin"):
             if kwargs.get(key) is not None:
                 raise ValueError(f"ZeroAccelerator cannot take {key}: hf_zero is the sharding engine here.")
-        for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
-            if os.environ.get(var, "").lower() in _TRUE:
+        env = launch_env()
+        for var, on in (("ACCELERATE_USE_DEEPSPEED", env.use_deepspeed), ("ACCELERATE_USE_FSDP", env.use_fsdp)):
+            if on:
                 raise ValueError(
                     f"{var} is set (by `accelerate config` or `accelerate launch`); hf_zero is the sharding engine "
                     "here. Launch with one of hf_zero's accelerate_configs/ instead."
                 )
         if zero_plugin is not None and not isinstance(zero_plugin, ZeroPlugin):
             raise TypeError(f"zero_plugin must be a ZeroPlugin; got {type(zero_plugin).__name__}.")
-        requested = kwargs.pop("mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no"
+        requested = kwargs.pop("mixed_precision", None) or env.mixed_precision or "no"
         if "cpu" not in kwargs and not torch.cuda.is_available():
             kwargs["cpu"] = True
         self.zero_plugin = zero_plugin or ZeroPlugin()

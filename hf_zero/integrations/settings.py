@@ -1,0 +1,104 @@
+"""The integrations' settings, derived from `ZeroConfig`, and the launcher's environment, read once.
+
+[Note: one source of truth]
+Every `ZeroConfig` field is exposed by both integrations under one name, `zero_<field>`: as
+`--zero_<field>` on the Trainer's command line (`ZeroTrainingArguments`) and as
+`ZeroPlugin(zero_<field>=...)` for Accelerate. Names, defaults, help texts and choices are read
+from `ZeroConfig`'s fields here, so a field added there is exposed everywhere, and
+`to_zero_config` turns the values back. The one exception is `mixed_precision` (`host_owned` in
+its metadata): the host owns precision (the Trainer's `--bf16`/`--fp16`, Accelerate's
+`mixed_precision`), so there is one switch for it.
+
+Environment variables are read in `launch_env()` only: the launcher's precision and node size, and
+the switches that would turn the host's own DeepSpeed or FSDP on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..config import ZeroConfig
+
+PREFIX = "zero_"
+_TRUE = ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher (`accelerate launch`, `torchrun`) says through the environment."""
+
+    mixed_precision: str | None  # ACCELERATE_MIXED_PRECISION
+    use_deepspeed: bool  # ACCELERATE_USE_DEEPSPEED
+    use_fsdp: bool  # ACCELERATE_USE_FSDP
+    local_world_size: int | None  # LOCAL_WORLD_SIZE: ranks per node
+
+
+def launch_env() -> LaunchEnv:
+    """The launcher's settings, read from the environment (the only place hf_zero reads it).
+
+    Example:
+
+    ```python
+    >>> launch_env().local_world_size   # under torchrun --nproc_per_node 8
+    8
+    ```
+    """
+    env = os.environ
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    return LaunchEnv(
+        mixed_precision=env.get("ACCELERATE_MIXED_PRECISION") or None,
+        use_deepspeed=env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in _TRUE,
+        use_fsdp=env.get("ACCELERATE_USE_FSDP", "").lower() in _TRUE,
+        local_world_size=int(local) if local.isdigit() and int(local) > 0 else None,
+    )
+
+
+def exposed_fields() -> list[dataclasses.Field]:
+    """The `ZeroConfig` fields the integrations expose (all but the host-owned precision)."""
+    return [f for f in dataclasses.fields(ZeroConfig) if not f.metadata.get("host_owned")]
+
+
+def field_specs(*, cli: bool) -> list[tuple[str, Any, dataclasses.Field]]:
+    """`(zero_<name>, type, dataclasses.field(...))` for every exposed setting, for `make_dataclass`.
+    With `cli`, types are those `HfArgumentParser` parses (a sequence of names becomes one
+    comma-separated string); the help text and the choices come from `ZeroConfig`."""
+    hints = typing.get_type_hints(ZeroConfig)
+    specs = []
+    for f in exposed_fields():
+        kind = hints[f.name]
+        if cli and f.name == "wrap":
+            kind = str
+        metadata = {"help": f.metadata["help"]}
+        choices = _choices(kind)
+        if choices:
+            metadata["choices"] = choices
+        specs.append((PREFIX + f.name, kind, dataclasses.field(default=f.default, metadata=metadata)))
+    return specs
+
+
+def _choices(kind: Any) -> list[Any] | None:
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) is Literal:
+        return list(typing.get_args(kind))
+    if len(args) == 1 and typing.get_origin(args[0]) is Literal:
+        return list(typing.get_args(args[0]))
+    return None
+
+
+def to_zero_config(values: Any, mixed_precision: str, **overrides: Any) -> ZeroConfig:
+    """The `ZeroConfig` of an object with `zero_<name>` attributes (the Trainer's arguments, a plugin),
+    with the host's precision; `overrides` replace settings the host computed itself."""
+    kwargs: dict[str, Any] = {f.name: getattr(values, PREFIX + f.name) for f in exposed_fields()}
+    wrap = kwargs["wrap"]
+    if isinstance(wrap, str) and wrap.strip() != "auto":  # the command line's comma-separated names
+        kwargs["wrap"] = tuple(name.strip() for name in wrap.split(",") if name.strip())
+        if not kwargs["wrap"]:
+            raise ValueError("--zero_wrap must be 'auto' or comma-separated module class names.")
+    elif isinstance(wrap, str):
+        kwargs["wrap"] = "auto"
+    kwargs.update(overrides)
+    return ZeroConfig(mixed_precision=mixed_precision, **kwargs)  # type: ignore[arg-type]
