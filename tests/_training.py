@@ -33,6 +33,7 @@ class Scenario:
     wrap: Any = "auto"
     frozen: tuple[str, ...] = ()  # parameter name substrings to freeze
     lora: bool = False  # peft LoRA (rank 8 on the attention projections) around the model
+    repeat_batch: bool = False  # every step trains on step 0's batch (learnable: the loss falls fast)
     checkpointing: bool = False  # activation checkpointing (non-reentrant) on the sharded model
     ac: str = ""  # activation checkpointing users' other ways: "wrapper", "wrapper_reentrant" (torch's
     #               checkpoint_wrapper on every block), "user", "user_reentrant" (checkpoint(block, x) in forward)
@@ -200,6 +201,8 @@ class MoELM(nn.Module):
 def make_batches(sc: Scenario) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, VOCAB, (sc.steps, sc.global_batch, sc.seq), generator=g)
+    if sc.repeat_batch:
+        data[:] = data[0].clone()
     if sc.model == "moe":  # rank 0's micro-batches only reach experts 0-1; the other ranks', all four
         for a in range(sc.accum):
             start = a * sc.world * sc.micro_bs

@@ -82,7 +82,7 @@ def test_bf16_mixed_precision_tracks_fp32(pools):
     fp32 (bf16 keeps 8 bits of mantissa, about 3 significant digits) over a trajectory that falls by more."""
     from tests.test_precision_and_lifecycle import assert_tracks_fp32
 
-    sc = Scenario(model="llama", stage=3, world=2, mixed_precision="bf16", lr=1e-2)
+    sc = Scenario(model="llama", stage=3, world=2, mixed_precision="bf16", lr=1e-2, repeat_batch=True)
     assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=2e-2)
 
 

@@ -24,21 +24,22 @@ def assert_tracks_fp32(got: dict, ref: dict, tol: float) -> None:
 def test_bf16_tracks_fp32_at_stages_1_and_2(pools, stage):
     """bf16 compute, fp32 master/optimizer/reduction: losses within 2e-2 relative of fp32 (bf16 has
     8 mantissa bits) over a trajectory that falls by more than 8%."""
-    sc = Scenario(model="falcon", stage=stage, world=2, mixed_precision="bf16", lr=1e-2)
+    sc = Scenario(model="falcon", stage=stage, world=2, mixed_precision="bf16", lr=1e-2, repeat_batch=True)
     assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=2e-2)
 
 
 def test_bf16_gradient_reduction(pools):
     """reduce_dtype='bf16' in fp32 training: the reduction is the only rounding, so losses stay
     within 1e-3 relative of fp32."""
-    sc = Scenario(model="llama", stage=3, world=2, config_overrides=(("reduce_dtype", "bf16"),), lr=1e-2)
+    sc = Scenario(model="llama", stage=3, world=2, config_overrides=(("reduce_dtype", "bf16"),), lr=1e-2,
+                  repeat_batch=True)
     assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=1e-3)
 
 
 def test_fp16_with_dynamic_loss_scale_tracks_fp32(pools):
     """fp16 compute with the default loss scale: losses within 2e-2 relative of fp32 (fp16 keeps 11
     mantissa bits but a narrow range; the scale keeps small gradients representable)."""
-    sc = Scenario(model="llama", stage=3, world=2, mixed_precision="fp16", lr=1e-2)
+    sc = Scenario(model="llama", stage=3, world=2, mixed_precision="fp16", lr=1e-2, repeat_batch=True)
     assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=2e-2)
 
 
