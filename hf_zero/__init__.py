@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ZeroTrainer": "trainer",
+    "ZeroTrainerMixin": "trainer",
     "ZeroTrainingArguments": "training_args",
     "ZeroAccelerator": "accelerate",
     "ZeroPlugin": "accelerate",
@@ -40,6 +41,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroPlugin",
     "ZeroTrainer",
+    "ZeroTrainerMixin",
     "ZeroTrainingArguments",
     "attach_optimizer",
     "consolidate",

@@ -190,6 +190,14 @@ class ZeroEngine:
         """The first qualified name of one of the model's parameters (or of its stand-in)."""
         return self._names[id(param)]
 
+    def use_directly(self, module: nn.Module) -> None:
+        """Keep the unit of `module`'s parameters gathered through every forward of the model, for code
+        that reads them without calling `module` ([Note: direct use] in hooks.py). Stages 0-2: nothing to do."""
+        owned = {id(self.compute_param(p)) for p in module.parameters()}  # stand-ins map to the real ones
+        for group in self.groups:
+            if any(id(p) in owned for p in group.params) and group is not self.groups[-1]:
+                self.hooks.use_directly(group)
+
     @property
     def generation_needs_sync(self) -> bool:
         """Whether every rank must run every forward of `generate` (stage 3, several ranks): each

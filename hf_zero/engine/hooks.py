@@ -105,6 +105,7 @@ class UnitHooks:
         self._gated: UnitGroup | None = None  # [Note: reduction-gated prefetch] the running unit's deferred prefetch
         self._order_known = False
         self._held: UnitGroup | None = None  # the last unit of the forward, kept gathered for the backward
+        self.direct: list[UnitGroup] = []  # [Note: direct use] units gathered with the root's forward
         self._handles: list[RemovableHandle] = []
         # Per iteration ([Note: unit lifecycle]):
         self.state = TrainingState.IDLE
@@ -145,6 +146,8 @@ class UnitHooks:
             if not self._order_known and self._forward_order:
                 self._learn_order()
             self.state = TrainingState.FORWARD
+            for direct in self.direct:  # [Note: direct use]
+                self.plan.params.before_compute(direct)
         elif not self._order_known and not recompute and unit is not self.root and unit not in self._forward_order:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
         if self._gated is not None and self._forward_gathers(unit, recompute):
@@ -393,6 +396,18 @@ class UnitHooks:
             run.reset()
         self._callback_queued = False
         self.state = TrainingState.IDLE
+
+    def use_directly(self, unit: UnitGroup) -> None:
+        """[Note: direct use]
+        Some code reads a unit's parameters without calling its module: TRL's fused loss computes
+        log-probabilities chunk by chunk from `lm_head.weight` and the backbone's hidden states, so the
+        head's forward hooks never run. Such a unit is gathered at the root's pre_forward (its
+        parameters are then the real ones) and stays gathered through the forward; its backward
+        begins at its first parameter gradient (pre_backward keeps the gradient autograd made) and
+        ends in the final callback, after which it is freed as usual. The cost is that unit's
+        parameters during the whole forward."""
+        if unit not in self.direct:
+            self.direct.append(unit)
 
     def release_held(self) -> None:
         """Free the unit a forward kept gathered for its backward, when no backward will use it."""

@@ -41,19 +41,26 @@ from .training_args import ZeroTrainingArguments
 CHECKPOINT_SUBDIR = "hf_zero"
 
 
-class ZeroTrainer(Trainer):
-    """A drop-in `Trainer` that trains with hf_zero's ZeRO engine (see [Note: Trainer integration]).
+class ZeroTrainerMixin:
+    """The hf_zero engine for any `Trainer` subclass (see [Note: Trainer integration]): put it first.
 
-    Takes `ZeroTrainingArguments`; everything else is the stock `Trainer`'s.
+    Works with the Trainers of other libraries because it overrides only the Trainer's own methods
+    and calls `super()` in each: TRL's `SFTTrainer` and `DPOTrainer`, `Seq2SeqTrainer`. Their
+    arguments class must carry the `--zero_*` fields too (a dataclass over both, as below). For
+    TRL, whose fused loss reads `lm_head.weight` without calling the head, the head is kept
+    gathered through each forward at stage 3 ([Note: direct use]).
 
     Example:
 
     ```python
-    >>> args = ZeroTrainingArguments(output_dir="out", zero_stage=3, bf16=True, gradient_accumulation_steps=4)
-    >>> trainer = ZeroTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
-    ...                       processing_class=tokenizer)
-    >>> trainer.train()
-    >>> trainer.save_model("out/final")   # a from_pretrained directory
+    >>> from dataclasses import dataclass
+    >>> from trl import SFTConfig, SFTTrainer
+    >>> @dataclass
+    ... class ZeroSFTConfig(hf_zero.ZeroTrainingArguments, SFTConfig):
+    ...     pass
+    >>> class ZeroSFTTrainer(hf_zero.ZeroTrainerMixin, SFTTrainer):
+    ...     pass
+    >>> trainer = ZeroSFTTrainer(model=model, args=ZeroSFTConfig(output_dir="out", zero_stage=3), train_dataset=data)
     ```
     """
 
@@ -85,6 +92,9 @@ class ZeroTrainer(Trainer):
             self.model, sharded = initialize(self.model, optimizer, config)
             if sharded is not None:
                 self.optimizer = sharded
+            head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+            if _reads_head_directly(self) and isinstance(head, nn.Module):
+                get_engine(self.model).use_directly(head)
         elif training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer = attach_optimizer(self.model, self.optimizer)  # sharded for evaluation first
         return self.model
@@ -187,3 +197,26 @@ class ZeroTrainer(Trainer):
         if not is_sharded(self.model) or best is None:
             return super()._load_best_model()
         load_checkpoint(os.path.join(best, CHECKPOINT_SUBDIR), self.model)
+
+
+class ZeroTrainer(ZeroTrainerMixin, Trainer):
+    """A drop-in `Trainer` that trains with hf_zero's ZeRO engine (`ZeroTrainerMixin` over `Trainer`).
+
+    Takes `ZeroTrainingArguments`; everything else is the stock `Trainer`'s.
+
+    Example:
+
+    ```python
+    >>> args = ZeroTrainingArguments(output_dir="out", zero_stage=3, bf16=True, gradient_accumulation_steps=4)
+    >>> trainer = ZeroTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+    ...                       processing_class=tokenizer)
+    >>> trainer.train()
+    >>> trainer.save_model("out/final")   # a from_pretrained directory
+    ```
+    """
+
+
+def _reads_head_directly(trainer: object) -> bool:
+    """Whether the trainer computes its loss from `lm_head.weight` without calling the head (TRL's trainers,
+    with their default fused log-probabilities)."""
+    return any(cls.__module__.split(".")[0] == "trl" for cls in type(trainer).__mro__)

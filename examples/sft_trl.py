@@ -1,0 +1,86 @@
+"""Instruction tuning with TRL's `SFTTrainer` on hf_zero: the step after domain adaptation.
+
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml examples/sft_trl.py \
+        --model_name_or_path outputs/demo/model --dataset_file instructions.jsonl \
+        --output_dir outputs/sft --zero_stage 3 --max_steps 50 --use_cpu
+
+The dataset is a JSON-lines file of `{"prompt": ..., "completion": ...}` records (TRL's
+prompt-completion format: the loss is taken on the completion only), or, without
+`--dataset_file`, instructions made from a folder of domain text (`--corpus`: each document's
+first line becomes the prompt "Continue this log: ...", the rest the completion).
+
+The only hf_zero-specific lines are the two classes below: TRL's `SFTConfig` and `SFTTrainer`
+with hf_zero's `--zero_*` settings and engine mixed in. `--use_stock_trainer` runs the same job with
+TRL's own classes (plain DDP under the same launcher), for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from trl import SFTConfig, SFTTrainer
+
+import hf_zero
+
+
+@dataclass
+class ZeroSFTConfig(hf_zero.ZeroTrainingArguments, SFTConfig):
+    """TRL's `SFTConfig` with every `--zero_*` setting."""
+
+
+class ZeroSFTTrainer(hf_zero.ZeroTrainerMixin, SFTTrainer):
+    """TRL's `SFTTrainer` trained by hf_zero's engine."""
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str = field(metadata={"help": "a local model directory (e.g. the domain-adapted model)"})
+    dataset_file: str | None = field(default=None, metadata={"help": "JSON lines of {prompt, completion}"})
+    corpus: str | None = field(default=None, metadata={"help": "a folder of .txt documents to make instructions from"})
+    use_stock_trainer: bool = field(default=False, metadata={"help": "TRL's own SFTTrainer (DDP), for comparison"})
+
+
+def instructions(args: ScriptArguments) -> Dataset:
+    if args.dataset_file:
+        with open(args.dataset_file) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    elif args.corpus:
+        rows = []
+        for name in sorted(os.listdir(args.corpus)):
+            with open(os.path.join(args.corpus, name)) as f:
+                lines = [line.strip() for line in f.read().splitlines() if line.strip()]
+            if len(lines) >= 2:
+                rows.append({"prompt": f"Continue this log: {lines[0]}\n", "completion": " ".join(lines[1:3])})
+    else:
+        raise ValueError("Pass --dataset_file (JSON lines of prompt/completion) or --corpus (a folder of documents).")
+    if not rows or not all({"prompt", "completion"} <= set(r) for r in rows):
+        raise ValueError("The dataset needs records with 'prompt' and 'completion' fields.")
+    return Dataset.from_list(rows)
+
+
+def main() -> None:
+    script, config = HfArgumentParser((ScriptArguments, ZeroSFTConfig)).parse_args_into_dataclasses()
+    if script.use_stock_trainer:  # the same settings through TRL's own classes
+        config = SFTConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(SFTConfig) if f.init})
+        trainer_cls = SFTTrainer
+    else:
+        trainer_cls = ZeroSFTTrainer
+    tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path)
+    trainer = trainer_cls(model=model, args=config, train_dataset=instructions(script), processing_class=tokenizer)
+    result = trainer.train()
+    trainer.save_model(os.path.join(config.output_dir, "final"))
+    if trainer.args.process_index == 0:
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        with open(os.path.join(config.output_dir, "losses.json"), "w") as f:
+            json.dump(losses, f)
+        print(f"trained {result.global_step} steps; losses {losses}")
+
+
+if __name__ == "__main__":
+    main()
