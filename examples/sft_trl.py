@@ -29,7 +29,7 @@ import hf_zero
 
 
 @dataclass
-class ZeroSFTConfig(hf_zero.ZeroTrainingArguments, SFTConfig):
+class ZeroSFTConfig(hf_zero.ZeroArgumentsMixin, SFTConfig):
     """TRL's `SFTConfig` with every `--zero_*` setting."""
 
 

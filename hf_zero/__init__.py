@@ -21,6 +21,7 @@ _LAZY = {
     "ZeroTrainer": "trainer",
     "ZeroTrainerMixin": "trainer",
     "ZeroTrainingArguments": "training_args",
+    "ZeroArgumentsMixin": "training_args",
     "ZeroAccelerator": "accelerate",
     "ZeroPlugin": "accelerate",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "ModelStateMemory",
     "ShardedOptimizer",
     "ZeroAccelerator",
+    "ZeroArgumentsMixin",
     "ZeroConfig",
     "ZeroPlugin",
     "ZeroTrainer",

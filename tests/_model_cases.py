@@ -317,7 +317,7 @@ def seq2seq_trainer_predict(output_dir: str) -> dict[str, Any]:
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     @dataclass
-    class Args(hf_zero.ZeroTrainingArguments, Seq2SeqTrainingArguments):
+    class Args(hf_zero.ZeroArgumentsMixin, Seq2SeqTrainingArguments):
         pass
 
     class Trainer(hf_zero.ZeroTrainer, Seq2SeqTrainer):

@@ -354,3 +354,21 @@ def test_every_zero_config_field_reaches_the_engine_from_both_integrations(tmp_p
         for name, (_, value) in values.items():
             assert value != fields[name].default, name  # the round trip proves something
             assert getattr(from_cli, name) == value and getattr(from_plugin, name) == value, name
+
+
+@pytest.mark.parametrize("host", ["trl.SFTConfig", "trl.DPOConfig", "transformers.Seq2SeqTrainingArguments"])
+def test_zero_arguments_mixin_keeps_the_host_configs_defaults(host):
+    """`class C(hf_zero.ZeroArgumentsMixin, HostConfig)` has every --zero_* field and every field of the host
+    config with the host's default (TRL turns bf16 on and sets its own learning rates)."""
+    import dataclasses
+    import importlib
+
+    module, name = host.rsplit(".", 1)
+    pytest.importorskip(module)
+    base = getattr(importlib.import_module(module), name)
+    composed = dataclasses.make_dataclass("Composed", [], bases=(hf_zero.ZeroArgumentsMixin, base))
+    a, b = composed(output_dir="/tmp/hf_zero-args", use_cpu=True), base(output_dir="/tmp/hf_zero-args", use_cpu=True)
+    for f in dataclasses.fields(base):
+        if f.init:
+            assert getattr(a, f.name) == getattr(b, f.name), f.name
+    assert a.zero_stage == hf_zero.ZeroConfig().stage and a.to_zero_config().mixed_precision == ("bf16" if b.bf16 else "no")

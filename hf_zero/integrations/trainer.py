@@ -36,7 +36,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from ..checkpoint.format import last_complete_checkpoint
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
-from .training_args import ZeroTrainingArguments
+from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
 
 CHECKPOINT_SUBDIR = "hf_zero"
 
@@ -46,7 +46,8 @@ class ZeroTrainerMixin:
 
     Works with the Trainers of other libraries because it overrides only the Trainer's own methods
     and calls `super()` in each: TRL's `SFTTrainer` and `DPOTrainer`, `Seq2SeqTrainer`. Their
-    arguments class must carry the `--zero_*` fields too (a dataclass over both, as below). For
+    arguments class gets the `--zero_*` fields from `hf_zero.ZeroArgumentsMixin`, put first so the
+    library's own defaults stay (TRL's configs turn `bf16` on, for one). For
     TRL, whose fused loss reads `lm_head.weight` without calling the head, the head is kept
     gathered through each forward at stage 3 ([Note: direct use]).
 
@@ -56,7 +57,7 @@ class ZeroTrainerMixin:
     >>> from dataclasses import dataclass
     >>> from trl import SFTConfig, SFTTrainer
     >>> @dataclass
-    ... class ZeroSFTConfig(hf_zero.ZeroTrainingArguments, SFTConfig):
+    ... class ZeroSFTConfig(hf_zero.ZeroArgumentsMixin, SFTConfig):
     ...     pass
     >>> class ZeroSFTTrainer(hf_zero.ZeroTrainerMixin, SFTTrainer):
     ...     pass
@@ -67,9 +68,10 @@ class ZeroTrainerMixin:
     args: ZeroTrainingArguments
 
     def create_accelerator_and_postprocess(self) -> None:
-        if not isinstance(self.args, ZeroTrainingArguments):
+        if not isinstance(self.args, ZeroArgumentsMixin):
             raise TypeError(
-                f"ZeroTrainer needs ZeroTrainingArguments (with --zero_stage); got {type(self.args).__name__}."
+                f"ZeroTrainer needs ZeroTrainingArguments (with --zero_stage), or a config class with "
+                f"hf_zero.ZeroArgumentsMixin mixed in first; got {type(self.args).__name__}."
             )
         super().create_accelerator_and_postprocess()
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:

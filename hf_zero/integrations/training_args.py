@@ -10,10 +10,12 @@ from ..config import ZeroConfig
 from .settings import field_specs, launch_env, to_zero_config
 
 
-@dataclass
-class _ZeroTrainingArguments(TrainingArguments):
-    """`TrainingArguments` with every hf_zero engine setting as a `--zero_<name>` flag (the `ZeroConfig`
-    field of that name: same default, help and choices; `--zero_wrap` takes comma-separated names).
+class _ZeroArguments:
+    """Every hf_zero engine setting as a `--zero_<name>` field (the `ZeroConfig` field of that name: same
+    default, help and choices; `--zero_wrap` takes comma-separated names), for any `TrainingArguments`
+    class: `ZeroTrainingArguments` is this over `TrainingArguments`; over another library's config,
+    put this first so that config keeps its own defaults (TRL's `SFTConfig` turns `bf16` on, for one):
+    `class ZeroSFTConfig(hf_zero.ZeroArgumentsMixin, SFTConfig)`.
 
     Precision comes from the Trainer's own `--bf16` / `--fp16` (or, as for `TrainingArguments`, from
     `accelerate launch --mixed_precision`), so it has one owner. The
@@ -32,6 +34,13 @@ class _ZeroTrainingArguments(TrainingArguments):
     ```
     """
 
+    # Declared by TrainingArguments, which every class this is mixed into derives from.
+    fp16: bool
+    bf16: bool
+    deepspeed: object
+    fsdp: object
+    auto_find_batch_size: bool
+
     @property
     def place_model_on_device(self) -> bool:
         return False  # the engine moves the model to the device one unit (and one shard) at a time
@@ -41,7 +50,7 @@ class _ZeroTrainingArguments(TrainingArguments):
         # mistake raises the same error on every rank and nothing waits in a collective.
         self._refuse_incompatible()
         self.to_zero_config()
-        super().__post_init__()
+        super().__post_init__()  # type: ignore[misc]
 
     def _refuse_incompatible(self) -> None:
         env = launch_env()
@@ -84,12 +93,27 @@ class _ZeroTrainingArguments(TrainingArguments):
         return to_zero_config(self, mixed, shard_group_size=group_size)
 
 
-# [Note: one source of truth] in settings.py: every ZeroConfig field as --zero_<field>, derived.
-ZeroTrainingArguments = make_dataclass(
-    "ZeroTrainingArguments",
+# [Note: one source of truth] in settings.py: every ZeroConfig field as --zero_<field>, derived. The mixin
+# holds only these fields (no TrainingArguments defaults), so mixed into another config it keeps that one's.
+ZeroArgumentsMixin = make_dataclass(
+    "ZeroArgumentsMixin",
     [*field_specs(cli=True),
      ("zero_hybrid_shard", bool, field(default=False, metadata={"help": "Hybrid sharding: shard within each node (the "
       "launcher's LOCAL_WORLD_SIZE ranks) and replicate across nodes, so the big collectives stay inside the node."}))],
-    bases=(_ZeroTrainingArguments,),
-    namespace={"__doc__": _ZeroTrainingArguments.__doc__, "__module__": __name__},
+    bases=(_ZeroArguments,),
+    namespace={"__doc__": _ZeroArguments.__doc__, "__module__": __name__},
 )
+
+
+@dataclass
+class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments):
+    """`TrainingArguments` with every hf_zero setting as a `--zero_<name>` flag (`ZeroArgumentsMixin`).
+
+    Example:
+
+    ```python
+    >>> args = ZeroTrainingArguments(output_dir="out", zero_stage=3, bf16=True, gradient_accumulation_steps=4)
+    >>> args.to_zero_config().stage
+    3
+    ```
+    """
