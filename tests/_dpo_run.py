@@ -45,6 +45,8 @@ def main() -> None:
     if trainer.args.process_index == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         json.dump(losses, open(os.path.join(out, "losses.json"), "w"))
+        reference = getattr(trainer, "ref_model", None)
+        json.dump({"ref_sharded": hf_zero.api.is_sharded(reference)}, open(os.path.join(out, "ref.json"), "w"))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(assets, 
 
 @pytest.mark.parametrize("stage", [3])
 def test_dpo_at_stage_3_matches_stock_dpo_trainer_under_ddp(assets, tmp_path, stage):
-    """TRL's DPOTrainer with hf_zero mixed in (reference model built by TRL, fused log-probabilities) against
+    """TRL's DPOTrainer with hf_zero mixed in (reference model built by TRL and sharded at stage 3 as well,
+    fused log-probabilities) against
     TRL's stock DPOTrainer under DDP, both under `accelerate launch` on 2 processes: losses within 1e-5
     relative and equal saved weights (fp32: TRL's configs default to bf16, turned off for both)."""
     pytest.importorskip("trl")
@@ -124,6 +125,7 @@ def test_dpo_at_stage_3_matches_stock_dpo_trainer_under_ddp(assets, tmp_path, st
     got, want = json.loads((zero / "losses.json").read_text()), json.loads((stock / "losses.json").read_text())
     assert len(got) == 3 and got[0] == pytest.approx(0.6931, abs=1e-3)  # DPO starts at log 2 (policy = reference)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert json.loads((zero / "ref.json").read_text()) == {"ref_sharded": True}  # the reference model is sharded too
     a, b = load_file(zero / "final" / "model.safetensors"), load_file(stock / "final" / "model.safetensors")
     for name in b:
         np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)

@@ -94,12 +94,22 @@ class ZeroTrainerMixin:
             self.model, sharded = initialize(self.model, optimizer, config)
             if sharded is not None:
                 self.optimizer = sharded
-            head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-            if _reads_head_directly(self) and isinstance(head, nn.Module):
-                get_engine(self.model).use_directly(head)
+            self._shard_for_direct_head(self.model)
+            reference = getattr(self, "ref_model", None)  # DPO-style trainers: a frozen copy used for inference
+            if config.stage == 3 and isinstance(reference, nn.Module) and not is_sharded(reference):
+                reference.requires_grad_(False)  # inference only: frozen parts, compute dtype, no master copy
+                reference, _ = initialize(reference, None, config)
+                self._shard_for_direct_head(reference)
         elif training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer = attach_optimizer(self.model, self.optimizer)  # sharded for evaluation first
         return self.model
+
+    def _shard_for_direct_head(self, model: nn.Module) -> None:
+        """TRL computes log-probabilities from `lm_head.weight` directly: keep the head gathered through each
+        forward of a sharded model ([Note: direct use])."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if _reads_head_directly(self) and isinstance(head, nn.Module):
+            get_engine(model).use_directly(head)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         return self._sharded_optimizer().clip_grad_norm_(self.args.max_grad_norm)
