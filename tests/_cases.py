@@ -490,3 +490,23 @@ def optimizer_chunks(stage: int, chunk: int, tmp: str) -> dict[str, Any]:
     )
     out["scale"] = max(float(v.abs().max()) for v in ref.values())
     return out
+
+
+def frozen_block_state_at_embedding_grad() -> dict[str, Any]:
+    """Stage 3, block 0 of the tiny LLaMA entirely frozen (one unit per block): whether block 0 is still
+    gathered when the embedding (after it in backward) gets its gradient."""
+    model = make_model("llama")
+    for name, p in model.named_parameters():
+        if name.startswith("model.layers.0."):
+            p.requires_grad_(False)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3, bucket_size_mb=0))
+    units = {u.spec.name: u for u in model.zero_engine.units}
+    seen: list[str] = []
+    model.model.embed_tokens.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(units["model.layers.0"].state.value))
+    batch = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"block0_at_embedding_grad": seen, "frozen": units["model.layers.0"].spec.frozen}

@@ -116,3 +116,10 @@ def test_stage3_large_head_adds_only_its_own_buffers(pools, world):
         assert r["adopts"] is (world == 2) and r["adopted"] is (world == 2), r
     for r in small:
         assert r["block_whole_in_head_backward"] is True, r
+
+
+def test_frozen_unit_is_resharded_as_soon_as_its_backward_is_through(pools):
+    """[Note: backward end] a fully frozen block ends its backward on its inputs' gradient, like any other:
+    by the time the embedding (the next unit in backward) gets its gradient, the block is sharded again."""
+    for r in pools(2).values(_cases.frozen_block_state_at_embedding_grad):
+        assert r["frozen"] and r["block0_at_embedding_grad"] == ["sharded", "sharded"], r
