@@ -3,8 +3,10 @@
 Accepts text (`.txt`, `.md`), JSON lines (`.jsonl`, `.json`) and Parquet files, given as paths,
 globs or folders (searched recursively). Documents are tokenized with the model's tokenizer,
 an end-of-sequence token is appended to each, and the stream is cut into `block_size` blocks
-(the remainder is dropped), as continued pretraining does. The held-out split is taken from
-the blocks with a fixed seed, so every script that uses the same arguments sees the same split.
+(the remainder is dropped), as continued pretraining does. The held-out split is either given as
+its own files (`validation_patterns`, the better choice: whole documents the model never sees) or
+taken from the blocks with a fixed seed, so every script that uses the same arguments sees the
+same split.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from datasets import Dataset, DatasetDict, load_dataset
 _BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-def resolve_files(patterns: list[str]) -> tuple[str, list[str]]:
+def resolve_files(patterns: list[str], option: str = "--train_files") -> tuple[str, list[str]]:
     """Expand paths, globs and folders; returns the `datasets` builder and the sorted files."""
     files: list[str] = []
     for pattern in patterns:
@@ -28,17 +30,17 @@ def resolve_files(patterns: list[str]) -> tuple[str, list[str]]:
         else:
             matched = glob.glob(pattern, recursive=True)
             if not matched:
-                raise FileNotFoundError(f"--train_files: nothing matches {pattern!r}.")
+                raise FileNotFoundError(f"{option}: nothing matches {pattern!r}.")
             files += matched
     files = sorted(set(files))
     if not files:
-        raise FileNotFoundError(f"--train_files: no .txt, .md, .jsonl, .json or .parquet file in {patterns}.")
+        raise FileNotFoundError(f"{option}: no .txt, .md, .jsonl, .json or .parquet file in {patterns}.")
     builders = {_BUILDERS.get(os.path.splitext(f)[1]) for f in files}
     if None in builders:
         bad = [f for f in files if os.path.splitext(f)[1] not in _BUILDERS]
-        raise ValueError(f"--train_files: unsupported file type(s) {bad[:3]}; use .txt, .md, .jsonl, .json or .parquet.")
+        raise ValueError(f"{option}: unsupported file type(s) {bad[:3]}; use .txt, .md, .jsonl, .json or .parquet.")
     if len(builders) > 1:
-        raise ValueError(f"--train_files mixes file kinds {sorted(builders)}; pass one kind per run.")
+        raise ValueError(f"{option} mixes file kinds {sorted(builders)}; pass one kind per run.")
     return builders.pop(), files
 
 
@@ -49,14 +51,34 @@ def load_corpus(
     block_size: int,
     validation_split_percentage: float,
     seed: int,
+    validation_patterns: list[str] | None = None,
     text_column: str = "text",
     num_proc: int | None = None,
 ) -> DatasetDict:
-    """Tokenized, packed `train` and `validation` splits of the corpus."""
-    builder, files = resolve_files(patterns)
+    """Tokenized, packed `train` and `validation` splits of the corpus.
+
+    Example:
+        >>> data = load_corpus(["corpus/train.jsonl"], tokenizer, block_size=128, validation_split_percentage=5,
+        ...                    seed=42, validation_patterns=["corpus/held_out.jsonl"])  # doctest: +SKIP
+    """
+    train = _blocks(patterns, "--train_files", tokenizer, block_size, text_column, num_proc)
+    if validation_patterns:
+        validation = _blocks(validation_patterns, "--validation_files", tokenizer, block_size, text_column, num_proc)
+        return DatasetDict(train=train, validation=validation)
+    if len(train) < 2:
+        raise ValueError(f"The corpus gives {len(train)} block(s) of {block_size} tokens; add text or lower --block_size.")
+    test_size = max(1, int(len(train) * validation_split_percentage / 100))
+    split = train.train_test_split(test_size=test_size, seed=seed, shuffle=True)
+    return DatasetDict(train=split["train"], validation=split["test"])
+
+
+def _blocks(patterns: list[str], option: str, tokenizer: Any, block_size: int, text_column: str,
+            num_proc: int | None) -> Dataset:
+    builder, files = resolve_files(patterns, option)
     raw: Dataset = load_dataset(builder, data_files=files, split="train")
     if text_column not in raw.column_names:
-        raise ValueError(f"The corpus has no column {text_column!r} (it has {raw.column_names}); set --text_column.")
+        raise ValueError(f"{option}: the corpus has no column {text_column!r} (it has {raw.column_names}); "
+                         "set --text_column.")
     raw = raw.filter(lambda batch: [bool(t and t.strip()) for t in batch[text_column]], batched=True)
     eos = tokenizer.eos_token_id
 
@@ -72,8 +94,6 @@ def load_corpus(
 
     tokens = raw.map(tokenize, batched=True, remove_columns=raw.column_names, num_proc=num_proc, desc="tokenizing")
     blocks = tokens.map(pack, batched=True, batch_size=1000, num_proc=num_proc, desc=f"packing into {block_size}-token blocks")
-    if len(blocks) < 2:
-        raise ValueError(f"The corpus gives {len(blocks)} block(s) of {block_size} tokens; add text or lower --block_size.")
-    test_size = max(1, int(len(blocks) * validation_split_percentage / 100))
-    split = blocks.train_test_split(test_size=test_size, seed=seed, shuffle=True)
-    return DatasetDict(train=split["train"], validation=split["test"])
+    if len(blocks) < 1:
+        raise ValueError(f"{option} gives no block of {block_size} tokens; add text or lower --block_size.")
+    return blocks

@@ -1,13 +1,13 @@
 """Instruction tuning with TRL's `SFTTrainer` on hf_zero: the step after domain adaptation.
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml examples/sft_trl.py \
-        --model_name_or_path outputs/demo/model --dataset_file instructions.jsonl \
+        --model_name_or_path outputs/demo/model --dataset_file outputs/demo/instructions.jsonl \
         --output_dir outputs/sft --zero_stage 3 --max_steps 50 --use_cpu
 
 The dataset is a JSON-lines file of `{"prompt": ..., "completion": ...}` records (TRL's
-prompt-completion format: the loss is taken on the completion only), or, without
-`--dataset_file`, instructions made from a folder of domain text (`--corpus`: each document's
-first line becomes the prompt "Continue this log: ...", the rest the completion).
+prompt-completion format: the loss is taken on the completion only). `make demo` writes one made
+from the domain corpus: "What does `json.dumps(obj, ...)` do?" answered by the first paragraph of
+the docstring.
 
 The only hf_zero-specific lines are the two classes below: TRL's `SFTConfig` and `SFTTrainer`
 with hf_zero's `--zero_*` settings and engine mixed in. `--use_stock_trainer` runs the same job with
@@ -41,26 +41,17 @@ class ZeroSFTTrainer(hf_zero.ZeroTrainerMixin, SFTTrainer):
 @dataclass
 class ScriptArguments:
     model_name_or_path: str = field(metadata={"help": "a local model directory (e.g. the domain-adapted model)"})
-    dataset_file: str | None = field(default=None, metadata={"help": "JSON lines of {prompt, completion}"})
-    corpus: str | None = field(default=None, metadata={"help": "a folder of .txt documents to make instructions from"})
+    dataset_file: str = field(metadata={"help": "JSON lines of {prompt, completion} records"})
     use_stock_trainer: bool = field(default=False, metadata={"help": "TRL's own SFTTrainer (DDP), for comparison"})
 
 
-def instructions(args: ScriptArguments) -> Dataset:
-    if args.dataset_file:
-        with open(args.dataset_file) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    elif args.corpus:
-        rows = []
-        for name in sorted(os.listdir(args.corpus)):
-            with open(os.path.join(args.corpus, name)) as f:
-                lines = [line.strip() for line in f.read().splitlines() if line.strip()]
-            if len(lines) >= 2:
-                rows.append({"prompt": f"Continue this log: {lines[0]}\n", "completion": " ".join(lines[1:3])})
-    else:
-        raise ValueError("Pass --dataset_file (JSON lines of prompt/completion) or --corpus (a folder of documents).")
+def instructions(path: str) -> Dataset:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--dataset_file {path!r} does not exist (make demo writes outputs/demo/instructions.jsonl).")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     if not rows or not all({"prompt", "completion"} <= set(r) for r in rows):
-        raise ValueError("The dataset needs records with 'prompt' and 'completion' fields.")
+        raise ValueError(f"--dataset_file {path!r} needs records with 'prompt' and 'completion' fields.")
     return Dataset.from_list(rows)
 
 
@@ -73,7 +64,7 @@ def main() -> None:
         trainer_cls = ZeroSFTTrainer
     tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
     model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path)
-    trainer = trainer_cls(model=model, args=config, train_dataset=instructions(script), processing_class=tokenizer)
+    trainer = trainer_cls(model=model, args=config, train_dataset=instructions(script.dataset_file), processing_class=tokenizer)
     result = trainer.train()
     trainer.save_model(os.path.join(config.output_dir, "final"))
     if trainer.args.process_index == 0:

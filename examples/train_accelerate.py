@@ -38,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--zero_stage", type=int, default=3, choices=[0, 1, 2, 3])
     p.add_argument("--zero_wrap", default="auto", help="'auto' or comma-separated block class names")
     p.add_argument("--block_size", type=int, default=512)
+    p.add_argument("--validation_files", nargs="+", default=None,
+                   help="held-out files, globs or folders (default: --validation_split_percentage of the training blocks)")
     p.add_argument("--validation_split_percentage", type=float, default=5.0)
     p.add_argument("--text_column", default="text")
     p.add_argument("--per_device_train_batch_size", type=int, default=8)
@@ -89,7 +91,7 @@ def main() -> None:
     with accelerator.main_process_first():
         data = load_corpus(args.train_files, tokenizer, block_size=args.block_size,
                            validation_split_percentage=args.validation_split_percentage, seed=args.seed,
-                           text_column=args.text_column)
+                           validation_patterns=args.validation_files, text_column=args.text_column)
     train_loader = DataLoader(data["train"], shuffle=True, batch_size=args.per_device_train_batch_size,
                               collate_fn=default_data_collator, generator=torch.Generator().manual_seed(args.seed))
     eval_loader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=default_data_collator)

@@ -41,9 +41,15 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     train_files: list[str] = field(metadata={"help": "Corpus files, globs or folders (.txt, .md, .jsonl, .json, .parquet)."})
+    validation_files: list[str] | None = field(
+        default=None,
+        metadata={"help": "Held-out files, globs or folders; without them --validation_split_percentage of the "
+                          "training blocks is held out."},
+    )
     text_column: str = field(default="text", metadata={"help": "Text column of JSON / Parquet files."})
     block_size: int = field(default=512, metadata={"help": "Tokens per training block."})
-    validation_split_percentage: float = field(default=5.0, metadata={"help": "Share of blocks held out, in percent."})
+    validation_split_percentage: float = field(
+        default=5.0, metadata={"help": "Share of training blocks held out, in percent, without --validation_files."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenizing."})
 
 
@@ -61,7 +67,8 @@ def main() -> None:
     with args.main_process_first(desc="preparing the corpus"):
         data = load_corpus(data_args.train_files, tokenizer, block_size=data_args.block_size,
                            validation_split_percentage=data_args.validation_split_percentage, seed=args.seed,
-                           text_column=data_args.text_column, num_proc=data_args.preprocessing_num_workers)
+                           validation_patterns=data_args.validation_files, text_column=data_args.text_column,
+                           num_proc=data_args.preprocessing_num_workers)
 
     if model_args.sharded_loading:
         model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, model_args.model_name_or_path, args.to_zero_config())
@@ -86,6 +93,7 @@ def main() -> None:
         "train_blocks": len(data["train"]), "held_out_blocks": len(data["validation"]),
         "perplexity_before": math.exp(before["before_loss"]), "perplexity_after": math.exp(after["after_loss"]),
         "train_loss": result.training_loss, "global_step": result.global_step,
+        "train_runtime": result.metrics.get("train_runtime"),
     }
     if trainer.is_world_process_zero():
         with open(os.path.join(args.output_dir, "domain_adaptation.json"), "w") as f:

@@ -28,9 +28,40 @@ def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("assets")
-    _run([sys.executable, "examples/make_demo_assets.py", "--out", str(out), "--documents", "300",
-          "--hidden", "64", "--layers", "2", "--seq", "128"])
+    _run([sys.executable, "examples/make_demo_assets.py", "--out", str(out), "--max_documents", "60",
+          "--pretrain_steps", "0", "--vocab_size", "512", "--hidden", "64", "--layers", "2", "--seq", "128"])
     return out
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_demo_assets_hold_out_unseen_modules_and_reuse_the_cached_base(tmp_path):
+    """The demo's corpora are real text split by module/package (no held-out group is trained on, no held-out
+    entry is a near-copy of training text), and the pretrained base is cached: a second run reuses it."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from demo_corpus import MAX_SHARED_SHINGLES, Document, shared_shingle_fraction
+    from safetensors.torch import load_file
+
+    cmd = [sys.executable, "examples/make_demo_assets.py", "--max_documents", "80", "--pretrain_steps", "2",
+           "--vocab_size", "400", "--hidden", "32", "--layers", "1", "--seq", "64", "--block_size", "32",
+           "--cache", str(tmp_path / "cache")]
+    first = _run(cmd + ["--out", str(tmp_path / "a")])
+    second = _run(cmd + ["--out", str(tmp_path / "b")])
+    assert "pretraining on the general text for 2 steps" in first.stdout and "reused" not in first.stdout
+    assert "reused the pretrained base" in second.stdout
+    a, b = load_file(tmp_path / "a" / "base" / "model.safetensors"), load_file(tmp_path / "b" / "base" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    for corpus in ("corpus", "general"):
+        train, held = (_records(tmp_path / "a" / corpus / f"{part}.jsonl") for part in ("train", "held_out"))
+        assert train and held
+        assert not {r["source"] for r in train} & {r["source"] for r in held}
+        docs = {part: [Document(r["source"], (r["text"],)) for r in rows]
+                for part, rows in (("train", train), ("held", held))}
+        assert shared_shingle_fraction(docs["held"], docs["train"]) <= MAX_SHARED_SHINGLES
+    pairs = _records(tmp_path / "a" / "instructions.jsonl")
+    assert pairs and all(p["prompt"].startswith("What does `") and p["completion"] for p in pairs)
 
 
 def test_train_clm_with_accelerate_launch_and_zero_stage_3(assets, tmp_path):
@@ -38,8 +69,9 @@ def test_train_clm_with_accelerate_launch_and_zero_stage_3(assets, tmp_path):
 
     out = tmp_path / "run"
     done = _run(ACCELERATE + [
-        "examples/train_clm.py", "--model_name_or_path", str(assets / "base"), "--train_files", str(assets / "corpus"),
-        "--output_dir", str(out), "--zero_stage", "3", "--block_size", "64", "--per_device_train_batch_size", "4",
+        "examples/train_clm.py", "--model_name_or_path", str(assets / "base"),
+        "--train_files", str(assets / "corpus" / "train.jsonl"), "--validation_files", str(assets / "corpus" / "held_out.jsonl"), "--output_dir", str(out), "--zero_stage", "3",
+        "--block_size", "64", "--per_device_train_batch_size", "4",
         "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--max_steps", "8", "--save_steps", "4",
         "--logging_steps", "1", "--report_to", "none", "--use_cpu", "--disable_tqdm", "true",
     ])
@@ -50,14 +82,15 @@ def test_train_clm_with_accelerate_launch_and_zero_stage_3(assets, tmp_path):
     assert manifest["world_size"] == 2 and manifest["stage"] == 3  # really 2 processes, really sharded
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
-    generated = model.generate(**tokenizer("Work order", return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    generated = model.generate(**tokenizer("json.dumps(obj)", return_tensors="pt"), max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > 2
 
 
 def _accelerate_run(assets: Path, out: Path, max_steps: int, *extra: str) -> None:
     _run(ACCELERATE + [
         "examples/train_accelerate.py", "--model_name_or_path", str(assets / "base"),
-        "--train_files", str(assets / "corpus"), "--output_dir", str(out), "--zero_stage", "3", "--block_size", "64",
+        "--train_files", str(assets / "corpus" / "train.jsonl"), "--output_dir", str(out), "--zero_stage", "3",
+        "--block_size", "64",
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3",
         "--lr_scheduler_type", "constant", "--max_train_steps", str(max_steps), "--checkpointing_steps", "2", *extra,
     ])
@@ -94,7 +127,8 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(assets, 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    common = ["examples/sft_trl.py", "--model_name_or_path", str(assets / "base"), "--corpus", str(assets / "corpus"),
+    common = ["examples/sft_trl.py", "--model_name_or_path", str(assets / "base"), "--dataset_file",
+              str(assets / "instructions.jsonl"),
               "--max_steps", "4", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--logging_steps", "1",
               "--max_length", "64", "--report_to", "none", "--use_cpu", "--disable_tqdm", "true", "--save_strategy", "no",
               "--adam_epsilon", "1e-6", "--bf16", "false"]  # fp32 (TRL's configs default to bf16)
