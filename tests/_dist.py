@@ -1,10 +1,16 @@
-"""A pool of gloo worker processes that run test functions on every rank.
+"""A pool of worker processes that run test functions on every rank, on CPU + gloo or CUDA + NCCL.
 
 Spawning a process group costs seconds (torch and transformers imports), so each world size gets
 one pool for the whole session. `DistPool.run(fn, *args)` runs `fn(*args)` on every rank and
 returns each rank's `RankResult`. A task that does not finish within its timeout, or that fails
 on some ranks but not others (a collective may be left half-done), marks the pool broken and
 the next request for that world size starts a fresh one.
+
+Where the ranks run is chosen by `choose_placement` from what the machine has and from
+`HF_ZERO_TEST_DEVICE` (`auto`, the default: CUDA + NCCL when every rank can have a GPU of its own,
+else CPU + gloo; `cpu`; `cuda`: skip where there are not enough GPUs). Only tests marked
+`device_agnostic` (their inputs follow `device()`) take the GPU; the others always run on CPU.
+Each rank uses the GPU of its `LOCAL_RANK`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,61 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+
+ENV_VAR = "HF_ZERO_TEST_DEVICE"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a pool's ranks compute and how they communicate."""
+
+    device: str  # "cpu" or "cuda"
+    backend: str  # "gloo" or "nccl"
+
+
+class PlacementUnavailable(Exception):
+    """The requested placement cannot hold this many ranks here (the test is skipped, with this message)."""
+
+
+def choose_placement(world_size: int, requested: str, cuda_devices: int) -> Placement:
+    """The placement for `world_size` ranks: `requested` is `auto`, `cpu` or `cuda` (see the module docstring).
+
+    NCCL needs one GPU per rank, so CUDA is taken only when `cuda_devices >= world_size`.
+    """
+    requested = (requested or "auto").strip().lower()
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"{ENV_VAR}={requested!r}: use 'auto', 'cpu' or 'cuda'.")
+    enough = cuda_devices >= world_size
+    if requested == "cuda" and not enough:
+        raise PlacementUnavailable(f"{world_size} ranks need {world_size} GPUs (NCCL: one GPU per rank); "
+                                   f"{cuda_devices} visible")
+    if requested == "cpu" or not enough:
+        return Placement("cpu", "gloo")
+    return Placement("cuda", "nccl")
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+_DEVICE = None  # set in each worker: the torch.device this rank computes on
+
+
+def device():  # noqa: ANN201
+    """This rank's device (`cuda:LOCAL_RANK` in a CUDA pool; CPU in a gloo pool and in the test process)."""
+    import torch
+
+    return _DEVICE if _DEVICE is not None else torch.device("cpu")
+
+
+def backend_and_device() -> tuple[str, str, str]:
+    """(process-group backend, this rank's device, LOCAL_RANK): what a pool really runs on."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend()).lower(), str(device()), os.environ["LOCAL_RANK"]
 
 
 @dataclass
@@ -43,25 +104,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, timeout_s: float) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, timeout_s: float,
+            placement: Placement) -> None:
+    global _DEVICE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # What torchrun / accelerate launch set: Accelerate's PartialState reads them to see a multi-CPU run
     # (without ACCELERATE_USE_CPU each rank would silently believe it runs alone).
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), ACCELERATE_USE_CPU="true",
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
+    if placement.device == "cpu":
+        os.environ["ACCELERATE_USE_CPU"] = "true"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    extra: dict[str, Any] = {}
+    if placement.device == "cuda":
+        _DEVICE = torch.device("cuda", rank)  # LOCAL_RANK: one node
+        torch.cuda.set_device(_DEVICE)
+        extra["device_id"] = _DEVICE
+    else:
+        _DEVICE = torch.device("cpu")
     dist.init_process_group(
-        "gloo",
+        placement.backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        **extra,
     )
     while True:
         task = tasks.get()
@@ -76,9 +149,11 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, tim
 
 
 class DistPool:
-    def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
+    def __init__(self, world_size: int, placement: Placement = Placement("cpu", "gloo"),
+                 collective_timeout_s: float = 60.0) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.placement = placement
         self.broken = False
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
@@ -86,7 +161,7 @@ class DistPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, self._tasks[rank], self._results, collective_timeout_s),
+                args=(rank, world_size, port, self._tasks[rank], self._results, collective_timeout_s, placement),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -129,17 +204,18 @@ class DistPool:
 
 
 class Pools:
-    """One live pool per world size, replaced when broken."""
+    """One live pool per (world size, placement), replaced when broken."""
 
     def __init__(self) -> None:
-        self._pools: dict[int, DistPool] = {}
+        self._pools: dict[tuple[int, Placement], DistPool] = {}
 
-    def __call__(self, world_size: int) -> DistPool:
-        pool = self._pools.get(world_size)
+    def __call__(self, world_size: int, placement: Placement = Placement("cpu", "gloo")) -> DistPool:
+        key = (world_size, placement)
+        pool = self._pools.get(key)
         if pool is None or pool.broken:
             if pool is not None:
                 pool.close()
-            pool = self._pools[world_size] = DistPool(world_size)
+            pool = self._pools[key] = DistPool(world_size, placement)
         return pool
 
     def close(self) -> None:

@@ -83,11 +83,14 @@ class _StopAt(TrainerCallback):
 
 
 def _common(job: Job) -> dict[str, Any]:
+    from tests._dist import device
+
     return dict(
         output_dir=job.out_dir, per_device_train_batch_size=job.micro_bs, per_device_eval_batch_size=job.micro_bs,
         gradient_accumulation_steps=job.accum, max_steps=job.steps, learning_rate=1e-3, weight_decay=0.1,
         adam_epsilon=1e-6,  # see tests/_training.make_optimizer: keeps Adam's rounding sensitivity far below 1e-5
-        max_grad_norm=1.0, logging_steps=1, report_to="none", seed=0, disable_tqdm=True, use_cpu=True,
+        max_grad_norm=1.0, logging_steps=1, report_to="none", seed=0, disable_tqdm=True,
+        use_cpu=device().type == "cpu",
         save_strategy="steps" if job.save_steps else "no", save_steps=job.save_steps or 500,
         save_total_limit=job.save_total_limit,
         gradient_checkpointing=job.checkpointing, dataloader_num_workers=0,
@@ -128,7 +131,7 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     return {
         "losses": losses, "norms": [float(n) for n in norms], "eval_loss": eval_loss,
         "world": trainer.args.world_size,
-        "state": {k: v.detach().clone() for k, v in state.items()} if main else None,
+        "state": {k: v.detach().cpu().clone() for k, v in state.items()} if main else None,
         "checkpoints": sorted(os.listdir(job.out_dir)) if main and os.path.isdir(job.out_dir) else None,
         "window": window.samples if window is not None else None,
     }

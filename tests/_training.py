@@ -282,6 +282,7 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     import torch.distributed as dist
 
     import hf_zero
+    from tests._dist import device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != sc.world:
@@ -310,7 +311,7 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         for a in range(sc.accum):
             gathers.clear()
             start = (a * sc.world + rank) * sc.micro_bs
-            batch = data[step, start : start + sc.micro_bs]
+            batch = data[step, start : start + sc.micro_bs].to(device())
             last = a == sc.accum - 1
             ctx = model.no_sync() if (sc.use_no_sync and not last) else contextlib.nullcontext()
             with ctx:
@@ -335,7 +336,7 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     return {
         "losses": losses,
         "norms": norms,
-        "state": {k: v.float().numpy().copy() for k, v in state.items()},
+        "state": {k: v.float().cpu().numpy().copy() for k, v in state.items()},
         "memory": memory,
         "numel": sum(p.numel() for p in model.parameters()),
         "max_gathers": max_gathers,

@@ -16,6 +16,10 @@ import pytest
 
 from tests._training import Scenario, reference_run, rel_err, sharded_run
 
+# Every rank function here follows tests._dist.device(): on a machine with a GPU per rank the pools run on
+# CUDA + NCCL (make gpu-check), elsewhere on CPU + gloo.
+pytestmark = pytest.mark.device_agnostic
+
 TOL = 1e-5
 
 

@@ -20,6 +20,7 @@ def assert_tracks_fp32(got: dict, ref: dict, tol: float) -> None:
     assert (losses[0] - losses[-1]) / losses[0] > 2 * tol, losses
 
 
+@pytest.mark.device_agnostic
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_tracks_fp32_at_stages_1_and_2(pools, stage):
     """bf16 compute, fp32 master/optimizer/reduction: losses within 2e-2 relative of fp32 (bf16 has
@@ -28,6 +29,7 @@ def test_bf16_tracks_fp32_at_stages_1_and_2(pools, stage):
     assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=2e-2)
 
 
+@pytest.mark.device_agnostic
 def test_bf16_gradient_reduction(pools):
     """reduce_dtype='bf16' in fp32 training: the reduction is the only rounding, so losses stay
     within 1e-3 relative of fp32."""
@@ -36,6 +38,7 @@ def test_bf16_gradient_reduction(pools):
     assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=1e-3)
 
 
+@pytest.mark.device_agnostic
 def test_fp16_with_dynamic_loss_scale_tracks_fp32(pools):
     """fp16 compute with the default loss scale: losses within 2e-2 relative of fp32 (fp16 keeps 11
     mantissa bits but a narrow range; the scale keeps small gradients representable)."""

@@ -19,6 +19,10 @@ import torch
 from tests import _trainer_cases as tc
 from tests._training import make_tokenizer, rel_err
 
+# Every rank function here follows tests._dist.device(): on a machine with a GPU per rank the pools run on
+# CUDA + NCCL (make gpu-check), elsewhere on CPU + gloo.
+pytestmark = pytest.mark.device_agnostic
+
 TOL = 1e-5
 
 

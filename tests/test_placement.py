@@ -1,0 +1,47 @@
+"""Where the test ranks run: CPU + gloo here, CUDA + NCCL with one GPU per rank (tests/_dist.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests._dist import (ENV_VAR, Placement, PlacementUnavailable, backend_and_device, choose_placement,
+                         cuda_device_count)
+
+CPU, CUDA = Placement("cpu", "gloo"), Placement("cuda", "nccl")
+
+
+@pytest.mark.parametrize("requested, gpus, world, expected", [
+    ("auto", 0, 2, CPU),    # no GPU: gloo on CPU
+    ("auto", 2, 2, CUDA),   # a GPU per rank: NCCL
+    ("auto", 8, 3, CUDA),
+    ("auto", 1, 2, CPU),    # NCCL cannot put two ranks on one GPU: stay on CPU rather than fail
+    ("cpu", 8, 2, CPU),     # asked for CPU on a GPU machine
+    ("cuda", 4, 2, CUDA),
+    (" CUDA ", 4, 4, CUDA),
+    ("", 0, 1, CPU),        # unset means auto
+])
+def test_choose_placement(requested, gpus, world, expected):
+    assert choose_placement(world, requested, gpus) == expected
+
+
+def test_cuda_requested_without_enough_gpus_says_why():
+    with pytest.raises(PlacementUnavailable, match=r"3 ranks need 3 GPUs .*1 visible"):
+        choose_placement(3, "cuda", 1)
+
+
+def test_unknown_request_is_refused():
+    with pytest.raises(ValueError, match=f"{ENV_VAR}='tpu'"):
+        choose_placement(2, "tpu", 0)
+
+
+@pytest.mark.device_agnostic
+def test_pool_runs_where_the_placement_says(pools):
+    """The pool's ranks really use the chosen backend, and rank r computes on the device of LOCAL_RANK r."""
+    expected = choose_placement(2, os.environ.get(ENV_VAR, "auto"), cuda_device_count())
+    got = pools(2).values(backend_and_device)
+    if expected.device == "cuda":
+        assert got == [("nccl", "cuda:0", "0"), ("nccl", "cuda:1", "1")]
+    else:
+        assert got == [("gloo", "cpu", "0"), ("gloo", "cpu", "1")]
