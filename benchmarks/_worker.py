@@ -9,7 +9,10 @@ Each engine loads the weights the way its users do: hf_zero with `hf_zero.from_p
 (each rank reads only its shards), the others with `from_pretrained` on every rank, then wrap.
 Tokens/s is timed over the steps after the warm-up, between barriers.
 
-Memory is the process's resident set (VmRSS/VmHWM), which on CPU is what holds the model:
+`--device cuda` runs on the GPU of each rank's LOCAL_RANK with NCCL; memory is then CUDA memory
+allocated by the caching allocator (`torch.cuda.memory_allocated` / `max_memory_allocated`) in the
+same fields. On CPU (the default), memory is the process's resident set (VmRSS/VmHWM), which on
+CPU is what holds the model:
 - `peak_rss_bytes`: peak over loading, wrapping and training minus the baseline, the resident
   set after imports and process-group set-up (before any model exists);
 - `train_peak_rss_bytes`: peak during the timed training loop minus the resident set when it starts;
@@ -57,7 +60,13 @@ def hf_config(p: dict):  # noqa: ANN201
     return config
 
 
+DEVICE = torch.device("cpu")  # set by main(): cuda:LOCAL_RANK with --device cuda
+
+
 def _rss(field: str) -> int:
+    """Current (VmRSS) or peak (VmHWM) memory: host resident set on CPU, CUDA allocations on a GPU."""
+    if DEVICE.type == "cuda":
+        return torch.cuda.max_memory_allocated(DEVICE) if field == "VmHWM:" else torch.cuda.memory_allocated(DEVICE)
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field):
@@ -115,10 +124,10 @@ def setup(engine: str, weights: str, micro: int, options: dict):
             return loss.detach()
 
         return step, lambda: held["bytes"]
-    model = AutoModelForCausalLM.from_pretrained(weights)
+    model = AutoModelForCausalLM.from_pretrained(weights).to(DEVICE)
     model.train()
     if engine == "ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None)
         opt = adamw(ddp.parameters())
     elif engine.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
@@ -165,20 +174,28 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--options", default="{}", help="JSON of extra ZeroConfig fields (hf_zero engines)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, the GPU of LOCAL_RANK")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    global DEVICE
+    cuda = args.device == "cuda"
+    if cuda:
+        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(DEVICE)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import transformers  # noqa: F401  (imports belong to the baseline, for every engine alike)
 
+    backend = "nccl" if cuda else "gloo"
     if args.engine.startswith("ds"):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if not cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend=backend)
     else:
         if args.engine.startswith("hf_zero"):
             import hf_zero  # noqa: F401
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend, device_id=DEVICE if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     p = PRESETS[args.preset]
     micro = p["global_batch"] // world
@@ -196,7 +213,7 @@ def main() -> None:
             dist.barrier()
             start = time.perf_counter()
         began = time.perf_counter()
-        batch = data[i, rank * micro : (rank + 1) * micro]
+        batch = data[i, rank * micro : (rank + 1) * micro].to(DEVICE)
         loss = step(batch)
         mean = loss.float().reshape(1).clone()
         dist.all_reduce(mean)  # also lines the ranks up: every step is timed from the same point on each
@@ -209,6 +226,7 @@ def main() -> None:
     n_params = sum(math.prod(s) for s in _param_shapes(p))
     record = {
         "engine": args.engine, "preset": args.preset, "rank": rank, "world": world, "params": n_params,
+        "device": args.device, "device_name": torch.cuda.get_device_name(DEVICE) if cuda else "cpu",
         "options": json.loads(args.options),
         # A run's throughput is that of its median step: a step that another tenant of the machine slowed
         # down moves it little (the mean over all steps stays in `tokens_per_s_mean`).
@@ -231,6 +249,9 @@ def main() -> None:
 
 
 def _reset_peak() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+        return
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM restarts from the current resident set
         f.write("5")
 

@@ -3,7 +3,9 @@
     python benchmarks/bench.py --preset small --rounds 3 --steps 5 --out benchmarks/results
     python benchmarks/bench.py --preset small --sweep --rounds 2        # tune hf_zero's settings
 
-Each round runs every engine once, in order, as a fresh 2-process torchrun job (so machine drift
+    python benchmarks/bench.py --device cuda --preset large --rounds 3   # NCCL, one rank per visible GPU
+
+Each round runs every engine once, in order, as a fresh torchrun job (so machine drift
 hits every engine alike, and each job's peak memory is its own); DeepSpeed runs when it is
 installed. Every engine starts from the same saved initial weights. Reports tokens/s (median,
 min, max over rounds; a run's throughput is that of its median timed step), the ratios that
@@ -36,12 +38,13 @@ LABELS = {"ddp": "DDP", "hf_zero1": "hf_zero ZeRO-1", "hf_zero2": "hf_zero ZeRO-
 
 
 def run_one(engine: str, preset: str, weights: str, steps: int, warmup: int, threads: int,
-            options: dict | None = None) -> list[dict]:
+            options: dict | None = None, device: str = "cpu", nproc: int = 2) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                str(HERE / "_worker.py"), "--engine", engine, "--preset", preset, "--weights", weights,
-               "--steps", str(steps), "--warmup", str(warmup), "--options", json.dumps(options or {}), "--out", str(out)]
+               "--steps", str(steps), "--warmup", str(warmup), "--options", json.dumps(options or {}),
+               "--device", device, "--out", str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(HERE.parent)}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
         if done.returncode != 0:
@@ -70,6 +73,9 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
             "zero3_state_formula_bytes": rounds[-1][0]["zero3_state_formula_bytes"],
             "losses": rounds[-1][0]["losses"],
             "params": rounds[-1][0]["params"],
+            "world": rounds[-1][0]["world"],
+            "device": rounds[-1][0].get("device", "cpu"),
+            "device_name": rounds[-1][0].get("device_name", "cpu"),
         }
     return summary
 
@@ -93,11 +99,13 @@ def markdown(preset: str, summary: dict[str, dict], rs: list, rounds: int, steps
     mib = 2**20
     first = next(iter(summary.values()))
     formula = first["zero3_state_formula_bytes"]
-    lines = [f"### preset `{preset}`: LLaMA with {first['params'] / 1e6:.0f}M parameters, 2 ranks (gloo, CPU), "
+    where = "gloo, CPU" if first.get("device", "cpu") == "cpu" else f"NCCL, {first.get('device_name', 'CUDA')}"
+    memory = "peak RSS" if first.get("device", "cpu") == "cpu" else "peak CUDA allocated"
+    lines = [f"### preset `{preset}`: LLaMA with {first['params'] / 1e6:.0f}M parameters, {first['world']} ranks ({where}), "
              f"fp32 AdamW; {rounds} interleaved rounds of {steps} timed steps (a run counts its median step)",
              "", f"Peak memory is per rank, above the process baseline (loading and wrapping included), and as "
              f"a multiple of the ZeRO-3 model-state formula 16Ψ/N = {formula / mib:.0f} MiB.", "",
-             "| engine | tokens/s median | min | max | peak RSS / rank (MiB) | peak / (16Ψ/N) | "
+             f"| engine | tokens/s median | min | max | {memory} / rank (MiB) | peak / (16Ψ/N) | "
              "training-loop peak growth (MiB) | model states / rank (MiB) |",
              "|---|---|---|---|---|---|---|---|"]
     for engine, s in summary.items():
@@ -143,7 +151,8 @@ def sweep(args: argparse.Namespace, weights: str) -> None:
     for r in range(args.rounds):
         for engine, options in cases:
             key = f"{engine} {json.dumps(options)}"
-            results.setdefault(key, []).append(run_one(engine, args.preset, weights, args.steps, args.warmup, args.threads, options)[0])
+            results.setdefault(key, []).append(run_one(engine, args.preset, weights, args.steps, args.warmup, args.threads, options,
+                                                               device=args.device, nproc=args.nproc)[0])
             print(f"round {r + 1}/{args.rounds} {key}: {results[key][-1]['tokens_per_s']:.1f} tokens/s", flush=True)
     mib = 2**20
     lines = [f"### `{args.preset}` sweep: {args.rounds} interleaved rounds of {args.steps} steps", "",
@@ -169,8 +178,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     ap.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
     ap.add_argument("--sweep", action="store_true", help="tune hf_zero's prefetch and bucket size instead")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                    help="cuda: NCCL, one rank per GPU; auto: cuda when a GPU is visible")
+    ap.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "auto":
+        args.device = "cuda" if gpus else "cpu"
+    if args.device == "cuda" and not gpus:
+        raise SystemExit("--device cuda: this torch sees no CUDA GPU (torch.cuda.is_available() is False).")
+    args.nproc = args.nproc or (gpus if args.device == "cuda" else 2)
+    if args.device == "cuda" and args.nproc > gpus:
+        raise SystemExit(f"--nproc {args.nproc} on CUDA needs {args.nproc} GPUs; {gpus} visible (NCCL: one GPU per rank).")
     with tempfile.TemporaryDirectory() as weights:
         save_initial_weights(args.preset, weights)
         if args.sweep:
@@ -187,7 +209,8 @@ def compare(args: argparse.Namespace, weights: str) -> None:
     partial = out / f"{args.preset}.partial.json"  # every finished run, in case a later one fails
     for r in range(args.rounds):
         for engine in engines:
-            runs[engine].append(run_one(engine, args.preset, weights, args.steps, args.warmup, args.threads))
+            runs[engine].append(run_one(engine, args.preset, weights, args.steps, args.warmup, args.threads,
+                                        device=args.device, nproc=args.nproc))
             partial.write_text(json.dumps(runs))
             print(f"round {r + 1}/{args.rounds} {engine}: {runs[engine][-1][0]['tokens_per_s']:.1f} tokens/s", flush=True)
     partial.unlink()

@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max_rel_diff", type=float, default=None,
+                        help="exit with an error when a step's loss differs from the unsharded one by more than this")
     args = parser.parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -119,7 +121,11 @@ def main() -> None:
         full = 16 * n_params
         print("model-state bytes per rank: " + ", ".join(f"rank {r}: {b / 2**20:.2f} MiB" for r, b in enumerate(per_rank))
               + f" (unsharded fp32 Adam: {full / 2**20:.2f} MiB)")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) if rank == 0 else 0.0
     dist.destroy_process_group()
+    if args.max_rel_diff is not None and worst > args.max_rel_diff:
+        raise SystemExit(f"losses differ from unsharded training by up to {worst:.1e} relative "
+                         f"(allowed: {args.max_rel_diff:.0e})")
 
 
 if __name__ == "__main__":
