@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf_zero-installed
 
-.PHONY: install demo parity-demo test clean
+.PHONY: install demo parity-demo test gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -46,5 +46,14 @@ parity-demo: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
 
+# The CUDA + NCCL path on a machine with NVIDIA GPUs: installs the CUDA build of the pinned torch in .venv-cuda,
+# runs the parity demo under torchrun on every GPU, the device-agnostic tests (parity, checkpoints, Trainer,
+# bf16/fp16) on CUDA + NCCL and the benchmark beside DDP/FSDP2/DeepSpeed; report in outputs/gpu_check/report.md.
+# Without a GPU it says so and exits 0. Another CUDA build: make gpu-check CUDA_TORCH_SPEC="torch==2.13.0 --index-url ..."
+CUDA_TORCH_SPEC ?= torch==2.13.0
+
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --venv .venv-cuda --torch "$(CUDA_TORCH_SPEC)"
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) .venv-cuda outputs .pytest_cache
