@@ -31,11 +31,14 @@ class ZeroDPOTrainer(hf_zero.ZeroTrainerMixin, DPOTrainer):
 
 def main() -> None:
     model_dir, out, stage = sys.argv[1], sys.argv[2], sys.argv[3]
+    sync = "--sync_ref_model" in sys.argv[4:]  # TR-DPO: the reference follows the policy every step
     pairs = [{"prompt": f"Turbine {i} reports", "chosen": f" blade pitch nominal, unit {i} ok.",
               "rejected": f" fire fire fire {i}"} for i in range(16)]
     common = dict(output_dir=out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
                   report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", beta=0.1, seed=0, bf16=False,
                   adam_epsilon=1e-6, max_length=48)
+    if sync:
+        common.update(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
     if stage == "stock":
         trainer_cls, args = DPOTrainer, DPOConfig(**common)
     else:

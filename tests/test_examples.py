@@ -144,18 +144,20 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(assets, 
         np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("stage", [3])
-def test_dpo_at_stage_3_matches_stock_dpo_trainer_under_ddp(assets, tmp_path, stage):
+@pytest.mark.parametrize("stage, sync", [(3, False), (3, True)], ids=["dpo", "tr-dpo"])
+def test_dpo_at_stage_3_matches_stock_dpo_trainer_under_ddp(assets, tmp_path, stage, sync):
     """TRL's DPOTrainer with hf_zero mixed in (reference model built by TRL and sharded at stage 3 as well,
     fused log-probabilities) against
     TRL's stock DPOTrainer under DDP, both under `accelerate launch` on 2 processes: losses within 1e-5
-    relative and equal saved weights (fp32: TRL's configs default to bf16, turned off for both)."""
+    relative and equal saved weights (fp32: TRL's configs default to bf16, turned off for both). With
+    `sync_ref_model` (TR-DPO) the sharded reference model is mixed with the policy every step, as stock does."""
     pytest.importorskip("trl")
     from safetensors.torch import load_file
 
     zero, stock = tmp_path / "zero", tmp_path / "stock"
-    _run(ACCELERATE + ["tests/_dpo_run.py", str(assets / "base"), str(zero), str(stage)])
-    _run(ACCELERATE + ["tests/_dpo_run.py", str(assets / "base"), str(stock), "stock"])
+    flags = ["--sync_ref_model"] if sync else []
+    _run(ACCELERATE + ["tests/_dpo_run.py", str(assets / "base"), str(zero), str(stage), *flags])
+    _run(ACCELERATE + ["tests/_dpo_run.py", str(assets / "base"), str(stock), "stock", *flags])
     got, want = json.loads((zero / "losses.json").read_text()), json.loads((stock / "losses.json").read_text())
     assert len(got) == 3 and got[0] == pytest.approx(0.6931, abs=1e-3)  # DPO starts at log 2 (policy = reference)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -31,7 +31,7 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
-from ..api import attach_optimizer, initialize
+from ..api import attach_optimizer, gathered_parameters, initialize
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from ..checkpoint.format import last_complete_checkpoint
 from ..engine.module import get_engine, is_sharded
@@ -100,9 +100,17 @@ class ZeroTrainerMixin:
                 reference.requires_grad_(False)  # inference only: frozen parts, compute dtype, no master copy
                 reference, _ = initialize(reference, None, config)
                 self._shard_for_direct_head(reference)
+                self._sync_sharded_reference()
         elif training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
             self.optimizer = attach_optimizer(self.model, self.optimizer)  # sharded for evaluation first
         return self.model
+
+    def _sync_sharded_reference(self) -> None:
+        """TR-DPO (`sync_ref_model=True`): TRL's callback mixes the policy into the reference model in place,
+        which needs whole parameters; at stage 3 it does so inside `gathered_parameters` (DeepSpeed's answer)."""
+        for callback in self.callback_handler.callbacks:
+            if callable(getattr(callback, "sync_target_model", None)) and hasattr(callback, "ref_model"):
+                callback.sync_target_model = _mix_into_sharded_reference
 
     def _shard_for_direct_head(self, model: nn.Module) -> None:
         """TRL computes log-probabilities from `lm_head.weight` directly: keep the head gathered through each
@@ -226,6 +234,15 @@ class ZeroTrainer(ZeroTrainerMixin, Trainer):
     >>> trainer.save_model("out/final")   # a from_pretrained directory
     ```
     """
+
+
+@torch.no_grad()
+def _mix_into_sharded_reference(model: nn.Module, reference: nn.Module, alpha: float) -> None:
+    """`reference = alpha * model + (1 - alpha) * reference`, parameter by parameter, for sharded models: both
+    are gathered, every rank mixes the same values, rank 0's are written back into the reference's shards."""
+    with gathered_parameters(model), gathered_parameters(reference, modifier_rank=0):
+        for target, source in zip(reference.parameters(), model.parameters(), strict=True):
+            target.mul_(1.0 - alpha).add_(source.to(target.dtype), alpha=alpha)
 
 
 def _reads_head_directly(trainer: object) -> bool:
