@@ -14,25 +14,33 @@ def pytest_configure(config):
         "CUDA + NCCL (see tests/_dist.py)")
 
 
+# What the running test may use: "cpu" unless it is marked device_agnostic (then HF_ZERO_TEST_DEVICE, default
+# auto). Set around each test by the autouse fixture below, so a module-scoped fixture that asks for a pool
+# while no test runs gets CPU + gloo.
+_REQUESTED = {"device": "cpu"}
+
+
+@pytest.fixture(autouse=True)
+def _placement_request(request):
+    agnostic = request.node.get_closest_marker("device_agnostic") is not None
+    _REQUESTED["device"] = os.environ.get(ENV_VAR, "auto") if agnostic else "cpu"
+    yield
+    _REQUESTED["device"] = "cpu"
+
+
 @pytest.fixture(scope="session")
-def _pool_registry():
-    p = Pools()
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def pools(request, _pool_registry):
+def pools():
     """`pools(world_size)` gives a live pool of workers, one per rank (see tests/_dist.py): CPU + gloo, or
     CUDA + NCCL for tests marked `device_agnostic` where the machine has a GPU per rank."""
-    agnostic = request.node.get_closest_marker("device_agnostic") is not None
-    requested = os.environ.get(ENV_VAR, "auto") if agnostic else "cpu"
+    registry = Pools()
 
     def get(world_size: int):
+        requested = _REQUESTED["device"]
         try:
             placement = choose_placement(world_size, requested, cuda_device_count() if requested != "cpu" else 0)
         except PlacementUnavailable as e:
             pytest.skip(str(e))
-        return _pool_registry(world_size, placement)
+        return registry(world_size, placement)
 
-    return get
+    yield get
+    registry.close()
