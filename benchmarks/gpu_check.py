@@ -10,7 +10,8 @@ On a machine without a CUDA GPU it says so and exits 0 (nothing to check). Other
    hf_zero with its `dev` and `bench` extras;
 2. runs the parity demo under `torchrun --nproc_per_node <gpus>` at ZeRO-1/2/3 in fp32 (losses
    within 1e-5 of unsharded training) and bf16;
-3. runs the device-agnostic tests (parity, checkpoints, the Trainer, bf16/fp16 against fp32) with
+3. runs the device-agnostic tests (parity, checkpoints, the Trainer, bf16/fp16 against fp32, CPU
+   offload, hybrid sharding) with
    `HF_ZERO_TEST_DEVICE=cuda`: every rank on the GPU of its LOCAL_RANK, NCCL between them; a test
    that needs more ranks than there are GPUs is skipped and counted;
 4. runs the benchmark beside DDP, FSDP2 and DeepSpeed with `--device cuda`;
@@ -32,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_placement.py", "tests/test_parity.py", "tests/test_checkpoint.py", "tests/test_trainer.py",
-         "tests/test_precision_and_lifecycle.py"]
+         "tests/test_precision_and_lifecycle.py", "tests/test_offload.py", "tests/test_hybrid.py"]
 
 
 @dataclass

@@ -14,12 +14,14 @@ from tests.test_parity import run_and_compare
 HYBRID = (("shard_group_size", 2),)
 
 
+@pytest.mark.device_agnostic
 @pytest.mark.parametrize("stage", [1, 3])
 def test_hybrid_matches_single_process(pools, stage):
     """fp32, 5 steps, accumulation 2, clipping: losses and weights within 1e-5 of one process."""
     run_and_compare(pools, Scenario(model="falcon", stage=stage, world=4, config_overrides=HYBRID))
 
 
+@pytest.mark.device_agnostic
 def test_hybrid_holds_the_model_states_of_its_group(pools):
     """Each rank holds what a rank of a 2-rank world holds (16Ψ/2 at stage 3), not 16Ψ/4."""
     hybrid = pools(4).values(sharded_run, Scenario(model="llama", stage=3, world=4, steps=1, accum=1,
@@ -28,6 +30,7 @@ def test_hybrid_holds_the_model_states_of_its_group(pools):
     assert hybrid[0]["memory"].total() == plain[0]["memory"].total()
 
 
+@pytest.mark.device_agnostic
 def test_hybrid_checkpoint_resumes_under_plain_stage_3(pools, tmp_path):
     """Saved by 4 ranks in 2 groups of 2, resumed on 2 ranks fully sharded (same global batch)."""
     before = Scenario(model="llama", stage=3, world=4, accum=1, steps=5, config_overrides=HYBRID)

@@ -17,6 +17,7 @@ OFFLOADS = {
 }
 
 
+@pytest.mark.device_agnostic  # on CUDA: host shards and masters staged for NCCL ([Note: staging])
 @pytest.mark.parametrize(
     "stage, offload",
     [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer+params")],

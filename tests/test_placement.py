@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests._dist import (ENV_VAR, Placement, PlacementUnavailable, backend_and_device, choose_placement,
                          cuda_device_count)
@@ -63,3 +64,45 @@ def test_gpu_check_without_a_gpu_says_so_and_exits_0():
     assert done.returncode == 0, done.stderr
     assert "no CUDA GPU on this machine" in done.stdout
     assert not (root / ".venv-cuda").exists()
+
+
+# ---- the engine's own device choice (hf_zero.launch.accelerator_device) --------------------------------------
+
+def test_engine_takes_the_gpu_of_local_rank():
+    from hf_zero.launch import accelerator_device
+
+    assert accelerator_device("cuda", bound=None, local_rank=3, count=8, current=0, world_size=16) == torch.device("cuda", 3)
+
+
+def test_engine_prefers_the_device_bound_to_the_process_group():
+    from hf_zero.launch import accelerator_device
+
+    bound = torch.device("cuda", 5)
+    assert accelerator_device("cuda", bound=bound, local_rank=3, count=8, current=0, world_size=16) == bound
+
+
+def test_engine_keeps_the_current_device_when_it_is_the_only_choice():
+    from hf_zero.launch import accelerator_device
+
+    assert accelerator_device("cuda", bound=None, local_rank=None, count=1, current=0, world_size=4) == torch.device("cuda", 0)
+    assert accelerator_device("cuda", bound=None, local_rank=None, count=8, current=6, world_size=4) == torch.device("cuda", 6)
+    assert accelerator_device("cuda", bound=None, local_rank=None, count=8, current=0, world_size=1) == torch.device("cuda", 0)
+
+
+def test_engine_refuses_to_put_every_rank_on_gpu_0():
+    from hf_zero.launch import accelerator_device
+
+    with pytest.raises(ValueError, match=r"8 CUDA devices are visible and nothing says which one.*set_device"):
+        accelerator_device("cuda", bound=None, local_rank=None, count=8, current=0, world_size=4)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=4 but only 4 CUDA device\(s\)"):
+        accelerator_device("cuda", bound=None, local_rank=4, count=4, current=0, world_size=8)
+
+
+def test_launch_env_reads_local_rank(monkeypatch):
+    from hf_zero.launch import launch_env
+
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert (launch_env().local_rank, launch_env().local_world_size) == (2, 4)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert launch_env().local_rank is None

@@ -138,6 +138,13 @@ def _backend(group: CommGroup) -> str:
     return "" if group.pg is None else str(dist.get_backend(group.pg)).lower()
 
 
+def bound_device(group: CommGroup) -> torch.device | None:
+    """The device the process group was bound to (`init_process_group(device_id=...)`), if any."""
+    pg = group.pg if group.pg is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    device = getattr(pg, "bound_device_id", None) if pg is not None else None
+    return device if isinstance(device, torch.device) else None
+
+
 def comm_device(group: CommGroup) -> torch.device:
     """The device a group's backend communicates on (CUDA for NCCL, CPU for gloo)."""
     if group.pg is None:
@@ -150,15 +157,36 @@ def comm_device(group: CommGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def _staged(tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """`tensor` on the group's communication device: itself, or a copy there (a host shard under NCCL).
+
+    [Note: staging] A backend only takes tensors on its own device (NCCL: the rank's GPU). Host
+    tensors (offloaded shards and masters, a checkpoint's values) are staged through a device copy
+    here, at the one door every collective goes through, and results are copied back; on gloo the
+    communication device is the host and nothing is copied.
+    """
+    comm = comm_device(group)
+    return tensor if tensor.device == comm else tensor.to(comm)
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
     """Gather every rank's `shard` into the 1D `output` (`output.numel() == group.size * shard.numel()`).
 
-    `shard` may be this rank's own chunk of `output` (in place).
+    `shard` may be this rank's own chunk of `output` (in place). Tensors off the communication
+    device are staged ([Note: staging]).
     """
     if group.size == 1:
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
         return Pending()
+    staged = _staged(output, group)
+    if staged is not output:
+        pending = all_gather_into(staged, _staged(shard, group), group, async_op=True)
+        pending.then = (lambda: output.copy_(staged)) if pending.then is None else pending.then
+        if not async_op:
+            pending.wait()
+        return pending
+    shard = _staged(shard, group)
     if not group.composed:
         return Pending(_all_gather_single(output, shard, group=group.pg, async_op=async_op))
     chunks = output.view(group.size, -1)
@@ -181,6 +209,13 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: CommGro
     if group.size == 1:
         if output.data_ptr() != full.data_ptr():
             output.copy_(full)
+        return Pending()
+    staged_out, staged_full = _staged(output, group), _staged(full, group)
+    if staged_out is not output or staged_full is not full:  # [Note: staging]
+        pending = reduce_scatter_into(staged_out, staged_full, group, async_op=True)
+        pending.wait()
+        if staged_out is not output:
+            output.copy_(staged_out)
         return Pending()
     if not group.composed:
         return Pending(_reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op))
@@ -230,8 +265,13 @@ def max_ints(values: Sequence[int], group: CommGroup) -> list[int]:
 def all_reduce_(
     tensor: torch.Tensor, group: CommGroup, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
 ) -> Pending:
-    """All-reduce `tensor` in place over the group."""
+    """All-reduce `tensor` in place over the group (staged when off the communication device)."""
     if group.size == 1:
+        return Pending()
+    staged = _staged(tensor, group)
+    if staged is not tensor:  # [Note: staging]
+        dist.all_reduce(staged, op=op, group=group.pg)
+        tensor.copy_(staged)
         return Pending()
     return Pending(dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op))
 
@@ -241,7 +281,10 @@ def broadcast_(tensor: torch.Tensor, group: CommGroup, src_group_rank: int = 0) 
     if group.size == 1:
         return
     src = dist.get_global_rank(group.pg, src_group_rank)
-    dist.broadcast(tensor, src=src, group=group.pg)
+    staged = _staged(tensor, group)
+    dist.broadcast(staged, src=src, group=group.pg)
+    if staged is not tensor:  # [Note: staging]
+        tensor.copy_(staged)
 
 
 def failed_ranks(failed: bool, group: CommGroup) -> list[int]:

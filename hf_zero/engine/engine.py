@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig
-from .collectives import CommGroup, all_gather_into, all_reduce_, broadcast_, comm_device, max_scalar_
+from ..launch import accelerator_device, launch_env
+from .collectives import CommGroup, all_gather_into, all_reduce_, bound_device, broadcast_, comm_device, max_scalar_
 from .flat import FlatLayout, FlatUnit, grad_slab
 from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
@@ -462,7 +463,22 @@ def _compute_device(model: nn.Module, world: CommGroup, has_source: bool = False
             "Load the model without a multi-device device_map."
         )
     device = next(iter(devices)) if devices else torch.device("cpu")
-    return device if device.type != "cpu" else comm_device(world)
+    if device.type != "cpu":
+        return device
+    comm = comm_device(world)
+    return comm if comm.type == "cpu" else _rank_accelerator(comm.type, world)
+
+
+def _rank_accelerator(kind: str, world: CommGroup) -> torch.device:
+    """The GPU of this rank (see `accelerator_device`), made the current device so that every later
+    collective and allocation uses it."""
+    module = getattr(torch, kind)
+    chosen = accelerator_device(
+        kind, bound=bound_device(world), local_rank=launch_env().local_rank,
+        count=module.device_count(), current=module.current_device(), world_size=world.size,
+    )
+    module.set_device(chosen)
+    return chosen
 
 
 def _single_dtype(model: nn.Module) -> torch.dtype:

@@ -9,52 +9,22 @@ from `ZeroConfig`'s fields here, so a field added there is exposed everywhere, a
 its metadata): the host owns precision (the Trainer's `--bf16`/`--fp16`, Accelerate's
 `mixed_precision`), so there is one switch for it.
 
-Environment variables are read in `launch_env()` only: the launcher's precision and node size, and
-the switches that would turn the host's own DeepSpeed or FSDP on.
+Environment variables are read in `hf_zero.launch.launch_env()` only: the launcher's precision, node
+size and local rank, and the switches that would turn the host's own DeepSpeed or FSDP on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..config import ZeroConfig
+from ..launch import LaunchEnv, launch_env
+
+__all__ = ["LaunchEnv", "PREFIX", "exposed_fields", "field_specs", "launch_env", "to_zero_config"]
 
 PREFIX = "zero_"
-_TRUE = ("1", "true", "yes")
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """What the launcher (`accelerate launch`, `torchrun`) says through the environment."""
-
-    mixed_precision: str | None  # ACCELERATE_MIXED_PRECISION
-    use_deepspeed: bool  # ACCELERATE_USE_DEEPSPEED
-    use_fsdp: bool  # ACCELERATE_USE_FSDP
-    local_world_size: int | None  # LOCAL_WORLD_SIZE: ranks per node
-
-
-def launch_env() -> LaunchEnv:
-    """The launcher's settings, read from the environment (the only place hf_zero reads it).
-
-    Example:
-
-    ```python
-    >>> launch_env().local_world_size   # under torchrun --nproc_per_node 8
-    8
-    ```
-    """
-    env = os.environ
-    local = env.get("LOCAL_WORLD_SIZE", "")
-    return LaunchEnv(
-        mixed_precision=env.get("ACCELERATE_MIXED_PRECISION") or None,
-        use_deepspeed=env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in _TRUE,
-        use_fsdp=env.get("ACCELERATE_USE_FSDP", "").lower() in _TRUE,
-        local_world_size=int(local) if local.isdigit() and int(local) > 0 else None,
-    )
 
 
 def exposed_fields() -> list[dataclasses.Field]:
