@@ -165,3 +165,69 @@ def test_dpo_at_stage_3_matches_stock_dpo_trainer_under_ddp(assets, tmp_path, st
     a, b = load_file(zero / "final" / "model.safetensors"), load_file(stock / "final" / "model.safetensors")
     for name in b:
         np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def _two_node_config(directory: Path, machine_rank: int, port: int) -> Path:
+    """`accelerate_configs/two_nodes_8gpu.yaml` for two "nodes" on this machine: 2 CPU processes each."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "accelerate_configs" / "two_nodes_8gpu.yaml").read_text())
+    config.update(num_processes=4, machine_rank=machine_rank, main_process_ip="127.0.0.1", main_process_port=port,
+                  mixed_precision="no", use_cpu=True)
+    path = directory / f"node{machine_rank}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _trainer_losses(checkpoint: Path) -> list[float]:
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+def test_two_nodes_on_localhost_with_hybrid_sharding_then_resume_on_one_node(assets, tmp_path):
+    """Two launcher processes (`accelerate launch`, a config derived from the shipped two-node one, 2 processes
+    each, rendezvous on localhost) train with `--zero_hybrid_shard` (shard within a node, replicate across) and
+    save; one node (2 processes, plain stage 3, gradient accumulation for the same global batch) resumes from
+    the step-2 checkpoint. Steps 3-4 match the two-node run's (1e-5), and so do the final weights."""
+    import socket
+
+    from safetensors.torch import load_file
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["examples/train_clm.py", "--model_name_or_path", str(assets / "base"),
+              "--train_files", str(assets / "corpus" / "train.jsonl"), "--validation_files",
+              str(assets / "corpus" / "held_out.jsonl"), "--block_size", "64", "--zero_stage", "3",
+              "--learning_rate", "3e-3", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
+              "--adam_epsilon", "1e-6", "--report_to", "none", "--use_cpu", "--disable_tqdm", "true"]
+    two_nodes = tmp_path / "two_nodes"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    launchers = [
+        subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                          str(_two_node_config(tmp_path, rank, port)), "--num_cpu_threads_per_process", "1", *common,
+                          "--output_dir", str(two_nodes), "--per_device_train_batch_size", "2", "--zero_hybrid_shard"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in launchers]
+    for rank, (p, out) in enumerate(zip(launchers, outputs)):
+        assert p.returncode == 0, f"node {rank} failed:\n{out[-6000:]}"
+    manifest = json.loads((two_nodes / "checkpoint-2" / "hf_zero" / "hf_zero_manifest.json").read_text())
+    assert manifest["world_size"] == 4 and manifest["stage"] == 3
+    # hybrid: the model is sharded over one node's 2 ranks (the other node holds a replica), so 2 shard files
+    assert sorted(f for f in manifest["files"] if f.startswith("model-")) == [
+        "model-rank00000-of-00002.safetensors", "model-rank00001-of-00002.safetensors"]
+
+    one_node = tmp_path / "one_node"
+    _run(ACCELERATE + common + ["--output_dir", str(one_node), "--per_device_train_batch_size", "2",
+                                "--gradient_accumulation_steps", "2",
+                                "--resume_from_checkpoint", str(two_nodes / "checkpoint-2")])
+    want, got = _trainer_losses(two_nodes / "checkpoint-4"), _trainer_losses(one_node / "checkpoint-4")
+    assert len(want) == 4 and len(got) == 4
+    np.testing.assert_allclose(got[2:], want[2:], rtol=1e-5, atol=0)
+    a, b = load_file(one_node / "final" / "model.safetensors"), load_file(two_nodes / "final" / "model.safetensors")
+    for name in b:
+        np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
