@@ -112,6 +112,20 @@ class ZeroConfig:
             optimizer step instead of one per micro-batch, for the full model's gradients on every
             rank (2Ψ bytes in bf16, 4Ψ in fp32) and a sum in the compute dtype. Stages 0-1 always
             skip (their unsharded gradient buffer exists anyway).
+        quantized_weights (`bool`, *optional*, defaults to `False`):
+            Stage 3: all-gather the parameters in int8 with one scale per `quantization_block`
+            elements (symmetric, absmax), dequantized into the compute dtype on arrival (ZeRO++'s
+            qwZ): a quarter of the fp32 bytes, half of bf16's. Forward and backward then see weights
+            rounded to about 1/254 of each block's largest magnitude; the master weights and the
+            optimizer state stay exact, so rounding does not accumulate across steps.
+        quantized_gradients (`bool`, *optional*, defaults to `False`):
+            Stages 2-3: reduce-scatter gradients in int8 with per-block scales (ZeRO++'s qgZ): each
+            rank quantizes the chunk every other rank owns, sends it with one all-to-all, and the
+            owner dequantizes and sums in fp32. A quarter of fp32's bytes; each rank's contribution
+            is rounded once, the sum is not. (`reduce_dtype="bf16"` is the milder option: half.)
+        quantization_block (`int`, *optional*, defaults to 256):
+            Elements per int8 scale for `quantized_weights` and `quantized_gradients`. Smaller
+            blocks follow the values more closely (an extra 4 bytes per block).
         initial_loss_scale (`float`, *optional*, defaults to 65536.0):
             Starting loss scale for fp16 (ignored otherwise). The scale halves on overflow and
             doubles after `loss_scale_window` clean steps.
@@ -157,6 +171,12 @@ class ZeroConfig:
     no_sync_keeps_grads: bool = field(default=False, metadata={"help": "Stages 2-3 with gradient accumulation: keep "
         "unsharded gradients across micro-batches and reduce once per step (fewer collectives, the full model's "
         "gradients on every rank) instead of reducing every micro-batch into the shards."})
+    quantized_weights: bool = field(default=False, metadata={"help": "Stage 3: all-gather parameters in int8 with "
+        "per-block scales (ZeRO++ qwZ): fewer bytes, weights rounded in forward/backward; masters stay exact."})
+    quantized_gradients: bool = field(default=False, metadata={"help": "Stages 2-3: reduce-scatter gradients in int8 "
+        "with per-block scales through an all-to-all, summed in fp32 by the owner (ZeRO++ qgZ)."})
+    quantization_block: int = field(default=256, metadata={"help": "Elements per int8 scale for the quantized "
+        "collectives."})
     initial_loss_scale: float = field(default=65536.0, metadata={"help": "fp16: the starting dynamic loss scale."})
     loss_scale_window: int = field(default=1000, metadata={"help": "fp16: overflow-free steps after which the loss "
         "scale doubles."})
@@ -173,7 +193,8 @@ class ZeroConfig:
                 f"ZeroConfig.reduce_dtype must be None, 'fp32', 'bf16' or 'fp16'; got {self.reduce_dtype!r}."
             )
         object.__setattr__(self, "wrap", _normalize_wrap(self.wrap))
-        for name in ("sync_module_states", "offload_optimizer", "offload_params", "no_sync_keeps_grads"):
+        for name in ("sync_module_states", "offload_optimizer", "offload_params", "no_sync_keeps_grads",
+                     "quantized_weights", "quantized_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ZeroConfig.{name} must be a bool; got {getattr(self, name)!r}.")
         if self.offload_params and (self.stage != 3 or not self.offload_optimizer):
@@ -203,6 +224,15 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.collectives must be 'auto', 'native' or 'composed'; got {self.collectives!r}."
             )
+        if self.quantized_weights and self.stage != 3:
+            raise ValueError("ZeroConfig.quantized_weights needs stage=3: only stage 3 gathers parameters every step.")
+        if self.quantized_gradients and self.stage < 2:
+            raise ValueError("ZeroConfig.quantized_gradients needs stage 2 or 3 (a reduce-scatter of every gradient); "
+                             "stages 0-1 all-reduce them.")
+        if isinstance(self.quantization_block, bool) or not isinstance(self.quantization_block, int) or not (
+            8 <= self.quantization_block <= 2**20
+        ):
+            raise ValueError(f"ZeroConfig.quantization_block must be an int in [8, 1048576]; got {self.quantization_block!r}.")
         if not (isinstance(self.group_timeout_s, (int, float)) and self.group_timeout_s > 0):
             raise ValueError(f"ZeroConfig.group_timeout_s must be > 0 seconds; got {self.group_timeout_s!r}.")
         if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):

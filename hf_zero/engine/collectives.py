@@ -226,6 +226,21 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: CommGro
     return pending
 
 
+def all_to_all_into(output: torch.Tensor, chunks: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
+    """Send chunk j of `chunks` (`(group.size, n)`) to group rank j; `output` (`(group.size, n)`) receives
+    rank i's chunk for this rank in row i."""
+    if group.size == 1:
+        output.copy_(chunks)
+        return Pending()
+    staged_out, staged_in = _staged(output, group), _staged(chunks, group)
+    pending = Pending(dist.all_to_all_single(staged_out, staged_in, group=group.pg, async_op=True))
+    if staged_out is not output:  # [Note: staging]
+        pending.then = lambda: output.copy_(staged_out)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
 def all_gather_rows(
     rows: torch.Tensor, values: torch.Tensor, capacity: int, group: CommGroup, async_op: bool = False
 ) -> tuple[Pending, torch.Tensor, torch.Tensor]:

@@ -157,6 +157,8 @@ class ZeroEngine:
                 pool=self.pool,
                 host=torch.device("cpu") if config.offload_optimizer and not spec.frozen else None,
                 offload_params=config.offload_params,
+                weight_quant_block=config.quantization_block if config.quantized_weights else None,
+                grad_quant_block=config.quantization_block if config.quantized_gradients else None,
             )
             for spec in specs
         ]

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 from .lifecycle import ShardState
 from .collectives import CommGroup, Pending, all_gather_into, all_gather_rows, all_reduce_, max_ints, reduce_scatter_into
 from .pool import BufferPool
+from .quant import gather_int8, reduce_scatter_int8
 from .resting import ModuleSlots
 from .sparse import coalesced_rows, scatter_rows_
 from .units import UnitSpec
@@ -135,8 +136,13 @@ class FlatUnit:
         pool: BufferPool,
         host: torch.device | None = None,
         offload_params: bool = False,
+        weight_quant_block: int | None = None,
+        grad_quant_block: int | None = None,
     ) -> None:
         self.spec = spec
+        # [Note: block quantization] in quant.py: int8 gathers (stage 3) / reductions, None for exact ones
+        self.weight_quant_block = weight_quant_block
+        self.grad_quant_block = grad_quant_block
         self.pool = pool  # [Note: buffer reuse] memory of freed gathered parameters and gradients
         self.host = host  # where offloaded state lives (ZeRO-Offload), or None
         self.offload_params = offload_params
@@ -271,6 +277,8 @@ class FlatUnit:
         source = self.sharded_param
         if self.offload_params:  # the shard lives on the host: stage it on the device for the gather
             source = torch.empty_like(source, device=self.device).copy_(source, non_blocking=True)
+        if self.weight_quant_block is not None:
+            return gather_int8(self.unsharded_param, source, self.shard_group, self.weight_quant_block, async_op)
         return all_gather_into(self.unsharded_param, source, self.shard_group, async_op)
 
     def reshard(self) -> None:
@@ -401,7 +409,8 @@ class FlatUnit:
                 "it never allocated"
             )
         source = buffer = self.unsharded_grad
-        if source.dtype != self.reduce_dtype:
+        quantized = self.grad_quant_block is not None and self.shard_group.size > 1  # from the buffer as is: no cast
+        if not quantized and source.dtype != self.reduce_dtype:
             source = self.pool.new_tensor(source.numel(), self.reduce_dtype, self.device).copy_(source)
         into_acc = self._reduces_into_shard
         if into_acc:
@@ -410,7 +419,10 @@ class FlatUnit:
             output = source  # a fresh cast copy: reduce it in place
         else:
             output = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        pending = reduce_scatter_into(output, source, self.shard_group, async_op=async_op)
+        if quantized:
+            pending = reduce_scatter_int8(output, source, self.shard_group, self.grad_quant_block, async_op=async_op)
+        else:
+            pending = reduce_scatter_into(output, source, self.shard_group, async_op=async_op)
         if self.replicate_group.size > 1:
             pending.wait()  # the cross-replica sum needs the shard-group sum first
             pending = all_reduce_(output, self.replicate_group, async_op=async_op)
