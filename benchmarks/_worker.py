@@ -38,8 +38,14 @@ PRESETS = {
     "small": dict(hidden=512, layers=8, heads=8, kv_heads=8, inter=1376, vocab=8192, seq=256, global_batch=8),
     # model states dominate: a 217M-parameter LLaMA, short sequences
     "large": dict(hidden=1024, layers=12, heads=16, kv_heads=16, inter=2816, vocab=32000, seq=32, global_batch=2),
+    # the small preset with the input embedding tied to the head (no sparse embedding gradient)
+    "small_tied": dict(hidden=512, layers=8, heads=8, kv_heads=8, inter=1376, vocab=8192, seq=256, global_batch=8,
+                       tied=True),
 }
-ENGINES = ["ddp", "hf_zero1", "hf_zero2", "hf_zero3", "hf_zero3_offload", "fsdp2", "fsdp2_noreshard", "ds1", "ds2", "ds3"]
+ENGINES = ["ddp", "hf_zero1", "hf_zero2", "hf_zero3", "hf_zero3_q", "hf_zero3_offload", "fsdp2", "fsdp2_noreshard",
+           "ds1", "ds2", "ds3"]
+# hf_zero3_q: ZeRO-3 with int8 weight gathers (per-block scales) and bf16 gradient reduction
+QUANTIZED = {"quantized_weights": True, "reduce_dtype": "bf16"}
 
 
 def build_model(p: dict) -> torch.nn.Module:
@@ -55,7 +61,7 @@ def hf_config(p: dict):  # noqa: ANN201
 
     config = LlamaConfig(vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["inter"],
                          num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
-                         num_key_value_heads=p["kv_heads"], max_position_embeddings=p["seq"], tie_word_embeddings=False)
+                         num_key_value_heads=p["kv_heads"], max_position_embeddings=p["seq"], tie_word_embeddings=p.get("tied", False))
     config._attn_implementation = "sdpa"
     return config
 
@@ -108,7 +114,8 @@ def setup(engine: str, weights: str, micro: int, options: dict):
         import hf_zero
 
         stage = int(engine[7])
-        config = hf_zero.ZeroConfig(stage=stage, offload_optimizer=engine.endswith("offload"), **options)
+        extra = QUANTIZED if engine.endswith("_q") else {}
+        config = hf_zero.ZeroConfig(stage=stage, offload_optimizer=engine.endswith("offload"), **{**extra, **options})
         model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, weights, config, optimizer_fn=lambda m: adamw(m.parameters()))
         model.train()
 

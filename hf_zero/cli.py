@@ -28,6 +28,8 @@ def _estimate(args: argparse.Namespace) -> int:
     from .estimate import Workload, estimate, format_table
 
     hf_config, model = _meta_model(args.model)
+    if args.time:
+        return _step_time(model, hf_config, args)
     trainable_note = _trainable(model, args)
     device_memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
@@ -41,6 +43,30 @@ def _estimate(args: argparse.Namespace) -> int:
           f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}{trainable_note}. "
           "GiB per device / per node:")
     print(format_table(rows, device_memory))
+    return 0
+
+
+def _step_time(model: Any, hf_config: Any, args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from .steptime import GPUS, Job, ModelShape, format_predictions
+
+    hw = GPUS[args.gpu]
+    overrides = {"peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+                 "compute_efficiency": args.compute_efficiency,
+                 "intra_node_bandwidth": args.intra_node_gbps and args.intra_node_gbps * 1e9,
+                 "inter_node_bandwidth": args.inter_node_gbps and args.inter_node_gbps * 1e9,
+                 "devices_per_node": args.world_size // args.nodes if args.nodes > 1 else None}
+    hw = replace(hw, **{k: v for k, v in overrides.items() if v})
+    worlds = [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else [args.world_size]
+    if any(w < 1 for w in worlds):
+        raise ValueError(f"--world-sizes must be positive integers; got {args.world_sizes!r}.")
+    job = Job(world_size=worlds[0], micro_batch=args.micro_batch, seq_len=args.seq_len, accum=args.accum,
+              gradient_checkpointing=args.gradient_checkpointing, param_bytes=4 if args.dtype == "fp32" else 2,
+              reduce_bytes=4)
+    print(format_predictions(ModelShape.from_model(model, hf_config), job, hw, worlds))
+    print("Assumptions: hf_zero/steptime.py, [Note: step-time model]; validated against measured step times in "
+          "docs/performance.md.")
     return 0
 
 
@@ -121,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "state, no fp32 master), e.g. 'layers\\.(30|31)\\.'")
     e.add_argument("--lora-rank", type=int, default=0, help="estimate LoRA training (peft) of this rank")
     e.add_argument("--lora-targets", default=None, help="comma-separated module names for LoRA (default: peft's for the model)")
+    t = e.add_argument_group("step time (--time): predicted compute, communication, step time and MFU")
+    t.add_argument("--time", action="store_true", help="predict step time instead of memory")
+    t.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100", help="device preset (default h100)")
+    t.add_argument("--world-sizes", default=None, help="comma-separated device counts, e.g. 8,64,512,1024")
+    t.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
+    t.add_argument("--peak-tflops", type=float, default=None, help="override the device's dense peak")
+    t.add_argument("--compute-efficiency", type=float, default=None, help="override the share of peak matmuls reach")
+    t.add_argument("--intra-node-gbps", type=float, default=None, help="override the bus bandwidth in a node (GB/s)")
+    t.add_argument("--inter-node-gbps", type=float, default=None, help="override the bandwidth per device across nodes")
     e.set_defaults(func=_estimate)
     return parser
 

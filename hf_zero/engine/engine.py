@@ -404,8 +404,10 @@ def _pool_for(
     blocks): gathered parameters and unsharded gradients (and their cast for the reduction). At
     most the units that can be live at once (the running one, the prefetched ones and the one
     whose reduction is in flight) wait in the pool per size."""
+    align = config.quantization_block if config.quantized_weights or config.quantized_gradients else 1
     numels = Counter(
-        FlatLayout.build(s.param_names, [p.shape for p in s.params], plan.shard_group.size).padded_numel for s in specs
+        FlatLayout.build(s.param_names, [p.shape for p in s.params], plan.shard_group.size, align).padded_numel
+        for s in specs
     )
     sizes = {n * dtype.itemsize for n, c in numels.items() if c > 1 for dtype in (param_dtype, reduce_dtype)}
     return BufferPool(sizes, per_size=config.prefetch + 2)

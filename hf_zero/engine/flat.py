@@ -77,13 +77,15 @@ class FlatLayout:
     num_shards: int
 
     @staticmethod
-    def build(names: tuple[str, ...], shapes: list[torch.Size], num_shards: int) -> "FlatLayout":
+    def build(names: tuple[str, ...], shapes: list[torch.Size], num_shards: int, align: int = 1) -> "FlatLayout":
+        """Parameters end to end; each shard holds a multiple of `align` elements (quantized collectives)."""
         slots, offset = [], 0
         for name, shape in zip(names, shapes):
             n = math.prod(shape)
             slots.append(ParamSlot(name, torch.Size(shape), offset, n))
             offset += n
-        return FlatLayout(tuple(slots), offset, max(1, math.ceil(offset / num_shards)), num_shards)
+        shard = max(1, math.ceil(offset / num_shards))
+        return FlatLayout(tuple(slots), offset, math.ceil(shard / align) * align, num_shards)
 
     @property
     def padded_numel(self) -> int:
@@ -153,7 +155,8 @@ class FlatUnit:
         self.param_dtype = param_dtype
         self.master_dtype = master_dtype
         self.reduce_dtype = reduce_dtype
-        self.layout = FlatLayout.build(spec.param_names, [p.shape for p in spec.params], shard_group.size)
+        align = max(weight_quant_block or 1, grad_quant_block or 1)  # whole int8 blocks per shard
+        self.layout = FlatLayout.build(spec.param_names, [p.shape for p in spec.params], shard_group.size, align)
         lo, hi = self.layout.shard_range(shard_group.rank)
         self.unsharded_param: torch.Tensor  # 1D (padded_numel,), param dtype; storage freed when resharded
         self.sharded_param: torch.Tensor | None  # 1D (shard_numel,), param dtype; the all-gather source (stage 3)

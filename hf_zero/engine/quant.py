@@ -28,9 +28,11 @@ from .collectives import CommGroup, Pending, all_gather_into, all_to_all_into
 
 
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x` (any shape; rows are quantized separately when it is 2D) as int8 blocks and fp32 scales.
+    """`x` (1D, or 2D with rows quantized separately) as int8 blocks and fp32 scales.
 
     Returns `(q, scales)`: `q` of shape `(rows, blocks * block)` int8 and `scales` `(rows, blocks)` fp32.
+    A row whose length is a multiple of `block` (what the engine's aligned layouts give) is read in
+    place; others are zero-padded first.
 
     Example:
         >>> x = torch.tensor([1.0, -0.5, 0.25, 0.0, 0.0])
@@ -43,20 +45,32 @@ def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     rows = x.reshape(1, -1) if x.dim() == 1 else x
     n = rows.shape[1]
     blocks = max(1, math.ceil(n / block))
-    padded = torch.zeros(rows.shape[0], blocks * block, dtype=torch.float32, device=x.device)
-    padded[:, :n] = rows
-    padded = padded.view(rows.shape[0], blocks, block)
-    scales = padded.abs().amax(dim=2) / 127.0
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(padded / safe.unsqueeze(2)).clamp_(-127, 127).to(torch.int8)
+    if n != blocks * block or not rows.is_contiguous():
+        padded = rows.new_zeros(rows.shape[0], blocks * block)
+        padded[:, :n] = rows
+        rows = padded
+    view = rows.view(rows.shape[0], blocks, block)
+    low, high = torch.aminmax(view, dim=2)
+    scales = torch.maximum(-low, high).float().div_(127.0)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
+    scaled = torch.div(view, safe)  # fp32: the one temporary
+    q = scaled.round_().clamp_(-127, 127).to(torch.int8)
     return q.view(rows.shape[0], blocks * block), scales
 
 
-def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `quantize_blocks`: `(rows, numel)` values in `dtype` (fp32 arithmetic)."""
+def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of `quantize_blocks`: `(rows, numel)` values in `dtype`, written into `out` when given."""
     rows, blocks = scales.shape
-    values = q.view(rows, blocks, -1).to(torch.float32) * scales.unsqueeze(2)
-    return values.view(rows, -1)[:, :numel].to(dtype)
+    block = q.shape[1] // blocks
+    if out is not None and numel == blocks * block and out.is_contiguous():
+        torch.mul(q.view(rows, blocks, block), scales.to(dtype).unsqueeze(2), out=out.view(rows, blocks, block))
+        return out.view(rows, numel)
+    values = (q.view(rows, blocks, block).to(torch.float32) * scales.unsqueeze(2)).view(rows, -1)[:, :numel].to(dtype)
+    if out is not None:
+        out.view(rows, numel).copy_(values)
+        return out.view(rows, numel)
+    return values
 
 
 def gather_int8(output: torch.Tensor, shard: torch.Tensor, group: CommGroup, block: int,
@@ -69,7 +83,7 @@ def gather_int8(output: torch.Tensor, shard: torch.Tensor, group: CommGroup, blo
     n = shard.numel()
 
     def dequantize() -> None:
-        output.view(group.size, n).copy_(dequantize_blocks(all_q, all_scales, n, output.dtype))
+        dequantize_blocks(all_q, all_scales, n, output.dtype, out=output)
 
     pending = Pending.join(all_gather_into(all_q.view(-1), q.view(-1), group, async_op=True),
                            all_gather_into(all_scales.view(-1), scales.view(-1), group, async_op=True),
@@ -87,8 +101,12 @@ def reduce_scatter_int8(output: torch.Tensor, full: torch.Tensor, group: CommGro
     q, scales = quantize_blocks(full.view(group.size, n), block)
     got_q, got_scales = torch.empty_like(q), torch.empty_like(scales)
 
-    def accumulate() -> None:
-        output.copy_(dequantize_blocks(got_q, got_scales, n, torch.float32).sum(dim=0))
+    def accumulate() -> None:  # fp32 sum of every rank's dequantized chunk
+        blocks = got_scales.shape[1]
+        total = torch.zeros(blocks, got_q.shape[1] // blocks, dtype=torch.float32, device=got_q.device)
+        for i in range(group.size):
+            total.addcmul_(got_q[i].view(blocks, -1), got_scales[i].unsqueeze(1))
+        output.copy_(total.view(-1)[:n])
 
     pending = Pending.join(all_to_all_into(got_q, q, group, async_op=True),
                            all_to_all_into(got_scales, scales, group, async_op=True), then=accumulate)
