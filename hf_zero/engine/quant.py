@@ -26,6 +26,8 @@ import torch
 
 from .collectives import CommGroup, Pending, all_gather_into, all_to_all_into
 
+_HOST_PIECE = 1 << 20  # elements quantized per pass on the host
+
 
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (1D, or 2D with rows quantized separately) as int8 blocks and fp32 scales.
@@ -49,13 +51,21 @@ def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
         padded = rows.new_zeros(rows.shape[0], blocks * block)
         padded[:, :n] = rows
         rows = padded
-    view = rows.view(rows.shape[0], blocks, block)
-    low, high = torch.aminmax(view, dim=2)
-    scales = torch.maximum(-low, high).float().div_(127.0)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
-    scaled = torch.div(view, safe)  # fp32: the one temporary
-    q = scaled.round_().clamp_(-127, 127).to(torch.int8)
-    return q.view(rows.shape[0], blocks * block), scales
+    flat = rows.view(-1, block)  # every block of every row
+    q = torch.empty(flat.shape, dtype=torch.int8, device=x.device)
+    scales = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
+    # On the host, work through cache-sized pieces with one reused temporary (a fresh full-size one
+    # costs more in page faults than the arithmetic); an accelerator takes the whole tensor at once.
+    step = flat.shape[0] if x.device.type != "cpu" else max(1, _HOST_PIECE // block)
+    scratch = torch.empty(min(step, flat.shape[0]), block, dtype=torch.float32, device=x.device)
+    for i in range(0, flat.shape[0], step):
+        part = flat[i : i + step]
+        scale = torch.maximum(part.amin(dim=1).neg_(), part.amax(dim=1)).float().div_(127.0)
+        scales[i : i + step] = scale
+        inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
+        scaled = torch.mul(part, inverse.unsqueeze(1), out=scratch[: part.shape[0]])
+        q[i : i + step].copy_(scaled.round_().clamp_(-127, 127))
+    return q.view(rows.shape[0], blocks * block), scales.view(rows.shape[0], blocks)
 
 
 def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype,
@@ -64,7 +74,9 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, numel: int, dtype: 
     rows, blocks = scales.shape
     block = q.shape[1] // blocks
     if out is not None and numel == blocks * block and out.is_contiguous():
-        torch.mul(q.view(rows, blocks, block), scales.to(dtype).unsqueeze(2), out=out.view(rows, blocks, block))
+        target = out.view(rows, blocks, block)
+        target.copy_(q.view(rows, blocks, block))  # int8 -> dtype, then one in-place scaling: two fast passes
+        target.mul_(scales.to(dtype).unsqueeze(2))
         return out.view(rows, numel)
     values = (q.view(rows, blocks, block).to(torch.float32) * scales.unsqueeze(2)).view(rows, -1)[:, :numel].to(dtype)
     if out is not None:
@@ -103,9 +115,13 @@ def reduce_scatter_int8(output: torch.Tensor, full: torch.Tensor, group: CommGro
 
     def accumulate() -> None:  # fp32 sum of every rank's dequantized chunk
         blocks = got_scales.shape[1]
-        total = torch.zeros(blocks, got_q.shape[1] // blocks, dtype=torch.float32, device=got_q.device)
+        total = torch.empty(blocks, got_q.shape[1] // blocks, dtype=torch.float32, device=got_q.device)
+        scratch = torch.empty_like(total)
         for i in range(group.size):
-            total.addcmul_(got_q[i].view(blocks, -1), got_scales[i].unsqueeze(1))
+            target = total if i == 0 else scratch
+            target.copy_(got_q[i].view(blocks, -1)).mul_(got_scales[i].unsqueeze(1))
+            if i:
+                total.add_(scratch)
         output.copy_(total.view(-1)[:n])
 
     pending = Pending.join(all_to_all_into(got_q, q, group, async_op=True),
