@@ -302,7 +302,7 @@ def large_head_backward(vocab: int) -> dict[str, Any]:
     }
 
 
-def block_buffers_in_backward(layers: int = 5, checkpointing: bool = False) -> dict[str, Any]:
+def block_buffers_in_backward(layers: int = 5, checkpointing: bool = False, stream_ordered: bool = False) -> dict[str, Any]:
     """The second stage-3 iteration of a LLaMA of `layers` equal blocks (one unit each, prefetch 1)
     whose head is over twice a block (1024 x 32 vs 9 K parameters, as in a 32000-word model), so the
     head's parameters and gradients leave room for four blocks' buffers:
@@ -319,6 +319,8 @@ def block_buffers_in_backward(layers: int = 5, checkpointing: bool = False) -> d
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = hf_zero.ZeroConfig(stage=3, prefetch=1, bucket_size_mb=0)
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
+    if stream_ordered:  # the policy the engine picks for NCCL, here on gloo
+        model.zero_engine.hooks.gate_on_reductions = False
     units = {u.spec.name: u for u in model.zero_engine.units}
     blocks = [units[f"model.layers.{i}"] for i in range(layers)]
     batch = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))

@@ -43,6 +43,7 @@ class Scenario:
     load_from: str | None = None
     save_to: str | None = None
     config_overrides: tuple[tuple[str, Any], ...] = ()  # extra ZeroConfig fields
+    stream_ordered: bool = False  # the backward-prefetch policy the engine picks for NCCL, forced on gloo
 
     @property
     def global_batch(self) -> int:
@@ -51,6 +52,7 @@ class Scenario:
     def single(self) -> "Scenario":
         """The reference's key: everything that changes the math, nothing that only changes sharding."""
         return replace(self, stage=0, mixed_precision="no", use_no_sync=False, wrap="auto", config_overrides=(), checkpointing=False, ac="",
+            stream_ordered=False,
             seed=0, start_step=0, stop_step=None, load_from=None, save_to=None)
 
 
@@ -297,6 +299,8 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     opt = make_optimizer(model, sc.lr)
     config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, wrap=sc.wrap, **dict(sc.config_overrides))
     model, opt = hf_zero.initialize(model, opt, config)
+    if sc.stream_ordered:
+        model.zero_engine.hooks.gate_on_reductions = False
     gathers = _count_gathers(model)
     if sc.load_from is not None:
         meta = hf_zero.load_checkpoint(sc.load_from, model, opt)

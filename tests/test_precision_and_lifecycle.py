@@ -94,6 +94,20 @@ def test_stage3_gated_backward_prefetch_matches(pools, checkpointing):
                                     config_overrides=(("bucket_size_mb", 0),)))
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_stream_ordered_backward_prefetch_bounds_gathered_units_and_matches(pools, checkpointing):
+    """The policy the engine takes on NCCL ([Note: reduction-gated prefetch]: no host polling, the prefetch
+    issued at pre-backward behind the reduction), forced here on gloo: every block is still prefetched in
+    reverse order and none gathered on demand; at most one more gradient buffer is alive than with the gate
+    (four block-sized buffers), and training gives the reference's losses and weights."""
+    for r in pools(2).values(_cases.block_buffers_in_backward, 5, checkpointing, True):
+        assert r["max_alive"] == 4, r
+        assert r["prefetched"] == [f"model.layers.{i}" for i in (4, 3, 2, 1, 0)], r
+        assert r["on_demand"] == [], r
+    run_and_compare(pools, Scenario(model="llama_deep", stage=3, world=2, checkpointing=checkpointing,
+                                    stream_ordered=True, config_overrides=(("bucket_size_mb", 0),)))
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gradient_checkpointing_matches(pools, stage):
     """Activation checkpointing (non-reentrant, as transformers enables it) recomputes inside the

@@ -138,6 +138,14 @@ def _backend(group: CommGroup) -> str:
     return "" if group.pg is None else str(dist.get_backend(group.pg)).lower()
 
 
+def stream_ordered(group: CommGroup) -> bool:
+    """Whether the group's collectives run in issue order on a device stream (NCCL, XCCL): a later
+    collective of the group runs after an earlier one without any wait by the host or by the compute
+    stream. On gloo, completion is a host-side fact, observed by polling."""
+    backend = _backend(group)
+    return "nccl" in backend or "xccl" in backend
+
+
 def bound_device(group: CommGroup) -> torch.device | None:
     """The device the process group was bound to (`init_process_group(device_id=...)`), if any."""
     pg = group.pg if group.pg is not None else (dist.group.WORLD if dist.is_initialized() else None)

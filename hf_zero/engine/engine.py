@@ -13,7 +13,8 @@ from torch import nn
 
 from ..config import ZeroConfig
 from ..launch import accelerator_device, launch_env
-from .collectives import CommGroup, all_gather_into, all_reduce_, bound_device, broadcast_, comm_device, max_scalar_
+from .collectives import (CommGroup, all_gather_into, all_reduce_, bound_device, broadcast_, comm_device, max_scalar_,
+                          stream_ordered)
 from .flat import FlatLayout, FlatUnit, grad_slab
 from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
@@ -173,6 +174,7 @@ class ZeroEngine:
         parts = iter(self.units)
         self.groups = [UnitGroup([next(parts) for _ in split]) for split in grouped]  # what the hooks run
         self.hooks = UnitHooks(self.groups, self.plan, self.pool, self.scaler.scale_outputs if self.scaler else None)
+        self.hooks.gate_on_reductions = not stream_ordered(self.plan.shard_group)
         self.hooks.grad_divisor = self._grad_divisor
         self.hooks.prefetch = config.prefetch
         self.hooks.on_reduced = self._mark_has_grads

@@ -97,6 +97,9 @@ class UnitHooks:
         self.on_reduced: Callable[[], None] = lambda: None  # told when fresh gradients reached the shards
         self._root_output_fn = root_output_fn  # rewrites the root's outputs (the fp16 loss scale)
         self.prefetch = 0  # units gathered ahead of the running one (stage 3)
+        # [Note: reduction-gated prefetch]: True on host-completed backends (gloo); False where collectives are
+        # ordered on a device stream (NCCL), set by the engine from the backend at initialize
+        self.gate_on_reductions = True
         self._forward_order: list[UnitGroup] = []  # inner units in the order the first forward ran them
         self._next_forward: dict[int, list[UnitGroup]] = {}  # id(unit) -> the units to prefetch as it starts
         self._next_backward: dict[int, list[UnitGroup]] = {}
@@ -284,7 +287,7 @@ class UnitHooks:
         if unit.spec.backward_reads_params:
             self.plan.params.before_compute(unit)
         if id(unit) not in self._late_prefetch:
-            if self._pending and self._prefetches(unit, forward=False):
+            if self.gate_on_reductions and self._pending and self._prefetches(unit, forward=False):
                 self._gated = unit  # [Note: reduction-gated prefetch]
             else:
                 self._prefetch_after(unit, forward=False)
@@ -317,7 +320,14 @@ class UnitHooks:
         the running unit's gradients, a query that never blocks), or at the latest before the next
         collective any hook issues (a unit's pre-forward, pre-backward or post-backward), so every
         rank issues its collectives in the same order. Three units' buffers instead of four, and
-        the gather still overlaps the rest of the backward."""
+        the gather still overlaps the rest of the backward.
+        This holds where completion is observed by the host (gloo). Where collectives are ordered on
+        a device stream (NCCL: `gate_on_reductions` False), polling from the host would almost never
+        see the reduction done (the host runs ahead of the device), so the gather would wait for the
+        next hook and be exposed; there the prefetch is issued at the unit's pre-backward, queued on
+        the communication stream behind the reduce-scatter, and neither the host nor the compute
+        stream waits. Gathered units stay bounded by `prefetch`; one more gradient buffer (the
+        reduction's input) can be alive."""
         unit, self._gated = self._gated, None
         if unit is None:
             return
