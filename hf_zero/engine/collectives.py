@@ -146,6 +146,32 @@ def stream_ordered(group: CommGroup) -> bool:
     return "nccl" in backend or "xccl" in backend
 
 
+_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def issue_after(first: Pending, issue: Callable[[], Pending], group: CommGroup) -> Pending:
+    """Issue the collective `issue()` once `first` (a collective of `group`) is complete.
+
+    Where collectives are stream-ordered on CUDA, neither the host nor the compute stream waits: a
+    side stream waits for `first` and `issue()` is called with it current, so the second
+    collective's stream queues behind the first (the hybrid all-reduce behind its reduce-scatter)
+    while the compute stream runs on; `issue()` must return an asynchronous `Pending`, whose
+    `wait()` later orders the compute stream after it. Elsewhere (gloo, or a completion step to
+    run) `first` is waited for by the host first.
+    """
+    device = comm_device(group)
+    if first.then is not None or not stream_ordered(group) or device.type != "cuda":
+        first.wait()
+        return issue()
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))  # the inputs were written on the compute stream
+    with torch.cuda.stream(side):
+        first.wait()  # the side stream, not the compute stream, waits for the first collective
+        return issue()
+
+
 def bound_device(group: CommGroup) -> torch.device | None:
     """The device the process group was bound to (`init_process_group(device_id=...)`), if any."""
     pg = group.pg if group.pg is not None else (dist.group.WORLD if dist.is_initialized() else None)

@@ -46,7 +46,8 @@ from torch import nn
 from typing import TYPE_CHECKING
 
 from .lifecycle import ShardState
-from .collectives import CommGroup, Pending, all_gather_into, all_gather_rows, all_reduce_, max_ints, reduce_scatter_into
+from .collectives import (CommGroup, Pending, all_gather_into, all_gather_rows, all_reduce_, issue_after, max_ints,
+                          reduce_scatter_into)
 from .pool import BufferPool
 from .quant import gather_int8, reduce_scatter_int8
 from .resting import ModuleSlots
@@ -426,9 +427,11 @@ class FlatUnit:
             pending = reduce_scatter_int8(output, source, self.shard_group, self.grad_quant_block, async_op=async_op)
         else:
             pending = reduce_scatter_into(output, source, self.shard_group, async_op=async_op)
-        if self.replicate_group.size > 1:
-            pending.wait()  # the cross-replica sum needs the shard-group sum first
-            pending = all_reduce_(output, self.replicate_group, async_op=async_op)
+        if self.replicate_group.size > 1:  # the cross-replica sum follows the shard-group sum
+            pending = issue_after(pending, lambda: all_reduce_(output, self.replicate_group, async_op=True),
+                                  self.shard_group)
+            if not async_op:
+                pending.wait()
         return GradReduction(pending, output, source, buffer, into_acc)
 
     @property
