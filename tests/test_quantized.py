@@ -62,3 +62,15 @@ def test_block_quantization_error_is_at_most_half_a_step():
 def test_quantization_settings_are_checked(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         ZeroConfig(**kwargs)
+
+
+@pytest.mark.parametrize("world, extra, mixed", [
+    (4, (("shard_group_size", 2),), "no"),  # hybrid: int8 within the group, the cross-group all-reduce exact
+    (2, (("offload_optimizer", True), ("offload_params", True)), "no"),  # host shards staged, then quantized
+    (2, (), "bf16"),
+    (2, (), "fp16"),  # with the dynamic loss scale
+], ids=["hybrid", "offload", "bf16", "fp16"])
+def test_quantized_collectives_combine_with_the_other_settings(pools, world, extra, mixed):
+    sc = Scenario(model="llama", stage=3, world=world, lr=1e-2, repeat_batch=True, mixed_precision=mixed,
+                  config_overrides=SETTINGS["both"][:2] + extra)
+    assert_tracks_fp32(pools(world).values(sharded_run, sc)[0], _reference(sc.single()), tol=3e-2)
