@@ -1,6 +1,6 @@
 """Instruction tuning with TRL's `SFTTrainer` on hf_zero: the step after domain adaptation.
 
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml examples/sft_trl.py \
+    ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/cpu_2proc.yaml examples/sft_trl.py \
         --model_name_or_path outputs/demo/model --dataset_file outputs/demo/instructions.jsonl \
         --output_dir outputs/sft --zero_stage 3 --max_steps 50 --use_cpu
 
