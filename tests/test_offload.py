@@ -44,3 +44,39 @@ def test_offload_matches_no_offload_and_lives_on_the_host(pools, stage, offload,
         assert mem.parameters.get("cpu", 0) > 0 and "host" not in mem.parameters
     # The device holds less model state than without offload.
     assert mem.total("cpu") < plain_mem.total("cpu")
+
+
+STAGED = {
+    "stage1": (1, "no", OFFLOADS["optimizer"]),
+    "stage2": (2, "no", OFFLOADS["optimizer"]),
+    "stage3-params": (3, "no", OFFLOADS["optimizer+params"]),
+    "stage3-params-int8": (3, "no", OFFLOADS["optimizer+params"] + (("quantized_weights", True), ("quantized_gradients", True))),
+    "stage3-fp16": (3, "fp16", OFFLOADS["optimizer"]),
+    "stage3-hybrid": (3, "no", OFFLOADS["optimizer+params"] + (("shard_group_size", 2),)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STAGED))
+def test_no_host_tensor_reaches_a_collective_with_offload(pools, tmp_path, case):
+    """A recording process group sees every tensor the engine hands to a collective during training with
+    clipping, a checkpoint save and `full_state_dict`. With the communication device off the host (as
+    under NCCL), none of them is offloaded host memory, and the numbers are those of the same run without
+    staging; without it (the communication device is the host) the recorder does see host memory, so the
+    check can fail."""
+    from tests._staging import recorded_offload_run
+
+    stage, mixed, overrides = STAGED[case]
+    world = 4 if "hybrid" in case else 2
+    sc = Scenario(model="falcon", stage=stage, world=world, steps=3, mixed_precision=mixed, config_overrides=overrides)
+    staged = pools(world).values(recorded_offload_run, Scenario(**{**sc.__dict__, "save_to": str(tmp_path / "staged")}), True)
+    direct = pools(world).values(recorded_offload_run, Scenario(**{**sc.__dict__, "save_to": str(tmp_path / "direct")}), False)
+    for rank in range(world):
+        assert staged[rank]["most_host_storages"] > 0  # there was host state to protect
+        assert staged[rank]["host_calls"] == {}, f"rank {rank}: host memory reached {staged[rank]['host_calls']}"
+        assert sum(staged[rank]["calls"].values()) == sum(direct[rank]["calls"].values())
+        assert staged[rank]["control_host_calls"] == {}
+        assert direct[rank]["control_host_calls"] == {"broadcast": 1}  # the recorder does see host memory
+    np.testing.assert_allclose(staged[0]["losses"], direct[0]["losses"], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(staged[0]["norms"], direct[0]["norms"], rtol=1e-6, atol=0)
+    for name, value in direct[0]["state"].items():
+        assert rel_err(staged[0]["state"][name], value) <= 1e-6, name

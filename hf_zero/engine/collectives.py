@@ -89,10 +89,22 @@ class Pending:
 
     @staticmethod
     def join(*pendings: "Pending", then: Callable[[], object] | None = None) -> "Pending":
-        """One `Pending` for several issued collectives (without their own `then`), finished by `then`."""
-        if any(p.then is not None for p in pendings):
-            raise RuntimeError("hf_zero: Pending.join takes collectives without a completion step")
-        return Pending([w for p in pendings for w in p.works], then)
+        """One `Pending` for several issued collectives, finished by their own completion steps (in order),
+        then by `then`."""
+        steps = [p.then for p in pendings if p.then is not None] + ([then] if then is not None else [])
+        if not steps:
+            return Pending([w for p in pendings for w in p.works])
+
+        def finish() -> None:
+            for step in steps:
+                step()
+        return Pending([w for p in pendings for w in p.works], finish)
+
+    def and_then(self, step: Callable[[], object]) -> "Pending":
+        """Add a completion step after the ones already there (e.g. a copy out of a staging buffer)."""
+        first = self.then
+        self.then = step if first is None else (lambda: (first(), step()))
+        return self
 
     def done(self) -> bool:
         """Whether every issued collective has completed (a query: it neither blocks nor syncs)."""
@@ -213,48 +225,46 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: CommGroup,
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
         return Pending()
-    staged = _staged(output, group)
-    if staged is not output:
-        pending = all_gather_into(staged, _staged(shard, group), group, async_op=True)
-        pending.then = (lambda: output.copy_(staged)) if pending.then is None else pending.then
-        if not async_op:
-            pending.wait()
-        return pending
-    shard = _staged(shard, group)
-    if not group.composed:
-        return Pending(_all_gather_single(output, shard, group=group.pg, async_op=async_op))
-    chunks = output.view(group.size, -1)
-    if chunks[group.rank].data_ptr() != shard.data_ptr():
-        chunks[group.rank].copy_(shard)
-    works = [dist.broadcast(chunks[i], src=dist.get_global_rank(group.pg, i), group=group.pg, async_op=True)
-             for i in range(group.size)]
-    pending = Pending(works)
+    staged_out, staged_shard = _staged(output, group), _staged(shard, group)
+    pending = _all_gather(staged_out, staged_shard, group)
+    if staged_out is not output:  # [Note: staging]
+        pending.and_then(lambda: output.copy_(staged_out))
     if not async_op:
         pending.wait()
     return pending
+
+
+def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: CommGroup) -> Pending:
+    """`all_gather_into` on tensors already on the communication device, issued asynchronously."""
+    if not group.composed:
+        return Pending(_all_gather_single(output, shard, group=group.pg, async_op=True))
+    chunks = output.view(group.size, -1)
+    if chunks[group.rank].data_ptr() != shard.data_ptr():
+        chunks[group.rank].copy_(shard)
+    return Pending([dist.broadcast(chunks[i], src=dist.get_global_rank(group.pg, i), group=group.pg, async_op=True)
+                    for i in range(group.size)])
 
 
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
     """Sum `full` over the group and keep this rank's chunk in `output` (SUM, not mean).
 
     `output` must not overlap `full`. `full` is consumed: the composed implementation sums it in
-    place (see [Note: composed collectives]).
+    place (see [Note: composed collectives]). Tensors off the communication device are staged
+    ([Note: staging]).
     """
     if group.size == 1:
         if output.data_ptr() != full.data_ptr():
             output.copy_(full)
         return Pending()
     staged_out, staged_full = _staged(output, group), _staged(full, group)
-    if staged_out is not output or staged_full is not full:  # [Note: staging]
-        pending = reduce_scatter_into(staged_out, staged_full, group, async_op=True)
-        pending.wait()
-        if staged_out is not output:
-            output.copy_(staged_out)
-        return Pending()
     if not group.composed:
-        return Pending(_reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op))
-    own = full.view(group.size, -1)[group.rank]
-    pending = Pending(dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), then=lambda: output.copy_(own))
+        pending = Pending(_reduce_scatter_single(staged_out, staged_full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True))
+    else:
+        own = staged_full.view(group.size, -1)[group.rank]
+        pending = Pending(dist.all_reduce(staged_full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True),
+                          then=lambda: staged_out.copy_(own))
+    if staged_out is not output:  # [Note: staging]
+        pending.and_then(lambda: output.copy_(staged_out))
     if not async_op:
         pending.wait()
     return pending
@@ -269,7 +279,7 @@ def all_to_all_into(output: torch.Tensor, chunks: torch.Tensor, group: CommGroup
     staged_out, staged_in = _staged(output, group), _staged(chunks, group)
     pending = Pending(dist.all_to_all_single(staged_out, staged_in, group=group.pg, async_op=True))
     if staged_out is not output:  # [Note: staging]
-        pending.then = lambda: output.copy_(staged_out)
+        pending.and_then(lambda: output.copy_(staged_out))
     if not async_op:
         pending.wait()
     return pending

@@ -460,7 +460,7 @@ class FlatUnit:
             output = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
         pending, all_rows, all_values = all_gather_rows(rows, values, capacity, self.shard_group, async_op=True)
         lo, _ = self.layout.shard_range(self.shard_group.rank)
-        pending.then = lambda: scatter_rows_(output, lo, all_rows, all_values)
+        pending.and_then(lambda: scatter_rows_(output, lo, all_rows, all_values))
         if self.replicate_group.size > 1:
             pending.wait()
             pending = all_reduce_(output, self.replicate_group, async_op=True)
