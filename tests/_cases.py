@@ -243,15 +243,16 @@ def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dic
     return outcome
 
 
-def pool_counts_per_iteration(layers: int) -> dict[str, int]:
-    """Pool fills of one steady-state stage-3 iteration of a LLaMA with `layers` blocks."""
+def pool_counts_per_iteration(layers: int, options: tuple[tuple[str, Any], ...] = ()) -> dict[str, int]:
+    """Pool fills of one steady-state stage-3 iteration of a LLaMA with `layers` blocks (`options`: more
+    ZeroConfig fields)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(cfg)
-    config = hf_zero.ZeroConfig(stage=3, bucket_size_mb=0)  # one block per unit: the count follows the depth
+    config = hf_zero.ZeroConfig(stage=3, bucket_size_mb=0, **dict(options))  # one block per unit: the count follows the depth
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
     pool = model.zero_engine.pool
     batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))

@@ -15,7 +15,7 @@ from ..config import ZeroConfig
 from ..launch import accelerator_device, launch_env
 from .collectives import (CommGroup, all_gather_into, all_reduce_, bound_device, broadcast_, comm_device, max_scalar_,
                           stream_ordered)
-from .flat import FlatLayout, FlatUnit, grad_slab
+from .flat import FlatLayout, FlatUnit, grad_slab, transient_nbytes
 from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
 from .pool import BufferPool
@@ -407,11 +407,17 @@ def _pool_for(
     most the units that can be live at once (the running one, the prefetched ones and the one
     whose reduction is in flight) wait in the pool per size."""
     align = config.quantization_block if config.quantized_weights or config.quantized_gradients else 1
-    numels = Counter(
-        FlatLayout.build(s.param_names, [p.shape for p in s.params], plan.shard_group.size, align).padded_numel
-        for s in specs
-    )
-    sizes = {n * dtype.itemsize for n, c in numels.items() if c > 1 for dtype in (param_dtype, reduce_dtype)}
+    weight_block = config.quantization_block if config.quantized_weights else None
+    layouts = {}  # padded numel -> a layout of that size (the blocks of one model share it)
+    counts: Counter[int] = Counter()
+    for s in specs:
+        layout = FlatLayout.build(s.param_names, [p.shape for p in s.params], plan.shard_group.size, align)
+        layouts.setdefault(layout.padded_numel, layout)
+        counts[layout.padded_numel] += 1
+    sizes = {
+        n for numel, c in counts.items() if c > 1
+        for n in transient_nbytes(layouts[numel], plan.shard_group.size, param_dtype, reduce_dtype, weight_block)
+    }
     return BufferPool(sizes, per_size=config.prefetch + 2)
 
 

@@ -49,7 +49,7 @@ from .lifecycle import ShardState
 from .collectives import (CommGroup, Pending, all_gather_into, all_gather_rows, all_reduce_, issue_after, max_ints,
                           reduce_scatter_into)
 from .pool import BufferPool
-from .quant import gather_int8, reduce_scatter_int8
+from .quant import gather_int8, gather_workspace_numels, reduce_scatter_int8
 from .resting import ModuleSlots
 from .sparse import coalesced_rows, scatter_rows_
 from .units import UnitSpec
@@ -105,6 +105,21 @@ class FlatLayout:
             if start < end:
                 pieces.append((i, start, end))
         return pieces
+
+
+def transient_nbytes(
+    layout: FlatLayout, group_size: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    weight_quant_block: int | None,
+) -> frozenset[int]:
+    """[Note: buffer reuse] the sizes of the buffers a unit with this layout takes from the pool and gives
+    back within a pass: gathered parameters, unsharded gradients and their cast for the reduction, the
+    reduced shard in the reduce dtype, and with int8 weight gathers the blocks and scales received."""
+    sizes = {layout.padded_numel * dt.itemsize for dt in (param_dtype, reduce_dtype)}
+    sizes.add(layout.shard_numel * reduce_dtype.itemsize)
+    if weight_quant_block is not None:
+        blocks, scales = gather_workspace_numels(layout.shard_numel, weight_quant_block, group_size)
+        sizes |= {blocks, scales * 4}
+    return frozenset(sizes)
 
 
 @dataclass
@@ -226,8 +241,8 @@ class FlatUnit:
     def buffer_nbytes(self) -> frozenset[int]:
         """The sizes of the transient buffers this unit takes from the pool (gathered parameters,
         unsharded gradients and their cast copy)."""
-        elements = self.layout.padded_numel
-        return frozenset(elements * dt.itemsize for dt in (self.param_dtype, self.reduce_dtype))
+        return transient_nbytes(self.layout, self.shard_group.size, self.param_dtype, self.reduce_dtype,
+                                self.weight_quant_block)
 
     @property
     def param_nbytes(self) -> int:
@@ -282,7 +297,15 @@ class FlatUnit:
         if self.offload_params:  # the shard lives on the host: stage it on the device for the gather
             source = torch.empty_like(source, device=self.device).copy_(source, non_blocking=True)
         if self.weight_quant_block is not None:
-            return gather_int8(self.unsharded_param, source, self.shard_group, self.weight_quant_block, async_op)
+            blocks, scales = gather_workspace_numels(source.numel(), self.weight_quant_block, self.shard_group.size)
+            workspace = (self.pool.new_tensor(blocks, torch.int8, self.device),
+                         self.pool.new_tensor(scales, torch.float32, self.device))
+            pending = gather_int8(self.unsharded_param, source, self.shard_group, self.weight_quant_block,
+                                  async_op=True, workspace=workspace)
+            pending.and_then(lambda: [self.pool.release(t.untyped_storage()) for t in workspace])
+            if not async_op:
+                pending.wait()
+            return pending
         return all_gather_into(self.unsharded_param, source, self.shard_group, async_op)
 
     def reshard(self) -> None:
@@ -421,8 +444,8 @@ class FlatUnit:
             output = self._grad_shard()
         elif self.shard_group.size == 1 and source is not self.unsharded_grad:
             output = source  # a fresh cast copy: reduce it in place
-        else:
-            output = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        else:  # pooled: released with the unsharded gradients once the sum is in the shard
+            output = self.pool.new_tensor(self.layout.shard_numel, self.reduce_dtype, self.device)
         if quantized:
             pending = reduce_scatter_int8(output, source, self.shard_group, self.grad_quant_block, async_op=async_op)
         else:
@@ -485,6 +508,8 @@ class FlatUnit:
         """Free a finished reduction's unsharded gradients and cast copy (stages 2-3), into the pool."""
         for t in {id(reduction.buffer): reduction.buffer, id(reduction.source): reduction.source}.values():
             self.release_unsharded_grad(t)
+        if not reduction.into_accumulator and reduction.output is not reduction.source:
+            self.pool.release(reduction.output.untyped_storage())
 
     def release_unsharded_grad(self, grad: torch.Tensor) -> None:
         """Free unsharded gradients (stages 2-3), into the pool when it has room."""

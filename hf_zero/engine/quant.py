@@ -29,12 +29,15 @@ from .collectives import CommGroup, Pending, all_gather_into, all_to_all_into
 _HOST_PIECE = 1 << 20  # elements quantized per pass on the host
 
 
-def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(
+    x: torch.Tensor, block: int, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (1D, or 2D with rows quantized separately) as int8 blocks and fp32 scales.
 
-    Returns `(q, scales)`: `q` of shape `(rows, blocks * block)` int8 and `scales` `(rows, blocks)` fp32.
-    A row whose length is a multiple of `block` (what the engine's aligned layouts give) is read in
-    place; others are zero-padded first.
+    Returns `(q, scales)`: `q` of shape `(rows, blocks * block)` int8 and `scales` `(rows, blocks)` fp32,
+    written into `out` (contiguous tensors of those numbers of elements) when given. A row whose length
+    is a multiple of `block` (what the engine's aligned layouts give) is read in place; others are
+    zero-padded first.
 
     Example:
         >>> x = torch.tensor([1.0, -0.5, 0.25, 0.0, 0.0])
@@ -52,8 +55,11 @@ def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
         padded[:, :n] = rows
         rows = padded
     flat = rows.view(-1, block)  # every block of every row
-    q = torch.empty(flat.shape, dtype=torch.int8, device=x.device)
-    scales = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
+    if out is None:
+        q = torch.empty(flat.shape, dtype=torch.int8, device=x.device)
+        scales = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
+    else:
+        q, scales = out[0].view(flat.shape), out[1].view(flat.shape[0])
     # On the host, work through cache-sized pieces with one reused temporary (a fresh full-size one
     # costs more in page faults than the arithmetic); an accelerator takes the whole tensor at once.
     step = flat.shape[0] if x.device.type != "cpu" else max(1, _HOST_PIECE // block)
@@ -85,14 +91,28 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, numel: int, dtype: 
     return values
 
 
+def gather_workspace_numels(shard_numel: int, block: int, group_size: int) -> tuple[int, int]:
+    """The elements of the int8 blocks and of the fp32 scales that `gather_int8` receives."""
+    blocks = max(1, math.ceil(shard_numel / block))
+    return group_size * blocks * block, group_size * blocks
+
+
 def gather_int8(output: torch.Tensor, shard: torch.Tensor, group: CommGroup, block: int,
-                async_op: bool = False) -> Pending:
+                async_op: bool = False, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> Pending:
     """All-gather `shard` into the 1D `output` in int8 ([Note: block quantization]); `output` is filled,
-    dequantized into its dtype, when the returned `Pending` is waited on."""
-    q, scales = quantize_blocks(shard, block)
-    all_q = torch.empty(group.size, q.shape[1], dtype=torch.int8, device=q.device)
-    all_scales = torch.empty(group.size, scales.shape[1], dtype=torch.float32, device=q.device)
+    dequantized into its dtype, when the returned `Pending` is waited on.
+
+    `workspace`: the int8 and fp32 buffers the blocks and scales are gathered into (1D, of
+    `gather_workspace_numels` elements), e.g. from a pool; fresh ones when None. The shard is quantized
+    straight into this rank's part of them.
+    """
     n = shard.numel()
+    numel_q, numel_scales = gather_workspace_numels(n, block, group.size)
+    if workspace is None:
+        workspace = (torch.empty(numel_q, dtype=torch.int8, device=shard.device),
+                     torch.empty(numel_scales, dtype=torch.float32, device=shard.device))
+    all_q, all_scales = workspace[0].view(group.size, -1), workspace[1].view(group.size, -1)
+    q, scales = quantize_blocks(shard, block, out=(all_q[group.rank], all_scales[group.rank]))
 
     def dequantize() -> None:
         dequantize_blocks(all_q, all_scales, n, output.dtype, out=output)
