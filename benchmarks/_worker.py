@@ -42,8 +42,10 @@ PRESETS = {
     "small_tied": dict(hidden=512, layers=8, heads=8, kv_heads=8, inter=1376, vocab=8192, seq=256, global_batch=8,
                        tied=True),
 }
-ENGINES = ["ddp", "hf_zero1", "hf_zero2", "hf_zero3", "hf_zero3_q", "hf_zero3_offload", "fsdp2", "fsdp2_noreshard",
+ENGINES = ["local", "ddp", "hf_zero1", "hf_zero2", "hf_zero3", "hf_zero3_q", "hf_zero3_offload", "fsdp2", "fsdp2_noreshard",
            "ds1", "ds2", "ds3"]
+# local: every rank trains its own micro-batch with no communication at all (the compute floor of a step:
+#        what any engine would take if its collectives cost nothing; not the same training, losses not compared)
 # hf_zero3_q: ZeRO-3 with int8 weight gathers (per-block scales) and bf16 gradient reduction
 QUANTIZED = {"quantized_weights": True, "reduce_dtype": "bf16"}
 
@@ -133,7 +135,9 @@ def setup(engine: str, weights: str, micro: int, options: dict):
         return step, lambda: held["bytes"]
     model = AutoModelForCausalLM.from_pretrained(weights).to(DEVICE)
     model.train()
-    if engine == "ddp":
+    if engine == "local":
+        ddp, opt = model, adamw(model.parameters())
+    elif engine == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None)
         opt = adamw(ddp.parameters())
     elif engine.startswith("fsdp2"):
