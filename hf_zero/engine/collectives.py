@@ -208,8 +208,11 @@ def _staged(tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
 
     [Note: staging] A backend only takes tensors on its own device (NCCL: the rank's GPU). Host
     tensors (offloaded shards and masters, a checkpoint's values) are staged through a device copy
-    here, at the one door every collective goes through, and results are copied back; on gloo the
-    communication device is the host and nothing is copied.
+    here, at the one door every collective goes through: each public collective stages its tensors
+    once at its entry and copies results back as a completion step of its `Pending`. On gloo the
+    communication device is the host and nothing is copied. `tests/test_offload.py` records every
+    tensor that reaches `torch.distributed` with the communication device moved off the host and
+    checks that none is offloaded host memory.
     """
     comm = comm_device(group)
     return tensor if tensor.device == comm else tensor.to(comm)
