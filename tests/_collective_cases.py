@@ -28,6 +28,11 @@ def bulk_collectives(dtype_name: str, shard_numel: int) -> dict[str, Any]:
         pending = [all_gather_into(g, s, group, async_op=True) for g, s in zip(gathered, shards)]
         inputs = [f.clone() for f in originals]
         pending += [reduce_scatter_into(r, f, group, async_op=True) for r, f in zip(reduced, inputs)]
+        # with a free buffer to receive into (the composed one then exchanges chunks all-to-all)
+        received = [torch.full((size * shard_numel,), float("nan"), dtype=dtype) for _ in fulls]
+        reduced_scratch = [torch.full((shard_numel,), float("nan"), dtype=dtype) for _ in fulls]
+        pending += [reduce_scatter_into(r, f.clone(), group, async_op=True, scratch=x)
+                    for r, f, x in zip(reduced_scratch, originals, received)]
         for p in reversed(pending):
             p.wait()
         # in place: this rank's shard already sits in its chunk of the output
@@ -39,6 +44,7 @@ def bulk_collectives(dtype_name: str, shard_numel: int) -> dict[str, Any]:
             "gathered": [g.float() for g in gathered],
             "in_place": in_place.float(),
             "reduced": [r.float() for r in reduced],
+            "reduced_scratch": [r.float() for r in reduced_scratch],
         }
     # the exact expectations: every rank's shards, and the sums of every rank's chunks
     every_shard = [None] * size

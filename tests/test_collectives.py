@@ -3,7 +3,8 @@ broadcasts / an all-reduce, which `collectives="auto"` picks on gloo) give the s
 
 All-gathers are exact. Reduce-scatters match the float64 sum of every rank's chunk within the
 rounding of the dtype's own additions (fp32 1e-6, bf16 2e-2 relative), and the two implementations
-match each other within the same bound. Several exchanges are in flight at once and waited in
+match each other within the same bound; with a scratch buffer to receive into, the composed
+reduce-scatter (an all-to-all, then a local sum) gives what the all-reduce gives. Several exchanges are in flight at once and waited in
 reverse order, as the engine's prefetch and overlapped reductions do.
 """
 
@@ -25,10 +26,13 @@ def test_composed_equals_native(pools, world, dtype, tol):
             for g, want in zip(res["gathered"], got["expected_gathered"]):
                 torch.testing.assert_close(g, want, rtol=0, atol=0)
             torch.testing.assert_close(res["in_place"], got["expected_gathered"][0], rtol=0, atol=0)
-            for r, want in zip(res["reduced"], got["expected_reduced"]):
+            for r, want in zip(res["reduced"] + res["reduced_scratch"], got["expected_reduced"] * 2):
                 torch.testing.assert_close(r, want, rtol=tol, atol=tol * want.abs().max().item(), msg=f"{name} rank {rank}")
         for a, b in zip(got["native"]["reduced"], got["composed"]["reduced"]):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+        if world == 2:  # one addition per element, the same on every path: the same bits
+            for a, b in zip(got["composed"]["reduced"], got["composed"]["reduced_scratch"]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_group_of_one_and_bad_choice():

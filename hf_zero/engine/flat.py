@@ -423,9 +423,12 @@ class FlatUnit:
         for p in self.params:
             p.grad = None
 
-    def reduce_grads(self, async_op: bool = True) -> GradReduction:
+    def reduce_grads(self, async_op: bool = True, buffer_is_free: bool = False) -> GradReduction:
         """Issue the reduce-scatter (and cross-replica all-reduce) of `unsharded_grad`, or a lookup's row
-        exchange ([Note: sparse lookup gradients]). Sums, not means."""
+        exchange ([Note: sparse lookup gradients]). Sums, not means.
+
+        `buffer_is_free`: nothing reads `unsharded_grad` after this call (stages 2-3); when the reduction
+        runs on a cast copy, the collective may then receive into the buffer's memory."""
         if self.sparse_lookup:
             rows = self._reduce_rows(async_op)
             if rows is not None:
@@ -449,7 +452,10 @@ class FlatUnit:
         if quantized:
             pending = reduce_scatter_int8(output, source, self.shard_group, self.grad_quant_block, async_op=async_op)
         else:
-            pending = reduce_scatter_into(output, source, self.shard_group, async_op=async_op)
+            scratch = None
+            if buffer_is_free and source is not buffer and buffer.element_size() >= source.element_size():
+                scratch = buffer.view(source.dtype)[: source.numel()]  # the gradients were cast: memory to receive into
+            pending = reduce_scatter_into(output, source, self.shard_group, async_op=async_op, scratch=scratch)
         if self.replicate_group.size > 1:  # the cross-replica sum follows the shard-group sum
             pending = issue_after(pending, lambda: all_reduce_(output, self.replicate_group, async_op=True),
                                   self.shard_group)

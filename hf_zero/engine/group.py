@@ -114,8 +114,8 @@ class UnitGroup:
     def mark_used(self, param: torch.Tensor) -> None:
         self._grads().mark_used(param)
 
-    def reduce_grads(self, async_op: bool = True) -> GradReduction:
-        return self._grads().reduce_grads(async_op=async_op)
+    def reduce_grads(self, async_op: bool = True, buffer_is_free: bool = False) -> GradReduction:
+        return self._grads().reduce_grads(async_op=async_op, buffer_is_free=buffer_is_free)
 
     def finish_reduction(self, reduction: GradReduction, divisor: float) -> None:
         self._grads().finish_reduction(reduction, divisor)

@@ -360,7 +360,8 @@ class UnitHooks:
         self._open_gate()  # before this unit's reduction is issued
         unit.collect_grads()
         if self.requires_grad_sync and unit.has_trainable:
-            self._pending.append((unit, unit.reduce_grads(async_op=True)))
+            free = not self.plan.keep_unsharded_grads
+            self._pending.append((unit, unit.reduce_grads(async_op=True, buffer_is_free=free)))
             if not self.plan.keep_unsharded_grads:
                 unit.unsharded_grad = None  # the reduction holds it until its wait
             # [Note: bounded reductions] finish older reductions as new ones are issued: each holds its
