@@ -239,8 +239,7 @@ class FlatUnit:
 
     @property
     def buffer_nbytes(self) -> frozenset[int]:
-        """The sizes of the transient buffers this unit takes from the pool (gathered parameters,
-        unsharded gradients and their cast copy)."""
+        """The sizes of the transient buffers this unit takes from the pool (see `transient_nbytes`)."""
         return transient_nbytes(self.layout, self.shard_group.size, self.param_dtype, self.reduce_dtype,
                                 self.weight_quant_block)
 
