@@ -6,6 +6,7 @@ integrations each translate their own arguments into a `ZeroConfig` in one funct
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -66,6 +67,15 @@ class ZeroConfig:
             Stage 3 only, with `offload_optimizer`: the sharded parameters live in host memory
             too, and each unit's shard is copied to the device just before its all-gather. The
             device then holds only the gathered units; each gather costs one host-to-device copy.
+        offload_dir (`str`, *optional*):
+            ZeRO-Infinity, with `offload_optimizer`: the fp32 master shards and the elementwise
+            optimizer state live in files under this folder (a local NVMe disk), one preallocated
+            set per rank, instead of host memory; the optimizer step streams them through a few
+            host buffers, reading ahead and writing behind on background threads. Host memory for
+            model states drops to the gradient shards (4Ψ/N bytes) and the compute-dtype parameter
+            shards; the disk needs 12Ψ/N bytes per rank with AdamW (checked at `initialize`, on every
+            rank). Each step reads and writes those bytes once. The files are removed when the model
+            is released. See [Note: disk offload] in `hf_zero/engine/disk.py`.
         prefetch (`int`, *optional*, defaults to 1):
             Stage 3: how many units' all-gathers are issued ahead of the running unit (in forward
             order, and in reverse order during backward; the order is learned from the first
@@ -158,6 +168,9 @@ class ZeroConfig:
         "shards and optimizer state in host memory; the optimizer step runs on the CPU."})
     offload_params: bool = field(default=False, metadata={"help": "Stage 3 with offload_optimizer: the parameter "
         "shards live in host memory too and are copied to the device before each gather."})
+    offload_dir: str | None = field(default=None, metadata={"help": "ZeRO-Infinity, with offload_optimizer: keep the "
+        "fp32 master weights and optimizer state in files under this folder (a fast local disk), streamed through a "
+        "few host buffers at each step, instead of host memory."})
     prefetch: int = field(default=1, metadata={"help": "Stage 3: units gathered ahead of the running one (overlaps "
         "communication with compute; each adds one gathered unit of device memory). 0 disables."})
     bucket_size_mb: float = field(default=25.0, metadata={"help": "Group consecutive transformer blocks into one unit "
@@ -203,6 +216,15 @@ class ZeroConfig:
                 "stage 3, and their master copy is updated where the optimizer runs. Set stage=3, "
                 "offload_optimizer=True (or drop offload_params)."
             )
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)) or not os.fspath(self.offload_dir):
+                raise TypeError(f"ZeroConfig.offload_dir must be a folder path (str); got {self.offload_dir!r}.")
+            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
+            if not self.offload_optimizer:
+                raise ValueError(
+                    "ZeroConfig.offload_dir needs offload_optimizer=True: the optimizer step runs on the host, "
+                    "streaming its state from the files. Set offload_optimizer=True (or drop offload_dir)."
+                )
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"ZeroConfig.prefetch must be an int >= 0 (units gathered ahead); got {self.prefetch!r}.")
         if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)) or not (

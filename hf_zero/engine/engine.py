@@ -6,6 +6,7 @@ import contextlib
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -14,7 +15,8 @@ from torch import nn
 from ..config import ZeroConfig
 from ..launch import accelerator_device, launch_env
 from .collectives import (CommGroup, all_gather_into, all_reduce_, bound_device, broadcast_, comm_device, max_scalar_,
-                          stream_ordered)
+                          raise_if_any_failed, stream_ordered)
+from .disk import DiskOffload, OffloadFiles
 from .flat import FlatLayout, FlatUnit, grad_slab, transient_nbytes
 from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
@@ -60,7 +62,7 @@ class Piece:
     param: nn.Parameter
     start: int
     end: int
-    master: torch.Tensor  # 1D view of FlatUnit.sharded_master
+    master: torch.Tensor  # 1D view of FlatUnit.sharded_master (0 elements when it is on disk: `engine.read_master`)
     unit: FlatUnit
     local: tuple[int, int]  # the same range in the unit's shard coordinates
     bounds: tuple[tuple[int, int], ...]  # `chunk_bounds` of the piece, in `master` coordinates
@@ -144,8 +146,11 @@ class ZeroEngine:
         grouped = [split_frozen(spec) for spec in specs]  # [Note: frozen parameters] in group.py
         specs = [part for parts in grouped for part in parts]
         self.pool = _pool_for(specs, world, self.plan, config, self.param_dtype, self.reduce_dtype)
-        self.units = [
-            FlatUnit(
+        self.disk = _disk_for(specs, config, world, self.plan, self.device, self.master_dtype)
+        self.units: list[FlatUnit] = []
+        for spec in specs:
+            offloaded = config.offload_optimizer and not spec.frozen
+            unit = FlatUnit(
                 spec,
                 shard_group=self.plan.shard_group,
                 replicate_group=self.plan.replicate_group,
@@ -156,13 +161,15 @@ class ZeroEngine:
                 persistent_params=self.plan.params.persistent,
                 source=source,
                 pool=self.pool,
-                host=torch.device("cpu") if config.offload_optimizer and not spec.frozen else None,
+                host=torch.device("cpu") if offloaded else None,
                 offload_params=config.offload_params,
                 weight_quant_block=config.quantization_block if config.quantized_weights else None,
                 grad_quant_block=config.quantization_block if config.quantized_gradients else None,
+                master_on_disk=self.disk is not None and offloaded,
             )
-            for spec in specs
-        ]
+            if self.disk is not None and offloaded:
+                self.disk.adopt_master(unit)  # [Note: disk offload]: one unit's master in memory at a time
+            self.units.append(unit)
         # Parameters built on the meta device were replaced by views (see FlatUnit._bind_params).
         self.replaced: dict[int, nn.Parameter] = {
             id(old): new for unit in self.units for old, new in zip(unit.spec.params, unit.params) if old is not new
@@ -181,7 +188,11 @@ class ZeroEngine:
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, once attached
-        self.pieces: list[Piece] = [piece for unit in self.units for piece in _pieces(unit)]  # this rank's
+        self.pieces: list[Piece] = [  # this rank's
+            piece for unit in self.units for piece in _pieces(unit, self.disk is not None and self.disk.holds(unit))
+        ]
+        if self.disk is not None:
+            self.disk.build_windows(self.pieces)
         self._names = {id(p): n for unit in self.units for p, n in zip(unit.params, unit.spec.param_names)}
         # Stand-ins ([Note: resting parameters]) and meta originals, mapped to the engine's parameters.
         self._real: dict[int, nn.Parameter] = dict(self.replaced)
@@ -281,10 +292,19 @@ class ZeroEngine:
         if self.scaler is not None and not self.scaler.check_and_update(self.units, self.world):
             return False
         used = self._used_anywhere()
+        on_disk = self.disk is not None
         for piece in self.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
-            piece.bind_grads(used[id(piece.unit)][piece.slot_index])
-        optimizer.step()
-        for pending in [unit.publish_master(async_op=True) for unit in self.units]:
+            if not (on_disk and self.disk.holds(piece.unit)):
+                piece.bind_grads(used[id(piece.unit)][piece.slot_index])
+        if self.disk is not None:  # [Note: disk offload]: stepped window by window, published as it goes
+            self.disk.step(optimizer, used)
+        else:
+            optimizer.step()
+        published = [
+            unit.gather_persistent(async_op=True) if self.disk is not None and self.disk.holds(unit)
+            else unit.publish_master(async_op=True) for unit in self.units
+        ]
+        for pending in published:
             pending.wait()
         self.release_gathered()  # no copy gathered before the step is used after it
         return True
@@ -332,7 +352,7 @@ class ZeroEngine:
             if trainable_only and not unit.has_trainable:
                 continue
             full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
-            all_gather_into(full, unit.sharded_master, unit.shard_group)
+            all_gather_into(full, self.read_master(unit), unit.shard_group)
             if not is_writer:
                 yield []
                 continue
@@ -368,6 +388,22 @@ class ZeroEngine:
         state = nn.Module.state_dict(self.model, keep_vars=True)
         return state if with_params else {k: v for k, v in state.items() if id(v) not in self._names}
 
+    # ---- master shards ([Note: disk offload]) -----------------------------------------------
+    def read_master(self, unit: FlatUnit) -> torch.Tensor:
+        """`unit`'s master shard: the tensor itself, or a fresh copy read from the offload files."""
+        if self.disk is not None and self.disk.holds(unit):
+            return self.disk.read_master(unit)
+        return unit.sharded_master
+
+    def write_master(self, unit: FlatUnit, values: torch.Tensor) -> None:
+        """Make `values` (from `read_master`, changed) `unit`'s master shard and publish it into the parameters
+        (stages 0-2 gather it: a collective)."""
+        if self.disk is not None and self.disk.holds(unit):
+            self.disk.write_master(unit, values)
+        elif values is not unit.sharded_master:
+            unit.sharded_master.copy_(values)
+        unit.publish_master(master=values).wait()
+
     def compute_param(self, param: torch.Tensor) -> torch.Tensor:
         """The engine's own parameter behind `param` (itself, or the one a stand-in or a meta original stands for)."""
         return self._real.get(id(param), param)
@@ -389,6 +425,8 @@ class ZeroEngine:
         order = {"parameters": 0, "gradients": 1, "optimizer_states": 2}  # an alias counts where it is first seen
         for category, t, placement in sorted(held, key=lambda item: order[item[0]]):
             count(category, t, placement)
+        if self.disk is not None:  # [Note: disk offload]: masters and elementwise optimizer state
+            parts["optimizer_states"]["disk"] = self.disk.files.nbytes
         if self.optimizer is not None:
             offloaded = self.config.offload_optimizer
             for state in self.optimizer.state.values():
@@ -430,13 +468,41 @@ def _swap_parameters(model: nn.Module, replaced: dict[int, nn.Parameter]) -> Non
                 module._parameters[name] = replaced[id(param)]
 
 
-def _pieces(unit: FlatUnit) -> list[Piece]:
+def _disk_for(specs: list[UnitSpec], config: ZeroConfig, world: CommGroup, plan: StagePlan, device: torch.device,
+              master_dtype: torch.dtype) -> DiskOffload | None:
+    """This rank's offload files when `config.offload_dir` is set, created (with the free-space check) on every
+    rank before any unit: a failure on one rank raises on every rank."""
+    if config.offload_dir is None:
+        return None
+    size = plan.shard_group.size
+    align = config.quantization_block if config.quantized_weights or config.quantized_gradients else 1
+    numel = sum(
+        FlatLayout.build(s.param_names, [p.shape for p in s.params], size, align).shard_numel
+        for s in specs if not s.frozen
+    )
+    files, error = None, None
+    try:
+        files = OffloadFiles.create(Path(config.offload_dir), rank=world.rank, numel=numel, dtype=master_dtype)
+    except OSError as e:
+        error = e
+    raise_if_any_failed(error, world, "hf_zero.initialize (offload_dir)")
+    if files is None:
+        raise RuntimeError(f"[rank {world.global_rank}] hf_zero: no offload files after a successful creation")
+    return DiskOffload(files, device)
+
+
+def _pieces(unit: FlatUnit, on_disk: bool = False) -> list[Piece]:
     lo, _ = unit.layout.shard_range(unit.shard_group.rank)
     pieces = []
     for slot_index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
         slot = unit.layout.slots[slot_index]
-        master = unit.sharded_master[start - lo : end - lo]
         bounds = chunk_bounds(end - start)
+        if on_disk:  # [Note: disk offload]: chunk tensors pointed at a window's buffers while it steps
+            master = torch.empty(0, dtype=unit.master_dtype, device=unit.master_device)
+            chunks = tuple(torch.empty(0, dtype=unit.master_dtype, device=unit.master_device) for _ in bounds)
+        else:
+            master = unit.sharded_master[start - lo : end - lo]
+            chunks = tuple(master[a:b] for a, b in bounds)
         pieces.append(
             Piece(
                 name=slot.name,
@@ -447,7 +513,7 @@ def _pieces(unit: FlatUnit) -> list[Piece]:
                 unit=unit,
                 local=(start - lo, end - lo),
                 bounds=bounds,
-                optim_params=tuple(master[a:b] for a, b in bounds),
+                optim_params=chunks,
                 slot_index=slot_index,
             )
         )

@@ -156,6 +156,7 @@ class FlatUnit:
         offload_params: bool = False,
         weight_quant_block: int | None = None,
         grad_quant_block: int | None = None,
+        master_on_disk: bool = False,
     ) -> None:
         self.spec = spec
         # [Note: block quantization] in quant.py: int8 gathers (stage 3) / reductions, None for exact ones
@@ -191,8 +192,8 @@ class FlatUnit:
         self.state = ShardState.UNSHARDED
         if not persistent_params:
             shard_device = host if offload_params and host is not None else device
-            if self.sharded_master.device == shard_device and param_dtype == master_dtype:
-                self.sharded_param = self.sharded_master
+            if self.sharded_master.device == shard_device and param_dtype == master_dtype and not master_on_disk:
+                self.sharded_param = self.sharded_master  # the master is the gather source (fp32, in memory)
             else:
                 self.sharded_param = self._alloc(self.layout.shard_numel, param_dtype, shard_device)
                 self.sharded_param.copy_(self.sharded_master)
@@ -320,17 +321,30 @@ class FlatUnit:
         self.pool.release(self.unsharded_param.untyped_storage())
         self.state = ShardState.SHARDED if self.sharded_param is not None else ShardState.UNSHARDED
 
-    def publish_master(self, async_op: bool = False) -> Pending:
-        """After an optimizer step, make the compute parameters equal to the updated master shards."""
-        if self.sharded_param is not None:  # sharded parameters: refresh the gather source
-            if self.sharded_param is not self.sharded_master:
-                self.sharded_param.copy_(self.sharded_master)
-            return Pending()
+    def param_shard(self) -> torch.Tensor:
+        """This rank's shard of the compute parameters: the gather source (stage 3), or this rank's
+        chunk of the whole parameters (stages 0-2)."""
+        if self.sharded_param is not None:
+            return self.sharded_param
         lo, hi = self.layout.shard_range(self.shard_group.rank)
-        own = self.unsharded_param[lo:hi]
-        if own.data_ptr() != self.sharded_master.data_ptr():
-            own.copy_(self.sharded_master)
-        return all_gather_into(self.unsharded_param, own, self.shard_group, async_op)
+        return self.unsharded_param[lo:hi]
+
+    def publish_master(self, async_op: bool = False, master: torch.Tensor | None = None) -> Pending:
+        """After an optimizer step, make the compute parameters equal to the updated master shard
+        (`master`, by default `sharded_master`): copy it into this rank's parameter shard, then
+        (stages 0-2) gather every rank's."""
+        master = self.sharded_master if master is None else master
+        own = self.param_shard()
+        if own.data_ptr() != master.data_ptr():
+            own.copy_(master, non_blocking=True)
+        return self.gather_persistent(async_op)
+
+    def gather_persistent(self, async_op: bool = False) -> Pending:
+        """Stages 0-2: all-gather every rank's chunk of the parameters after they were updated (stage 3:
+        nothing; the next use gathers)."""
+        if self.sharded_param is not None:
+            return Pending()
+        return all_gather_into(self.unsharded_param, self.param_shard(), self.shard_group, async_op)
 
     # ---- gradients --------------------------------------------------------------------------
     @property
