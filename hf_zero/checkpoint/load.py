@@ -78,10 +78,13 @@ def load_checkpoint(
     engine.hooks.wait_reductions()
     with FileCache(directory) as cache:
         with torch.no_grad():
-            for piece in engine.pieces:
-                read_pieces(cache, piece.name, manifest.slices[piece.name], piece.start, piece.end, piece.master)
-            for unit in engine.units:
-                unit.publish_master().wait()
+            for unit in engine.units:  # one unit's master at a time ([Note: disk offload])
+                master = engine.read_master(unit)
+                for piece in engine.pieces:
+                    if piece.unit is unit:
+                        out = master[piece.local[0] : piece.local[1]]
+                        read_pieces(cache, piece.name, manifest.slices[piece.name], piece.start, piece.end, out)
+                engine.write_master(unit, master)
             _load_buffers(model, manifest, cache)
         if optimizer is not None and manifest.optimizer is not None:
             _load_optimizer(engine, optimizer, manifest, cache)
@@ -165,6 +168,14 @@ def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: M
         kinds = saved["state"].get(piece.name)
         if kinds:
             whole = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
+            if engine.disk is not None and engine.disk.holds(piece.unit):  # [Note: disk offload]: into the files
+                at = engine.disk.offsets[id(piece.unit)] + piece.local[0]
+                for key in [k for k, kind in kinds.items() if kind == "elementwise"]:
+                    engine.disk.write_range(key, at, whole[key])
+                    whole[key] = torch.empty(0, dtype=whole[key].dtype)
+                for t in piece.optim_params:
+                    inner.state[t] = {k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()}
+                continue
             for t, (a, b) in zip(piece.optim_params, piece.bounds):  # [Note: optimizer chunks]
                 inner.state[t] = {
                     key: value[a:b] if kinds[key] == "elementwise"

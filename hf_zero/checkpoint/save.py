@@ -19,13 +19,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from ..engine.collectives import CommGroup, agreement, broadcast_object, failed_ranks, gather_objects, raise_if_any_failed
-from ..engine.engine import ZeroEngine
+from ..engine.disk import MASTER
+from ..engine.engine import Piece, ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer
 from .format import (
@@ -44,6 +45,7 @@ from .format import (
     write_file_atomically,
 )
 from ..dtypes import dtype_name
+from .stream import Entry, host_pieces, write_streamed
 
 
 def save_checkpoint(
@@ -140,47 +142,71 @@ def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optim
         return record  # a replica (stage 0 or hybrid): the shard-group rank 0 replica writes
     rank, size = engine.plan.shard_group.rank, engine.plan.shard_group.size
     mfile = model_file(rank, size)
-    tensors = {p.name: p.master.detach().to("cpu", copy=True) for p in engine.pieces}
     slices = {p.name: [p.start, p.end] for p in engine.pieces}
+    masters = [Entry(p.name, p.unit.master_dtype, (p.end - p.start,), _master_pieces(engine, p)) for p in engine.pieces]
     header = {"kind": "model", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank, "slices": slices}
-    _write_safetensors(staging, mfile, tensors, header, record)
+    _write_streamed(staging, mfile, masters, header, record)
     record["slices"] = {name: [mfile, s, e] for name, (s, e) in slices.items()}
     if optimizer is not None:
-        state_tensors, kinds = _optimizer_pieces(engine, optimizer)
+        state_entries, kinds = _optimizer_pieces(engine, optimizer)
         header = {"kind": "optimizer", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank,
                   "slices": slices, "state": kinds}
-        _write_safetensors(staging, optim_file(rank, size), state_tensors, header, record)
+        _write_streamed(staging, optim_file(rank, size), state_entries, header, record)
         record["state"] = kinds
     return record
 
 
-def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]]]:
+def _master_pieces(engine: ZeroEngine, piece: Piece) -> Callable[[], Iterable[torch.Tensor]]:
+    """The piece's master values where they are ([Note: streamed save]): its own memory, or its file."""
+    if engine.disk is not None and engine.disk.holds(piece.unit):
+        disk, at = engine.disk, engine.disk.offsets[id(piece.unit)] + piece.local[0]
+        return lambda: disk.read_range(MASTER, at, piece.end - piece.start)
+    return host_pieces(piece.master)
+
+
+def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[list[Entry], dict[str, dict[str, str]]]:
     """This rank's optimizer state: elementwise tensors as pieces (the piece's chunks joined, [Note:
-    optimizer chunks]), scalars whole (the first chunk's: every chunk steps together), numbers as 0-d tensors."""
-    tensors: dict[str, torch.Tensor] = {}
+    optimizer chunks]; streamed from the offload files for disk units), scalars whole (the first chunk's:
+    every chunk steps together), numbers as 0-d tensors."""
+    entries: list[Entry] = []
     kinds: dict[str, dict[str, str]] = {}
     for piece in engine.pieces:
         states = [optimizer.optimizer.state.get(t) for t in piece.optim_params]
         if not all(states):
             continue
+        on_disk = engine.disk is not None and engine.disk.holds(piece.unit)
         kinds[piece.name] = {}
         for key, value in states[0].items():
             tkey = f"{piece.name}{STATE_SEP}{key}"
             if isinstance(value, torch.Tensor):
                 parts = [state[key] for state in states]
+                if on_disk and engine.disk is not None and key in engine.disk.state_keys:
+                    disk, at, n = engine.disk, engine.disk.offsets[id(piece.unit)] + piece.local[0], piece.end - piece.start
+                    kinds[piece.name][key] = "elementwise"
+                    entries.append(Entry(tkey, value.dtype, (n,), lambda d=disk, k=key, a=at, m=n: d.read_range(k, a, m)))
+                    continue
                 elementwise = all(v.ndim == 1 and v.numel() == b - a for v, (a, b) in zip(parts, piece.bounds))
                 kinds[piece.name][key] = "elementwise" if elementwise else "whole"
-                joined = torch.cat([v.detach().to("cpu") for v in parts]) if elementwise and len(parts) > 1 else None
-                tensors[tkey] = joined if joined is not None else value.detach().to("cpu", copy=True).contiguous()
+                whole = parts if elementwise else [value]
+                entries.append(Entry(tkey, value.dtype, (piece.end - piece.start,) if elementwise else tuple(value.shape),
+                                     host_pieces(*whole)))
             elif isinstance(value, (bool, int, float)):
                 kinds[piece.name][key] = "int" if isinstance(value, int) and not isinstance(value, bool) else "float"
-                tensors[tkey] = torch.tensor(float(value), dtype=torch.float64)
+                number = torch.tensor(float(value), dtype=torch.float64)
+                entries.append(Entry(tkey, torch.float64, (), host_pieces(number)))
             else:
                 raise TypeError(
                     f"Optimizer state {key!r} of {piece.name} is a {type(value).__name__}; hf_zero checkpoints "
                     "hold tensors and numbers only."
                 )
-    return tensors, kinds
+    return entries, kinds
+
+
+def _write_streamed(staging: Path, name: str, entries: list[Entry], header: dict[str, Any], record: dict[str, Any]) -> None:
+    final = staging / name
+    digest: list[str] = []
+    write_file_atomically(final, lambda tmp: digest.append(write_streamed(tmp, entries, {"hf_zero": json.dumps(header)})))
+    record["files"][name] = {"bytes": final.stat().st_size, "sha256": digest[0]}
 
 
 def _write_safetensors(staging: Path, name: str, tensors: dict[str, torch.Tensor], header: dict[str, Any], record: dict[str, Any]) -> None:

@@ -52,8 +52,16 @@ RESERVED_STATES = 2  # state files counted in the free-space check at initialize
 MASTER = "master"
 
 
-def _view_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous host tensor, without a copy (the tensor must outlive the view)."""
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy (the tensor must outlive the view).
+
+    Example:
+
+    ```python
+    >>> len(host_bytes(torch.ones(4)))
+    16
+    ```
+    """
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
 
@@ -117,7 +125,7 @@ class OffloadFiles:
 
     def read(self, key: str, offset: int, out: torch.Tensor) -> None:
         """Read `out.numel()` elements of `key` at element `offset` into the contiguous host tensor `out`."""
-        view, pos, fd = _view_bytes(out), offset * out.element_size(), self._fds[key]
+        view, pos, fd = host_bytes(out), offset * out.element_size(), self._fds[key]
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done : done + IO_PIECE_BYTES]], pos + done)
@@ -127,7 +135,7 @@ class OffloadFiles:
 
     def write(self, key: str, offset: int, src: torch.Tensor) -> None:
         """Write the contiguous host tensor `src` into `key` at element `offset`."""
-        view, pos, fd = _view_bytes(src), offset * src.element_size(), self._fds[key]
+        view, pos, fd = host_bytes(src), offset * src.element_size(), self._fds[key]
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done : done + IO_PIECE_BYTES], pos + done)

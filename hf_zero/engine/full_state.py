@@ -61,13 +61,14 @@ def load_state_dict(engine: ZeroEngine, values: Mapping[str, torch.Tensor], stri
     by_name = {engine.name_of(t): values[k] for k, t in expected.items() if k in values and id(t) in engine._names}
     for unit in engine.units:
         lo, _ = unit.layout.shard_range(unit.shard_group.rank)
+        master = engine.read_master(unit)
         for index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
             slot = unit.layout.slots[index]
             value = by_name.get(slot.name)
             if value is not None:
                 flat = value.detach().reshape(-1)[start - slot.offset : end - slot.offset]
-                unit.sharded_master[start - lo : end - lo].copy_(flat)
-        unit.publish_master().wait()
+                master[start - lo : end - lo].copy_(flat)
+        engine.write_master(unit, master)
     for key, t in engine.module_state(with_params=False).items():
         if key in values:
             t.copy_(values[key])
@@ -116,14 +117,14 @@ def _write_back(engine: ZeroEngine, unit: FlatUnit, modifier_rank: int) -> None:
     full = unit.unsharded_param
     broadcast_(full, engine.world, modifier_rank)
     lo, hi = unit.layout.shard_range(unit.shard_group.rank)
-    new, master = full[lo:hi], unit.sharded_master
+    new, master = full[lo:hi], engine.read_master(unit)
     if new.data_ptr() == master.data_ptr():
         return  # the master is this rank's chunk of the parameters (fp32, stages 0-2): already written
     before = master.to(unit.param_dtype)
     changed = (new != before) & ~(new.isnan() & before.isnan())
     master[changed] = new[changed].to(master.dtype)
-    if unit.sharded_param is not None:
-        unit.publish_master().wait()  # stage 3: the gather source follows the master
+    if unit.sharded_param is not None or engine.disk is not None:
+        engine.write_master(unit, master)  # stage 3: the gather source follows the master
 
 
 @torch.no_grad()

@@ -1,0 +1,109 @@
+"""Safetensors files written from the tensors where they live, in bounded pieces.
+
+[Note: streamed save]
+`safetensors.torch.save_file` builds the bytes of every tensor in memory before writing them, and
+the tensors themselves were first copied to the host: a rank saving its shards held two extra
+copies of its master weights and optimizer state at once (+30% of the training peak at 0.84B
+parameters). Here the header is computed from the shapes alone, then each tensor's bytes are
+written in order from where they are: a host tensor's own memory (no copy), a device tensor
+copied to the host `PIECE_NUMEL` elements at a time, offloaded state read from its file into one
+reused buffer. The SHA-256 the manifest records is computed on the way. Memory during a save is
+then the training memory plus one piece. The files are ordinary safetensors files (any reader
+loads them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from ..engine.disk import host_bytes
+
+PIECE_NUMEL = 1 << 22  # elements copied to the host at a time (16 MiB of fp32)
+
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a streamed file: its name, dtype, shape, and the contiguous host tensors whose bytes,
+    in order, are its bytes (`pieces()` is called once, while the file is written)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: Callable[[], Iterable[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def host_pieces(*tensors: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
+    """The pieces of `tensors` joined end to end: host tensors as they are (no copy), others copied to
+    the host `PIECE_NUMEL` elements at a time.
+
+    Example:
+
+    ```python
+    >>> entry = Entry("w", torch.float32, (8,), host_pieces(torch.ones(3), torch.zeros(5)))
+    ```
+    """
+    def pieces() -> Iterator[torch.Tensor]:
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            if flat.device.type == "cpu" and flat.is_contiguous():
+                yield flat
+                continue
+            for a in range(0, flat.numel(), PIECE_NUMEL):
+                yield flat[a : a + PIECE_NUMEL].to("cpu")
+    return pieces
+
+
+def write_streamed(path: Path, entries: list[Entry], metadata: dict[str, str] | None = None) -> str:
+    """Write a safetensors file of `entries` at `path` in bounded pieces; returns the file's SHA-256.
+
+    Example:
+
+    ```python
+    >>> digest = write_streamed(Path("w.safetensors"), [Entry("w", torch.float32, (4,), host_pieces(torch.ones(4)))])
+    ```
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for e in entries:
+        if e.dtype not in _DTYPES:
+            raise TypeError(f"hf_zero cannot store {e.name} of dtype {e.dtype} in a safetensors file.")
+        header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(raw).to_bytes(8, "little"), raw):
+            f.write(chunk)
+            digest.update(chunk)
+        for e in entries:
+            written = 0
+            for piece in e.pieces():
+                view = host_bytes(piece)
+                f.write(view)
+                digest.update(view)
+                written += len(view)
+            if written != e.nbytes:
+                raise RuntimeError(f"hf_zero: {e.name} gave {written} bytes for a tensor of {e.nbytes}")
+    return digest.hexdigest()
