@@ -320,6 +320,7 @@ _NON_DEFAULT = {
     "loss_scale_window": ("10", 10), "quantization_block": ("64", 64),
 }
 _NON_DEFAULT_STAGE3 = {"offload_optimizer": (None, True), "offload_params": (None, True),  # need stage 3
+                       "offload_dir": ("/nvme/offload", "/nvme/offload"),
                        "quantized_weights": (None, True), "quantized_gradients": (None, True)}
 
 

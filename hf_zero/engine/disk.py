@@ -22,7 +22,7 @@ the files again (`POSIX_FADV_WILLNEED`): the next step's reads are then issued d
 and backward into the page cache, which the system reclaims under memory pressure.
 
 The folder is removed when the engine is released (or at interpreter exit); a process killed
-outright leaves it behind, named `hf_zero-offload-<host>-<pid>-rank<r>`.
+outright leaves it behind, named `hf_zero-offload-<host>-<pid>-<token>-rank<r>`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import ctypes
 import os
 import shutil
 import socket
+import uuid
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -88,7 +89,7 @@ class OffloadFiles:
     def create(root: Path, *, rank: int, numel: int, dtype: torch.dtype) -> "OffloadFiles":
         """Make this rank's folder under `root` and its preallocated master file; `OSError` with the cause
         and the bytes needed when `root` cannot be written or has too little free space."""
-        directory = root / f"hf_zero-offload-{socket.gethostname()}-{os.getpid()}-rank{rank:05d}"
+        directory = root / f"hf_zero-offload-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank:05d}"
         need = numel * dtype.itemsize * (1 + RESERVED_STATES)
         try:
             directory.mkdir(parents=True, exist_ok=True)

@@ -485,7 +485,12 @@ def _disk_for(specs: list[UnitSpec], config: ZeroConfig, world: CommGroup, plan:
         files = OffloadFiles.create(Path(config.offload_dir), rank=world.rank, numel=numel, dtype=master_dtype)
     except OSError as e:
         error = e
-    raise_if_any_failed(error, world, "hf_zero.initialize (offload_dir)")
+    try:
+        raise_if_any_failed(error, world, "hf_zero.initialize (offload_dir)")
+    except BaseException:
+        if files is not None:  # another rank failed: leave nothing behind here either
+            files.remove()
+        raise
     if files is None:
         raise RuntimeError(f"[rank {world.global_rank}] hf_zero: no offload files after a successful creation")
     return DiskOffload(files, device)

@@ -40,6 +40,7 @@ root's pre_forward calls it when it finds one.
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -132,7 +133,10 @@ class UnitHooks:
                 self._handles.append(member.register_forward_hook(partial(self._member_post_forward, unit)))
             for p in unit.params:
                 if p.requires_grad:  # which parameters got gradients; the reduction-gated prefetch is polled here
-                    self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit)))
+                    # Through a weak reference: a hook a parameter holds is invisible to the garbage collector,
+                    # so a strong one would keep the hooks, the engine and the model (its offload files) alive.
+                    hook = partial(_weakly, weakref.WeakMethod(self._on_grad_ready), weakref.ref(unit))
+                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -452,3 +456,10 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _tensors(item)
+
+
+def _weakly(method: "weakref.WeakMethod[Callable[..., Any]]", unit: "weakref.ref[UnitGroup]", *args: Any) -> None:
+    """Call `method(unit, *args)` (both weak references) if they still live."""
+    bound, target = method(), unit()
+    if bound is not None and target is not None:
+        bound(target, *args)
