@@ -2,7 +2,8 @@
 
     hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]
     hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L] [--micro-batch B]
-                     [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB]
+                     [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB] [--host-memory 1TB]
+                     [--disk 4TB]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def _estimate(args: argparse.Namespace) -> int:
         return _step_time(model, hf_config, args)
     trainable_note = _trainable(model, args)
     device_memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
+    host_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
+    disk = parse_size(args.disk, "--disk") if args.disk else None
     workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
                         gradient_checkpointing=args.gradient_checkpointing)
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
@@ -42,7 +45,7 @@ def _estimate(args: argparse.Namespace) -> int:
           f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, fp32 Adam; "
           f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}{trainable_note}. "
           "GiB per device / per node:")
-    print(format_table(rows, device_memory))
+    print(format_table(rows, device_memory, host_memory, disk))
     return 0
 
 
@@ -142,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gradient-checkpointing", action="store_true")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype (default bf16)")
     e.add_argument("--device-memory", default=None, help="device size, e.g. 80GB: adds a 'fits' column")
+    e.add_argument("--host-memory", default=None, help="host memory per node, e.g. 1TB: counted in 'fits'")
+    e.add_argument("--disk", default=None, help="free disk per node for offload_dir, e.g. 4TB: counted in 'fits'")
     e.add_argument("--trainable", default=None, metavar="REGEX",
                    help="only parameters whose names match are trained (the others frozen: no gradient, no optimizer "
                         "state, no fp32 master), e.g. 'layers\\.(30|31)\\.'")

@@ -42,6 +42,7 @@ from .engine.group import split_frozen
 from .engine.units import UnitSpec, units_for
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+DISK_BUFFER_BYTES = 7 * 3 * 16 * 2**20  # [Note: disk offload]: windows in flight x (master + 2 moments) x 16 MiB
 _ADAM_STEP_BYTES = 4  # torch keeps Adam's `step` as a float32 scalar per optimizer tensor (chunk)
 
 
@@ -59,12 +60,13 @@ class Estimate:
     """One row of the table: bytes per device (worst rank) and per host."""
 
     stage: int
-    offload: str  # "none", "optimizer", "optimizer+params"
+    offload: str  # "none", "optimizer", "optimizer+params", "disk" (optimizer state and masters in offload_dir)
     model_states: int
     gathered_units: int
     activations: int
     buffers: int
     host_per_node: int
+    disk_per_node: int = 0
 
     @property
     def device_total(self) -> int:
@@ -106,23 +108,27 @@ def model_states(
         if spec.frozen:  # the compute-dtype shard is the only copy; never offloaded, no gradient, no state
             add("parameters", "device", (padded if persistent else s) * pd)
             continue
-        aliased_master = persistent and param_dtype == master_dtype and not config.offload_optimizer
+        master_where = "disk" if config.offload_dir is not None else host  # [Note: disk offload]
         if persistent:
             add("parameters", "device", padded * pd)
+            master_is_param = param_dtype == master_dtype and not config.offload_optimizer
+        elif not config.offload_optimizer:  # [Note: cast on gather]: the master is the gather source
+            add("parameters", "device", s * md)
+            master_is_param = True
         elif config.offload_params:
-            add("parameters", "host", s * pd)  # may alias the host master (same dtype): counted once, here
+            add("parameters", "host", s * pd)  # the host master itself when the dtypes agree (in memory)
+            master_is_param = param_dtype == master_dtype and config.offload_dir is None
         else:
             add("parameters", "device", s * pd)
-        master_is_param = aliased_master or (
-            not persistent and param_dtype == master_dtype and (config.offload_params or not config.offload_optimizer)
-        )
+            master_is_param = False
         if not master_is_param:
-            add("optimizer_states", host, s * md)
+            add("optimizer_states", master_where, s * md)
         if has_grads:
             add("gradients", host, s * md)
             if config.stage <= 1 and spec.backward_reads_params:  # a lookup's gradient travels as rows
                 add("gradients", "device", padded * pd)  # the unsharded buffer, kept and reused
-        add("optimizer_states", host, sum(2 * (b - a) * md + _ADAM_STEP_BYTES * len(chunk_bounds(b - a)) for _, a, b in trainable))
+        add("optimizer_states", master_where, sum(2 * (b - a) * md for _, a, b in trainable))
+        add("optimizer_states", host, sum(_ADAM_STEP_BYTES * len(chunk_bounds(b - a)) for _, a, b in trainable))
     return ModelStateMemory(**parts)
 
 
@@ -152,7 +158,8 @@ def estimate(
     workload: Workload = Workload(),
     mixed_precision: str = "bf16",
 ) -> list[Estimate]:
-    """Rows for stages 0-3 with no offload, optimizer offload, and (stage 3) parameter offload.
+    """Rows for stages 0-3 with no offload, optimizer offload, (stage 3) parameter offload and (stages 1-3)
+    disk offload (`offload_dir`).
 
     `model` may live on the meta device (only shapes are read).
     """
@@ -163,11 +170,12 @@ def estimate(
     rows = []
     per_node = world_size // nodes
     for stage in (0, 1, 2, 3):
-        for offload in ("none", "optimizer", "optimizer+params"):
-            if offload == "optimizer+params" and stage != 3:
+        for offload in ("none", "optimizer", "optimizer+params", "disk"):
+            if (offload == "optimizer+params" and stage != 3) or (offload == "disk" and stage == 0):
                 continue
             config = ZeroConfig(stage=stage, mixed_precision=mixed_precision,  # type: ignore[arg-type]
-                                offload_optimizer=offload != "none", offload_params=offload == "optimizer+params")
+                                offload_optimizer=offload != "none", offload_params=offload == "optimizer+params",
+                                offload_dir="PATH" if offload == "disk" else None)
             worst = max(
                 (model_states(specs, config, world_size, r, model_dtype) for r in {0, world_size - 1}),
                 key=lambda m: m.total("device"),
@@ -189,24 +197,39 @@ def estimate(
             rows.append(Estimate(
                 stage=stage, offload=offload, model_states=worst.total("device"), gathered_units=gathered,
                 activations=activation_bytes(hf_config, workload, e), buffers=buffers,
-                host_per_node=worst.total("host") * per_node,
+                host_per_node=(worst.total("host") + (DISK_BUFFER_BYTES if offload == "disk" else 0)) * per_node,
+                disk_per_node=worst.total("disk") * per_node,
             ))
     return rows
 
 
-def format_table(rows: list[Estimate], device_memory: int | None = None) -> str:
-    """A markdown table of the rows (GiB), with a 'fits' column when the device size is given."""
+def format_table(rows: list[Estimate], device_memory: int | None = None, host_memory: int | None = None,
+                 disk: int | None = None) -> str:
+    """A markdown table of the rows (GiB), with a 'fits' column when any size is given: a row fits when its
+    per-device, host-per-node and disk-per-node bytes are within the sizes given.
+
+    Example:
+
+    ```python
+    >>> print(format_table(rows, device_memory=80 * 2**30, host_memory=2**40))
+    ```
+    """
     gib = 2**30
-    head = "| stage | offload | model states | gathered units | activations | buffers | per device | host per node |"
-    sep = "|---|---|---|---|---|---|---|---|"
-    if device_memory is not None:
+    head = ("| stage | offload | model states | gathered units | activations | buffers | per device | host per node "
+            "| disk per node |")
+    sep = "|---|---|---|---|---|---|---|---|---|"
+    limits = (device_memory, host_memory, disk)
+    if any(x is not None for x in limits):
         head, sep = head + " fits |", sep + "---|"
     lines = [head, sep]
     for r in rows:
         line = (f"| {r.stage} | {r.offload} | {r.model_states / gib:.2f} | {r.gathered_units / gib:.2f} | "
                 f"{r.activations / gib:.2f} | {r.buffers / gib:.2f} | {r.device_total / gib:.2f} | "
-                f"{r.host_per_node / gib:.1f} |")
-        if device_memory is not None:
-            line += f" {'yes' if r.device_total <= device_memory else 'no'} |"
+                f"{r.host_per_node / gib:.1f} | {r.disk_per_node / gib:.1f} |")
+        if any(x is not None for x in limits):
+            needs = (r.device_total, r.host_per_node, r.disk_per_node)
+            over = [name for name, need, have in zip(("device", "host", "disk"), needs, limits)
+                    if have is not None and need > have]
+            line += f" {'yes' if not over else 'no (' + ', '.join(over) + ')'} |"
         lines.append(line)
     return "\n".join(lines)

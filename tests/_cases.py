@@ -218,18 +218,18 @@ def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dic
     import errno as errno_module
     import os
 
-    import hf_zero.checkpoint.format as save_module  # where every safetensors file is written
+    import hf_zero.checkpoint.save as save_module  # where the shard files are written ([Note: streamed save])
 
     model = make_model("llama")
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
-    original = save_module.save_file
+    original = save_module.write_streamed
 
-    def failing_save_file(tensors, filename, metadata=None):  # noqa: ANN001
+    def failing_save_file(filename, entries, metadata=None):  # noqa: ANN001
         if dist.get_rank() == failing_rank and errno_code is not None:
             raise OSError(errno_code, os.strerror(errno_code), filename)
-        return original(tensors, filename, metadata=metadata)
+        return original(filename, entries, metadata)
 
-    save_module.save_file = failing_save_file
+    save_module.write_streamed = failing_save_file
     start = time.monotonic()
     try:
         hf_zero.save_checkpoint(path, model, opt, metadata={"attempt": "second"})
@@ -237,7 +237,7 @@ def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dic
     except Exception as e:  # noqa: BLE001
         outcome = {"error_type": type(e).__name__, "error": str(e)}
     finally:
-        save_module.save_file = original
+        save_module.write_streamed = original
     outcome["seconds"] = time.monotonic() - start
     del errno_module
     return outcome

@@ -18,14 +18,14 @@ def main() -> None:
     sc = Scenario(model="llama", stage=3, world=2, steps=5)
     sharded_run(replace(sc, stop_step=2, save_to=os.path.join(out, "step_2")))
 
-    write = save_module._write_safetensors
+    write = save_module._write_streamed
 
     def write_then_die(staging, name, *args, **kwargs):  # noqa: ANN001
         write(staging, name, *args, **kwargs)
         if dist.get_rank() == 1 and name.startswith("model-"):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    save_module._write_safetensors = write_then_die
+    save_module._write_streamed = write_then_die
     sharded_run(replace(sc, start_step=2, stop_step=3, load_from=os.path.join(out, "step_2"),
                         save_to=os.path.join(out, "step_3")))
     print("unreachable: the save should not have finished", flush=True)

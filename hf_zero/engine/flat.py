@@ -11,6 +11,14 @@ storage back: the views keep their shapes and see the new data, so autograd's sa
 follow and no attribute is written on a parameter. While the storage is empty the modules hold
 stand-ins instead of the views ([Note: resting parameters] in resting.py).
 
+[Note: cast on gather]
+At stage 3 a rank's master shard (fp32 under mixed precision) is what it gathers from when it lives
+in memory on the compute device: each gather first casts it into a pooled shard of the compute
+dtype, sends that, and gives it back. A standing copy in the compute dtype would cost 2Ψ/N bytes
+(bf16) at every moment, for one cast per gather saved (FSDP2 casts the same way). With the master
+elsewhere (host offload, disk) the compute-dtype shard is kept on the device: it is what the device
+gathers from without a host round-trip.
+
 [Note: gradients]
 While a unit's backward runs, each trainable parameter's `.grad` is a view of the unit's
 `unsharded_grad` buffer (zeroed when it is created), so autograd accumulates in place. After the
@@ -115,7 +123,7 @@ def transient_nbytes(
     back within a pass: gathered parameters, unsharded gradients and their cast for the reduction, the
     reduced shard in the reduce dtype, and with int8 weight gathers the blocks and scales received."""
     sizes = {layout.padded_numel * dt.itemsize for dt in (param_dtype, reduce_dtype)}
-    sizes.add(layout.shard_numel * reduce_dtype.itemsize)
+    sizes |= {layout.shard_numel * dt.itemsize for dt in (param_dtype, reduce_dtype)}  # + the cast on gather
     if weight_quant_block is not None:
         blocks, scales = gather_workspace_numels(layout.shard_numel, weight_quant_block, group_size)
         sizes |= {blocks, scales * 4}
@@ -176,7 +184,7 @@ class FlatUnit:
         self.layout = FlatLayout.build(spec.param_names, [p.shape for p in spec.params], shard_group.size, align)
         lo, hi = self.layout.shard_range(shard_group.rank)
         self.unsharded_param: torch.Tensor  # 1D (padded_numel,), param dtype; storage freed when resharded
-        self.sharded_param: torch.Tensor | None  # 1D (shard_numel,), param dtype; the all-gather source (stage 3)
+        self.sharded_param: torch.Tensor | None  # 1D (shard_numel,); stage 3 gather source ([Note: cast on gather])
         self.sharded_master: torch.Tensor  # 1D (shard_numel,), master dtype; what the optimizer updates
         self.unsharded_param = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
         if persistent_params and param_dtype == master_dtype and host is None:
@@ -192,8 +200,10 @@ class FlatUnit:
         self.state = ShardState.UNSHARDED
         if not persistent_params:
             shard_device = host if offload_params and host is not None else device
-            if self.sharded_master.device == shard_device and param_dtype == master_dtype and not master_on_disk:
-                self.sharded_param = self.sharded_master  # the master is the gather source (fp32, in memory)
+            if self.sharded_master.device == shard_device and (param_dtype == master_dtype or host is None) \
+                    and not master_on_disk:
+                # [Note: cast on gather] the master, in memory on the compute device, is the gather source
+                self.sharded_param = self.sharded_master
             else:
                 self.sharded_param = self._alloc(self.layout.shard_numel, param_dtype, shard_device)
                 self.sharded_param.copy_(self.sharded_master)
@@ -296,6 +306,9 @@ class FlatUnit:
         source = self.sharded_param
         if self.offload_params:  # the shard lives on the host: stage it on the device for the gather
             source = torch.empty_like(source, device=self.device).copy_(source, non_blocking=True)
+        cast = None
+        if source.dtype != self.param_dtype:  # [Note: cast on gather]
+            cast = source = self.pool.new_tensor(source.numel(), self.param_dtype, self.device).copy_(source)
         if self.weight_quant_block is not None:
             blocks, scales = gather_workspace_numels(source.numel(), self.weight_quant_block, self.shard_group.size)
             workspace = (self.pool.new_tensor(blocks, torch.int8, self.device),
@@ -303,10 +316,13 @@ class FlatUnit:
             pending = gather_int8(self.unsharded_param, source, self.shard_group, self.weight_quant_block,
                                   async_op=True, workspace=workspace)
             pending.and_then(lambda: [self.pool.release(t.untyped_storage()) for t in workspace])
-            if not async_op:
-                pending.wait()
-            return pending
-        return all_gather_into(self.unsharded_param, source, self.shard_group, async_op)
+        else:
+            pending = all_gather_into(self.unsharded_param, source, self.shard_group, async_op=True)
+        if cast is not None:
+            pending.and_then(lambda: self.pool.release(cast.untyped_storage()))
+        if not async_op:
+            pending.wait()
+        return pending
 
     def reshard(self) -> None:
         """-> SHARDED: free the unsharded buffer (stage 3; not while a `gathered_parameters` context pins the unit);
