@@ -1,0 +1,80 @@
+"""The markdown table and the chart of a capacity run (benchmarks/capacity.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from capacity import GIB, LABELS
+
+
+def _rank_max(run: dict, key: str) -> float:
+    return max(r[key] for r in run["ranks"])
+
+
+def floor_bytes(params: int) -> float:
+    """16 bytes per parameter / 2 ranks: fp32 master, two moments, fp32 gradient shard."""
+    return 16 * params / 2
+
+
+def write_report(report: dict, out: Path, name: str) -> None:
+    runs = report["runs"]
+    lines = [f"# Capacity on this machine: 2 ranks, {report['budget_gib']} GiB resident per rank", "",
+             f"LLaMA shapes {json.dumps(report['shape'])} with L layers; {report['steps']} steps of 1 x {report['seq']} "
+             "tokens per rank (bf16 mixed precision, AdamW), then one checkpoint with each engine's own save. "
+             f"Disk: {report['disk']['write_gb_s']:.2f} GB/s write, {report['disk']['read_gb_s']:.2f} GB/s read "
+             "(sequential, uncached).", "",
+             "## Largest model each engine trained and saved", "",
+             "| engine | largest | peak RSS in training (GiB/rank) | peak RSS in the save | last step (s) | tokens/s | "
+             "save (s) | next size |", "|---|---|---|---|---|---|---|---|"]
+    engines = list(dict.fromkeys(r["engine"] for r in runs))
+    for engine in engines:
+        ok = [r for r in runs if r["engine"] == engine and r["ok"]]
+        bad = [r for r in runs if r["engine"] == engine and not r["ok"]]
+        nxt = f"{bad[0]['params'] / 1e9:.2f}B: {bad[0]['why']}" if bad else "not tried"
+        if not ok:
+            lines.append(f"| {LABELS.get(engine, engine)} | none | | | | | | {nxt} |")
+            continue
+        top = max(ok, key=lambda r: r["params"])
+        lines.append(
+            f"| {LABELS.get(engine, engine)} | {top['params'] / 1e9:.2f}B | {_rank_max(top, 'train_peak_rss') / GIB:.2f} | "
+            f"{_rank_max(top, 'save_peak_rss') / GIB:.2f} | {max(r['step_s'][-1] for r in top['ranks']):.1f} | "
+            f"{min(r['tokens_per_s'] for r in top['ranks']):.1f} | {_rank_max(top, 'save_s'):.1f} | {nxt} |")
+    lines += ["", "## Every run", "",
+              "| engine | params | result | setup peak | train peak | save peak | 16Ψ/N | steps (s) | save (s) | losses |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if not r["ok"]:
+            lines.append(f"| {LABELS.get(r['engine'], r['engine'])} | {r['params'] / 1e9:.2f}B | {r['why']} | | | | | | | |")
+            continue
+        steps = ", ".join(f"{s:.1f}" for s in max((x["step_s"] for x in r["ranks"]), key=sum))
+        lines.append(
+            f"| {LABELS.get(r['engine'], r['engine'])} | {r['params'] / 1e9:.2f}B | ok | "
+            f"{_rank_max(r, 'setup_peak_rss') / GIB:.2f} | {_rank_max(r, 'train_peak_rss') / GIB:.2f} | "
+            f"{_rank_max(r, 'save_peak_rss') / GIB:.2f} | {floor_bytes(r['params']) / GIB:.2f} | {steps} | "
+            f"{_rank_max(r, 'save_s'):.1f} | {', '.join(f'{x:.3f}' for x in r['ranks'][0]['losses'])} |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for engine in engines:
+        ok = sorted((r for r in runs if r["engine"] == engine and r["ok"]), key=lambda r: r["params"])
+        bad = [r for r in runs if r["engine"] == engine and not r["ok"]]
+        xs = [r["params"] / 1e9 for r in ok]
+        line = ax.plot(xs, [_rank_max(r, "train_peak_rss") / GIB for r in ok], marker="o",
+                       label=LABELS.get(engine, engine))[0]
+        for r in bad:
+            ax.plot([r["params"] / 1e9], [report["budget_gib"]], marker="x", markersize=10, color=line.get_color())
+    ax.axhline(report["budget_gib"], color="grey", linestyle="--", label="budget per rank")
+    ax.set_xlabel("parameters (billions)")
+    ax.set_ylabel("peak resident memory per rank in training (GiB)")
+    ax.set_title("Largest LLaMA trained on 2 ranks (x: the first size that did not fit)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=110)

@@ -1,0 +1,211 @@
+"""One rank of a capacity job (benchmarks/capacity.py): build the engine, train `--steps` steps, save one
+checkpoint with the engine's own sharded save; report resident-memory peaks, step times and save time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from capacity import SEQ, hf_config, n_params
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM restarts from the current resident set
+        f.write("5")
+
+
+def _adamw(params):  # noqa: ANN001, ANN202
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+
+
+def _init_meta_llama(model: torch.nn.Module, config) -> None:  # noqa: ANN001
+    """Materialized-after-meta init: normal(0.02) weights, ones for norms, RoPE tables rebuilt."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+
+
+def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
+    """Returns (train_step(batch) -> loss, save(path), extra_stats())."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(args.layers)
+    if engine.startswith("hf_zero"):
+        import hf_zero
+
+        extra = {}
+        if engine == "hf_zero3_disk":
+            extra = dict(offload_optimizer=True, offload_dir=str(Path(args.work) / "offload"))
+        zc = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16", **extra)
+        model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, args.weights, zc,
+                                             optimizer_fn=lambda m: _adamw(m.parameters()))
+        model.train()
+        disk = model.zero_engine.disk
+        timing = {"optimizer_s": []}
+
+        def step(batch):  # noqa: ANN001, ANN202
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            opt.clip_grad_norm_(1.0)
+            began = time.perf_counter()
+            opt.step()
+            timing["optimizer_s"].append(time.perf_counter() - began)
+            opt.zero_grad()
+            return loss.detach()
+
+        def stats() -> dict:
+            out = {"optimizer_s": timing["optimizer_s"], "model_states": hf_zero.model_state_memory(model).__dict__}
+            if disk is not None:
+                out.update(disk_read_bytes=disk.read_bytes, disk_written_bytes=disk.written_bytes)
+            return out
+
+        return step, lambda path: hf_zero.save_checkpoint(path, model, opt), stats
+    if engine == "ddp":
+        model = AutoModelForCausalLM.from_pretrained(args.weights, dtype=torch.float32)
+        model.train()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = _adamw(ddp.parameters())
+
+        def ddp_step(batch):  # noqa: ANN001, ANN202
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = ddp(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        def ddp_save(path: str) -> None:
+            if dist.get_rank() == 0:
+                os.makedirs(path, exist_ok=True)
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, os.path.join(path, "ckpt.pt"))
+            dist.barrier()
+
+        return ddp_step, ddp_save, dict
+    if engine == "fsdp2":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        model.to_empty(device="cpu")
+        _init_meta_llama(model, config)
+        model.train()
+        opt = _adamw(model.parameters())
+
+        def fsdp_step(batch):  # noqa: ANN001, ANN202
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        def fsdp_save(path: str) -> None:
+            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+            dcp.save(state, checkpoint_id=path)
+
+        return fsdp_step, fsdp_save, dict
+    if engine.startswith("ds3"):
+        import deepspeed
+
+        zero: dict = {"stage": 3}
+        if engine == "ds3_nvme":
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(Path(args.work) / "offload")}
+            zero["offload_param"] = {"device": "cpu"}
+        ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+                     "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 10**9,
+                     "zero_allow_untested_optimizer": True}
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = AutoModelForCausalLM.from_config(config)
+        engine_, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                                optimizer=_adamw(model.parameters()))
+
+        def ds_step(batch):  # noqa: ANN001, ANN202
+            loss = engine_(input_ids=batch, labels=batch).loss
+            engine_.backward(loss)
+            engine_.step()
+            return loss.detach()
+
+        return ds_step, lambda path: engine_.save_checkpoint(path), dict
+    raise ValueError(engine)
+
+
+def work(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    import transformers  # noqa: F401  (part of every engine's baseline)
+
+    if args.engine.startswith("ds"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    base = _status("VmRSS:")
+    began = time.perf_counter()
+    step, save, stats = build(args.engine, args)
+    setup_s = time.perf_counter() - began
+    setup_peak = _status("VmHWM:")
+    dist.barrier()
+    if args.drop_weights and rank == 0:  # the last engine of this size: room on disk for the checkpoint
+        shutil.rmtree(args.weights, ignore_errors=True)
+    _reset_peak()
+    g = torch.Generator().manual_seed(1234)
+    data = torch.randint(0, 32000, (args.steps, 2, SEQ), generator=g)
+    losses, step_s = [], []
+    for i in range(args.steps):
+        began = time.perf_counter()
+        loss = step(data[i, rank : rank + 1])
+        mean = loss.float().reshape(1).clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / 2)
+        step_s.append(time.perf_counter() - began)
+    train_peak = _status("VmHWM:")
+    train_end = _status("VmRSS:")
+    _reset_peak()
+    dist.barrier()
+    began = time.perf_counter()
+    save(str(Path(args.work) / "ckpt"))
+    dist.barrier()
+    save_s = time.perf_counter() - began
+    save_peak = _status("VmHWM:")
+    record = {"engine": args.engine, "layers": args.layers, "params": n_params(args.layers), "rank": rank,
+              "base_rss": base, "setup_peak_rss": setup_peak, "setup_s": setup_s, "train_peak_rss": train_peak,
+              "train_end_rss": train_end, "save_peak_rss": save_peak, "save_s": save_s, "step_s": step_s,
+              "losses": losses, "tokens_per_s": 2 * SEQ / step_s[-1], **stats()}
+    records = [None, None]
+    dist.all_gather_object(records, record)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps({"engine": args.engine, "layers": args.layers, "ranks": records},
+                                                default=str))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # the figures are out; skip interpreter teardown (gloo threads, pytorch/pytorch#179291)

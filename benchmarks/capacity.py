@@ -1,0 +1,234 @@
+"""Capacity: the largest LLaMA each engine trains (2 steps, bf16 mixed precision, AdamW) and checkpoints
+once, on 2 ranks within a per-rank memory budget this script enforces.
+
+    python benchmarks/capacity.py --out benchmarks/results                      # the ladder, every engine
+    python benchmarks/capacity.py --compare 16 --steps 4 --out benchmarks/results  # 0.84B: memory vs disk
+
+Models: LLaMA with hidden 2048, intermediate 5632, 32 heads, 4 KV heads, vocabulary 32000 (TinyLlama's
+shapes) and L layers: 0.13B + 44.0M x L parameters (L=16: 0.84B, L=22: 1.10B, L=66: 3.04B). Each rank
+trains one sequence of 128 tokens per step. Engines:
+- `ddp`: DDP, fp32 weights under `torch.autocast(bfloat16)`, the model loaded whole on every rank;
+  its checkpoint is rank 0's `torch.save` of the model and optimizer state dicts.
+- `fsdp2`: `fully_shard` per decoder layer and the root, `MixedPrecisionPolicy(bf16, reduce fp32)`, built
+  on the meta device and initialized shard by shard; checkpoint: `torch.distributed.checkpoint.save`.
+- `ds3`: DeepSpeed ZeRO-3 (bf16), built under `deepspeed.zero.Init`; checkpoint: its `save_checkpoint`.
+  `ds3_nvme`: the same with `offload_optimizer.device = nvme` (ZeRO-Infinity).
+- `hf_zero3`: hf_zero ZeRO-3 in memory, loaded with `hf_zero.from_pretrained` (each rank reads its slices);
+  `hf_zero3_disk`: the same with `offload_optimizer=True, offload_dir=...`. Checkpoint: `save_checkpoint`.
+Every run is a fresh `torchrun` job. The script polls every rank's resident set (VmRSS) 20 times a second
+and kills the job as soon as one rank passes the budget: a size that does not fit fails cleanly, without
+pushing the machine into swap or the OOM killer. Peak resident memory (VmHWM) is reported as it is, process
+baseline included, for training and for the save separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
+             vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+SEQ = 128
+LADDER = [4, 8, 12, 16, 18, 20, 22, 24, 26, 28, 32, 40, 48, 56, 62, 66]
+ENGINES = ["ddp", "fsdp2", "ds3", "hf_zero3", "hf_zero3_disk"]
+LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "ds3": "DeepSpeed ZeRO-3", "ds3_nvme": "DeepSpeed ZeRO-3 + NVMe",
+          "hf_zero3": "hf_zero ZeRO-3", "hf_zero3_disk": "hf_zero ZeRO-3 + offload_dir"}
+GIB = 2**30
+
+
+def n_params(layers: int) -> int:
+    h, i, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    return 2 * v * h + h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
+
+
+def hf_config(layers: int):  # noqa: ANN201
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=layers, **SHAPE)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+
+def write_weights(layers: int, directory: Path) -> None:
+    """A `save_pretrained`-style directory of random bf16 weights, written one tensor at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero.checkpoint.stream import Entry, write_streamed
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = hf_config(layers)
+    config.torch_dtype = "float32"
+    config.save_pretrained(directory)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+
+    def values(name: str, shape: tuple[int, ...]):  # noqa: ANN202
+        def pieces():  # noqa: ANN202
+            if name.endswith("norm.weight"):
+                yield torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                yield torch.empty(shape).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
+        return pieces
+
+    entries = [Entry(k, torch.bfloat16, s, values(k, s)) for k, s in shapes.items()]
+    write_streamed(directory / "model.safetensors", entries, {"format": "pt"})
+
+
+def run_job(engine: str, layers: int, weights: Path, work: Path, budget: int, steps: int, timeout: int,
+            drop_weights: bool) -> dict:
+    out = work / f"{engine}-{layers}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           "--worker", "--engine", engine, "--layers", str(layers), "--weights", str(weights), "--work", str(work),
+           "--steps", str(steps), "--result", str(out)] + (["--drop-weights"] if drop_weights else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "HF_HUB_OFFLINE": "1"}
+    if engine.startswith("ds"):
+        env["DS_ACCELERATOR"] = "cpu"
+    log = work / f"{engine}-{layers}.log"
+    started = time.time()
+    with open(log, "w") as f:
+        job = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        peak, over = 0, None
+        while job.poll() is None:
+            rss = _tree_rss(job.pid)
+            peak = max([peak, *rss.values()])
+            if any(v > budget for v in rss.values()):
+                over = max(rss.values())
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+                break
+            if time.time() - started > timeout:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+                return {"engine": engine, "layers": layers, "ok": False, "why": f"timeout after {timeout}s"}
+            time.sleep(0.05)
+    shutil.rmtree(work / "ckpt", ignore_errors=True)
+    shutil.rmtree(work / "offload", ignore_errors=True)
+    if over is not None:
+        return {"engine": engine, "layers": layers, "ok": False, "why": f"over budget ({over / GIB:.2f} GiB)",
+                "polled_peak_gib": peak / GIB}
+    if job.returncode != 0 or not out.exists():
+        tail = log.read_text()[-1500:]
+        return {"engine": engine, "layers": layers, "ok": False, "why": f"exit {job.returncode}", "log_tail": tail}
+    result = json.loads(out.read_text())
+    result.update(ok=True, polled_peak_gib=peak / GIB, wall_s=time.time() - started)
+    return result
+
+
+def _tree_rss(root: int) -> dict[int, int]:
+    """Resident bytes of every descendant of `root` (the ranks under torchrun)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                out[pid] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            continue
+    return out
+
+
+def disk_bandwidth(directory: Path, nbytes: int = 4 * GIB) -> dict:
+    """Sequential write (fsync'd) and read (page cache dropped with posix_fadvise) of one file, in GB/s."""
+    path = directory / "bandwidth.bin"
+    block = os.urandom(1 << 26)
+    start = time.time()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = nbytes / (time.time() - start)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    start = time.time()
+    while os.read(fd, 1 << 26):
+        pass
+    read = nbytes / (time.time() - start)
+    os.close(fd)
+    path.unlink()
+    return {"write_gb_s": write / 1e9, "read_gb_s": read / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", default="hf_zero3")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--ladder", default=",".join(map(str, LADDER)), help="layer counts to try, in order")
+    ap.add_argument("--compare", type=int, default=None, help="only run hf_zero3 and hf_zero3_disk at this depth")
+    ap.add_argument("--budget-gib", type=float, default=10.5, help="resident memory allowed per rank")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=2400)
+    ap.add_argument("--weights", default=None)
+    ap.add_argument("--work", default=None, help="scratch folder (weights, offload files, checkpoints)")
+    ap.add_argument("--drop-weights", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args()
+    if args.worker:
+        from _capacity_worker import work
+
+        return work(args)
+    work_dir = Path(args.work or tempfile.mkdtemp(prefix="hf_zero_capacity-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    budget = int(args.budget_gib * GIB)
+    name = "capacity_compare" if args.compare else "capacity"
+    engines = ["hf_zero3", "hf_zero3_disk"] if args.compare else args.engines.split(",")
+    ladder = [args.compare] if args.compare else [int(x) for x in args.ladder.split(",")]
+    report = {"budget_gib": args.budget_gib, "seq": SEQ, "steps": args.steps, "shape": SHAPE,
+              "disk": disk_bandwidth(work_dir), "runs": []}
+    print(f"disk: {report['disk']}", flush=True)
+    alive = list(engines)
+    for layers in ladder:
+        if not alive:
+            break
+        weights = work_dir / f"weights-{layers}"
+        write_weights(layers, weights)
+        for engine in list(alive):
+            last = engine == alive[-1]
+            r = run_job(engine, layers, weights, work_dir, budget, args.steps, args.timeout,
+                        drop_weights=last and not args.compare)
+            r["params"] = n_params(layers)
+            report["runs"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
+            if not r["ok"]:
+                alive.remove(engine)
+                print(r.get("log_tail", ""), flush=True)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"{name}.json").write_text(json.dumps(report, indent=1))
+        shutil.rmtree(weights, ignore_errors=True)
+    from _capacity_report import write_report
+
+    write_report(report, Path(args.out), name)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()
