@@ -218,3 +218,15 @@ def test_offload_files_round_trip_and_report_a_full_disk(tmp_path, monkeypatch):
         OffloadFiles.create(tmp_path, rank=0, numel=100, dtype=torch.float32)
     assert list(tmp_path.iterdir()) == []
     os.sync()
+
+
+def test_optimizer_state_dict_is_refused_with_a_pointer_to_checkpoints(tmp_path):
+    import hf_zero
+
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(
+        stage=3, offload_optimizer=True, offload_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="use hf_zero.save_checkpoint"):
+        opt.state_dict()
+    with pytest.raises(ValueError, match="offload_dir"):
+        opt.load_state_dict({})

@@ -142,7 +142,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._engine.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self) -> dict[str, Any]:
+        self._refuse_on_disk("state_dict")
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._refuse_on_disk("load_state_dict")
         self.optimizer.load_state_dict(state_dict)
+
+    def _refuse_on_disk(self, what: str) -> None:
+        if self._engine.disk is not None:
+            raise ValueError(
+                f"optimizer.{what}() cannot hold the optimizer state of a run with ZeroConfig.offload_dir: the "
+                "state lives in the offload files ([Note: disk offload]); use hf_zero.save_checkpoint / "
+                "hf_zero.load_checkpoint, which stream it from and to the files."
+            )
