@@ -150,24 +150,43 @@ def test_offload_dir_config_errors():
 
 def _release_removes_files(offload_dir: str) -> dict[str, Any]:
     import hf_zero
+    import hf_zero.engine.disk as disk_module
 
+    disk_module.WINDOW_NUMEL = 2000  # many windows for a tiny model (chunks larger than that are one window each)
     model = make_model("llama")
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3),
                                     hf_zero.ZeroConfig(stage=3, offload_optimizer=True, offload_dir=offload_dir))
     batch = torch.randint(0, 256, (2, 8))
-    model(input_ids=batch, labels=batch).loss.backward()
-    opt.step()
-    mine = model.zero_engine.disk.files.directory
+    disk = model.zero_engine.disk
+    made = []
+    for _ in range(3):
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        made.append(disk.buffers_made)
+    mine = disk.files.directory
+    disk.drain()
+    buffers = (disk.buffers_made, disk.buffer_bytes, disk.capacity, len(disk.windows))
+    disk_module.WINDOW_NUMEL = 1 << 22
+    del disk
     during = sorted(p.name for p in mine.iterdir())
     del model, opt
     gc.collect()
-    return {"during": during, "after": mine.exists()}
+    return {"during": during, "after": mine.exists(), "made": made, "buffers": buffers}
 
 
 def test_files_are_removed_when_the_model_is_released(pools, tmp_path):
     for r in pools(2).values(_release_removes_files, str(tmp_path)):
         assert r["during"] == ["master.bin", "state-exp_avg.bin", "state-exp_avg_sq.bin"]
         assert r["after"] is False
+        # A fixed set of host buffers: made in the first step, reused by every later one, each of the largest
+        # window's size, at most (read ahead + the stepped one + writes behind + one) x (master + 2 moments).
+        from hf_zero.engine.disk import READ_AHEAD, WRITE_BEHIND
+
+        made, (count, held, capacity, windows) = r["made"], r["buffers"]
+        assert made[0] == made[1] == made[2] == count
+        assert count <= (READ_AHEAD + WRITE_BEHIND + 2) * 3 and held == count * capacity * 4
+        assert windows > READ_AHEAD + WRITE_BEHIND + 2  # more windows than buffers: they really are reused
 
 
 def test_streamed_safetensors_file_reads_back_and_copies_nothing(tmp_path):

@@ -194,8 +194,10 @@ class DiskOffload:
         self.offsets: dict[int, int] = {}  # id(unit) -> element offset of its shard in the files
         self.windows: list[Window] = []
         self.chunk_ids: set[int] = set()
+        self.capacity = 0
         self._next_offset = 0
-        self._free: dict[int, list[torch.Tensor]] = {}  # nbytes -> idle host buffers (uint8)
+        self._free: dict[torch.dtype, list[torch.Tensor]] = {}  # idle host buffers of `capacity` elements
+        self.buffers_made = 0  # host buffers allocated so far (bounded: [Note: disk offload])
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_zero-disk")
         self._writes: deque[tuple[Future[None], list[torch.Tensor], Any]] = deque()
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
@@ -231,6 +233,7 @@ class DiskOffload:
         if current:
             self._close_window(current)
         self.chunk_ids = {id(c.param) for w in self.windows for c in w.chunks}
+        self.capacity = max((w.numel for w in self.windows), default=0)  # elements per host buffer
 
     def _close_window(self, chunks: list[Chunk]) -> None:
         last = chunks[-1]
@@ -320,7 +323,7 @@ class DiskOffload:
 
     def _read_window(self, window: Window) -> Future[dict[str, torch.Tensor]]:
         keys = [MASTER, *self.state_keys]
-        buffers = {k: self._take(window.numel * self.files.dtypes[k].itemsize).view(self.files.dtypes[k]) for k in keys}
+        buffers = {k: self._take(self.files.dtypes[k]) for k in keys}
 
         def read() -> dict[str, torch.Tensor]:
             for k, buf in buffers.items():
@@ -354,7 +357,7 @@ class DiskOffload:
                 if key not in self.files.dtypes:
                     self.files.add(key, value.dtype)
                 if key not in buffers:
-                    buffers[key] = self._take(window.numel * value.element_size()).view(value.dtype)
+                    buffers[key] = self._take(value.dtype)
                     self.files.read(key, window.offset, buffers[key][: window.numel])  # keep the others' values
                 target = buffers[key][at : at + c.numel]
                 if value.data_ptr() != target.data_ptr():
@@ -397,16 +400,18 @@ class DiskOffload:
             self._finish_write()
 
     # ---- buffers ------------------------------------------------------------------------------
-    def _take(self, nbytes: int) -> torch.Tensor:
-        free = self._free.get(nbytes)
+    def _take(self, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer of `capacity` elements of `dtype` (the largest window): one size per dtype, so the
+        buffers of finished windows serve the next ones and the set stays fixed."""
+        free = self._free.get(dtype)
         if free:
             return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type != "cpu")
+        self.buffers_made += 1
+        return torch.empty(self.capacity, dtype=dtype, pin_memory=self.device.type != "cpu")
 
     def _recycle(self, buffers: list[torch.Tensor]) -> None:
         for b in buffers:
-            raw = b.view(torch.uint8)
-            self._free.setdefault(raw.numel(), []).append(raw)
+            self._free.setdefault(b.dtype, []).append(b)
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         return self._placeholders.setdefault(dtype, torch.empty(0, dtype=dtype))
@@ -414,7 +419,7 @@ class DiskOffload:
     @property
     def buffer_bytes(self) -> int:
         """Host memory held by idle buffers."""
-        return sum(b.numel() for free in self._free.values() for b in free)
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
 
     def close(self) -> None:
         """Finish the writes, stop the threads and remove the files."""
