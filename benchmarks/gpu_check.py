@@ -33,7 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_placement.py", "tests/test_parity.py", "tests/test_checkpoint.py", "tests/test_trainer.py",
-         "tests/test_precision_and_lifecycle.py", "tests/test_offload.py", "tests/test_hybrid.py"]
+         "tests/test_precision_and_lifecycle.py", "tests/test_offload.py", "tests/test_hybrid.py",
+         "tests/test_disk_offload.py"]
 
 
 @dataclass

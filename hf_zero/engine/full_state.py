@@ -120,6 +120,7 @@ def _write_back(engine: ZeroEngine, unit: FlatUnit, modifier_rank: int) -> None:
     new, master = full[lo:hi], engine.read_master(unit)
     if new.data_ptr() == master.data_ptr():
         return  # the master is this rank's chunk of the parameters (fp32, stages 0-2): already written
+    new = new.to(master.device)  # the master may live on the host (offload, disk)
     before = master.to(unit.param_dtype)
     changed = (new != before) & ~(new.isnan() & before.isnan())
     master[changed] = new[changed].to(master.dtype)
