@@ -19,7 +19,8 @@ def floor_bytes(params: int) -> float:
 
 def write_report(report: dict, out: Path, name: str) -> None:
     runs = report["runs"]
-    lines = [f"# Capacity on this machine: 2 ranks, {report['budget_gib']} GiB resident per rank", "",
+    lines = [f"# Capacity on this machine: 2 ranks, {report['budget_gib']} GiB resident per rank "
+             f"({report.get('total_budget_gib', 2 * report['budget_gib'])} GiB for both)", "",
              f"LLaMA shapes {json.dumps(report['shape'])} with L layers; {report['steps']} steps of 1 x {report['seq']} "
              "tokens per rank (bf16 mixed precision, AdamW), then one checkpoint with each engine's own save. "
              f"Disk: {report['disk']['write_gb_s']:.2f} GB/s write, {report['disk']['read_gb_s']:.2f} GB/s read "

@@ -16,8 +16,9 @@ trains one sequence of 128 tokens per step. Engines:
 - `hf_zero3`: hf_zero ZeRO-3 in memory, loaded with `hf_zero.from_pretrained` (each rank reads its slices);
   `hf_zero3_disk`: the same with `offload_optimizer=True, offload_dir=...`. Checkpoint: `save_checkpoint`.
 Every run is a fresh `torchrun` job. The script polls every rank's resident set (VmRSS) 20 times a second
-and kills the job as soon as one rank passes the budget: a size that does not fit fails cleanly, without
-pushing the machine into swap or the OOM killer. Peak resident memory (VmHWM) is reported as it is, process
+and kills the job as soon as one rank passes the per-rank budget (9 GiB) or both together pass 18 GiB: a
+size that does not fit fails cleanly, before the kernel's OOM killer acts (on this 24 GiB machine it killed
+a rank of two holding 8.7 GiB each; 2 x 9 GiB is what two ranks safely have). Peak resident memory (VmHWM) is reported as it is, process
 baseline included, for training and for the save separately.
 """
 
@@ -39,8 +40,11 @@ HERE = Path(__file__).resolve().parent
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
              vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
 SEQ = 128
-LADDER = [4, 8, 12, 16, 18, 20, 22, 24, 26, 28, 32, 40, 48, 56, 62, 66]
-ENGINES = ["ddp", "fsdp2", "ds3", "hf_zero3", "hf_zero3_disk"]
+# Layer counts each engine tries, in order, until the first that does not fit: a fine ladder around where
+# each one's limit is on this machine, so the runs that matter are not paid for with runs that cannot fail.
+PLAN = {"ddp": [2, 4, 6, 8], "fsdp2": [8, 12, 14, 16, 17, 18, 19, 20, 22], "ds3": [4, 8, 12, 14, 16, 18, 20],
+        "hf_zero3": [12, 16, 18, 19, 20, 21, 22, 23, 24, 26], "hf_zero3_disk": [16, 24, 32, 40, 44, 48, 52, 56, 60, 66]}
+ENGINES = list(PLAN)
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "ds3": "DeepSpeed ZeRO-3", "ds3_nvme": "DeepSpeed ZeRO-3 + NVMe",
           "hf_zero3": "hf_zero ZeRO-3", "hf_zero3_disk": "hf_zero ZeRO-3 + offload_dir"}
 GIB = 2**30
@@ -89,8 +93,8 @@ def write_weights(layers: int, directory: Path) -> None:
     write_streamed(directory / "model.safetensors", entries, {"format": "pt"})
 
 
-def run_job(engine: str, layers: int, weights: Path, work: Path, budget: int, steps: int, timeout: int,
-            drop_weights: bool) -> dict:
+def run_job(engine: str, layers: int, weights: Path, work: Path, budget: int, total_budget: int, steps: int,
+            timeout: int, drop_weights: bool) -> dict:
     out = work / f"{engine}-{layers}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
@@ -107,7 +111,7 @@ def run_job(engine: str, layers: int, weights: Path, work: Path, budget: int, st
         while job.poll() is None:
             rss = _tree_rss(job.pid)
             peak = max([peak, *rss.values()])
-            if any(v > budget for v in rss.values()):
+            if any(v > budget for v in rss.values()) or sum(rss.values()) > total_budget:
                 over = max(rss.values())
                 os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
@@ -181,9 +185,10 @@ def main() -> None:
     ap.add_argument("--engine", default="hf_zero3")
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--ladder", default=",".join(map(str, LADDER)), help="layer counts to try, in order")
+    ap.add_argument("--ladder", default=None, help="layer counts every engine tries, in order (default: PLAN)")
     ap.add_argument("--compare", type=int, default=None, help="only run hf_zero3 and hf_zero3_disk at this depth")
-    ap.add_argument("--budget-gib", type=float, default=10.5, help="resident memory allowed per rank")
+    ap.add_argument("--budget-gib", type=float, default=9.0, help="resident memory allowed per rank")
+    ap.add_argument("--total-budget-gib", type=float, default=18.0, help="resident memory allowed to both ranks")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=2400)
     ap.add_argument("--weights", default=None)
@@ -201,29 +206,31 @@ def main() -> None:
     budget = int(args.budget_gib * GIB)
     name = "capacity_compare" if args.compare else "capacity"
     engines = ["hf_zero3", "hf_zero3_disk"] if args.compare else args.engines.split(",")
-    ladder = [args.compare] if args.compare else [int(x) for x in args.ladder.split(",")]
-    report = {"budget_gib": args.budget_gib, "seq": SEQ, "steps": args.steps, "shape": SHAPE,
+    report = {"budget_gib": args.budget_gib, "total_budget_gib": args.total_budget_gib, "seq": SEQ, "steps": args.steps, "shape": SHAPE,
               "disk": disk_bandwidth(work_dir), "runs": []}
     print(f"disk: {report['disk']}", flush=True)
-    alive = list(engines)
-    for layers in ladder:
-        if not alive:
-            break
-        weights = work_dir / f"weights-{layers}"
-        write_weights(layers, weights)
-        for engine in list(alive):
-            last = engine == alive[-1]
-            r = run_job(engine, layers, weights, work_dir, budget, args.steps, args.timeout,
-                        drop_weights=last and not args.compare)
+    plan = {e: ([int(x) for x in args.ladder.split(",")] if args.ladder else PLAN.get(e, [])) for e in engines}
+    if args.compare:
+        plan = {e: [args.compare] for e in engines}
+    total_budget = int(args.total_budget_gib * GIB)
+    for engine in engines:
+        for layers in plan[engine]:
+            weights = work_dir / f"weights-{layers}"
+            if not weights.exists():
+                write_weights(layers, weights)
+            r = run_job(engine, layers, weights, work_dir, budget, total_budget, args.steps, args.timeout,
+                        drop_weights=engine == engines[-1] and not args.compare)  # room on disk for the save
             r["params"] = n_params(layers)
             report["runs"].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
-            if not r["ok"]:
-                alive.remove(engine)
-                print(r.get("log_tail", ""), flush=True)
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / f"{name}.json").write_text(json.dumps(report, indent=1))
-        shutil.rmtree(weights, ignore_errors=True)
+            if not r["ok"]:
+                print(r.get("log_tail", ""), flush=True)
+                break
+        if not args.compare:
+            for stale in work_dir.glob("weights-*"):
+                shutil.rmtree(stale, ignore_errors=True)
     from _capacity_report import write_report
 
     write_report(report, Path(args.out), name)

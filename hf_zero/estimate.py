@@ -37,7 +37,7 @@ from torch import nn
 
 from .config import ZeroConfig
 from .engine.engine import ModelStateMemory, chunk_bounds
-from .engine.flat import FlatLayout
+from .engine.layout import FlatLayout
 from .engine.group import split_frozen
 from .engine.units import UnitSpec, units_for
 

@@ -249,3 +249,75 @@ def test_optimizer_state_dict_is_refused_with_a_pointer_to_checkpoints(tmp_path)
         opt.state_dict()
     with pytest.raises(ValueError, match="offload_dir"):
         opt.load_state_dict({})
+
+
+class CountingSGD(torch.optim.Optimizer):
+    """An elementwise optimizer that keeps a step counter in its param group (as schedule-free optimizers do)
+    and scales its update by it: stepped window by window, it must still advance the counter once per step."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr, "k": 0})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            k = group["k"] + 1
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["trace"] = torch.zeros_like(p)
+                state["trace"].mul_(0.5).add_(p.grad)
+                p.add_(state["trace"], alpha=-group["lr"] * k)
+            group["k"] = k
+
+
+def _train_with(optimizer_name: str, offload_dir: str | None, steps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import hf_zero
+
+    model = make_model("llama")
+    params = model.parameters()
+    opt = {"amsgrad": lambda: torch.optim.Adam(params, lr=1e-3, amsgrad=True),
+           "sgd": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
+           "counting": lambda: CountingSGD(params, lr=1e-3)}[optimizer_name]()
+    import hf_zero.engine.disk as disk_module
+
+    extra = {"offload_dir": offload_dir} if offload_dir else {}
+    disk_module.WINDOW_NUMEL = 2000  # many windows, so a per-window counter would show
+    try:
+        model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=3, offload_optimizer=True, **extra))
+    finally:
+        disk_module.WINDOW_NUMEL = 1 << 22
+    windows = len(model.zero_engine.disk.windows) if offload_dir else 0
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(0, 256, (2, 8), generator=g)[dist.get_rank()].reshape(1, 8)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    counters = [g.get("k") for g in opt.param_groups]
+    disk = model.zero_engine.disk
+    files = sorted(p.name for p in disk.files.directory.iterdir()) if disk is not None else []
+    state = {k: v.float().numpy().copy() for k, v in hf_zero.full_state_dict(model).items()}
+    return {"losses": losses, "state": state, "counters": counters, "files": files, "windows": windows}
+
+
+@pytest.mark.parametrize("name, files", [
+    ("amsgrad", ["master.bin", "state-exp_avg.bin", "state-exp_avg_sq.bin", "state-max_exp_avg_sq.bin"]),
+    ("sgd", ["master.bin", "state-momentum_buffer.bin"]),
+    ("counting", ["master.bin", "state-trace.bin"]),
+])
+def test_any_elementwise_optimizer_steps_the_same_from_disk(pools, tmp_path, name, files):
+    memory = pools(2).values(_train_with, name, None, 4)[0]
+    disk = pools(2).values(_train_with, name, str(tmp_path), 4)[0]
+    assert disk["files"] == files  # one file per elementwise state, made at the first step
+    assert disk["windows"] > 10
+    assert disk["counters"] == memory["counters"]  # a group counter advances once per step, not once per window
+    _assert_same({**memory, "norms": []}, {**disk, "norms": []})

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..engine.flat import FlatLayout
+from ..engine.layout import FlatLayout
 from ..engine.units import UnitSpec
 from .reader import FileCache, hf_weight_map, read_flat_range
 

@@ -17,10 +17,11 @@ from ..launch import accelerator_device, launch_env
 from .collectives import (CommGroup, all_gather_into, all_reduce_, bound_device, broadcast_, comm_device, max_scalar_,
                           raise_if_any_failed, stream_ordered)
 from .disk import DiskOffload, OffloadFiles
-from .flat import FlatLayout, FlatUnit, grad_slab, transient_nbytes
+from .flat import FlatUnit, grad_slab, transient_nbytes
+from .layout import FlatLayout
 from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
-from .pool import BufferPool
+from .pool import BufferPool, release_free_host_memory
 from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
@@ -306,6 +307,8 @@ class ZeroEngine:
         ]
         for pending in published:
             pending.wait()
+        if any(unit.master_device.type == "cpu" for unit in self.units):
+            release_free_host_memory()  # [Note: host heap]
         self.release_gathered()  # no copy gathered before the step is used after it
         return True
 

@@ -21,9 +21,42 @@ or the head, the largest units, compute.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def _malloc_trim() -> "ctypes._CFuncPtr | None":
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_free_host_memory() -> None:
+    """[Note: host heap]
+    glibc serves allocations below its mmap threshold (which grows to 32 MiB as such blocks are freed)
+    from heaps it keeps when they are freed: the optimizer step's chunk-sized temporaries (AdamW's
+    `denom`, a first step's new moments, 16 MiB each) leave freed memory in the heap that the next
+    large allocation (a gradient slab, a gathered unit) cannot use, so the resident set grew by 1.8 GB
+    at 0.3B parameters with disk offload and the backward's peak stood on top of it. The engine hands
+    such memory back to the system after each optimizer step that ran on the host.
+
+    Example:
+
+    ```python
+    >>> release_free_host_memory()  # a no-op where the C library has no malloc_trim
+    ```
+    """
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 class BufferPool:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .collectives import CommGroup, broadcast_
-from .flat import FlatLayout
+from .layout import FlatLayout
 
 
 class ShardSource(Protocol):
