@@ -17,8 +17,8 @@ trains one sequence of 128 tokens per step. Engines:
   `hf_zero3_disk`: the same with `offload_optimizer=True, offload_dir=...`. Checkpoint: `save_checkpoint`.
 Every run is a fresh `torchrun` job. The script polls every rank's resident set (VmRSS) 20 times a second
 and kills the job as soon as one rank passes the per-rank budget (9 GiB) or both together pass 18 GiB: a
-size that does not fit fails cleanly, before the kernel's OOM killer acts (on this 24 GiB machine it killed
-a rank of two holding 8.7 GiB each; 2 x 9 GiB is what two ranks safely have). Peak resident memory (VmHWM) is reported as it is, process
+size that does not fit fails cleanly, long before the kernel's OOM killer would act (2 x 9 GiB of a
+24 GiB machine leaves room for the system, the page cache and the benchmark itself). Peak resident memory (VmHWM) is reported as it is, process
 baseline included, for training and for the save separately.
 """
 
