@@ -19,7 +19,10 @@ advances once per step); the new values are copied into the compute-dtype parame
 window is written back behind, at most `WRITE_BEHIND` writes in flight. Between windows the
 chunk tensors and their state entries hold no elements. After a step the kernel is asked to read
 the files again (`POSIX_FADV_WILLNEED`): the next step's reads are then issued during its forward
-and backward into the page cache, which the system reclaims under memory pressure.
+and backward into the page cache, which the system reclaims under memory pressure. Where the
+compute device is the CPU, the last writes are waited for and the host buffers freed at the end of
+the step, so forward and backward run without them; pinned buffers (an accelerator) stay, in the
+pinned-memory cache, and the last writes overlap the next forward.
 
 The folder is removed when the engine is released (or at interpreter exit); a process killed
 outright leaves it behind, named `hf_zero-offload-<host>-<pid>-<token>-rank<r>`.
@@ -320,6 +323,9 @@ class DiskOffload:
             for future in ahead:
                 self._recycle(list(future.result().values()))
         self._io.submit(self.files.advise_willneed)
+        if self.device.type == "cpu":  # host buffers are plain memory: none is held through forward and backward
+            self.drain()
+            self._free.clear()
 
     def _read_window(self, window: Window) -> Future[dict[str, torch.Tensor]]:
         keys = [MASTER, *self.state_keys]

@@ -21,7 +21,7 @@ from .flat import FlatUnit, grad_slab, transient_nbytes
 from .layout import FlatLayout
 from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
-from .pool import BufferPool, release_free_host_memory
+from .pool import BufferPool, mapped_temporaries, release_free_host_memory
 from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
@@ -298,7 +298,8 @@ class ZeroEngine:
             if not (on_disk and self.disk.holds(piece.unit)):
                 piece.bind_grads(used[id(piece.unit)][piece.slot_index])
         if self.disk is not None:  # [Note: disk offload]: stepped window by window, published as it goes
-            self.disk.step(optimizer, used)
+            with mapped_temporaries():  # [Note: host heap]
+                self.disk.step(optimizer, used)
         else:
             optimizer.step()
         published = [

@@ -21,23 +21,48 @@ or the head, the largest units, compute.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+from typing import Any, Iterator
 
 import torch
 
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
-def _malloc_trim() -> "ctypes._CFuncPtr | None":
+def _libc_function(name: str) -> Any:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
         return None
 
 
-_TRIM = _malloc_trim()
+_TRIM = _libc_function("malloc_trim")
+_MALLOPT = _libc_function("mallopt")
+_M_MMAP_THRESHOLD = -3
+
+
+@contextlib.contextmanager
+def mapped_temporaries(threshold: int = 1 << 20) -> Iterator[None]:
+    """[Note: host heap] inside, host allocations of `threshold` bytes or more are mapped on their own and
+    unmapped when freed; afterwards the threshold is glibc's 32 MiB ceiling (where its dynamic threshold
+    settles in a training process).
+
+    Example:
+
+    ```python
+    >>> with mapped_temporaries():
+    ...     optimizer.step()  # its per-chunk temporaries leave no holes in the heap
+    ```
+    """
+    if _MALLOPT is not None:
+        _MALLOPT(_M_MMAP_THRESHOLD, threshold)
+    try:
+        yield
+    finally:
+        if _MALLOPT is not None:
+            _MALLOPT(_M_MMAP_THRESHOLD, 32 << 20)
 
 
 def release_free_host_memory() -> None:
@@ -47,7 +72,12 @@ def release_free_host_memory() -> None:
     `denom`, a first step's new moments, 16 MiB each) leave freed memory in the heap that the next
     large allocation (a gradient slab, a gathered unit) cannot use, so the resident set grew by 1.8 GB
     at 0.3B parameters with disk offload and the backward's peak stood on top of it. The engine hands
-    such memory back to the system after each optimizer step that ran on the host.
+    such memory back to the system after each optimizer step that ran on the host. During a disk-offload
+    step (`mapped_temporaries`) the temporaries are mapped one by one instead: its windows' chunks differ
+    in size, so their freed temporaries left holes the next ones did not fit, and the heap grew by 1.1 GiB
+    within one step at 0.3B (step peak 3.5 GiB against 2.4 with the temporaries mapped, the step's time
+    unchanged: the disk sets it). In memory the step keeps the heap (mapping each temporary doubled its
+    time there, for 0.06 GiB of peak).
 
     Example:
 
