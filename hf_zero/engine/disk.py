@@ -316,7 +316,7 @@ class DiskOffload:
                 optimizer.step()
                 self._adopt_state(window, buffers, optimizer.state)
                 self._publish(window, buffers[MASTER])
-                self._write_window(window, buffers, optimizer.state)
+                self._write_window(window, buffers)
         finally:
             for g, ps in zip(groups, full):
                 g["params"] = ps
@@ -378,7 +378,7 @@ class DiskOffload:
             lo = c.piece.local[0]
             c.piece.unit.param_shard()[lo + c.a : lo + c.b].copy_(master[at : at + c.numel], non_blocking=True)
 
-    def _write_window(self, window: Window, buffers: dict[str, torch.Tensor], state: dict[Any, Any]) -> None:
+    def _write_window(self, window: Window, buffers: dict[str, torch.Tensor]) -> None:
         copied = None
         if self.device.type != "cpu":  # the buffers are read by asynchronous copies to the device
             copied = torch.Event(device=self.device)
