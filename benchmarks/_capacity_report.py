@@ -33,6 +33,46 @@ def estimated_bytes(layers: int, offload: str = "none") -> int:
     return row.device_total + (row.host_per_node // 2 if offload != "none" else 0)
 
 
+def compare_section(report: dict) -> list[str]:
+    """In memory against `offload_dir` at one size: steps after the first, I/O, and the floor the disk sets."""
+    import statistics
+
+    ok = {r["engine"]: r for r in report["runs"] if r["ok"]}
+    if not {"hf_zero3", "hf_zero3_disk"} <= set(ok):
+        return []
+    mem, disk = ok["hf_zero3"], ok["hf_zero3_disk"]
+
+    def steps(r: dict) -> list[float]:
+        return [max(x["step_s"][i] for x in r["ranks"]) for i in range(1, len(r["ranks"][0]["step_s"]))]
+
+    def peak(r: dict) -> float:
+        return max(x["train_peak_rss"] for x in r["ranks"]) / GIB
+
+    m, d = statistics.median(steps(mem)), statistics.median(steps(disk))
+    n = len(disk["ranks"][0]["step_s"])
+    moved = sum(x["disk_read_bytes"] + x["disk_written_bytes"] for x in disk["ranks"]) / n  # both ranks, per step
+    read = sum(x["disk_read_bytes"] for x in disk["ranks"]) / n
+    bw = report["disk"]
+    floor = read / 1e9 / bw["read_gb_s"] + (moved - read) / 1e9 / bw["write_gb_s"]
+    rows = ["", f"## {mem['params'] / 1e9:.2f}B: in memory against `offload_dir`", "",
+            "| | in memory | offload_dir | ratio |", "|---|---|---|---|",
+            f"| peak resident memory per rank in training (GiB) | {peak(mem):.2f} | {peak(disk):.2f} | "
+            f"{peak(disk) / peak(mem):.2f} |",
+            f"| peak during the save (GiB) | {max(x['save_peak_rss'] for x in mem['ranks']) / GIB:.2f} | "
+            f"{max(x['save_peak_rss'] for x in disk['ranks']) / GIB:.2f} | |",
+            f"| step, median of steps 2-{n} (s) | {m:.2f} | {d:.2f} | {d / m:.2f} |",
+            f"| optimizer step, median (s) | {statistics.median(max(x['optimizer_s'][1:]) for x in mem['ranks']):.2f} | "
+            f"{statistics.median(max(x['optimizer_s'][1:]) for x in disk['ranks']):.2f} | |"]
+    per_rank = disk["ranks"][0]
+    rows += ["", f"Disk traffic per step, both ranks: {read / 1e9:.1f} GB read, {(moved - read) / 1e9:.1f} GB written. "
+             f"At the measured {bw['read_gb_s']:.2f} GB/s read and {bw['write_gb_s']:.2f} GB/s write (uncached, "
+             f"fsync'd), that is a floor of {floor:.1f} s per step if every byte met the disk; the I/O threads of "
+             f"rank 0 spent {per_rank['disk_read_s'] / n:.1f} s reading and {per_rank['disk_write_s'] / n:.1f} s "
+             f"writing per step (through the page cache), and the step waited {per_rank['disk_waited_s'] / n:.2f} s "
+             "per step for them (the rest overlapped the optimizer's compute)."]
+    return rows
+
+
 def write_report(report: dict, out: Path, name: str) -> None:
     runs = report["runs"]
     lines = [f"# Capacity on this machine: 2 ranks, {report['budget_gib']} GiB resident per rank "
@@ -57,6 +97,8 @@ def write_report(report: dict, out: Path, name: str) -> None:
             f"| {LABELS.get(engine, engine)} | {top['params'] / 1e9:.2f}B | {_rank_max(top, 'train_peak_rss') / GIB:.2f} | "
             f"{_rank_max(top, 'save_peak_rss') / GIB:.2f} | {max(r['step_s'][-1] for r in top['ranks']):.1f} | "
             f"{min(r['tokens_per_s'] for r in top['ranks']):.1f} | {_rank_max(top, 'save_s'):.1f} | {nxt} |")
+    if name.endswith("compare"):
+        lines += compare_section(report)
     ours = [r for r in runs if r["ok"] and r["engine"].startswith("hf_zero")]
     if ours:
         lines += ["", "## hf_zero's peaks against `hf-zero estimate`", "",

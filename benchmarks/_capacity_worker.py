@@ -25,6 +25,12 @@ def _status(field: str) -> int:
     return 0
 
 
+def _phase(rank: int, what: str) -> None:
+    """A line the driver reads to say in which phase a job that went over budget was."""
+    if rank == 0:
+        print(f"[capacity phase] {what}", flush=True)
+
+
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM restarts from the current resident set
         f.write("5")
@@ -95,7 +101,8 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
             out = {"optimizer_s": timing["optimizer_s"], "phase_peaks": timing["phase_peaks"],
                    "model_states": hf_zero.model_state_memory(model).__dict__}
             if disk is not None:
-                out.update(disk_read_bytes=disk.read_bytes, disk_written_bytes=disk.written_bytes)
+                out.update(disk_read_bytes=disk.read_bytes, disk_written_bytes=disk.written_bytes,
+                           disk_read_s=disk.read_s, disk_write_s=disk.write_s, disk_waited_s=disk.waited_s)
             return out
 
         return step, lambda path: hf_zero.save_checkpoint(path, model, opt), stats
@@ -188,6 +195,7 @@ def work(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     base = _status("VmRSS:")
     began = time.perf_counter()
+    _phase(rank, "setup")
     step, save, stats = build(args.engine, args)
     setup_s = time.perf_counter() - began
     setup_peak = _status("VmHWM:")
@@ -199,6 +207,7 @@ def work(args: argparse.Namespace) -> None:
     data = torch.randint(0, 32000, (args.steps, 2, SEQ), generator=g)
     losses, step_s = [], []
     for i in range(args.steps):
+        _phase(rank, f"step {i + 1}")
         began = time.perf_counter()
         loss = step(data[i, rank : rank + 1])
         mean = loss.float().reshape(1).clone()
@@ -210,6 +219,7 @@ def work(args: argparse.Namespace) -> None:
     _reset_peak()
     dist.barrier()
     began = time.perf_counter()
+    _phase(rank, "save")
     save(str(Path(args.work) / "ckpt"))
     dist.barrier()
     save_s = time.perf_counter() - began
@@ -218,6 +228,7 @@ def work(args: argparse.Namespace) -> None:
               "base_rss": base, "setup_peak_rss": setup_peak, "setup_s": setup_s, "train_peak_rss": train_peak,
               "train_end_rss": train_end, "save_peak_rss": save_peak, "save_s": save_s, "step_s": step_s,
               "losses": losses, "tokens_per_s": 2 * SEQ / step_s[-1], **stats()}
+    _phase(rank, "report")
     records = [None, None]
     dist.all_gather_object(records, record)
     if rank == 0:

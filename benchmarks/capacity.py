@@ -121,10 +121,13 @@ def run_job(engine: str, layers: int, weights: Path, work: Path, budget: int, to
                 job.wait()
                 return {"engine": engine, "layers": layers, "ok": False, "why": f"timeout after {timeout}s"}
             time.sleep(0.05)
+    time.sleep(1)  # the ranks are gone; their files may still be closing
     shutil.rmtree(work / "ckpt", ignore_errors=True)
     shutil.rmtree(work / "offload", ignore_errors=True)
     if over is not None:
-        return {"engine": engine, "layers": layers, "ok": False, "why": f"over budget ({over / GIB:.2f} GiB)",
+        phases = [line for line in log.read_text().splitlines() if line.startswith("[capacity phase]")]
+        phase = phases[-1].split("] ", 1)[1] if phases else "start"
+        return {"engine": engine, "layers": layers, "ok": False, "why": f"over budget ({over / GIB:.2f} GiB) in {phase}",
                 "polled_peak_gib": peak / GIB}
     if job.returncode != 0 or not out.exists():
         tail = log.read_text()[-1500:]

@@ -34,6 +34,7 @@ import ctypes
 import os
 import shutil
 import socket
+import time
 import uuid
 import weakref
 from collections import deque
@@ -204,8 +205,11 @@ class DiskOffload:
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_zero-disk")
         self._writes: deque[tuple[Future[None], list[torch.Tensor], Any]] = deque()
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
-        self.read_bytes = 0  # bytes read and written so far (for benchmarks)
-        self.written_bytes = 0
+        self.read_bytes = 0  # bytes read and written so far, the seconds the I/O threads spent on them, and the
+        self.written_bytes = 0  # seconds the step waited for them (exposed I/O): for benchmarks
+        self.read_s = 0.0
+        self.write_s = 0.0
+        self.waited_s = 0.0
         self._finalizer = weakref.finalize(self, _shutdown, self._io, files)
 
     # ---- layout -------------------------------------------------------------------------------
@@ -296,7 +300,9 @@ class DiskOffload:
                 ahead.append(self._read_window(window))
             first = True
             for i, window in enumerate(self.windows):
+                began = time.perf_counter()
                 buffers = ahead.popleft().result()
+                self.waited_s += time.perf_counter() - began
                 if i + READ_AHEAD < len(self.windows):
                     ahead.append(self._read_window(self.windows[i + READ_AHEAD]))
                 grads = [_grad_of(c, used) for c in window.chunks]
@@ -332,8 +338,10 @@ class DiskOffload:
         buffers = {k: self._take(self.files.dtypes[k]) for k in keys}
 
         def read() -> dict[str, torch.Tensor]:
+            began = time.perf_counter()
             for k, buf in buffers.items():
                 self.files.read(k, window.offset, buf[: window.numel])
+            self.read_s += time.perf_counter() - began
             return buffers
 
         self.read_bytes += sum(window.numel * b.element_size() for b in buffers.values())
@@ -385,8 +393,10 @@ class DiskOffload:
             copied.record()
 
         def write() -> None:
+            began = time.perf_counter()
             for k, buf in buffers.items():
                 self.files.write(k, window.offset, buf[: window.numel])
+            self.write_s += time.perf_counter() - began
 
         self.written_bytes += sum(window.numel * b.element_size() for b in buffers.values())
         self._writes.append((self._io.submit(write), list(buffers.values()), copied))
@@ -395,7 +405,9 @@ class DiskOffload:
 
     def _finish_write(self) -> None:
         future, buffers, copied = self._writes.popleft()
+        began = time.perf_counter()
         future.result()
+        self.waited_s += time.perf_counter() - began
         if copied is not None:
             copied.synchronize()
         self._recycle(buffers)
