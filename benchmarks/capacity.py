@@ -199,11 +199,20 @@ def main() -> None:
     ap.add_argument("--drop-weights", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--report-from", nargs="+", default=None, metavar="JSON",
+                    help="only write the report of these runs' JSON files, merged (e.g. engines run separately)")
     args = ap.parse_args()
     if args.worker:
         from _capacity_worker import work
 
         return work(args)
+    if args.report_from:
+        from _capacity_report import write_report
+
+        reports = [json.loads(Path(p).read_text()) for p in args.report_from]
+        merged = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]],
+                  "disk_all": [rep["disk"] for rep in reports]}
+        return write_report(merged, Path(args.out), "capacity")
     work_dir = Path(args.work or tempfile.mkdtemp(prefix="hf_zero_capacity-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     budget = int(args.budget_gib * GIB)

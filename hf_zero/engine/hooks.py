@@ -234,6 +234,8 @@ class UnitHooks:
         sizes = self._pool_sizes.get((id(unit), forward))
         if sizes is not None:
             self.pool.retain(sizes)
+        elif not self._order_known:  # the first iteration: which units follow is not known yet, keep nothing
+            self.pool.retain(frozenset())
 
     def _keeps_for_backward(self, unit: UnitGroup) -> bool:
         """The last unit of a forward that will have a backward is the first unit of that backward:
