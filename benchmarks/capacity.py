@@ -212,7 +212,8 @@ def main() -> None:
         reports = [json.loads(Path(p).read_text()) for p in args.report_from]
         merged = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]],
                   "disk_all": [rep["disk"] for rep in reports]}
-        return write_report(merged, Path(args.out), "capacity")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        return write_report(merged, Path(args.out), "capacity_compare" if args.compare else "capacity")
     work_dir = Path(args.work or tempfile.mkdtemp(prefix="hf_zero_capacity-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     budget = int(args.budget_gib * GIB)
