@@ -176,8 +176,7 @@ class ZeroEngine:
             id(old): new for unit in self.units for old, new in zip(unit.spec.params, unit.params) if old is not new
         }
         _swap_parameters(model, self.replaced)
-        if self.disk is None:  # [Note: gradient shard lifetime]
-            grad_slab(self.units)
+        grad_slab(self.units)
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
         self.pool.clear()
         parts = iter(self.units)

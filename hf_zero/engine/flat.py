@@ -35,12 +35,7 @@ reduction (the others have `.grad = None`, as with `set_to_none`).
 The shards of the units trainable at set-up are views of one buffer (`grad_slab`), allocated by the
 first reduction of a step and freed by `zero_grad`: host memory is only made resident where a
 reduction writes, and one large block returns to the system at once, where per-unit blocks of
-tens of MB would be left in (and fragment) the allocator's heap. With disk offload each unit's shard
-is its own allocation instead, made by its first reduction: the slab, allocated whole by the first
-reduction of a backward (the head's), stood beside the head's gathered parameters, gradients and
-their fp32 cast, the largest transient of the pass; per unit, the shards fill up as the backward
-goes, and the peak is at its end, beside the embedding's small transient (0.5 GiB less at 2.4B
-parameters, where host memory is what disk offload runs out of).
+tens of MB would be left in (and fragment) the allocator's heap.
 
 A unit of one parameter without padding (an embedding, an LM head) skips the buffer when it has
 none yet: autograd's own gradient tensor, which it hands to `.grad` without a copy, is adopted as
