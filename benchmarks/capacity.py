@@ -213,7 +213,9 @@ def main() -> None:
         merged = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]],
                   "disk_all": [rep["disk"] for rep in reports]}
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        return write_report(merged, Path(args.out), "capacity_compare" if args.compare else "capacity")
+        name = "capacity_compare" if args.compare else "capacity"
+        (Path(args.out) / f"{name}.json").write_text(json.dumps(merged, indent=1))
+        return write_report(merged, Path(args.out), name)
     work_dir = Path(args.work or tempfile.mkdtemp(prefix="hf_zero_capacity-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     budget = int(args.budget_gib * GIB)
