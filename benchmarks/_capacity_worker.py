@@ -161,12 +161,12 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
         import deepspeed
 
         zero: dict = {"stage": 3}
-        if engine == "ds3_nvme":
+        if engine == "ds3_nvme":  # ZeRO-Infinity: optimizer state on NVMe (with the user's AdamW, as the others)
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(Path(args.work) / "offload")}
             zero["offload_param"] = {"device": "cpu"}
         ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                      "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 10**9,
-                     "zero_allow_untested_optimizer": True}
+                     "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = AutoModelForCausalLM.from_config(config)
         engine_, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
