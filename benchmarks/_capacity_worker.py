@@ -61,6 +61,19 @@ def _init_meta_llama(model: torch.nn.Module, config) -> None:  # noqa: ANN001
     model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
 
 
+def _torch_step(module: torch.nn.Module, opt: torch.optim.Optimizer, autocast: bool):  # noqa: ANN202
+    """A training step as a plain PyTorch user writes it (DDP under bf16 autocast, FSDP2 with its policy)."""
+    def step(batch):  # noqa: ANN001, ANN202
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = module(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step
+
+
 def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
     """Returns (train_step(batch) -> loss, save(path), extra_stats())."""
     from transformers import AutoModelForCausalLM
@@ -112,22 +125,13 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = _adamw(ddp.parameters())
 
-        def ddp_step(batch):  # noqa: ANN001, ANN202
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = ddp(input_ids=batch, labels=batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
         def ddp_save(path: str) -> None:
             if dist.get_rank() == 0:
                 os.makedirs(path, exist_ok=True)
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, os.path.join(path, "ckpt.pt"))
             dist.barrier()
 
-        return ddp_step, ddp_save, dict
+        return _torch_step(ddp, opt, autocast=True), ddp_save, dict
     if engine == "fsdp2":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -144,19 +148,11 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
         model.train()
         opt = _adamw(model.parameters())
 
-        def fsdp_step(batch):  # noqa: ANN001, ANN202
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
         def fsdp_save(path: str) -> None:
             state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
             dcp.save(state, checkpoint_id=path)
 
-        return fsdp_step, fsdp_save, dict
+        return _torch_step(model, opt, autocast=False), fsdp_save, dict
     if engine.startswith("ds3"):
         import deepspeed
 
