@@ -43,6 +43,7 @@ SEQ = 128
 # Layer counts each engine tries, in order, until the first that does not fit: a fine ladder around where
 # each one's limit is on this machine, so the runs that matter are not paid for with runs that cannot fail.
 PLAN = {"ddp": [2, 4, 6, 8], "fsdp2": [8, 12, 14, 16, 17, 18, 19, 20, 22], "ds3": [4, 8, 12, 14, 16, 18, 20],
+        "ds3_nvme": [2, 4, 6, 8, 12],  # DeepSpeed's AIO op needs libaio-dev (apt) to build
         "hf_zero3": [12, 16, 18, 19, 20, 21, 22, 23, 24, 26], "hf_zero3_disk": [16, 24, 32, 40, 44, 48, 52, 56, 60, 66]}
 ENGINES = list(PLAN)
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "ds3": "DeepSpeed ZeRO-3", "ds3_nvme": "DeepSpeed ZeRO-3 + NVMe",
