@@ -114,12 +114,10 @@ def run_job(engine: str, layers: int, weights: Path, work: Path, budget: int, to
             peak = max([peak, *rss.values()])
             if any(v > budget for v in rss.values()) or sum(rss.values()) > total_budget:
                 over = max(rss.values())
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait()
+                _kill(job)
                 break
             if time.time() - started > timeout:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait()
+                _kill(job)
                 return {"engine": engine, "layers": layers, "ok": False, "why": f"timeout after {timeout}s"}
             time.sleep(0.05)
     time.sleep(1)  # the ranks are gone; their files may still be closing
@@ -136,6 +134,29 @@ def run_job(engine: str, layers: int, weights: Path, work: Path, budget: int, to
     result = json.loads(out.read_text())
     result.update(ok=True, polled_peak_gib=peak / GIB, wall_s=time.time() - started)
     return result
+
+
+def _kill(job: subprocess.Popen) -> None:
+    """Kill the launcher and every rank: torchrun starts each rank in a session of its own, so killing the
+    launcher's process group alone would leave the ranks running."""
+    ranks = list(_tree_rss(job.pid))
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    while any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in ranks):
+        time.sleep(0.1)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _tree_rss(root: int) -> dict[int, int]:
