@@ -90,7 +90,7 @@ def write_report(report: dict, out: Path, name: str) -> None:
     engines = list(dict.fromkeys(r["engine"] for r in runs))
     for engine in engines:
         ok = [r for r in runs if r["engine"] == engine and r["ok"]]
-        bad = [r for r in runs if r["engine"] == engine and not r["ok"]]
+        bad = sorted((r for r in runs if r["engine"] == engine and not r["ok"]), key=lambda r: r["params"])
         nxt = f"{bad[0]['params'] / 1e9:.2f}B: {bad[0]['why']}" if bad else "not tried"
         if not ok:
             lines.append(f"| {LABELS.get(engine, engine)} | none | | | | | | {nxt} |")
