@@ -326,3 +326,45 @@ def test_any_elementwise_optimizer_steps_the_same_from_disk(pools, tmp_path, nam
     assert disk["windows"] > 10
     assert disk["counters"] == memory["counters"]  # a group counter advances once per step, not once per window
     _assert_same({**memory, "norms": []}, {**disk, "norms": []})
+
+
+def _reach_in_between_steps(offload_dir: str | None) -> dict[str, Any]:
+    """What users do between steps: change a weight inside `gathered_parameters(modifier_rank=0)`, read
+    `state_dict()`, load a changed one with `load_state_dict`, and train on."""
+    import torch.distributed as dist
+
+    import hf_zero
+
+    model = make_model("llama")
+    extra = {"offload_dir": offload_dir} if offload_dir else {}
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3),
+                                    hf_zero.ZeroConfig(stage=3, mixed_precision="bf16", offload_optimizer=True, **extra))
+    batch = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))[dist.get_rank()].reshape(1, 8)
+    losses = []
+
+    def step() -> None:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+
+    step()
+    with hf_zero.gathered_parameters(model.lm_head.weight, modifier_rank=0):
+        if dist.get_rank() == 0:
+            model.lm_head.weight.mul_(0.5)
+    step()
+    sd = model.state_dict()
+    sd["model.norm.weight"] = sd["model.norm.weight"] * 1.5
+    model.load_state_dict(sd)
+    step()
+    return {"losses": losses, "state": {k: v.float().numpy().copy() for k, v in hf_zero.full_state_dict(model).items()}}
+
+
+def test_weights_changed_between_steps_reach_the_disk_masters(pools, tmp_path):
+    memory = pools(2).values(_reach_in_between_steps, None)[0]
+    disk = pools(2).values(_reach_in_between_steps, str(tmp_path))[0]
+    assert disk["losses"] == memory["losses"]
+    for name, value in memory["state"].items():
+        np.testing.assert_array_equal(disk["state"][name], value, err_msg=name)

@@ -169,7 +169,7 @@ def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: M
         if kinds:
             whole = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
             if engine.disk is not None and engine.disk.holds(piece.unit):  # [Note: disk offload]: into the files
-                at = engine.disk.offsets[id(piece.unit)] + piece.local[0]
+                at = engine.disk.offset_of(piece)
                 for key in [k for k, kind in kinds.items() if kind == "elementwise"]:
                     engine.disk.write_range(key, at, whole[key])
                     whole[key] = torch.empty(0, dtype=whole[key].dtype)

@@ -159,7 +159,7 @@ def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optim
 def _master_pieces(engine: ZeroEngine, piece: Piece) -> Callable[[], Iterable[torch.Tensor]]:
     """The piece's master values where they are ([Note: streamed save]): its own memory, or its file."""
     if engine.disk is not None and engine.disk.holds(piece.unit):
-        disk, at = engine.disk, engine.disk.offsets[id(piece.unit)] + piece.local[0]
+        disk, at = engine.disk, engine.disk.offset_of(piece)
         return lambda: disk.read_range(MASTER, at, piece.end - piece.start)
     return host_pieces(piece.master)
 
@@ -181,7 +181,7 @@ def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[
             if isinstance(value, torch.Tensor):
                 parts = [state[key] for state in states]
                 if on_disk and engine.disk is not None and key in engine.disk.state_keys:
-                    disk, at, n = engine.disk, engine.disk.offsets[id(piece.unit)] + piece.local[0], piece.end - piece.start
+                    disk, at, n = engine.disk, engine.disk.offset_of(piece), piece.end - piece.start
                     kinds[piece.name][key] = "elementwise"
                     entries.append(Entry(tkey, value.dtype, (n,), lambda d=disk, k=key, a=at, m=n: d.read_range(k, a, m)))
                     continue

@@ -1,15 +1,12 @@
 """Safetensors files written from the tensors where they live, in bounded pieces.
 
 [Note: streamed save]
-`safetensors.torch.save_file` builds the bytes of every tensor in memory before writing them, and
-the tensors themselves were first copied to the host: a rank saving its shards held two extra
-copies of its master weights and optimizer state at once (+30% of the training peak at 0.84B
-parameters). Here the header is computed from the shapes alone, then each tensor's bytes are
-written in order from where they are: a host tensor's own memory (no copy), a device tensor
-copied to the host `PIECE_NUMEL` elements at a time, offloaded state read from its file into one
-reused buffer. The SHA-256 the manifest records is computed on the way. Memory during a save is
-then the training memory plus one piece. The files are ordinary safetensors files (any reader
-loads them).
+A save writes no copy of the state. The header is computed from the shapes alone, then each
+tensor's bytes are written in order from where they are: a host tensor's own memory (no copy), a
+device tensor copied to the host `PIECE_NUMEL` elements at a time, offloaded state read from its
+file into one reused buffer. The SHA-256 the manifest records is computed on the way. Memory during
+a save is the training memory plus one piece (`safetensors.torch.save_file` would build every
+tensor's bytes in memory first). The files are ordinary safetensors files (any reader loads them).
 """
 
 from __future__ import annotations

@@ -216,6 +216,10 @@ class DiskOffload:
     def holds(self, unit: "FlatUnit") -> bool:
         return id(unit) in self.offsets
 
+    def offset_of(self, piece: "Piece") -> int:
+        """The element offset in the files of `piece`'s first element."""
+        return self.offsets[id(piece.unit)] + piece.local[0]
+
     def adopt_master(self, unit: "FlatUnit") -> None:
         """Give `unit` its place in the files, write its freshly filled master shard there and free the
         shard's memory (the tensor stays, holding 0 bytes)."""
@@ -227,7 +231,7 @@ class DiskOffload:
     def build_windows(self, pieces: list["Piece"]) -> None:
         """Group the chunks of the disk units' pieces into windows of consecutive elements."""
         chunks = [
-            Chunk(t, piece, a, b, self.offsets[id(piece.unit)] + piece.local[0] + a)
+            Chunk(t, piece, a, b, self.offset_of(piece) + a)
             for piece in pieces if self.holds(piece.unit) for t, (a, b) in zip(piece.optim_params, piece.bounds)
         ]
         chunks.sort(key=lambda c: c.offset)

@@ -69,15 +69,14 @@ def release_free_host_memory() -> None:
     """[Note: host heap]
     glibc serves allocations below its mmap threshold (which grows to 32 MiB as such blocks are freed)
     from heaps it keeps when they are freed: the optimizer step's chunk-sized temporaries (AdamW's
-    `denom`, a first step's new moments, 16 MiB each) leave freed memory in the heap that the next
-    large allocation (a gradient slab, a gathered unit) cannot use, so the resident set grew by 1.8 GB
-    at 0.3B parameters with disk offload and the backward's peak stood on top of it. The engine hands
-    such memory back to the system after each optimizer step that ran on the host. During a disk-offload
-    step (`mapped_temporaries`) the temporaries are mapped one by one instead: its windows' chunks differ
-    in size, so their freed temporaries left holes the next ones did not fit, and the heap grew by 1.1 GiB
-    within one step at 0.3B (step peak 3.5 GiB against 2.4 with the temporaries mapped, the step's time
-    unchanged: the disk sets it). In memory the step keeps the heap (mapping each temporary doubled its
-    time there, for 0.06 GiB of peak).
+    `denom`, a first step's new moments) leave freed memory in the heap that the next large allocation
+    (a gradient slab, a gathered unit) cannot use, and the backward's peak would stand on top of it.
+    So the engine hands such memory back to the system after each optimizer step that ran on the host.
+    During a disk-offload step (`mapped_temporaries`) the temporaries are mapped one by one instead:
+    its windows' chunks differ in size, so freed temporaries leave holes the next ones do not fit and
+    the heap would grow within the step; there the disk sets the step's time, so the page faults of
+    fresh mappings cost nothing visible. An in-memory step keeps the heap, where mapping each temporary
+    would double its time. Measurements: docs/performance.md, Capacity.
 
     Example:
 
