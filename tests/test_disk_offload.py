@@ -278,6 +278,16 @@ class CountingSGD(torch.optim.Optimizer):
             group["k"] = k
 
 
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    """One step with clipping at 1.0; returns the loss."""
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+    return float(loss)
+
+
 def _train_with(optimizer_name: str, offload_dir: str | None, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -301,12 +311,7 @@ def _train_with(optimizer_name: str, offload_dir: str | None, steps: int) -> dic
     losses = []
     for _ in range(steps):
         batch = torch.randint(0, 256, (2, 8), generator=g)[dist.get_rank()].reshape(1, 8)
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(_train_step(model, opt, batch))
     counters = [g.get("k") for g in opt.param_groups]
     disk = model.zero_engine.disk
     files = sorted(p.name for p in disk.files.directory.iterdir()) if disk is not None else []
@@ -343,12 +348,7 @@ def _reach_in_between_steps(offload_dir: str | None) -> dict[str, Any]:
     losses = []
 
     def step() -> None:
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(_train_step(model, opt, batch))
 
     step()
     with hf_zero.gathered_parameters(model.lm_head.weight, modifier_rank=0):
