@@ -5,7 +5,7 @@ Method: after one warm-up step (so the optimizer state exists), a second step ru
 torch.profiler with memory profiling; its CPU allocator reports a running "Total Allocated" of
 the memory allocated since profiling started. Peak = the model states present at the start
 (what hf_zero.model_state_memory reports) + the maximum of that running total: the CPU
-counterpart of torch.cuda.max_memory_allocated. Prints `rank measured estimated`.
+counterpart of torch.cuda.max_memory_allocated. Rank 0 prints `rank measured estimated` for every rank.
 """
 
 import json
@@ -52,7 +52,12 @@ def main() -> None:
     rows = estimate(meta, hf_config, world_size=world, workload=Workload(batch, seq, checkpointing),
                     mixed_precision="no")
     row = next(r for r in rows if r.stage == stage and r.offload == "none")
-    print(f"{rank} {states + extra} {row.device_total}", flush=True)
+    # One writer: two ranks printing to one pipe can interleave their lines.
+    figures = [None] * world
+    dist.all_gather_object(figures, (rank, states + extra, row.device_total))
+    if rank == 0:
+        for r, measured, estimated in figures:
+            print(f"{r} {measured} {estimated}", flush=True)
     dist.destroy_process_group()
     # Leave without interpreter shutdown: the figures are out, and there a gloo worker thread that is still
     # releasing the last collective's tensors can abort the process (torch 2.13, pytorch/pytorch#179291).

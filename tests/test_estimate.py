@@ -66,6 +66,7 @@ def _measured_and_estimated(tmp_path: Path, stage: int, batch: int, seq: int, ch
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 2 and all(len(r) == 3 for r in rows), done.stdout[-3000:]
     return [(int(m), int(e)) for _, m, e in rows]
 
 
