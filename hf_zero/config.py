@@ -67,6 +67,9 @@ class ZeroConfig:
             Stage 3 only, with `offload_optimizer`: the sharded parameters live in host memory
             too, and each unit's shard is copied to the device just before its all-gather. The
             device then holds only the gathered units; each gather costs one host-to-device copy.
+            With `offload_dir` too, no parameter shard is kept anywhere: each gather reads the unit's
+            master shard from the files and casts it (host memory for model states drops to the
+            gradient shards, 4Ψ/N; each step reads the files twice more, in forward and backward).
         offload_dir (`str`, *optional*):
             ZeRO-Infinity, with `offload_optimizer`: the fp32 master shards and the elementwise
             optimizer state live in files under this folder (a local NVMe disk), one preallocated
@@ -167,7 +170,8 @@ class ZeroConfig:
     offload_optimizer: bool = field(default=False, metadata={"help": "ZeRO-Offload: fp32 master weights, gradient "
         "shards and optimizer state in host memory; the optimizer step runs on the CPU."})
     offload_params: bool = field(default=False, metadata={"help": "Stage 3 with offload_optimizer: the parameter "
-        "shards live in host memory too and are copied to the device before each gather."})
+        "shards live in host memory too and are copied to the device before each gather; with offload_dir, each gather "
+        "reads the unit's master shard from the files instead (no parameter shard kept)."})
     offload_dir: str | None = field(default=None, metadata={"help": "ZeRO-Infinity, with offload_optimizer: keep the "
         "fp32 master weights and optimizer state in files under this folder (a fast local disk), streamed through a "
         "few host buffers at each step, instead of host memory."})

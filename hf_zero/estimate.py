@@ -60,7 +60,8 @@ class Estimate:
     """One row of the table: bytes per device (worst rank) and per host."""
 
     stage: int
-    offload: str  # "none", "optimizer", "optimizer+params", "disk" (optimizer state and masters in offload_dir)
+    offload: str  # "none", "optimizer", "optimizer+params", "disk" (optimizer state and masters in offload_dir),
+    # "disk+params" (stage 3: no parameter shard kept either, [Note: parameters on disk])
     model_states: int
     gathered_units: int
     activations: int
@@ -115,9 +116,11 @@ def model_states(
         elif not config.offload_optimizer:  # [Note: cast on gather]: the master is the gather source
             add("parameters", "device", s * md)
             master_is_param = True
+        elif config.offload_params and config.offload_dir is not None:
+            master_is_param = False  # [Note: parameters on disk]: gathers read the master file; no shard kept
         elif config.offload_params:
             add("parameters", "host", s * pd)  # the host master itself when the dtypes agree (in memory)
-            master_is_param = param_dtype == master_dtype and config.offload_dir is None
+            master_is_param = param_dtype == master_dtype
         else:
             add("parameters", "device", s * pd)
             master_is_param = False
@@ -158,8 +161,8 @@ def estimate(
     workload: Workload = Workload(),
     mixed_precision: str = "bf16",
 ) -> list[Estimate]:
-    """Rows for stages 0-3 with no offload, optimizer offload, (stage 3) parameter offload and (stages 1-3)
-    disk offload (`offload_dir`).
+    """Rows for stages 0-3 with no offload, optimizer offload, (stage 3) parameter offload, (stages 1-3)
+    disk offload (`offload_dir`) and (stage 3) disk offload with `offload_params`.
 
     `model` may live on the meta device (only shapes are read).
     """
@@ -170,12 +173,12 @@ def estimate(
     rows = []
     per_node = world_size // nodes
     for stage in (0, 1, 2, 3):
-        for offload in ("none", "optimizer", "optimizer+params", "disk"):
-            if (offload == "optimizer+params" and stage != 3) or (offload == "disk" and stage == 0):
+        for offload in ("none", "optimizer", "optimizer+params", "disk", "disk+params"):
+            if (offload.endswith("params") and stage != 3) or (offload == "disk" and stage == 0):
                 continue
             config = ZeroConfig(stage=stage, mixed_precision=mixed_precision,  # type: ignore[arg-type]
-                                offload_optimizer=offload != "none", offload_params=offload == "optimizer+params",
-                                offload_dir="PATH" if offload == "disk" else None)
+                                offload_optimizer=offload != "none", offload_params=offload.endswith("params"),
+                                offload_dir="PATH" if offload.startswith("disk") else None)
             worst = max(
                 (model_states(specs, config, world_size, r, model_dtype) for r in {0, world_size - 1}),
                 key=lambda m: m.total("device"),
@@ -197,7 +200,7 @@ def estimate(
             rows.append(Estimate(
                 stage=stage, offload=offload, model_states=worst.total("device"), gathered_units=gathered,
                 activations=activation_bytes(hf_config, workload, e), buffers=buffers,
-                host_per_node=(worst.total("host") + (DISK_BUFFER_BYTES if offload == "disk" else 0)) * per_node,
+                host_per_node=(worst.total("host") + (DISK_BUFFER_BYTES if offload.startswith("disk") else 0)) * per_node,
                 disk_per_node=worst.total("disk") * per_node,
             ))
     return rows

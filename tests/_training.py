@@ -336,8 +336,11 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         model.save_pretrained(sc.save_to)  # PEFT's adapter files
     elif sc.save_to is not None:
         hf_zero.save_checkpoint(sc.save_to, model, opt, metadata={"step": sc.stop_step or sc.steps})
+    disk = model.zero_engine.disk
+    disk_read_bytes = disk.read_bytes if disk is not None else 0
     state = hf_zero.full_state_dict(model)
     return {
+        "disk_read_bytes": disk_read_bytes,
         "losses": losses,
         "norms": norms,
         "state": {k: v.float().cpu().numpy().copy() for k, v in state.items()},

@@ -40,7 +40,7 @@ def _assert_same(a: dict, b: dict, tol: float = 1e-6) -> None:
 @pytest.mark.parametrize(
     "stage, mixed, extra",
     [(1, "no", ()), (2, "no", ()), (3, "no", ()), (1, "bf16", ()), (2, "bf16", ()), (3, "bf16", ()),
-     (3, "fp16", ()), (3, "bf16", (("offload_params", True),))],
+     (3, "fp16", ()), (3, "bf16", (("offload_params", True),)), (3, "no", (("offload_params", True),))],
 )
 def test_disk_offload_matches_memory(pools, tmp_path, stage, mixed, extra):
     # Accumulation (2 micro-batches) and clipping (1.0) on, 5 steps, 2 ranks.
@@ -55,6 +55,12 @@ def test_disk_offload_matches_memory(pools, tmp_path, stage, mixed, extra):
     assert mem.optimizer_states["disk"] == 3 * 4 * shard_numel
     assert mem.optimizer_states.get("host", 0) < 1024
     assert memory["memory"].optimizer_states["host"] >= 2 * 4 * shard_numel  # in memory: the moments at least
+    if extra:  # [Note: parameters on disk]: the gathers read the master file; no parameter shard is kept
+        assert sum(mem.parameters.values()) == 0 and sum(memory["memory"].parameters.values()) > 0
+        # The steps' windows (the master at the first, master and two moments after) and at least one gather
+        # of every unit per micro-batch (5 steps x 2): the fp32 master shard read again.
+        windows = (4 + 4 * 3 * 4) * shard_numel
+        assert disk["disk_read_bytes"] >= windows + 5 * 2 * 4 * shard_numel
 
 
 def test_disk_offload_matches_the_unsharded_reference(pools, tmp_path):
@@ -66,9 +72,11 @@ def test_disk_offload_matches_the_unsharded_reference(pools, tmp_path):
         assert rel_err(disk["state"][name], value) <= 1e-5, name
 
 
-@pytest.mark.parametrize("before, after", [("disk", "memory"), ("memory", "disk"), ("disk", "disk")])
+@pytest.mark.parametrize("before, after", [("disk", "memory"), ("memory", "disk"), ("disk", "disk"),
+                                           ("disk+params", "memory"), ("memory", "disk+params")])
 def test_checkpoints_cross_between_disk_and_memory(pools, tmp_path, before, after):
-    modes = {"disk": _on_disk(tmp_path / "offload"), "memory": IN_MEMORY}
+    modes = {"disk": _on_disk(tmp_path / "offload"), "memory": IN_MEMORY,
+             "disk+params": _on_disk(tmp_path / "offload", ("offload_params", True))}
     sc = Scenario(model="llama", stage=3, world=2, steps=5, mixed_precision="bf16")
     straight = pools(2).values(sharded_run, replace(sc, config_overrides=modes["memory"]))[0]
     ckpt = str(tmp_path / "ckpt")
@@ -300,7 +308,8 @@ def _train_with(optimizer_name: str, offload_dir: str | None, steps: int) -> dic
            "counting": lambda: CountingSGD(params, lr=1e-3)}[optimizer_name]()
     import hf_zero.engine.disk as disk_module
 
-    extra = {"offload_dir": offload_dir} if offload_dir else {}
+    extra: dict[str, Any] = {"offload_dir": offload_dir} if offload_dir else {}
+    extra["offload_params"] = offload_params
     disk_module.WINDOW_NUMEL = 2000  # many windows, so a per-window counter would show
     try:
         model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=3, offload_optimizer=True, **extra))
@@ -333,7 +342,7 @@ def test_any_elementwise_optimizer_steps_the_same_from_disk(pools, tmp_path, nam
     _assert_same({**memory, "norms": []}, {**disk, "norms": []})
 
 
-def _reach_in_between_steps(offload_dir: str | None) -> dict[str, Any]:
+def _reach_in_between_steps(offload_dir: str | None, offload_params: bool = False) -> dict[str, Any]:
     """What users do between steps: change a weight inside `gathered_parameters(modifier_rank=0)`, read
     `state_dict()`, load a changed one with `load_state_dict`, and train on."""
     import torch.distributed as dist
@@ -341,7 +350,8 @@ def _reach_in_between_steps(offload_dir: str | None) -> dict[str, Any]:
     import hf_zero
 
     model = make_model("llama")
-    extra = {"offload_dir": offload_dir} if offload_dir else {}
+    extra: dict[str, Any] = {"offload_dir": offload_dir} if offload_dir else {}
+    extra["offload_params"] = offload_params
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3),
                                     hf_zero.ZeroConfig(stage=3, mixed_precision="bf16", offload_optimizer=True, **extra))
     batch = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))[dist.get_rank()].reshape(1, 8)
@@ -362,9 +372,10 @@ def _reach_in_between_steps(offload_dir: str | None) -> dict[str, Any]:
     return {"losses": losses, "state": {k: v.float().numpy().copy() for k, v in hf_zero.full_state_dict(model).items()}}
 
 
-def test_weights_changed_between_steps_reach_the_disk_masters(pools, tmp_path):
-    memory = pools(2).values(_reach_in_between_steps, None)[0]
-    disk = pools(2).values(_reach_in_between_steps, str(tmp_path))[0]
+@pytest.mark.parametrize("offload_params", [False, True])
+def test_weights_changed_between_steps_reach_the_disk_masters(pools, tmp_path, offload_params):
+    memory = pools(2).values(_reach_in_between_steps, None, offload_params)[0]
+    disk = pools(2).values(_reach_in_between_steps, str(tmp_path), offload_params)[0]
     assert disk["losses"] == memory["losses"]
     for name, value in memory["state"].items():
         np.testing.assert_array_equal(disk["state"][name], value, err_msg=name)

@@ -37,6 +37,19 @@ ROOT = Path(__file__).resolve().parent.parent
 )
 def test_estimated_model_states_equal_the_engine_accounting(pools, sc):
     """Byte for byte, per rank and per placement, after the first optimizer step."""
+    _assert_accounting_matches(pools, sc)
+
+
+@pytest.mark.parametrize("offload_params", [False, True])
+def test_estimated_disk_offload_states_equal_the_engine_accounting(pools, tmp_path, offload_params):
+    """With `offload_dir` (and stage 3's `offload_params`, whose gathers read the master file): the disk holds
+    the master and both moments, and no parameter shard stays in memory with `offload_params`."""
+    overrides = (("offload_optimizer", True), ("offload_dir", str(tmp_path)), ("offload_params", offload_params))
+    _assert_accounting_matches(pools, Scenario(model="llama", stage=3, world=2, mixed_precision="bf16",
+                                               config_overrides=overrides))
+
+
+def _assert_accounting_matches(pools, sc: Scenario) -> None:
     results = pools(sc.world).values(sharded_run, replace_steps(sc))
     model = make_model(sc.model)
     if sc.lora:
@@ -114,7 +127,7 @@ def test_cli_prints_the_table_for_big_configs(tmp_path, name, config):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == 12  # stages 0-3 x offload settings
+    assert len(rows) == 13  # stages 0-3 x offload settings
     params = float(done.stdout.split(": ")[1].split("B parameters")[0]) * 1e9
     stage3 = next(r for r in rows if r.startswith("| 3 | none |")).split("|")
     # fp32 master (the gather source, cast on gather), fp32 gradient shards and Adam moments: 16 bytes per
@@ -143,6 +156,11 @@ def test_llama_70b_on_one_node_fits_with_disk_offload_only(tmp_path):
     assert float(host_offload[5]) == pytest.approx(16 * params / 2**30, rel=0.01)
     assert host == pytest.approx(4 * params / 2**30, rel=0.02) and on_disk == pytest.approx(12 * params / 2**30, rel=0.01)
     assert float(disk[4]) < 80e9 / 2**30  # the device holds the bf16 shards, the gathered units, activations
+    # With offload_params too the gathers read the master file: no model state on the device, the same host
+    # and disk needs, and the device saves the bf16 shards (2 bytes per parameter / 8).
+    params_too = rows[("3", "disk+params")]
+    assert float(params_too[0]) == 0 and params_too[5:7] == disk[5:7] and params_too[-1] == "yes"
+    assert float(disk[4]) - float(params_too[4]) == pytest.approx(2 * params / 8 / 2**30, rel=0.01)
 
 
 def test_cli_estimate_errors(tmp_path):

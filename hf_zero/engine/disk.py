@@ -4,8 +4,8 @@
 With `ZeroConfig(offload_optimizer=True, offload_dir=PATH)` each rank keeps, in a folder of its
 own under PATH, one preallocated file with the master shards of its trainable units end to end
 (`master.bin`) and one file per elementwise optimizer state (`state-exp_avg.bin`, ..., at the
-same offsets). In memory stay: the compute-dtype parameter shards (what stage 3 gathers from;
-the whole parameters at stages 1-2), the gradient shards (written by the reductions, read by
+same offsets). In memory stay: the compute-dtype parameter shards (what stage 3 gathers from,
+unless [Note: parameters on disk]; the whole parameters at stages 1-2), the gradient shards (written by the reductions, read by
 clipping and the step), the optimizer's non-elementwise state (Adam's `step`), and a fixed set
 of host buffers (pinned when the compute device is an accelerator).
 
@@ -24,6 +24,16 @@ compute device is the CPU, the last writes are waited for and the host buffers f
 the step, so forward and backward run without them; pinned buffers (an accelerator) stay, in the
 pinned-memory cache, and the last writes overlap the next forward.
 
+[Note: parameters on disk]
+With `offload_params=True` too (stage 3), no compute-dtype parameter shard is kept: the master file
+is each gather's source. `FlatUnit.unshard` calls the unit's `shard_reader`, which waits for the
+writes in flight and reads the unit's master shard into a fresh host tensor (pinned on an
+accelerator); the gather casts it as in [Note: cast on gather] and frees it. The step publishes
+nothing for such units: its written windows are what the next gathers read. What that saves is
+2Ψ/N bytes of host memory (bf16) per rank, the largest model state left in memory after the
+gradient shards; what it costs is reading 4Ψ/N bytes more per forward and per backward (the
+page cache serves them when it can hold the files).
+
 The folder is removed when the engine is released (or at interpreter exit); a process killed
 outright leaves it behind, named `hf_zero-offload-<host>-<pid>-<token>-rank<r>`.
 """
@@ -41,7 +51,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -227,6 +237,8 @@ class DiskOffload:
         self._next_offset += unit.layout.shard_numel
         self.files.write(MASTER, self.offsets[id(unit)], unit.sharded_master)
         unit.sharded_master.untyped_storage().resize_(0)
+        if unit.sharded_param is unit.sharded_master:  # [Note: parameters on disk]
+            unit.shard_reader = _shard_reader(weakref.ref(self), unit)
 
     def build_windows(self, pieces: list["Piece"]) -> None:
         """Group the chunks of the disk units' pieces into windows of consecutive elements."""
@@ -251,10 +263,10 @@ class DiskOffload:
         self.windows.append(Window(tuple(chunks), chunks[0].offset, last.offset + last.numel - chunks[0].offset))
 
     # ---- whole shards (checkpoints, gathers, loads) -----------------------------------------
-    def read_master(self, unit: "FlatUnit") -> torch.Tensor:
-        """A fresh host tensor with `unit`'s master shard as the files hold it."""
+    def read_master(self, unit: "FlatUnit", pin: bool = False) -> torch.Tensor:
+        """A fresh host tensor (pinned with `pin` on an accelerator) with `unit`'s master shard as the files hold it."""
         self.drain()
-        out = torch.empty(unit.layout.shard_numel, dtype=unit.master_dtype)
+        out = torch.empty(unit.layout.shard_numel, dtype=unit.master_dtype, pin_memory=pin and self.device.type != "cpu")
         self.files.read(MASTER, self.offsets[id(unit)], out)
         self.read_bytes += out.numel() * out.element_size()
         return out
@@ -386,6 +398,8 @@ class DiskOffload:
 
     def _publish(self, window: Window, master: torch.Tensor) -> None:
         for c in window.chunks:
+            if c.piece.unit.shard_reader is not None:
+                continue  # [Note: parameters on disk]: the next gather reads the written window
             at = c.offset - window.offset
             lo = c.piece.local[0]
             c.piece.unit.param_shard()[lo + c.a : lo + c.b].copy_(master[at : at + c.numel], non_blocking=True)
@@ -454,6 +468,19 @@ def _grad_of(chunk: Chunk, used: dict[int, list[bool]]) -> torch.Tensor | None:
     if piece.unit.grad_is_zero or not used[id(piece.unit)][piece.slot_index]:
         return None
     return piece.grad[chunk.a : chunk.b]
+
+
+def _shard_reader(disk: "weakref.ref[DiskOffload]", unit: "FlatUnit") -> Callable[[], torch.Tensor]:
+    """A gather source for `unit` read from the files ([Note: parameters on disk]); holds the owner weakly."""
+
+    def read() -> torch.Tensor:
+        owner = disk()
+        if owner is None:
+            raise RuntimeError(f"[rank {unit.shard_group.global_rank}] hf_zero: unit '{unit.spec.name}' gathers "
+                               "from offload files that were already released")
+        return owner.read_master(unit, pin=True)
+
+    return read
 
 
 def _shutdown(io: ThreadPoolExecutor, files: OffloadFiles) -> None:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .lifecycle import ShardState
 from .collectives import (CommGroup, Pending, all_gather_into, all_gather_rows, all_reduce_, issue_after, max_ints,
@@ -149,9 +149,13 @@ class FlatUnit:
         self.pins = 0  # open `gathered_parameters` contexts holding the unit whole: reshard waits for them
         # [Note: unit lifecycle] in lifecycle.py; moved only by prefetch / ensure_unsharded / reshard
         self.state = ShardState.UNSHARDED
+        # [Note: parameters on disk] in disk.py: set by DiskOffload.adopt_master; fills a gather's source
+        self.shard_reader: Callable[[], torch.Tensor] | None = None
         if not persistent_params:
             shard_device = host if offload_params and host is not None else device
-            if self.sharded_master.device == shard_device and (param_dtype == master_dtype or host is None) \
+            if master_on_disk and offload_params:
+                self.sharded_param = self.sharded_master  # a stand-in: each gather reads the files
+            elif self.sharded_master.device == shard_device and (param_dtype == master_dtype or host is None) \
                     and not master_on_disk:
                 # [Note: cast on gather] the master, in memory on the compute device, is the gather source
                 self.sharded_param = self.sharded_master
@@ -254,8 +258,8 @@ class FlatUnit:
         storage = self.unsharded_param.untyped_storage()
         if storage.nbytes() == 0:
             self.pool.fill(storage, self.layout.padded_numel * self.unsharded_param.element_size())
-        source = self.sharded_param
-        if self.offload_params:  # the shard lives on the host: stage it on the device for the gather
+        source = self.sharded_param if self.shard_reader is None else self.shard_reader()
+        if source.device != self.device:  # the shard lives on the host: stage it on the device for the gather
             source = torch.empty_like(source, device=self.device).copy_(source, non_blocking=True)
         cast = None
         if source.dtype != self.param_dtype:  # [Note: cast on gather]
@@ -300,6 +304,8 @@ class FlatUnit:
         """After an optimizer step, make the compute parameters equal to the updated master shard
         (`master`, by default `sharded_master`): copy it into this rank's parameter shard, then
         (stages 0-2) gather every rank's."""
+        if self.shard_reader is not None:
+            return Pending()  # [Note: parameters on disk]: the gathers read the master from the files
         master = self.sharded_master if master is None else master
         own = self.param_shard()
         if own.data_ptr() != master.data_ptr():
