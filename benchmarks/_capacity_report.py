@@ -111,7 +111,8 @@ def write_report(report: dict, out: Path, name: str) -> None:
                   "| engine | params | peak - baseline (GiB) | estimate (GiB) | ratio |", "|---|---|---|---|---|"]
         for r in sorted(ours, key=lambda r: (r["engine"], r["params"])):
             peak = max(x["train_peak_rss"] - x["base_rss"] for x in r["ranks"])
-            est = estimated_bytes(r["layers"], "disk" if r["engine"] == "hf_zero3_disk" else "none")
+            offload = {"hf_zero3_disk": "disk", "hf_zero3_disk_params": "disk+params"}.get(r["engine"], "none")
+            est = estimated_bytes(r["layers"], offload)
             lines.append(f"| {LABELS[r['engine']]} | {r['params'] / 1e9:.2f}B | {peak / GIB:.2f} | {est / GIB:.2f} | "
                          f"{peak / est:.3f} |")
     lines += ["", "## Every run", "",

@@ -83,8 +83,9 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
         import hf_zero
 
         extra = {}
-        if engine == "hf_zero3_disk":
-            extra = dict(offload_optimizer=True, offload_dir=str(Path(args.work) / "offload"))
+        if engine.startswith("hf_zero3_disk"):
+            extra = dict(offload_optimizer=True, offload_dir=str(Path(args.work) / "offload"),
+                         offload_params=engine == "hf_zero3_disk_params")
         zc = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16", **extra)
         model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, args.weights, zc,
                                              optimizer_fn=lambda m: _adamw(m.parameters()))

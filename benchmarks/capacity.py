@@ -14,7 +14,8 @@ trains one sequence of 128 tokens per step. Engines:
 - `ds3`: DeepSpeed ZeRO-3 (bf16), built under `deepspeed.zero.Init`; checkpoint: its `save_checkpoint`.
   `ds3_nvme`: the same with `offload_optimizer.device = nvme` (ZeRO-Infinity).
 - `hf_zero3`: hf_zero ZeRO-3 in memory, loaded with `hf_zero.from_pretrained` (each rank reads its slices);
-  `hf_zero3_disk`: the same with `offload_optimizer=True, offload_dir=...`. Checkpoint: `save_checkpoint`.
+  `hf_zero3_disk`: the same with `offload_optimizer=True, offload_dir=...`; `hf_zero3_disk_params`: with
+  `offload_params=True` too (no parameter shard kept: gathers read the master file). Checkpoint: `save_checkpoint`.
 Every run is a fresh `torchrun` job. The script polls every rank's resident set (VmRSS) 20 times a second
 and kills the job as soon as one rank passes the per-rank budget (9 GiB) or both together pass 18 GiB: a
 size that does not fit fails cleanly, long before the kernel's OOM killer would act (2 x 9 GiB of a
@@ -44,10 +45,12 @@ SEQ = 128
 # each one's limit is on this machine, so the runs that matter are not paid for with runs that cannot fail.
 PLAN = {"ddp": [2, 4, 6, 8], "fsdp2": [8, 12, 14, 16, 17, 18, 19, 20, 22], "ds3": [4, 8, 12, 14, 16, 18, 20],
         "ds3_nvme": [2, 4, 6, 8, 12],  # DeepSpeed's AIO op needs libaio-dev (apt) to build
-        "hf_zero3": [12, 16, 18, 19, 20, 21, 22, 23, 24, 26], "hf_zero3_disk": [16, 24, 32, 40, 44, 48, 52, 56, 60, 66]}
+        "hf_zero3": [12, 16, 18, 19, 20, 21, 22, 23, 24, 26], "hf_zero3_disk": [16, 24, 32, 40, 44, 48, 52, 56, 60, 66],
+        "hf_zero3_disk_params": [52, 60, 66]}  # 66 layers (3.04B) is what this disk holds: offload files + checkpoint
 ENGINES = list(PLAN)
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "ds3": "DeepSpeed ZeRO-3", "ds3_nvme": "DeepSpeed ZeRO-3 + NVMe",
-          "hf_zero3": "hf_zero ZeRO-3", "hf_zero3_disk": "hf_zero ZeRO-3 + offload_dir"}
+          "hf_zero3": "hf_zero ZeRO-3", "hf_zero3_disk": "hf_zero ZeRO-3 + offload_dir",
+          "hf_zero3_disk_params": "hf_zero ZeRO-3 + offload_dir + offload_params"}
 GIB = 2**30
 
 
