@@ -75,6 +75,23 @@ def compare_section(report: dict) -> list[str]:
     return rows
 
 
+RATIOS = [("hf_zero3", "fsdp2"), ("hf_zero3", "ddp"), ("hf_zero3", "ds3"), ("hf_zero3_disk", "hf_zero3"),
+          ("hf_zero3_disk_params", "hf_zero3"), ("hf_zero3_disk_params", "ds3_nvme")]
+
+
+def ratio_lines(runs: list[dict]) -> list[str]:
+    """The largest size one engine trained over another's, for the pairs the project's targets name."""
+    largest = {}
+    for r in runs:
+        if r["ok"]:
+            largest[r["engine"]] = max(largest.get(r["engine"], 0), r["params"])
+    pairs = [(a, b) for a, b in RATIOS if a in largest and b in largest]
+    if not pairs:
+        return []
+    return ["", "Largest size trained, one engine over another: " + "; ".join(
+        f"{LABELS[a]} / {LABELS[b]} = {largest[a] / largest[b]:.2f}x" for a, b in pairs) + "."]
+
+
 def write_report(report: dict, out: Path, name: str) -> None:
     runs = report["runs"]
     lines = [f"# Capacity on this machine: 2 ranks, {report['budget_gib']} GiB resident per rank "
@@ -100,6 +117,7 @@ def write_report(report: dict, out: Path, name: str) -> None:
             f"| {LABELS.get(engine, engine)} | {top['params'] / 1e9:.2f}B | {_rank_max(top, 'train_peak_rss') / GIB:.2f} | "
             f"{_rank_max(top, 'save_peak_rss') / GIB:.2f} | {max(r['step_s'][-1] for r in top['ranks']):.1f} | "
             f"{min(r['tokens_per_s'] for r in top['ranks']):.1f} | {_rank_max(top, 'save_s'):.1f} | {nxt} |")
+    lines += ratio_lines(runs)
     if name.endswith("compare"):
         lines += compare_section(report)
     ours = [r for r in runs if r["ok"] and r["engine"].startswith("hf_zero")]
