@@ -308,8 +308,7 @@ def _train_with(optimizer_name: str, offload_dir: str | None, steps: int) -> dic
            "counting": lambda: CountingSGD(params, lr=1e-3)}[optimizer_name]()
     import hf_zero.engine.disk as disk_module
 
-    extra: dict[str, Any] = {"offload_dir": offload_dir} if offload_dir else {}
-    extra["offload_params"] = offload_params
+    extra = {"offload_dir": offload_dir} if offload_dir else {}
     disk_module.WINDOW_NUMEL = 2000  # many windows, so a per-window counter would show
     try:
         model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=3, offload_optimizer=True, **extra))
