@@ -26,6 +26,69 @@ class TokenDataset(Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
+class PointsDataset(Dataset):
+    """Noisy points of y = 2x + 3 (`dim` inputs per row, summed), for the models without blocks."""
+
+    def __init__(self, n: int, seed: int, dim: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = 2.0 * self.x.sum(1) + 3.0 + 0.1 * torch.randn(n, generator=g)
+        self.dim = dim
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_x": self.x[i, 0] if self.dim == 1 else self.x[i], "labels": self.y[i]}
+
+
+def scalar_model(seed: int) -> torch.nn.Module:
+    """The upstream Trainer tests' kind of model: a `PreTrainedModel` with two scalar parameters, no submodule."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class ScalarsConfig(PretrainedConfig):
+        model_type = "scalars"
+
+        def __init__(self, a: float = 0.0, b: float = 0.0, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.a, self.b = a, b
+
+    class ScalarsModel(PreTrainedModel):
+        config_class = ScalarsConfig
+        base_model_prefix = "scalars"
+
+        def __init__(self, config: ScalarsConfig) -> None:
+            super().__init__(config)
+            self.a = torch.nn.Parameter(torch.tensor(float(config.a)))
+            self.b = torch.nn.Parameter(torch.tensor(float(config.b)))
+
+        def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+            y = input_x * self.a + self.b
+            return (y,) if labels is None else (torch.nn.functional.mse_loss(y, labels), y)
+
+    return ScalarsModel(ScalarsConfig(a=0.5 + seed, b=-0.25))
+
+
+class MLPRegressor(torch.nn.Module):
+    """A plain `nn.Sequential` of Linear layers with a loss around it (what users' own models look like)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                       torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        y = self.net(input_x).squeeze(-1)
+        out = {"logits": y}
+        if labels is not None:
+            out["loss"] = torch.nn.functional.mse_loss(y, labels)
+        return out
+
+
+BLOCKLESS = {"scalars": 1, "mlp": 4}  # the models without transformer blocks, and their input width
+
+
 @dataclass(frozen=True)
 class Job:
     kind: str = "llama"
@@ -103,7 +166,12 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
 
     import hf_zero
 
-    model = make_model(job.kind, seed=job.seed)
+    if job.kind == "scalars":
+        model = scalar_model(job.seed)
+    elif job.kind == "mlp":
+        model = MLPRegressor(job.seed)
+    else:
+        model = make_model(job.kind, seed=job.seed)
     if job.lora:
         model = with_lora(model, job.kind)
     if zero:
@@ -115,11 +183,13 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir) if job.tokenizer_dir else None
     window = _WindowMemory() if job.measure_window else None
     callbacks = [c for c in (_StopAt(job.stop_after) if job.stop_after else None, window) if c is not None]
-    trainer = trainer_cls(
-        model=model, args=args, train_dataset=TokenDataset(job.global_batch * job.steps, 16, seed=1),
-        eval_dataset=TokenDataset(job.global_batch, 16, seed=2), processing_class=tokenizer,
-        callbacks=callbacks or None,
-    )
+    if job.kind in BLOCKLESS:
+        train_data: Dataset = PointsDataset(job.global_batch * job.steps, seed=1, dim=BLOCKLESS[job.kind])
+        eval_data: Dataset = PointsDataset(job.global_batch, seed=2, dim=BLOCKLESS[job.kind])
+    else:
+        train_data, eval_data = TokenDataset(job.global_batch * job.steps, 16, seed=1), TokenDataset(job.global_batch, 16, seed=2)
+    trainer = trainer_cls(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
+                          processing_class=tokenizer, callbacks=callbacks or None)
     trainer.train(resume_from_checkpoint=job.resume_from)
     eval_loss = trainer.evaluate()["eval_loss"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -134,6 +204,7 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         "state": {k: v.detach().cpu().clone() for k, v in state.items()} if main else None,
         "checkpoints": sorted(os.listdir(job.out_dir)) if main and os.path.isdir(job.out_dir) else None,
         "window": window.samples if window is not None else None,
+        "units": [u.spec.name for u in trainer.model.zero_engine.units] if zero else None,
     }
 
 

@@ -139,10 +139,40 @@ def test_error_on_one_rank_raises_on_all_without_hanging(pools):
     assert "ZeroConfig.wrap names ['NoSuchLayer']" in results[0].error
 
 
-def test_no_transformer_block_error_lists_candidates():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"could not find the transformer blocks of Sequential.*Linear"):
-        hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3))
+def test_models_without_blocks_get_predictable_units(caplog):
+    """[Note: units without blocks]: one unit when the model fits one bucket, else one per child with
+    parameters (through single-child wrappers), joined up to the bucket; the log says which."""
+    from torch import nn
+
+    from hf_zero.engine.units import find_units
+
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with caplog.at_level("WARNING", logger="hf_zero"):
+        units = find_units(seq, "auto", bucket_numel=1000)
+    assert [u.name for u in units] == [""] and len(units[0].params) == 4
+    assert "Sequential has no transformer blocks" in caplog.text and "one unit, the model itself" in caplog.text
+    assert "ZeroConfig(wrap=[...])" in caplog.text
+    units = find_units(seq, "auto", bucket_numel=0)
+    assert [u.name for u in units] == ["0", "2", ""] and units[-1].params == ()
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_zero"):
+        units = find_units(Wrapped(), "auto", bucket_numel=50)  # 40 + 72 + 18 parameters
+    assert [u.name for u in units] == ["net.0-1", "net.2", ""]
+    assert "a unit per child of net with parameters (net.0, net.1, net.2; consecutive" in caplog.text
+
+    class Scalars(nn.Module):  # the upstream Trainer tests' kind of model: parameters on the root only
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.tensor(0.5)), nn.Parameter(torch.tensor(0.1))
+
+    units = find_units(Scalars(), "auto", bucket_numel=0)
+    assert [u.name for u in units] == [""] and units[0].param_names == ("a", "b")
 
 
 def test_argument_type_errors():

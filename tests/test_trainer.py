@@ -53,6 +53,29 @@ def test_zero_trainer_matches_stock_trainer(pools, tmp_path, kind, stage):
     _assert_close_to_reference(got, _reference(_ref_key(job)))
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind, world", [("scalars", 1), ("scalars", 2), ("mlp", 1), ("mlp", 2)])
+def test_models_without_blocks_train_and_resume_as_the_stock_trainer(pools, tmp_path, kind, world, stage):
+    """[Note: units without blocks]: the upstream Trainer tests' model (two scalar parameters on the root, no
+    submodule) and an nn.Sequential of Linear layers (one unit per layer: bucket_size_mb=0) train with the stock
+    Trainer's losses and weights (fp32, 1e-6), and a run stopped at checkpoint-2 resumes to the same end."""
+    base = tc.Job(kind=kind, stage=stage, world=world, global_batch=8, micro_bs=2, steps=4, save_steps=2,
+                  zero_args=(("zero_bucket_size_mb", 0.0),))
+    got = pools(world).values(tc.run, replace(base, out_dir=str(tmp_path / "straight")))[0]
+    ref = _reference(_ref_key(base))
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(got["eval_loss"], ref["eval_loss"], rtol=1e-6, atol=0)
+    for name, value in ref["state"].items():
+        assert rel_err(got["state"][name].numpy(), value.numpy()) <= 1e-6, name
+    assert got["units"] == (["net.0", "net.2", "net.4", ""] if kind == "mlp" else [""])
+    pools(world).values(tc.run, replace(base, out_dir=str(tmp_path / "run"), stop_after=2))
+    resumed = pools(world).values(tc.run, replace(base, out_dir=str(tmp_path / "run"), seed=1,
+                                                 resume_from=str(tmp_path / "run" / "checkpoint-2")))[0]
+    assert resumed["losses"] == got["losses"]
+    for name, value in got["state"].items():
+        np.testing.assert_array_equal(resumed["state"][name].numpy(), value.numpy(), err_msg=name)
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["reduce-each-micro-batch", "no_sync_keeps_grads"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gradient_accumulation_holds_only_gradient_shards_between_micro_batches(pools, tmp_path, stage, keep):

@@ -9,6 +9,7 @@ belongs to the innermost unit that contains all of its uses, so it is sharded on
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +21,8 @@ from .resting import parameter_slots
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,9 @@ def find_units(model: nn.Module, wrap: str | tuple[str, ...], bucket_numel: int 
         `list[UnitSpec]`: inner units in module order, the root unit last.
 
     Raises:
-        ValueError: when a named class does not exist in the model, or `"auto"` finds no block;
-            the message lists the block-like classes the model does have.
+        ValueError: when a named class does not exist in the model; the message lists the block-like
+            classes the model does have. (`"auto"` on a model with no blocks follows
+            [Note: units without blocks].)
 
     Example:
 
@@ -71,6 +75,8 @@ def find_units(model: nn.Module, wrap: str | tuple[str, ...], bucket_numel: int 
     ```
     """
     class_names = _wrap_class_names(model, wrap)
+    if not class_names:  # "auto" on a model with no transformer blocks
+        return _assign_params(model, _group_blocks(_fallback_blocks(model, bucket_numel), set(), bucket_numel))
     extra = _embedding_units(model) if wrap == "auto" else set()
     blocks: list[tuple[str, nn.Module]] = []
     inside_block: set[str] = set()
@@ -168,13 +174,45 @@ def _wrap_class_names(model: nn.Module, wrap: str | tuple[str, ...]) -> set[str]
     declared &= present
     if declared:
         return declared
-    repeated = _repeated_block_classes(model)
-    if repeated:
-        return repeated
-    raise ValueError(
-        f"hf_zero could not find the transformer blocks of {type(model).__name__}: it declares no "
-        f"`_no_split_modules` and has no nn.ModuleList of repeated blocks. {_candidates_hint(model)}"
+    return _repeated_block_classes(model)  # empty: no blocks, the fallback of `find_units`
+
+
+def _fallback_blocks(model: nn.Module, bucket_numel: int) -> list[tuple[str, nn.Module]]:
+    """[Note: units without blocks] A model with neither `_no_split_modules` nor a `ModuleList` of repeated
+    blocks (a regression head, an `nn.Sequential`, a model with one parameter) is sharded by a rule a user can
+    predict: a model of at most one bucket (`bucket_size_mb`) is one unit, the root; a larger one gets a unit
+    per direct child holding parameters (after going down through wrappers with a single such child),
+    consecutive small children joined up to the bucket size; parameters of the root itself stay in the root
+    unit. One line on rank 0's log says what was chosen and how to choose otherwise."""
+    total = sum(p.numel() for p in model.parameters())
+    prefix, parent = "", model
+    while True:
+        children = [(n, m) for n, m in parent.named_children() if any(True for _ in m.parameters())]
+        if len(children) != 1 or any(True for _ in parent.parameters(recurse=False)):
+            break
+        prefix, parent = f"{prefix}{children[0][0]}.", children[0][1]
+    if total <= bucket_numel or not children:
+        blocks: list[tuple[str, nn.Module]] = []
+        chosen = "one unit, the model itself"
+    else:
+        blocks = [(prefix + n, m) for n, m in children]
+        names = [n for n, _ in blocks]
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        chosen = (f"a unit per child of {prefix[:-1] or 'the model'} with parameters ({shown}; consecutive small "
+                  "ones joined up to bucket_size_mb) and the root")
+    _log_on_rank0(
+        f"hf_zero: {type(model).__name__} has no transformer blocks (no `_no_split_modules`, no ModuleList of "
+        f"repeated blocks); {total} parameters sharded as {chosen}. Name the modules to shard one by one with "
+        "ZeroConfig(wrap=[...]) (--zero_wrap) to choose otherwise."
     )
+    return blocks
+
+
+def _log_on_rank0(message: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(message)
 
 
 def _repeated_block_classes(model: nn.Module) -> set[str]:
