@@ -237,7 +237,7 @@ def main() -> None:
 
         reports = [json.loads(Path(p).read_text()) for p in args.report_from]
         merged = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]],
-                  "disk_all": [rep["disk"] for rep in reports]}
+                  "disk_all": [d for rep in reports for d in rep.get("disk_all", [rep["disk"]])]}
         Path(args.out).mkdir(parents=True, exist_ok=True)
         name = "capacity_compare" if args.compare else "capacity"
         (Path(args.out) / f"{name}.json").write_text(json.dumps(merged, indent=1))

@@ -13,9 +13,9 @@ from .checkpoint.pretrained import SafetensorsSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine, validate_model
-from .engine.full_state import gathered_parameters as _gathered, unique_params
+from .engine.full_state import gathered_parameters as _gathered, unique_params, unshard_model
 from .engine.module import engine_of_param, get_engine, is_sharded
-from .model import attach
+from .model import attach, detach
 from .engine.optim import ShardedOptimizer, check_optimizer, shard_optimizer
 from .engine.units import UnitSpec, units_for
 
@@ -75,6 +75,8 @@ def initialize(
     >>> optimizer.zero_grad()
     ```
     """
+    if is_sharded(model):
+        return _initialize_again(model, optimizer, config)
     world = CommGroup.world()
     error: Exception | None = None
     specs: list[UnitSpec] = []
@@ -107,11 +109,30 @@ def initialize(
     return model, sharded
 
 
+def _initialize_again(model: M, optimizer: torch.optim.Optimizer | None, config: ZeroConfig | None
+                      ) -> tuple[M, ShardedOptimizer | None]:
+    """`initialize` on a model it already sharded (a second Trainer, a second script stage): under the same
+    settings (or `config=None`) the engine stays and `optimizer` is attached to it, releasing the one before;
+    under other settings the model is made whole and sharded anew."""
+    engine = get_engine(model)
+    if config is not None and not isinstance(config, ZeroConfig):
+        raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
+    if config is None or config == engine.config:
+        return model, (attach_optimizer(model, optimizer) if optimizer is not None else None)
+    engine.release_optimizer()
+    if optimizer is not None:  # built over what the modules hold now (stand-ins at stage 3): the real parameters
+        for group in optimizer.param_groups:
+            group["params"] = [engine.compute_param(p) for p in group["params"]]
+    unshard_model(engine)
+    detach(model)
+    if engine.disk is not None:
+        engine.disk.close()
+    return initialize(model, optimizer, config)
+
+
 def _check_arguments(model: object, optimizer: object, config: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"hf_zero.initialize expects an nn.Module as model; got {type(model).__name__}.")
-    if is_sharded(model):
-        raise ValueError("This model is already sharded by hf_zero.initialize; call it once per model.")
     if config is not None and not isinstance(config, ZeroConfig):
         raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -168,7 +189,9 @@ def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Shar
     """Shard an optimizer built over the parameters of a model that `initialize` already sharded.
 
     For integrations that shard a model before its optimizer exists (e.g. an evaluation run
-    before training). A collective agreement step: every rank must call it.
+    before training), and for a model that outlives its optimizer (a second `ZeroTrainer` on a
+    trained model): an optimizer attached before is released (its state freed; its `step`
+    raises). A collective agreement step: every rank must call it.
 
     Example:
 
@@ -180,12 +203,11 @@ def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Shar
     engine = get_engine(model)
     error: Exception | None = None
     try:
-        if engine.optimizer is not None:
-            raise ValueError("This model already has a sharded optimizer; attach one optimizer per model.")
         check_optimizer(optimizer, model, engine.config.stage, engine)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.attach_optimizer")
+    engine.release_optimizer()  # a model outlives its optimizer (a second Trainer): the first one lets go
     return shard_optimizer(optimizer, engine)
 
 

@@ -285,6 +285,13 @@ class ZeroEngine:
         return total
 
     # ---- optimizer step ---------------------------------------------------------------------
+    def release_optimizer(self) -> None:
+        """Forget the attached optimizer and free its state: a newer one is being attached (a second Trainer on
+        the same model). The released one refuses to step."""
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+            self.optimizer = None
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped."""
         self.hooks.wait_reductions()

@@ -123,11 +123,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_attached("step")
         self.step_was_skipped = not self._engine.step(self.optimizer)
         return loss
 
+    def _check_attached(self, what: str) -> None:
+        if self._engine.optimizer is not self.optimizer:
+            raise RuntimeError(
+                f"[rank {self._engine.world.rank}] hf_zero: optimizer.{what}() on an optimizer that was released "
+                "when another one was attached to the same model (a second ZeroTrainer, hf_zero.initialize or "
+                "hf_zero.attach_optimizer); use the optimizer that call returned."
+            )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the sharded (and any held unsharded) gradients of the model."""
+        self._check_attached("zero_grad")
         self._engine.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
