@@ -208,6 +208,25 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     }
 
 
+def run_with_a_second_trainer(job: Job) -> dict[str, Any]:
+    """A ZeroTrainer trains to `job.stop_after` (checkpointing every `save_steps`); a second ZeroTrainer gets the
+    same, already sharded model and resumes from the first one's last checkpoint to `job.steps`."""
+    import hf_zero
+
+    model = make_model(job.kind, seed=job.seed)
+    data = TokenDataset(job.global_batch * job.steps, 16, seed=1)
+    args = hf_zero.ZeroTrainingArguments(zero_stage=job.stage, **dict(job.zero_args), **_common(job))
+    first = hf_zero.ZeroTrainer(model=model, args=args, train_dataset=data, callbacks=[_StopAt(job.stop_after or 1)])
+    first.train()
+    args = hf_zero.ZeroTrainingArguments(zero_stage=job.stage, **dict(job.zero_args), **_common(job))
+    second = hf_zero.ZeroTrainer(model=first.model, args=args, train_dataset=data)
+    second.train(resume_from_checkpoint=os.path.join(job.out_dir, f"checkpoint-{job.stop_after}"))
+    state = hf_zero.full_state_dict(second.model)
+    return {"losses": [h["loss"] for h in second.state.log_history if "loss" in h],
+            "same_model": second.model is model,
+            "state": {k: v.detach().cpu().clone() for k, v in state.items()} if args.process_index == 0 else None}
+
+
 def reference(job: Job) -> dict[str, Any]:
     """The stock Trainer in this process, same global batch (one rank does all the micro-batches)."""
     return run(replace(job, world=1, micro_bs=job.micro_bs, zero_args=(), measure_window=False), zero=False)

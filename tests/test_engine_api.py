@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 import hf_zero
 from tests import _cases
-from tests._training import VOCAB, Scenario, make_model, make_optimizer, sharded_run
+from tests._training import VOCAB, Scenario, make_model, make_optimizer, rel_err, sharded_run
 
 
 # ---- per-rank model-state bytes follow the ZeRO formula ----------------------------------------
@@ -404,3 +406,63 @@ def test_zero_arguments_mixin_keeps_the_host_configs_defaults(host):
         if f.init:
             assert getattr(a, f.name) == getattr(b, f.name), f.name
     assert a.zero_stage == hf_zero.ZeroConfig().stage and a.to_zero_config().mixed_precision == ("bf16" if b.bf16 else "no")
+
+
+def _second_optimizer(new_stage: int | None) -> dict[str, Any]:
+    """Two steps with one optimizer, then `initialize` again on the sharded model with a fresh AdamW (same
+    settings, or another stage: re-sharded), two more steps. Rank r trains on row r of each batch."""
+    import torch.distributed as dist
+
+    model = make_model("llama")
+    config = hf_zero.ZeroConfig(stage=3)
+    model, first = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6), config)
+    losses = [_step(model, first, s) for s in range(2)]
+    again = config if new_stage is None else hf_zero.ZeroConfig(stage=new_stage)
+    model, second = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=2e-3, eps=1e-6), again)
+    try:
+        first.step()
+        released = ""
+    except RuntimeError as e:
+        released = str(e)
+    losses += [_step(model, second, s) for s in range(2, 4)]
+    state = hf_zero.full_state_dict(model)
+    return {"losses": losses, "released": released, "stage": model.zero_engine.config.stage,
+            "state": {k: v.float().numpy() for k, v in state.items()} if dist.get_rank() == 0 else None}
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
+    import torch.distributed as dist
+
+    batch = _batch(step)
+    row = batch[dist.get_rank()].reshape(1, -1) if dist.is_initialized() else batch
+    loss = model(input_ids=row, labels=row).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    mean = loss.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+    return float(mean)
+
+
+@pytest.mark.parametrize("new_stage", [None, 2])
+def test_a_sharded_model_takes_a_second_optimizer(pools, new_stage):
+    """A model outlives its optimizer (a second Trainer on a trained model): `initialize` again attaches the new
+    optimizer to the engine (or re-shards under another stage), the first one refuses to step, and the weights
+    equal plain PyTorch doing the same: 2 steps of one AdamW, 2 of a fresh one (fp32, 1e-5)."""
+    got = pools(2).values(_second_optimizer, new_stage)
+    assert all("was released when another one was attached" in r["released"] for r in got)
+    assert got[0]["stage"] == (3 if new_stage is None else 2)
+    model = make_model("llama")
+    first = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses = [_step(model, first, s) for s in range(2)]
+    second = torch.optim.AdamW(model.parameters(), lr=2e-3, eps=1e-6)
+    losses += [_step(model, second, s) for s in range(2, 4)]
+    np.testing.assert_allclose(got[0]["losses"], losses, rtol=1e-5, atol=0)
+    for name, value in model.state_dict().items():
+        assert rel_err(got[0]["state"][name], value.numpy()) <= 1e-5, name

@@ -200,6 +200,19 @@ def test_interrupt_and_resume(pools, tmp_path, resume_world, global_batch):
         assert rel_err(resumed["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
+def test_a_model_outlives_its_trainer(pools, tmp_path):
+    """A model trained by one ZeroTrainer (to checkpoint-2), handed to a second ZeroTrainer that resumes from
+    that checkpoint: the second attaches its own optimizer to the sharded model, and the run ends with the
+    stock Trainer's weights for the same 4 steps (fp32, 1e-5)."""
+    job = tc.Job(kind="llama", stage=3, world=2, save_steps=2, stop_after=2, out_dir=str(tmp_path / "out"))
+    got = pools(2).values(tc.run_with_a_second_trainer, job)[0]
+    ref = _reference(_ref_key(job))
+    assert got["same_model"] and len(got["losses"]) == 4
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=TOL, atol=0)
+    for name, value in ref["state"].items():
+        assert rel_err(got["state"][name].numpy(), value.numpy()) <= TOL, name
+
+
 def test_save_total_limit_rotates_sharded_checkpoints(pools, tmp_path):
     """`--save_total_limit 2` with a checkpoint every step: after 4 steps only checkpoint-3 and -4 are left,
     the older ones removed whole (their hf_zero/ shards included), and the last one is complete."""
@@ -246,3 +259,16 @@ def test_zero_trainer_with_offload_dir_saves_and_resumes_like_in_memory(pools, t
     assert resumed["losses"] == straight["losses"]
     for name, value in straight["state"].items():
         assert rel_err(resumed["state"][name].numpy(), value.numpy()) <= TOL, name
+
+
+def test_resume_with_nothing_to_resume_from_says_what_the_stock_trainer_says(tmp_path):
+    """`train(resume_from_checkpoint=True)` on an empty output directory: the stock Trainer's message, word for word."""
+    import hf_zero
+    from tests._trainer_cases import PointsDataset, scalar_model
+
+    args = hf_zero.ZeroTrainingArguments(output_dir=str(tmp_path / "empty"), zero_stage=3, use_cpu=True, report_to="none",
+                                         max_steps=1)
+    trainer = hf_zero.ZeroTrainer(model=scalar_model(0), args=args, train_dataset=PointsDataset(8, seed=0))
+    with pytest.raises(ValueError, match=r"^No valid checkpoint found in output directory \(.*empty\)$"):
+        trainer.train(resume_from_checkpoint=True)
+

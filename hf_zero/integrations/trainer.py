@@ -186,7 +186,8 @@ class ZeroTrainerMixin:
         if resume_from_checkpoint is True:
             last = last_complete_checkpoint(self.args.output_dir, also_required=("trainer_state.json",))
             if last is None:
-                raise ValueError(f"No complete hf_zero checkpoint in {self.args.output_dir} to resume from.")
+                # the stock Trainer's words (scripts search for them); "complete": an interrupted save is skipped
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
             resume_from_checkpoint = str(last)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
