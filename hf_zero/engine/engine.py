@@ -286,8 +286,7 @@ class ZeroEngine:
 
     # ---- optimizer step ---------------------------------------------------------------------
     def release_optimizer(self) -> None:
-        """Forget the attached optimizer and free its state: a newer one is being attached (a second Trainer on
-        the same model). The released one refuses to step."""
+        """Forget the attached optimizer (its state freed; it refuses to step): a newer one is being attached."""
         if self.optimizer is not None:
             self.optimizer.state.clear()
             self.optimizer = None
