@@ -260,11 +260,19 @@ def test_single_process_is_a_real_path_and_schedulers_drive_it():
     del halving
 
 
-def test_initialize_twice_is_refused():
+def test_initialize_twice_keeps_or_reshards_the_model():
+    """A second `initialize` on a sharded model: with no config (or the same) the engine stays; under another
+    stage the model is sharded anew, its weights unchanged."""
     model = make_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=2))
-    with pytest.raises(ValueError, match="already sharded"):
-        hf_zero.initialize(model)
+    engine = model.zero_engine
+    assert hf_zero.initialize(model)[0].zero_engine is engine
+    assert hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=2))[0].zero_engine is engine
+    model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3))
+    assert model.zero_engine is not engine and model.zero_engine.config.stage == 3
+    for name, value in hf_zero.full_state_dict(model).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
 
 
 def test_bucket_size_groups_consecutive_blocks():
