@@ -13,9 +13,9 @@ from .checkpoint.pretrained import SafetensorsSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine, validate_model
-from .engine.full_state import gathered_parameters as _gathered, unique_params, unshard_model
+from .engine.full_state import gathered_parameters as _gathered, unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded
-from .model import attach, detach
+from .model import attach, unshard_and_detach
 from .engine.optim import ShardedOptimizer, check_optimizer, shard_optimizer
 from .engine.units import UnitSpec, units_for
 
@@ -119,14 +119,10 @@ def _initialize_again(model: M, optimizer: torch.optim.Optimizer | None, config:
         raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
     if config is None or config == engine.config:
         return model, (attach_optimizer(model, optimizer) if optimizer is not None else None)
-    engine.release_optimizer()
     if optimizer is not None:  # built over what the modules hold now (stand-ins at stage 3): the real parameters
         for group in optimizer.param_groups:
             group["params"] = [engine.compute_param(p) for p in group["params"]]
-    unshard_model(engine)
-    detach(model)
-    if engine.disk is not None:
-        engine.disk.close()
+    unshard_and_detach(model)
     return initialize(model, optimizer, config)
 
 

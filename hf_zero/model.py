@@ -202,12 +202,22 @@ def restructure(model: nn.Module, change: Any) -> Any:
     again with the same settings (values of new parameters from rank 0); returns what `change` returned."""
     from .api import initialize
 
-    engine = get_engine(model)
-    unshard_model(engine)
-    detach(model)
+    engine = unshard_and_detach(model)
     result = change(model)
     initialize(model, None, replace(engine.config, sync_module_states=True))
     return result
+
+
+def unshard_and_detach(model: nn.Module) -> ZeroEngine:
+    """Make a sharded `model` a plain module again (whole parameters, its own class) and let its engine go
+    (offload files closed); returns that engine, for its settings."""
+    engine = get_engine(model)
+    engine.release_optimizer()
+    unshard_model(engine)
+    detach(model)
+    if engine.disk is not None:
+        engine.disk.close()
+    return engine
 
 
 def attach(model: nn.Module, engine: ZeroEngine) -> None:
