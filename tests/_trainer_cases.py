@@ -109,6 +109,8 @@ class Job:
     measure_window: bool = False  # record model-state memory between the micro-batches of each step
     lora: bool = False  # peft LoRA around the model (tests/_training.with_lora)
     save_total_limit: int | None = None
+    snapshot_on_save: bool = False  # record the full state at every checkpoint (tests/test_trainer.py)
+    best_model: bool = False  # evaluate every save_steps, load the best at the end
 
     @property
     def accum(self) -> int:
@@ -135,6 +137,20 @@ class _WindowMemory(TrainerCallback):
         })
 
 
+class _SnapshotOnSave(TrainerCallback):
+    """The full state (masters) of the model at each checkpoint, keyed by step (on the main process)."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_save(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
+        import hf_zero
+
+        full = hf_zero.full_state_dict(model)  # a collective: every rank saves
+        if args.process_index == 0:
+            self.states[state.global_step] = {k: v.detach().cpu().clone() for k, v in full.items()}
+
+
 class _StopAt(TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -156,6 +172,8 @@ def _common(job: Job) -> dict[str, Any]:
         use_cpu=device().type == "cpu",
         save_strategy="steps" if job.save_steps else "no", save_steps=job.save_steps or 500,
         save_total_limit=job.save_total_limit,
+        **(dict(eval_strategy="steps", eval_steps=job.save_steps, load_best_model_at_end=True,
+                metric_for_best_model="eval_loss") if job.best_model else {}),
         gradient_checkpointing=job.checkpointing, dataloader_num_workers=0,
     )
 
@@ -182,7 +200,8 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         trainer_cls = Trainer
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir) if job.tokenizer_dir else None
     window = _WindowMemory() if job.measure_window else None
-    callbacks = [c for c in (_StopAt(job.stop_after) if job.stop_after else None, window) if c is not None]
+    snapshots = _SnapshotOnSave() if job.snapshot_on_save else None
+    callbacks = [c for c in (_StopAt(job.stop_after) if job.stop_after else None, window, snapshots) if c is not None]
     if job.kind in BLOCKLESS:
         train_data: Dataset = PointsDataset(job.global_batch * job.steps, seed=1, dim=BLOCKLESS[job.kind])
         eval_data: Dataset = PointsDataset(job.global_batch, seed=2, dim=BLOCKLESS[job.kind])
@@ -205,6 +224,8 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         "checkpoints": sorted(os.listdir(job.out_dir)) if main and os.path.isdir(job.out_dir) else None,
         "window": window.samples if window is not None else None,
         "units": [u.spec.name for u in trainer.model.zero_engine.units] if zero else None,
+        "snapshots": snapshots.states if snapshots is not None and main else None,
+        "best": trainer.state.best_model_checkpoint,
     }
 
 

@@ -241,6 +241,65 @@ def test_save_model_writes_a_from_pretrained_directory(pools, tmp_path):
     assert (tmp_path / "final" / "training_args.bin").is_file()
 
 
+def _weight_writers(folder) -> list[str]:
+    from safetensors import safe_open
+
+    writers = []
+    for path in sorted(folder.glob("model*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            writers.append(f.metadata()["hf_zero_rank"])
+    return sorted(writers)
+
+
+def test_each_checkpoint_is_a_model_folder_that_from_pretrained_loads(pools, tmp_path):
+    """Stage 3 on 2 ranks, a checkpoint every 2 of 4 steps: each checkpoint-N holds config.json,
+    generation_config.json, the tokenizer, training_args.bin and weights written by both ranks, and
+    `AutoModelForCausalLM.from_pretrained(checkpoint-N)` equals the model's state at step N exactly (taken by
+    a callback at that save); the run resumes from such a checkpoint as before."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    make_tokenizer(str(tmp_path / "tok"))
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), save_steps=2,
+                 tokenizer_dir=str(tmp_path / "tok"), snapshot_on_save=True)
+    got = pools(2).values(tc.run, job)[0]
+    assert sorted(got["snapshots"]) == [2, 4]
+    for step, state in got["snapshots"].items():
+        folder = tmp_path / "out" / f"checkpoint-{step}"
+        for name in ("config.json", "generation_config.json", "training_args.bin", "tokenizer.json", "trainer_state.json"):
+            assert (folder / name).is_file(), (step, name)
+        assert _weight_writers(folder) == ["0", "1"]
+        loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        assert set(loaded) == set(state)
+        for name, value in state.items():
+            assert torch.equal(loaded[name], value), (step, name)
+        assert AutoTokenizer.from_pretrained(folder).pad_token == "<pad>"
+    assert not torch.equal(got["snapshots"][2]["lm_head.weight"], got["snapshots"][4]["lm_head.weight"])
+    resumed = pools(2).values(tc.run, replace(job, out_dir=str(tmp_path / "out"), seed=1, snapshot_on_save=False,
+                                              resume_from=str(tmp_path / "out" / "checkpoint-2")))[0]
+    assert resumed["losses"] == got["losses"]
+
+
+def test_model_weights_off_and_best_model_loading(pools, tmp_path):
+    """`--zero_save_model_weights false`: checkpoint-N holds the folder's side files and no weights. With weights
+    on, `load_best_model_at_end` (the eval loss of this data rises: the best is an early step) ends with that
+    checkpoint's weights, which its own model folder holds too: two paths that must agree exactly."""
+    from transformers import AutoModelForCausalLM
+
+    off = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "off"), save_steps=2,
+                 zero_args=(("zero_save_model_weights", False),))
+    pools(2).values(tc.run, off)
+    folder = tmp_path / "off" / "checkpoint-2"
+    assert (folder / "config.json").is_file() and (folder / "training_args.bin").is_file()
+    assert not list(folder.glob("model*.safetensors")) and (folder / "hf_zero").is_dir()
+    best = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "best"), save_steps=1, steps=3,
+                  best_model=True)
+    got = pools(2).values(tc.run, best)[0]
+    assert got["best"] is not None and not got["best"].endswith("checkpoint-3")  # not the last step's weights
+    loaded = AutoModelForCausalLM.from_pretrained(got["best"]).state_dict()
+    for name, value in got["state"].items():
+        assert torch.equal(loaded[name], value), name
+
+
 def test_zero_trainer_with_offload_dir_saves_and_resumes_like_in_memory(pools, tmp_path):
     """`--zero_offload_optimizer --zero_offload_dir DIR` through ZeroTrainingArguments: the Trainer's losses equal
     the in-memory run's, its periodic checkpoint streams the state from the offload files, and a run resumed

@@ -20,6 +20,7 @@ from torch import nn
 from ..engine.collectives import agreement, broadcast_object
 from ..engine.module import get_engine
 from ..dtypes import dtype_from_name, parse_dtype
+from .owned import write_owned
 from .format import BUFFERS_FILE, HF_FILES, Manifest, check_files, save_hf_files, set_config_dtype
 from .reader import FileCache, read_pieces
 from .writer import HFShardWriter, parse_size
@@ -108,11 +109,16 @@ def save_pretrained(
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     progress: bool = True,
+    parallel: bool = False,
 ) -> list[str]:
-    """Write a sharded model as a `from_pretrained` directory from rank 0, gathering one unit at a time.
+    """Write a sharded model as a `from_pretrained` directory: from rank 0, gathering one unit at a time, or
+    (`parallel=True`) from every rank at once, each writing the tensors it owns.
 
-    A collective: every rank must call it (the others only take part in the gathers). Writes the
-    weights (fp32 masters, or `dtype`), `config.json`, `generation_config.json` and the tokenizer.
+    A collective: every rank must call it. Writes the weights (fp32 masters, or `dtype`), `config.json`,
+    `generation_config.json` and the tokenizer. Rank 0 alone needs to see `output_dir`, unless `parallel`:
+    then every rank writes its own `model-0000k-of-0000N.safetensors` there (a filesystem all ranks share),
+    no rank gathers the model, and each holds at most one window of `PIECE_NUMEL` elements beyond its
+    model states ([Note: owned tensors] in `hf_zero/checkpoint/owned.py`).
 
     Args:
         model (`nn.Module`): a model returned by `hf_zero.initialize`.
@@ -121,6 +127,7 @@ def save_pretrained(
         dtype (`str` or `torch.dtype`, *optional*): `"bf16"`, `"fp16"` or `"fp32"`; defaults to the master dtype.
         max_shard_size (`int` or `str`, *optional*, defaults to `"5GB"`): the largest output file.
         progress (`bool`, *optional*, defaults to `True`): a progress bar on rank 0.
+        parallel (`bool`, *optional*, defaults to `False`): every rank writes its share of the tensors.
 
     Returns:
         `list[str]`: the weight files written (on every rank).
@@ -129,12 +136,19 @@ def save_pretrained(
 
     ```python
     >>> hf_zero.save_pretrained(model, "llama-domain", tokenizer=tokenizer, dtype="bf16")
+    >>> hf_zero.save_pretrained(model, "/shared/llama-domain", dtype="bf16", parallel=True)  # every rank writes
     ```
     """
     engine = get_engine(model)
     with agreement(engine.world, "hf_zero.save_pretrained"):
         out_dtype = parse_dtype(dtype)
-        parse_size(max_shard_size)
+        max_bytes = parse_size(max_shard_size)
+    if parallel:
+        files = write_owned(engine, Path(output_dir), out_dtype or engine.master_dtype, max_bytes)
+        with agreement(engine.world, f"hf_zero.save_pretrained ({output_dir})"):
+            if engine.world.rank == 0:
+                save_hf_files(model, tokenizer, Path(output_dir), out_dtype or engine.master_dtype)
+        return files
     writer: HFShardWriter | None = None
     error: Exception | None = None  # rank 0's first failure; the ranks still finish every gather
     if engine.world.rank == 0:

@@ -20,7 +20,7 @@ from .format import save_safetensors, write_bytes_atomically
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -95,7 +95,7 @@ class HFShardWriter:
         n = len(self._written)
         names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
         for old in self.output_dir.iterdir():
-            if (_WEIGHT_FILE.match(old.name) and old.name not in names) or old.name == INDEX_FILE:
+            if (WEIGHT_FILE.match(old.name) and old.name not in names) or old.name == INDEX_FILE:
                 old.unlink()
         weight_map: dict[str, str] = {}
         for (tmp, tensor_names), final in zip(self._written, names):

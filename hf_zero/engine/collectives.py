@@ -308,6 +308,30 @@ def all_to_all_into(output: torch.Tensor, chunks: torch.Tensor, group: CommGroup
     return pending
 
 
+def all_to_all_uneven(
+    output: torch.Tensor, send: torch.Tensor, output_splits: Sequence[int], send_splits: Sequence[int], group: CommGroup,
+) -> None:
+    """Send `send_splits[j]` elements of the 1D `send` (taken in rank order) to group rank j, and receive
+    `output_splits[i]` elements from rank i into the 1D `output` (in rank order). Blocking.
+
+    Example:
+
+    ```python
+    >>> # rank 0 sends 3 elements to itself, rank 1 sends it 2: rank 0 receives 5, rank 1 none
+    >>> all_to_all_uneven(out, send, [3, 2] if rank == 0 else [0, 0], [3, 0] if rank == 0 else [2, 0], group)
+    ```
+    """
+    if sum(output_splits) != output.numel() or sum(send_splits) != send.numel():
+        raise RuntimeError(f"[rank {group.global_rank}] hf_zero: all-to-all splits do not add up to the buffers")
+    if group.size == 1:
+        output.copy_(send)
+        return
+    staged_out, staged_in = _staged(output, group), _staged(send, group)
+    dist.all_to_all_single(staged_out, staged_in, list(output_splits), list(send_splits), group=group.pg)
+    if staged_out is not output:  # [Note: staging]
+        output.copy_(staged_out)
+
+
 def all_gather_rows(
     rows: torch.Tensor, values: torch.Tensor, capacity: int, group: CommGroup, async_op: bool = False
 ) -> tuple[Pending, torch.Tensor, torch.Tensor]:

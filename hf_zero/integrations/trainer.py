@@ -11,9 +11,12 @@ do wrongly for a sharded model is overridden, and only that:
   `--optim`, the weight-decay groups and the lr keep working; evaluation: without).
 - `_clip_grad_norm` / `_get_grad_norm`: the global norm over every rank's gradient shards.
 - `save_model`: a periodic checkpoint (`_internal_call`) is an hf_zero sharded checkpoint in
-  `checkpoint-N/hf_zero/` (weights, optimizer state, config, tokenizer), written by every rank in
-  parallel; a user call (and the end of training) writes a consolidated `from_pretrained`
-  directory from rank 0, gathered one unit at a time.
+  `checkpoint-N/hf_zero/` (master weights, optimizer state), written by every rank in parallel, and
+  `checkpoint-N` itself is a model folder: `config.json`, `generation_config.json`, the tokenizer,
+  `training_args.bin` and (`--zero_save_model_weights`, on by default) the weights in the compute
+  dtype, each tensor written by the rank that owns it ([Note: owned tensors]), so
+  `from_pretrained(checkpoint-N)` loads step N. A user call (and the end of training) writes a
+  consolidated `from_pretrained` directory from rank 0, gathered one unit at a time.
 - `_save_optimizer_and_scheduler`: the optimizer is in the sharded checkpoint; only `scheduler.pt`.
 - `_load_from_checkpoint` (before sharding) remembers the checkpoint; `_load_optimizer_and_scheduler`
   (after) loads it into the shards, on any number of ranks. `_load_best_model` likewise.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +37,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 
 from ..api import attach_optimizer, gathered_parameters, initialize
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
-from ..checkpoint.format import last_complete_checkpoint
+from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
 from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
@@ -153,16 +157,23 @@ class ZeroTrainerMixin:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not is_sharded(self.model):
             return super().save_model(output_dir, _internal_call)
-        if _internal_call and not self.args.save_only_model:
+        periodic = _internal_call and not self.args.save_only_model
+        if periodic:
             save_checkpoint(
                 os.path.join(output_dir, CHECKPOINT_SUBDIR), self.model, self._sharded_optimizer(),
                 tokenizer=self.processing_class, metadata={"global_step": self.state.global_step},
             )
-            return
         if getattr(self.model, "peft_config", None) is not None:  # a PEFT model: its adapter, as the stock Trainer
-            self.model.save_pretrained(output_dir)
+            if not periodic or self.args.zero_save_model_weights:
+                self.model.save_pretrained(output_dir)
             if self.args.should_save and self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
+        elif periodic and not self.args.zero_save_model_weights:  # the folder without its weights
+            if self.args.should_save:
+                save_hf_files(self.model, self.processing_class, Path(output_dir))
+        elif periodic:  # every rank writes its share, in the dtype training computes in
+            save_pretrained(self.model, output_dir, tokenizer=self.processing_class,
+                            dtype=get_engine(self.model).param_dtype, parallel=True)
         else:
             save_pretrained(self.model, output_dir, tokenizer=self.processing_class,
                             progress=not self.args.disable_tqdm and self.args.should_save)

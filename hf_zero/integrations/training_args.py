@@ -99,7 +99,12 @@ ZeroArgumentsMixin = make_dataclass(
     "ZeroArgumentsMixin",
     [*field_specs(cli=True),
      ("zero_hybrid_shard", bool, field(default=False, metadata={"help": "Hybrid sharding: shard within each node (the "
-      "launcher's LOCAL_WORLD_SIZE ranks) and replicate across nodes, so the big collectives stay inside the node."}))],
+      "launcher's LOCAL_WORLD_SIZE ranks) and replicate across nodes, so the big collectives stay inside the node."})),
+     ("zero_save_model_weights", bool, field(default=True, metadata={"help": "Also write the weights, in the dtype "
+      "training computes in, into each checkpoint-N (beside its sharded state in checkpoint-N/hf_zero), so that "
+      "from_pretrained(checkpoint-N) loads that step, as DeepSpeed's stage3_gather_16bit_weights_on_model_save does. "
+      "Every rank writes the tensors it owns; no rank gathers the model. Costs 2 bytes per parameter per checkpoint "
+      "in bf16/fp16 (4 in fp32)."}))],
     bases=(_ZeroArguments,),
     namespace={"__doc__": _ZeroArguments.__doc__, "__module__": __name__},
 )

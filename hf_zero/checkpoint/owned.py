@@ -1,0 +1,316 @@
+"""A `from_pretrained` directory written by every rank at once: each tensor by the one rank that owns it.
+
+[Note: owned tensors]
+No rank gathers the model. The tensors (parameters under the names `save_pretrained` keeps, then
+persistent buffers) are dealt largest first, each to the rank with the fewest bytes so far, so each
+rank writes about 1/N of the bytes into its own files (`model-0000k-of-0000N.safetensors`, rank 0's
+files first). Rank r's k-th tensor is written in round k. A round moves its tensors window by window:
+one all-to-all per window of `W = PIECE_NUMEL / world size` elements, in which every rank sends
+what its master shards hold of each owner's window (cast to the written dtype, packed into one send
+buffer of at most `PIECE_NUMEL` elements) and each owner receives its window in element order (the
+ranks of a shard group hold a tensor's elements in rank order) and appends it to its file at once.
+So beyond its model states a rank holds one send buffer and one window while it saves, whatever the
+size of the model or of its largest tensor. Tensors every rank holds whole (buffers; parameters at
+stages 0-2 written in their compute dtype) take no exchange: their owner writes its own copy.
+
+Every file is written under a temporary name; the ranks agree that all of them were written before
+any is renamed, and rank 0 writes the index last, so a failed save leaves no weight file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..engine.collectives import all_to_all_uneven, comm_device, gather_objects, raise_if_any_failed
+from ..engine.disk import MASTER
+from ..engine.engine import Piece, ZeroEngine
+from ..engine.flat import FlatUnit
+from .format import fsync_file, write_bytes_atomically
+from .stream import PIECE_NUMEL, Entry, host_pieces, write_streamed
+from .writer import INDEX_FILE, WEIGHT_FILE
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of the folder: a parameter of a unit (`unit`, `slot`), or a tensor held whole (`value`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    unit: FlatUnit | None = None
+    slot: int = 0
+    value: torch.Tensor | None = None
+    parameter: bool = True
+
+    @property
+    def exchanged(self) -> bool:
+        return self.unit is not None
+
+
+@dataclass(frozen=True)
+class OwnerPlan:
+    """Who writes what, computed alike on every rank from the model alone.
+
+    Example:
+
+    ```python
+    >>> plan = OwnerPlan.deal([Tensor("a", (4,), 4), Tensor("b", (2,), 2)], torch.float32, world_size=2, max_bytes=10**9)
+    >>> plan.owned, plan.files
+    ([[0], [1]], [[[0]], [[1]]])
+    ```
+    """
+
+    tensors: list[Tensor]
+    dtype: torch.dtype
+    owned: list[list[int]]  # per rank: its tensors' indices, in the order it writes them (round k: the k-th)
+    files: list[list[list[int]]]  # per rank: its files, each a list of tensor indices
+
+    @staticmethod
+    def deal(tensors: list[Tensor], dtype: torch.dtype, world_size: int, max_bytes: int) -> "OwnerPlan":
+        nbytes = [t.numel * _itemsize(t, dtype) for t in tensors]
+        owned: list[list[int]] = [[] for _ in range(world_size)]
+        load = [(0, r) for r in range(world_size)]  # a heap of (bytes so far, rank): the lightest rank first
+        for i in sorted(range(len(tensors)), key=lambda i: (-nbytes[i], i)):
+            size, rank = heapq.heappop(load)
+            owned[rank].append(i)
+            heapq.heappush(load, (size + nbytes[i], rank))
+        files: list[list[list[int]]] = []
+        for mine in owned:
+            groups: list[list[int]] = []
+            size = 0
+            for i in mine:
+                if not groups or (groups[-1] and size + nbytes[i] > max_bytes):
+                    groups.append([])
+                    size = 0
+                groups[-1].append(i)
+                size += nbytes[i]
+            files.append(groups)
+        return OwnerPlan(tensors, dtype, owned, files)
+
+    def file_names(self) -> list[list[str]]:
+        """Per rank, the names of its files: `model.safetensors` when there is one file in all, else
+        `model-0000k-of-0000N.safetensors` numbered rank by rank."""
+        total = sum(len(f) for f in self.files)
+        names, k = [], 0
+        for groups in self.files:
+            names.append(["model.safetensors" if total == 1 else f"model-{k + j + 1:05d}-of-{total:05d}.safetensors"
+                          for j in range(len(groups))])
+            k += len(groups)
+        return names
+
+    @property
+    def rounds(self) -> int:
+        return max((len(mine) for mine in self.owned), default=0)
+
+
+def _itemsize(t: Tensor, dtype: torch.dtype) -> int:
+    value_dtype = t.value.dtype if t.value is not None else dtype
+    return (dtype if value_dtype.is_floating_point else value_dtype).itemsize
+
+
+def folder_tensors(engine: ZeroEngine, dtype: torch.dtype) -> list[Tensor]:
+    """The tensors of the model folder in `state_dict` order: each parameter once (tied names under the first),
+    then the persistent buffers. A parameter every rank holds whole in `dtype` is taken as it is."""
+    whole = engine.plan.params.persistent
+    tensors: list[Tensor] = []
+    for unit in engine.units:
+        for index, slot in enumerate(unit.layout.slots):
+            if whole and unit.param_dtype == dtype:
+                value = unit.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, value=value))
+            else:
+                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, unit=unit, slot=index))
+    for name, buf in engine.module_state(with_params=False).items():
+        tensors.append(Tensor(name, tuple(buf.shape), buf.numel(), value=buf.detach(), parameter=False))
+    return tensors
+
+
+class Exchange:
+    """The rounds of [Note: owned tensors] on this rank: `windows(k)` runs round k and yields this rank's
+    tensor of the round piece by piece; `drain()` runs every round not yet run (a rank that stopped writing
+    keeps serving the others)."""
+
+    def __init__(self, engine: ZeroEngine, plan: OwnerPlan) -> None:
+        self.engine, self.plan = engine, plan
+        self.world = engine.world
+        # every rank's (replica, shard rank): an owner takes its tensor from the ranks of its own shard group
+        self.places: list[tuple[int, int]] = gather_objects(
+            (engine.plan.replicate_group.rank, engine.plan.shard_group.rank), self.world)
+        for replica in {p[0] for p in self.places}:
+            shard_ranks = [s for r, s in self.places if r == replica]
+            if shard_ranks != list(range(len(shard_ranks))):
+                raise RuntimeError(f"[rank {self.world.rank}] hf_zero: the shard group of replica {replica} is not in "
+                                   f"global rank order ({shard_ranks}); the owned-tensor save needs it")
+        self.width = max(1, PIECE_NUMEL // self.world.size)
+        self.pieces: dict[tuple[int, int], Piece] = {(id(p.unit), p.slot_index): p for p in engine.pieces}
+        self.device = comm_device(self.world)
+        self.round, self.window = 0, 0  # the next window to run
+        self.error: Exception | None = None  # a failed read: the windows still run (with zeros), then it is raised
+        self.draining = False
+        self._send = torch.empty(0, dtype=plan.dtype, device=self.device)
+        self._recv = torch.empty(0, dtype=plan.dtype, device=self.device)
+
+    def _of_round(self, rank: int, k: int) -> Tensor | None:
+        owned = self.plan.owned[rank]
+        return self.plan.tensors[owned[k]] if k < len(owned) else None
+
+    def _windows_in(self, k: int) -> int:
+        sizes = [t.numel for r in range(self.world.size) if (t := self._of_round(r, k)) is not None and t.exchanged]
+        return max((-(-n // self.width) for n in sizes), default=0)
+
+    def windows(self, k: int) -> Iterator[torch.Tensor]:
+        """Run round `k` (every rank must, in order) and yield this rank's tensor of the round, in pieces."""
+        if k != self.round:
+            raise RuntimeError(f"[rank {self.world.rank}] hf_zero: owned-tensor save ran round {self.round}, not {k}")
+        mine, count = self._of_round(self.world.rank, k), self._windows_in(k)
+        while self.window < count:
+            received = self._run_window(k, self.window)
+            self.window += 1
+            if self.error is not None and not self.draining:
+                raise self.error
+            if received is not None and received.numel():
+                yield received
+        self.round, self.window = k + 1, 0
+        if mine is not None and mine.value is not None:
+            value = mine.value.to(self.plan.dtype) if mine.value.is_floating_point() else mine.value
+            yield from host_pieces(value)()
+
+    def drain(self) -> None:
+        self.draining = True
+        while self.round < self.plan.rounds:
+            for _ in self.windows(self.round):
+                pass
+
+    def _span(self, t: Tensor, rank: int, window: int) -> tuple[int, int]:
+        """The elements `[a, b)` of `t` in `window` that `rank`'s shard holds (a == b: none)."""
+        layout = _unit(t).layout
+        slot = layout.slots[t.slot]
+        lo, hi = layout.shard_range(self.places[rank][1])
+        a = max(window * self.width, lo - slot.offset, 0)
+        b = min((window + 1) * self.width, hi - slot.offset, t.numel)
+        return a, max(a, b)
+
+    def _run_window(self, k: int, window: int) -> torch.Tensor | None:
+        me, size = self.world.rank, self.world.size
+        replica = self.places[me][0]
+        send_splits, recv_splits, reads = [0] * size, [0] * size, []
+        for owner in range(size):
+            t = self._of_round(owner, k)
+            if t is None or not t.exchanged or self.places[owner][0] != replica:
+                continue
+            a, b = self._span(t, me, window)
+            send_splits[owner] = b - a
+            if b > a:
+                reads.append((t, a, b))
+        mine = self._of_round(me, k)
+        if mine is not None and mine.exchanged:
+            for rank in range(size):
+                if self.places[rank][0] == replica:
+                    a, b = self._span(mine, rank, window)
+                    recv_splits[rank] = b - a
+        send = self._buffer("_send", sum(send_splits))
+        try:
+            at = 0
+            for t, a, b in reads:
+                for part in self._read(t, a, b):
+                    send[at : at + part.numel()].copy_(part)
+                    at += part.numel()
+        except Exception as e:  # noqa: BLE001 - raised after the window: the others are waiting in it
+            send.zero_()
+            self.error = self.error or e
+        recv = self._buffer("_recv", sum(recv_splits))
+        all_to_all_uneven(recv, send, recv_splits, send_splits, self.world)
+        return recv if mine is not None and mine.exchanged else None
+
+    def _buffer(self, attr: str, numel: int) -> torch.Tensor:
+        buf: torch.Tensor = getattr(self, attr)
+        if buf.numel() < numel:
+            buf = torch.empty(max(numel, min(PIECE_NUMEL, buf.numel() * 2)), dtype=self.plan.dtype, device=self.device)
+            setattr(self, attr, buf)
+        return buf[:numel]
+
+    def _read(self, t: Tensor, a: int, b: int) -> Iterator[torch.Tensor]:
+        """Elements `[a, b)` of `t` from this rank's master shard, where it lives (memory or the offload files)."""
+        unit = _unit(t)
+        piece = self.pieces.get((id(unit), t.slot))
+        if piece is None or not piece.start <= a <= b <= piece.end:
+            raise RuntimeError(f"[rank {self.world.rank}] hf_zero: {t.name}[{a}:{b}] is not in this rank's shard")
+        disk = self.engine.disk
+        if disk is not None and disk.holds(unit):
+            yield from disk.read_range(MASTER, disk.offset_of(piece) + a - piece.start, b - a)
+        else:
+            yield piece.master[a - piece.start : b - piece.start]
+
+
+def _unit(t: Tensor) -> FlatUnit:
+    if t.unit is None:
+        raise RuntimeError(f"hf_zero: {t.name} is held whole and has no shards to read")
+    return t.unit
+
+
+def write_owned(engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_bytes: int) -> list[str]:
+    """Write the model's tensors into `directory` as [Note: owned tensors] says; a collective. Returns every
+    file written (on every rank). The side files (config, tokenizer) are the caller's."""
+    engine.hooks.wait_reductions()
+    plan = OwnerPlan.deal(folder_tensors(engine, dtype), dtype, engine.world.size, max_bytes)
+    names = plan.file_names()
+    rank = engine.world.rank
+    exchange = Exchange(engine, plan)
+    written: list[Path] = []
+    error: Exception | None = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        k = 0
+        for name, group in zip(names[rank], plan.files[rank]):
+            entries = []
+            for i in group:
+                t = plan.tensors[i]
+                out = dtype if t.value is None or t.value.is_floating_point() else t.value.dtype
+                entries.append(Entry(t.name, out, t.shape, lambda k=k: exchange.windows(k)))
+                k += 1
+            tmp = directory / f".{name}.partial"
+            written.append(tmp)
+            write_streamed(tmp, entries, {"format": "pt", "hf_zero_rank": str(rank)})
+            fsync_file(tmp)
+    except Exception as e:  # noqa: BLE001 - agreed on below; this rank keeps serving the others first
+        error = e
+    exchange.drain()
+    error = error or exchange.error
+    if error is not None:
+        for tmp in written:
+            with contextlib.suppress(OSError):  # what could not be written may not be a file
+                tmp.unlink(missing_ok=True)
+    raise_if_any_failed(error, engine.world, f"hf_zero.save_pretrained ({directory})")
+
+    for tmp, name in zip(written, names[rank]):
+        os.replace(tmp, directory / name)
+    all_names = [n for mine in names for n in mine]
+    error = None
+    if rank == 0:
+        try:
+            for old in directory.iterdir():
+                if (WEIGHT_FILE.match(old.name) and old.name not in all_names) or old.name == INDEX_FILE:
+                    old.unlink()
+            if len(all_names) > 1:
+                write_bytes_atomically(directory / INDEX_FILE, _index(plan, names))
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            error = e
+    raise_if_any_failed(error, engine.world, f"hf_zero.save_pretrained ({directory})")
+    return all_names
+
+
+def _index(plan: OwnerPlan, names: list[list[str]]) -> bytes:
+    weight_map = {plan.tensors[i].name: name
+                  for rank_names, groups in zip(names, plan.files) for name, group in zip(rank_names, groups) for i in group}
+    parameters = sum(t.numel for t in plan.tensors if t.parameter)
+    total = sum(t.numel * _itemsize(t, plan.dtype) for t in plan.tensors)
+    index = {"metadata": {"total_parameters": parameters, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
