@@ -76,6 +76,13 @@ def test_small_shards_three_ranks_and_a_second_save_over_the_first(pools, tmp_pa
     assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in results[0]["state"].values())
 
 
+def test_hybrid_sharding_each_owner_takes_its_tensor_from_its_own_shard_group(pools, tmp_path):
+    out = tmp_path / "model"
+    results = pools(4).values(cases.parallel_save, "llama", 3, str(out), {"shard_group_size": 2}, None)
+    _check(out, results[0]["state"], torch.float32, "llama")
+    assert sorted(_writers(out).values()) == ["0", "1", "2", "3"]
+
+
 def test_save_memory_is_one_window_beyond_the_model_states(pools, tmp_path):
     """The bound: the largest tensor a rank owns plus one write buffer (here 4096 elements, so that it is
     tight against this model). The rank-0 gathered save, which holds a whole unit, exceeds it on rank 0:

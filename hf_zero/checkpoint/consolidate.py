@@ -144,7 +144,10 @@ def save_pretrained(
         out_dtype = parse_dtype(dtype)
         max_bytes = parse_size(max_shard_size)
     if parallel:
-        files = write_owned(engine, Path(output_dir), out_dtype or engine.master_dtype, max_bytes)
+        bar = _progress(1, "writing owned tensors", progress and engine.world.rank == 0, "round")
+        files = write_owned(engine, Path(output_dir), out_dtype or engine.master_dtype, max_bytes,
+                            on_round=bar.update_to)
+        bar.close()
         with agreement(engine.world, f"hf_zero.save_pretrained ({output_dir})"):
             if engine.world.rank == 0:
                 save_hf_files(model, tokenizer, Path(output_dir), out_dtype or engine.master_dtype)
@@ -187,6 +190,9 @@ class _NoBar:
     def update(self, n: int) -> None:
         pass
 
+    def update_to(self, done: int, total: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -198,4 +204,10 @@ def _progress(total: int, desc: str, enabled: bool, unit: str) -> Any:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm comes with transformers; without it, no bar
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit=unit)
+    bar = tqdm(total=total, desc=desc, unit=unit)
+
+    def update_to(done: int, new_total: int) -> None:  # a bar whose total is known once the work is planned
+        bar.total = new_total
+        bar.update(done - bar.n)
+    bar.update_to = update_to
+    return bar

@@ -25,7 +25,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -138,8 +138,8 @@ class Exchange:
     tensor of the round piece by piece; `drain()` runs every round not yet run (a rank that stopped writing
     keeps serving the others)."""
 
-    def __init__(self, engine: ZeroEngine, plan: OwnerPlan) -> None:
-        self.engine, self.plan = engine, plan
+    def __init__(self, engine: ZeroEngine, plan: OwnerPlan, on_round: Callable[[int, int], None] | None = None) -> None:
+        self.engine, self.plan, self.on_round = engine, plan, on_round
         self.world = engine.world
         # every rank's (replica, shard rank): an owner takes its tensor from the ranks of its own shard group
         self.places: list[tuple[int, int]] = gather_objects(
@@ -179,6 +179,8 @@ class Exchange:
             if received is not None and received.numel():
                 yield received
         self.round, self.window = k + 1, 0
+        if self.on_round is not None:
+            self.on_round(self.round, self.plan.rounds)
         if mine is not None and mine.value is not None:
             value = mine.value.to(self.plan.dtype) if mine.value.is_floating_point() else mine.value
             yield from host_pieces(value)()
@@ -256,14 +258,16 @@ def _unit(t: Tensor) -> FlatUnit:
     return t.unit
 
 
-def write_owned(engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_bytes: int) -> list[str]:
+def write_owned(engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_bytes: int,
+                on_round: Callable[[int, int], None] | None = None) -> list[str]:
     """Write the model's tensors into `directory` as [Note: owned tensors] says; a collective. Returns every
-    file written (on every rank). The side files (config, tokenizer) are the caller's."""
+    file written (on every rank). The side files (config, tokenizer) are the caller's. `on_round(done, total)`
+    is called after each round (a progress bar)."""
     engine.hooks.wait_reductions()
     plan = OwnerPlan.deal(folder_tensors(engine, dtype), dtype, engine.world.size, max_bytes)
     names = plan.file_names()
     rank = engine.world.rank
-    exchange = Exchange(engine, plan)
+    exchange = Exchange(engine, plan, on_round)
     written: list[Path] = []
     error: Exception | None = None
     try:

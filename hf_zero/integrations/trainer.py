@@ -173,7 +173,7 @@ class ZeroTrainerMixin:
                 save_hf_files(self.model, self.processing_class, Path(output_dir))
         elif periodic:  # every rank writes its share, in the dtype training computes in
             save_pretrained(self.model, output_dir, tokenizer=self.processing_class,
-                            dtype=get_engine(self.model).param_dtype, parallel=True)
+                            dtype=get_engine(self.model).param_dtype, parallel=True, progress=not self.args.disable_tqdm)
         else:
             save_pretrained(self.model, output_dir, tokenizer=self.processing_class,
                             progress=not self.args.disable_tqdm and self.args.should_save)
