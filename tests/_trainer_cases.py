@@ -110,6 +110,7 @@ class Job:
     lora: bool = False  # peft LoRA around the model (tests/_training.with_lora)
     save_total_limit: int | None = None
     snapshot_on_save: bool = False  # record the full state at every checkpoint (tests/test_trainer.py)
+    oom: str | None = None  # --auto_find_batch_size with a simulated out-of-memory error: "step_end" or "forward"
     best_model: bool = False  # evaluate every save_steps, load the best at the end
 
     @property
@@ -151,6 +152,49 @@ class _SnapshotOnSave(TrainerCallback):
             self.states[state.global_step] = {k: v.detach().cpu().clone() for k, v in full.items()}
 
 
+class _OOMAtStepEnd(TrainerCallback):
+    """transformers' own test double: "CUDA out of memory." at the end of a step run with the first batch size."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        if state.train_batch_size >= self.limit:
+            raise RuntimeError("CUDA out of memory.")
+
+
+def _oom_in_forward(model: torch.nn.Module, limit: int) -> None:
+    """"CUDA out of memory." inside the second decoder layer's forward, on the second micro-batch of the first
+    batch size: the first micro-batch's gradients exist, units are gathered, a pass is half done."""
+    calls = [0]
+
+    def hook(module, args, kwargs):  # noqa: ANN001
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if torch.is_grad_enabled() and hidden.shape[0] >= limit:
+            calls[0] += 1
+            if calls[0] >= 2:
+                raise RuntimeError("CUDA out of memory.")
+
+    model.model.layers[1].register_forward_pre_hook(hook, with_kwargs=True)
+
+
+class _AttemptStart(TrainerCallback):
+    """At the start of each attempt of `--auto_find_batch_size` (sharded model): how many units are gathered and
+    how many hold unsharded gradients; at the end, how many units the learned forward order has."""
+
+    def __init__(self) -> None:
+        self.attempts: list[dict[str, int]] = []
+        self.order = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
+        engine = model.zero_engine
+        self.attempts.append({"gathered": sum(u.is_unsharded for u in engine.units),
+                              "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.units)})
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
+        self.order = len(model.zero_engine.hooks._forward_order)
+
+
 class _StopAt(TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -174,7 +218,7 @@ def _common(job: Job) -> dict[str, Any]:
         save_total_limit=job.save_total_limit,
         **(dict(eval_strategy="steps", eval_steps=job.save_steps, load_best_model_at_end=True,
                 metric_for_best_model="eval_loss") if job.best_model else {}),
-        gradient_checkpointing=job.checkpointing, dataloader_num_workers=0,
+        gradient_checkpointing=job.checkpointing, dataloader_num_workers=0, auto_find_batch_size=job.oom is not None,
     )
 
 
@@ -192,6 +236,8 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         model = make_model(job.kind, seed=job.seed)
     if job.lora:
         model = with_lora(model, job.kind)
+    if job.oom == "forward":
+        _oom_in_forward(model, job.micro_bs)
     if zero:
         args = hf_zero.ZeroTrainingArguments(zero_stage=job.stage, **dict(job.zero_args), **_common(job))
         trainer_cls = hf_zero.ZeroTrainer
@@ -201,7 +247,10 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir) if job.tokenizer_dir else None
     window = _WindowMemory() if job.measure_window else None
     snapshots = _SnapshotOnSave() if job.snapshot_on_save else None
-    callbacks = [c for c in (_StopAt(job.stop_after) if job.stop_after else None, window, snapshots) if c is not None]
+    oom = _OOMAtStepEnd(job.micro_bs) if job.oom == "step_end" else None
+    attempts = _AttemptStart() if job.oom is not None and zero else None
+    callbacks = [c for c in (_StopAt(job.stop_after) if job.stop_after else None, window, snapshots, oom, attempts)
+                 if c is not None]
     if job.kind in BLOCKLESS:
         train_data: Dataset = PointsDataset(job.global_batch * job.steps, seed=1, dim=BLOCKLESS[job.kind])
         eval_data: Dataset = PointsDataset(job.global_batch, seed=2, dim=BLOCKLESS[job.kind])
@@ -226,6 +275,8 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         "units": [u.spec.name for u in trainer.model.zero_engine.units] if zero else None,
         "snapshots": snapshots.states if snapshots is not None and main else None,
         "best": trainer.state.best_model_checkpoint,
+        "train_batch_size": trainer._train_batch_size,
+        "attempts": (attempts.attempts, attempts.order, len(trainer.model.zero_engine.units)) if attempts else None,
     }
 
 
@@ -251,3 +302,28 @@ def run_with_a_second_trainer(job: Job) -> dict[str, Any]:
 def reference(job: Job) -> dict[str, Any]:
     """The stock Trainer in this process, same global batch (one rank does all the micro-batches)."""
     return run(replace(job, world=1, micro_bs=job.micro_bs, zero_args=(), measure_window=False), zero=False)
+
+
+def auto_batch_then_resume(job: Job, zero: bool = True) -> dict[str, Any]:
+    """transformers' `test_auto_batch_size_with_resume_from_checkpoint`: train with `--auto_find_batch_size` and
+    an out-of-memory error at the first batch size (a checkpoint every step), then a new Trainer on the same
+    model resumes from the last checkpoint and takes the batch size found from it. `zero=False`: the stock Trainer."""
+    import hf_zero
+
+    model = make_model(job.kind, seed=job.seed)
+    data = TokenDataset(job.global_batch * job.steps, 16, seed=1)
+    if zero:
+        args: TrainingArguments = hf_zero.ZeroTrainingArguments(zero_stage=job.stage, **_common(job))
+        trainer_cls: type[Trainer] = hf_zero.ZeroTrainer
+    else:
+        args, trainer_cls = TrainingArguments(**_common(job)), Trainer
+    first = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[_OOMAtStepEnd(job.micro_bs)])
+    first.train()
+    second = trainer_cls(model=first.model, args=args, train_dataset=data)
+    before = second._train_batch_size
+    second.train(resume_from_checkpoint=True)
+    state = hf_zero.full_state_dict(second.model) if zero else second.model.state_dict()
+    return {"first": first._train_batch_size, "before": before, "after": second._train_batch_size,
+            "steps": second.state.global_step,
+            "losses": [h["loss"] for h in second.state.log_history if "loss" in h],
+            "state": {k: v.detach().cpu().clone() for k, v in state.items()} if args.process_index == 0 else None}

@@ -128,7 +128,6 @@ def test_zero_stage_parsed_from_the_command_line():
     [
         ({"deepspeed": "ds_config.json"}, "hf_zero cannot be combined with DeepSpeed"),
         ({"fsdp": "full_shard"}, "hf_zero cannot be combined with FSDP"),
-        ({"auto_find_batch_size": True}, "--auto_find_batch_size rebuilds the model"),
         ({"zero_reduce_dtype": "int8"}, "ZeroConfig.reduce_dtype must be None, 'fp32', 'bf16' or 'fp16'"),
         ({"zero_wrap": " , "}, "--zero_wrap must be 'auto' or comma-separated module class names"),
         ({"bf16": True, "fp16": True}, "Pass at most one of --bf16 and --fp16"),
@@ -298,6 +297,40 @@ def test_model_weights_off_and_best_model_loading(pools, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(got["best"]).state_dict()
     for name, value in got["state"].items():
         assert torch.equal(loaded[name], value), name
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("oom", ["step_end", "forward"])
+def test_auto_find_batch_size_halves_and_trains_as_the_stock_trainer(pools, tmp_path, stage, oom):
+    """`--auto_find_batch_size` with an out-of-memory error at the first batch size, raised at the end of the first
+    step (transformers' own test double) or inside a decoder layer's forward on the second micro-batch (a pass
+    half done at stage 3: units gathered, gradients of the first micro-batch held). The Trainer halves the batch
+    and starts again; the losses and final weights equal the stock Trainer's with the same error (fp32, 1e-5)."""
+    job = tc.Job(kind="llama", stage=stage, world=2, out_dir=str(tmp_path / "out"), oom=oom)
+    got = pools(2).values(tc.run, job)[0]
+    ref = _reference(_ref_key(job))
+    assert got["train_batch_size"] == ref["train_batch_size"] == job.micro_bs // 2
+    _assert_close_to_reference(got, ref)
+    attempts, order, units = got["attempts"]
+    assert len(attempts) == 2
+    if stage == 3:  # the retry starts with nothing gathered, and learns its prefetch order from a whole forward
+        assert attempts[1]["gathered"] == 0 and order == units - 1, got["attempts"]
+    if stage >= 2:
+        assert attempts[1]["unsharded_grads"] == 0, got["attempts"]
+
+
+def test_auto_find_batch_size_resumes_with_the_batch_size_found(pools, tmp_path):
+    """transformers' `test_auto_batch_size_with_resume_from_checkpoint` at stage 3 on 2 ranks: a new Trainer on the
+    same (sharded) model starts at the configured batch size and takes the one found from the checkpoint; steps,
+    logged losses and final weights as the stock Trainer's in this process (which, too, ends at step 3 of 2)."""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), steps=2, save_steps=1, oom="step_end")
+    got = pools(2).values(tc.auto_batch_then_resume, job)[0]
+    ref = tc.auto_batch_then_resume(replace(job, world=1, out_dir=str(tmp_path / "stock")), zero=False)
+    assert (got["first"], got["before"], got["after"]) == (1, 2, 1)
+    assert {k: got[k] for k in ("first", "before", "after", "steps")} == {k: ref[k] for k in ("first", "before", "after", "steps")}
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=TOL, atol=0)
+    for name, value in ref["state"].items():
+        assert rel_err(got["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
 def test_zero_trainer_with_offload_dir_saves_and_resumes_like_in_memory(pools, tmp_path):

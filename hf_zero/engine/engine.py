@@ -116,10 +116,8 @@ class ModelStateMemory:
 
     def total(self, device: str | None = None) -> int:
         """All bytes, or those on `device` (e.g. `"cpu"`)."""
-        return sum(
-            n for part in (self.parameters, self.gradients, self.optimizer_states)
-            for dev, n in part.items() if device is None or dev == device
-        )
+        parts = (self.parameters, self.gradients, self.optimizer_states)
+        return sum(n for part in parts for dev, n in part.items() if device is None or dev == device)
 
 
 class ZeroEngine:
@@ -251,7 +249,11 @@ class ZeroEngine:
         finally:
             self.hooks.requires_grad_sync = previous
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, *, abandon_pass: bool = False) -> None:
+        """Drop every gradient; `abandon_pass`: first forget a forward or backward that an exception stopped (its
+        gathered units freed, its reductions waited for), e.g. after an out-of-memory error the caller survived."""
+        if abandon_pass:
+            self.hooks.reset()
         self.hooks.wait_reductions()
         for unit in self.units:
             unit.zero_grad()
@@ -470,8 +472,6 @@ def _pool_for(
 
 
 def _swap_parameters(model: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
-    if not replaced:
-        return
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and id(param) in replaced:

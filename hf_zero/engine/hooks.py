@@ -433,7 +433,7 @@ class UnitHooks:
             held.reshard()
 
     def reset(self) -> None:
-        """Forget an interrupted backward pass: wait for issued work, free gathered units, detach grads."""
+        """Forget an interrupted forward or backward pass: wait for issued work, free gathered units, detach grads."""
         for _, reduction in self._pending:
             reduction.pending.wait()
         self._pending.clear()
@@ -444,6 +444,8 @@ class UnitHooks:
             if not self.plan.params.persistent:
                 unit.reshard()
         self._held = None
+        if not self._order_known:  # a first forward that did not finish: learn the order from the next one
+            self._forward_order.clear()
         self._clear()
         self.pool.clear()
 

@@ -109,6 +109,14 @@ class ZeroTrainerMixin:
             self.optimizer = attach_optimizer(self.model, self.optimizer)  # sharded for evaluation first
         return self.model
 
+    def _update_auto_batch_size(self, batch_size: int) -> None:
+        """`--auto_find_batch_size`: each attempt at a batch size starts here. After an out-of-memory error the
+        sharded model forgets the pass it stopped in (gathered units freed, partial gradients dropped); the model
+        stays sharded and keeps its optimizer, as the stock Trainer keeps its model and optimizer."""
+        if is_sharded(self.model):
+            get_engine(self.model).zero_grad(abandon_pass=True)
+        super()._update_auto_batch_size(batch_size)  # type: ignore[misc]
+
     def _sync_sharded_reference(self) -> None:
         """TR-DPO (`sync_ref_model=True`): TRL's callback mixes the policy into the reference model in place,
         which needs whole parameters; at stage 3 it does so inside `gathered_parameters` (DeepSpeed's answer)."""

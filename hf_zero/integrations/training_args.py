@@ -20,8 +20,8 @@ class _ZeroArguments:
     Precision comes from the Trainer's own `--bf16` / `--fp16` (or, as for `TrainingArguments`, from
     `accelerate launch --mixed_precision`), so it has one owner. The
     combinations that cannot work are refused here, before `torch.distributed` starts, with a
-    message that says what to do instead: `--deepspeed`, `--fsdp` (and their Accelerate
-    environment switches), and `--auto_find_batch_size` with a sharded optimizer.
+    message that says what to do instead: `--deepspeed` and `--fsdp` (and their Accelerate
+    environment switches).
 
     Example:
 
@@ -39,7 +39,6 @@ class _ZeroArguments:
     bf16: bool
     deepspeed: object
     fsdp: object
-    auto_find_batch_size: bool
 
     @property
     def place_model_on_device(self) -> bool:
@@ -63,12 +62,6 @@ class _ZeroArguments:
             raise ValueError(
                 "hf_zero cannot be combined with FSDP (--fsdp or ACCELERATE_USE_FSDP): both shard the model. Drop "
                 "--fsdp and use --zero_stage 3 for full sharding."
-            )
-        if self.auto_find_batch_size and self.zero_stage > 0:
-            raise ValueError(
-                "--auto_find_batch_size rebuilds the model after an out-of-memory error but would keep the sharded "
-                "optimizer of the first attempt. Set --per_device_train_batch_size yourself (hf-zero estimate helps) "
-                "or use --zero_stage 0."
             )
 
     def to_zero_config(self) -> ZeroConfig:
