@@ -96,7 +96,7 @@ def initialize(
             source.check(specs)
         validate_model(model, world, has_source=source is not None)
         if optimizer is not None:
-            check_optimizer(optimizer, model, cfg.stage)
+            check_optimizer(optimizer, model, cfg.offload_dir)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     # Agree before the first collective: a mistake on one rank raises on every rank.
@@ -199,7 +199,7 @@ def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Shar
     engine = get_engine(model)
     error: Exception | None = None
     try:
-        check_optimizer(optimizer, model, engine.config.stage, engine)
+        check_optimizer(optimizer, model, engine.config.offload_dir, engine)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.attach_optimizer")

@@ -44,6 +44,7 @@ class Scenario:
     save_to: str | None = None
     config_overrides: tuple[tuple[str, Any], ...] = ()  # extra ZeroConfig fields
     stream_ordered: bool = False  # the backward-prefetch policy the engine picks for NCCL, forced on gloo
+    optimizer: str = "adamw"  # tests._optimizers.build_optimizer
 
     @property
     def global_batch(self) -> int:
@@ -255,21 +256,33 @@ def _loss(out: Any) -> torch.Tensor:
     return out["loss"] if isinstance(out, dict) else out.loss
 
 
-def reference_run(sc: Scenario) -> dict[str, Any]:
-    """Single-process training on the whole global batch."""
+def reference_run(sc: Scenario, accumulate: bool = False) -> dict[str, Any]:
+    """Single-process training on the whole global batch: in one backward, or (`accumulate`) one backward per
+    micro-batch of the sharded run, in its order (the same math summed in another order: the fp32 noise)."""
+    from tests._optimizers import build_optimizer
+
     torch.set_num_threads(1)
     model = make_model(sc.model)
     if sc.lora:
         model = with_lora(model, sc.model)
     _freeze(model, sc.frozen)
-    opt = make_optimizer(model, sc.lr)
+    opt = build_optimizer(sc.optimizer, model, sc.lr)
     data = make_batches(sc)
     losses, norms = [], []
     for step in range(sc.steps):
         batch = data[step]
         _set_step(model, step)
-        loss = _loss(model(input_ids=batch, labels=batch))
-        loss.backward()
+        if accumulate:
+            parts = batch.split(sc.micro_bs)
+            micro = []
+            for b in parts:
+                part = _loss(model(input_ids=b, labels=b))
+                (part / len(parts)).backward()
+                micro.append(part.detach())
+            loss = torch.stack(micro).mean()
+        else:
+            loss = _loss(model(input_ids=batch, labels=batch))
+            loss.backward()
         if sc.max_grad_norm is not None:
             params = [p for p in model.parameters() if p.grad is not None]
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, sc.max_grad_norm)))
@@ -296,7 +309,9 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     if sc.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _activation_checkpointing(model, sc.ac)
-    opt = make_optimizer(model, sc.lr)
+    from tests._optimizers import build_optimizer
+
+    opt = build_optimizer(sc.optimizer, model, sc.lr)
     config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, wrap=sc.wrap, **dict(sc.config_overrides))
     model, opt = hf_zero.initialize(model, opt, config)
     if sc.stream_ordered:

@@ -128,6 +128,12 @@ def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path
 def _check_optimizer_matches(manifest: Manifest, optimizer: ShardedOptimizer | None, directory: Path) -> None:
     if optimizer is None:
         return
+    if optimizer.steps_whole_parameters:
+        raise ValueError(
+            "hf_zero checkpoints do not hold the state of optimizers that step on whole parameters yet "
+                f"({type(optimizer.optimizer).__name__}, [Note: whole-parameter step]): save and load the model "
+                "with optimizer=None, or use an elementwise optimizer (AdamW, SGD, ...) to checkpoint the optimizer."
+        )
     if manifest.optimizer is None:
         raise ValueError(f"The checkpoint at {directory} holds no optimizer state; load it with optimizer=None.")
     saved_class = manifest.optimizer["class"]

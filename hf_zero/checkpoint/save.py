@@ -91,6 +91,12 @@ def save_checkpoint(
     with agreement(world, "hf_zero.save_checkpoint"):  # arguments may differ between ranks: agree first
         if optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
             raise TypeError("save_checkpoint expects the optimizer returned by hf_zero.initialize.")
+        if optimizer is not None and optimizer.steps_whole_parameters:
+            raise ValueError(
+                "hf_zero checkpoints do not hold the state of optimizers that step on whole parameters yet "
+                f"({type(optimizer.optimizer).__name__}, [Note: whole-parameter step]): save and load the model "
+                "with optimizer=None, or use an elementwise optimizer (AdamW, SGD, ...) to checkpoint the optimizer."
+            )
         _check_json(metadata)
     engine.hooks.wait_reductions()
     token = broadcast_object(uuid.uuid4().hex[:12], world)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -16,6 +16,7 @@ from ..config import ZeroConfig
 from ..launch import accelerator_device, launch_env
 from .collectives import (CommGroup, all_gather_into, all_reduce_, bound_device, broadcast_, comm_device, max_scalar_,
                           raise_if_any_failed, stream_ordered)
+from .accounting import ModelStateMemory
 from .disk import DiskOffload, OffloadFiles
 from .flat import FlatUnit, grad_slab, transient_nbytes
 from .layout import FlatLayout
@@ -26,6 +27,7 @@ from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
 from .units import UnitSpec
+from .whole import WholeStep
 
 
 OPTIMIZER_CHUNK_NUMEL = 1 << 22  # [Note: optimizer chunks]: at most 16 MiB of fp32 per optimizer tensor
@@ -100,26 +102,6 @@ class StateDictOptions:
     device: torch.device | str | None = None
 
 
-@dataclass(frozen=True)
-class ModelStateMemory:
-    """Bytes of model state this rank holds, by category and device (e.g. `{"cuda:0": 1024}`).
-
-    `optimizer_states` includes the fp32 master weights when they are a separate copy (mixed
-    precision, offload, or stage 3 sharded parameters in another dtype), as in the ZeRO paper.
-    Tensors offloaded to host memory (`offload_optimizer`, `offload_params`) are counted under
-    `"host"`, also on a CPU-only machine where host and device are the same memory.
-    """
-
-    parameters: dict[str, int] = field(default_factory=dict)
-    gradients: dict[str, int] = field(default_factory=dict)
-    optimizer_states: dict[str, int] = field(default_factory=dict)
-
-    def total(self, device: str | None = None) -> int:
-        """All bytes, or those on `device` (e.g. `"cpu"`)."""
-        parts = (self.parameters, self.gradients, self.optimizer_states)
-        return sum(n for part in parts for dev, n in part.items() if device is None or dev == device)
-
-
 class ZeroEngine:
     """Shards a model in place and runs its units' lifecycle; built by `hf_zero.initialize`."""
 
@@ -187,6 +169,7 @@ class ZeroEngine:
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, once attached
+        self.whole: WholeStep | None = None  # its whole-parameter path, if it takes that one ([Note: whole-parameter step])
         self.pieces: list[Piece] = [  # this rank's
             piece for unit in self.units for piece in _pieces(unit, self.disk is not None and self.disk.holds(unit))
         ]
@@ -291,7 +274,7 @@ class ZeroEngine:
         """Forget the attached optimizer (its state freed; it refuses to step): a newer one is being attached."""
         if self.optimizer is not None:
             self.optimizer.state.clear()
-            self.optimizer = None
+            self.optimizer, self.whole = None, None
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped."""
@@ -308,6 +291,8 @@ class ZeroEngine:
         if self.disk is not None:  # [Note: disk offload]: stepped window by window, published as it goes
             with mapped_temporaries():  # [Note: host heap]
                 self.disk.step(optimizer, used)
+        elif self.whole is not None:
+            self.whole.step(optimizer, used)
         else:
             optimizer.step()
         published = [

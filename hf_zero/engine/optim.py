@@ -8,8 +8,8 @@ parameters that fall into this rank's shard: 1D views of the units' `sharded_mas
 chunks of bounded size, [Note: optimizer chunks] in engine.py), whose `.grad` are the matching
 views of `sharded_grad`. So the optimizer updates the master shards in
 place, with every group's hyperparameters intact, and its state is created for the shards only.
-Optimizers that need a parameter's full shape (Adafactor's factored moments, Shampoo) are not
-elementwise and are refused for stages 1-3.
+That is exact for elementwise optimizers only; every other optimizer steps on whole parameters,
+each on the rank that owns it ([Note: whole-parameter step] in whole.py).
 """
 
 from __future__ import annotations
@@ -20,30 +20,43 @@ import torch
 from torch import nn
 
 from .engine import ZeroEngine
+from .whole import COUPLED, WholeStep, is_elementwise
 
-_NOT_ELEMENTWISE = ("Adafactor", "Shampoo", "LBFGS", "Muon")
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "ShardedOptimizer":
-    """Rewrite `optimizer`'s groups onto this rank's shards and wrap it (see [Note: optimizer shards])."""
+    """Rewrite `optimizer`'s groups onto this rank's shards (elementwise optimizers, [Note: optimizer shards]) or
+    onto the whole parameters this rank owns (every other, [Note: whole-parameter step]), and wrap it."""
     by_param = {id(piece.param): piece for piece in engine.pieces}
+    where = {id(p): (unit, i) for unit in engine.units for i, p in enumerate(unit.params)}
+    params = [engine.compute_param(p) for group in optimizer.param_groups for p in group["params"]]
+    whole = None
+    if not is_elementwise(optimizer):
+        whole = WholeStep([where[id(p)] for p in params], engine.plan.shard_group,
+                          {(id(piece.unit), piece.slot_index): piece for piece in engine.pieces})
     group_names: list[list[str]] = []
+    index = 0
     for group in optimizer.param_groups:
         pieces, names = [], []
-        for param in group["params"]:
-            param = engine.compute_param(param)  # built over meta parameters or stand-ins: the engine's own
-            piece = by_param.get(id(param))
-            if piece is not None:  # in chunks ([Note: optimizer chunks]); `.grad` is bound by each step
+        for _ in group["params"]:
+            param = params[index]  # built over meta parameters or stand-ins: the engine's own
+            if whole is not None:
+                stand_in = whole.stand_in(index)
+                pieces.extend([stand_in] if stand_in is not None else [])
+            elif (piece := by_param.get(id(param))) is not None:  # in chunks ([Note: optimizer chunks]); `.grad` bound by each step
                 pieces.extend(piece.optim_params)
             names.append(engine.name_of(param))
+            index += 1
         group["params"] = pieces
         group_names.append(names)
     optimizer.state.clear()
-    return ShardedOptimizer(optimizer, engine, group_names)
+    sharded = ShardedOptimizer(optimizer, engine, group_names)
+    engine.whole = whole
+    return sharded
 
 
 def check_optimizer(
-    optimizer: torch.optim.Optimizer, model: nn.Module, stage: int, engine: ZeroEngine | None = None
+    optimizer: torch.optim.Optimizer, model: nn.Module, offload_dir: str | None, engine: ZeroEngine | None = None
 ) -> None:
     """Raise a clear error for an optimizer that `initialize` (or, with the model's `engine`,
     `attach_optimizer`) cannot shard."""
@@ -59,10 +72,16 @@ def check_optimizer(
             "The optimizer already holds state (it has taken a step). Call hf_zero.initialize before "
             "training, or load the state afterwards with hf_zero.load_checkpoint."
         )
-    if stage > 0 and type(optimizer).__name__ in _NOT_ELEMENTWISE:
+    name = type(optimizer).__name__
+    if name in COUPLED:
         raise ValueError(
-            f"{type(optimizer).__name__} needs each parameter's full shape and cannot step on flat shards. "
-            "Use an elementwise optimizer (AdamW, Adam, SGD, ...) or zero stage 0."
+            f"hf_zero cannot shard {name}: {COUPLED[name]}, so no rank can step its part alone "
+            "([Note: whole-parameter step]). Use an optimizer whose step treats each parameter on its own."
+        )
+    if offload_dir is not None and not is_elementwise(optimizer):
+        raise ValueError(
+            f"{name} steps on whole parameters ([Note: whole-parameter step]), which ZeroConfig.offload_dir does not "
+            "support yet: drop offload_dir, or use an elementwise optimizer (AdamW, SGD, ...)."
         )
     model_params = {id(p) for p in model.parameters()}
     if engine is not None:  # the engine's own parameters too: the modules may hold their stand-ins now
@@ -107,6 +126,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.step_was_skipped = False
         engine.optimizer = optimizer
+
+    @property
+    def steps_whole_parameters(self) -> bool:
+        """Whether the optimizer steps on whole parameters, each on its owner ([Note: whole-parameter step]),
+        rather than on flat shards."""
+        return self._engine.whole is not None and self._engine.optimizer is self.optimizer
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._initializing:

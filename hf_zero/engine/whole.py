@@ -1,0 +1,225 @@
+"""The whole-parameter step: optimizers whose math reads a parameter's shape or the whole tensor.
+
+[Note: whole-parameter step]
+The flat path ([Note: optimizer shards]) hands the optimizer 1-D pieces of this rank's shard. That
+is exact only for elementwise optimizers: Adafactor factors a matrix's second moment by rows and
+columns, Muon orthogonalizes a matrix, LARS/LAMB scale by a tensor's norm, 8-bit optimizers quantize
+in blocks of the tensor. On flat pieces such an optimizer runs silently different math. So every
+optimizer not known to be elementwise steps on whole parameters:
+
+- each parameter of the optimizer is owned by one rank of the shard group, dealt largest first to
+  the rank with the fewest bytes so far (as `ZeroRedundancyOptimizer` partitions); the owner's
+  optimizer holds, for each parameter it owns, a tensor of the parameter's shape (its storage
+  allocated only while it steps) and the state the optimizer builds for it, whole;
+- the master weights stay in the flat shards, reduced, clipped and unscaled gradients in the flat
+  gradient shards, exactly as on the flat path; at `step()` rank r's k-th owned parameter moves in
+  round k: one all-to-all brings its master and gradient pieces from every rank to the owner, the
+  owner calls the optimizer's `step()` with only that parameter's `.grad` set, and one all-to-all
+  sends the new values back into every rank's master pieces. All owners step their round-k
+  parameter at the same time; a rank holds at most one parameter whole in transit (its master and
+  gradient), beyond the optimizer state of the parameters it owns (about 1/N of the whole).
+- `step()` is therefore called once per owned parameter. An optimizer that keeps state outside
+  `state[p]` (a step counter in the param group, a global norm, a learning-rate estimate over all
+  parameters) couples the parameters and cannot step this way: the known ones are refused at
+  `initialize` (`COUPLED`), and a change of a param group's hyperparameters during `step()` is
+  caught at the first step and refused on every rank.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import torch
+
+from .collectives import CommGroup, all_to_all_uneven, comm_device, raise_if_any_failed
+from .flat import FlatUnit
+
+# Elementwise optimizers: the flat path is exact for them. (module prefix, class name) pairs.
+ELEMENTWISE: set[tuple[str, str]] = {
+    *(("torch.optim", name) for name in ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam",
+                                         "Adadelta", "ASGD", "Rprop")),
+    ("lion_pytorch", "Lion"),
+    *(("schedulefree", name) for name in ("AdamWScheduleFree", "SGDScheduleFree", "RAdamScheduleFree")),
+}
+# Optimizers whose step couples parameters: neither path can step them on shards.
+COUPLED = {
+    "LBFGS": "its line search and history run over all parameters as one vector",
+    "Prodigy": "its learning-rate estimate d sums over all parameters",
+    "DAdaptAdam": "its learning-rate estimate d sums over all parameters",
+    "DAdaptSGD": "its learning-rate estimate d sums over all parameters",
+    "DAdaptAdaGrad": "its learning-rate estimate d sums over all parameters",
+    "DAdaptLion": "its learning-rate estimate d sums over all parameters",
+}
+
+
+def register_elementwise(cls: type) -> type:
+    """Declare an optimizer class elementwise: each element's update reads only that element's parameter,
+    gradient and state, so hf_zero steps it on flat shards ([Note: optimizer shards]), the cheaper path.
+    Declaring an optimizer that reads a tensor's shape, norm or blocks makes its math silently different.
+
+    Example:
+
+    ```python
+    >>> @hf_zero.register_elementwise
+    ... class MySignSGD(torch.optim.Optimizer):
+    ...     ...
+    ```
+    """
+    ELEMENTWISE.add((cls.__module__, cls.__name__))
+    return cls
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` takes the flat path (its class is a known or declared elementwise one)."""
+    cls = type(optimizer)
+    return any(cls.__module__.startswith(module) and cls.__name__ == name for module, name in ELEMENTWISE)
+
+
+def deal(sizes: list[int], ranks: int) -> list[list[int]]:
+    """Indices of `sizes` per rank, largest first to the rank with the least so far (ties: lowest rank).
+
+    Example:
+
+    ```python
+    >>> deal([5, 1, 3, 3], 2)
+    [[0, 1], [2, 3]]
+    ```
+    """
+    owned: list[list[int]] = [[] for _ in range(ranks)]
+    load = [(0, r) for r in range(ranks)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        size, rank = heapq.heappop(load)
+        owned[rank].append(i)
+        heapq.heappush(load, (size + sizes[i], rank))
+    return owned
+
+
+class WholeStep:
+    """The whole-parameter path of one optimizer on this rank ([Note: whole-parameter step])."""
+
+    def __init__(self, slots: list[tuple[FlatUnit, int]], group: CommGroup, pieces: dict[tuple[int, int], Any]) -> None:
+        self.slots = slots  # (unit, slot index) of every parameter the optimizer steps, in group order
+        self.group = group
+        self.pieces = pieces  # (id(unit), slot index) -> this rank's Piece
+        sizes = [unit.layout.slots[i].numel * unit.master_dtype.itemsize for unit, i in slots]
+        self.owned = deal(sizes, group.size)
+        self.rounds = max((len(o) for o in self.owned), default=0)
+        self.whole: dict[int, torch.Tensor] = {}  # index in `slots` -> this rank's stand-in of an owned parameter
+        for i in self.owned[group.rank]:
+            unit, s = slots[i]
+            t = torch.empty(unit.layout.slots[s].shape, dtype=unit.master_dtype, device=unit.master_device)
+            t.untyped_storage().resize_(0)
+            self.whole[i] = t
+        self.device = comm_device(group)
+        self._checked = False
+
+    def stand_in(self, index: int) -> torch.Tensor | None:
+        """What the optimizer holds for parameter `index` of `slots`: its whole stand-in here, or None (another
+        rank owns it)."""
+        return self.whole.get(index)
+
+    def _span(self, index: int, rank: int) -> tuple[int, int]:
+        """Elements `[a, b)` of parameter `index` that group rank `rank`'s shard holds."""
+        unit, s = self.slots[index]
+        slot = unit.layout.slots[s]
+        lo, hi = unit.layout.shard_range(rank)
+        a, b = max(lo - slot.offset, 0), min(hi - slot.offset, slot.numel)
+        return a, max(a, b)
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, used: dict[int, list[bool]]) -> None:
+        """Step every parameter that got a gradient on some rank (`used`: per unit, per slot; [Note: unused
+        parameters]), each on its owner, round by round."""
+        stepped = [used[id(unit)][s] and not unit.grad_is_zero for unit, s in self.slots]
+        before = [_hyper(g) for g in optimizer.param_groups]
+        for k in range(self.rounds):
+            round_params = [o[k] if k < len(o) and stepped[o[k]] else None for o in self.owned]
+            mine = round_params[self.group.rank]
+            master, grad = self._bring(round_params, "master"), self._bring(round_params, "grad")
+            if mine is not None:
+                stand_in = self.whole[mine]
+                stand_in.untyped_storage().resize_(stand_in.numel() * stand_in.element_size())
+                stand_in.copy_(master.view(stand_in.shape))
+                stand_in.grad = grad.view(stand_in.shape).to(device=stand_in.device, dtype=stand_in.dtype)
+                del master, grad
+                try:
+                    optimizer.step()
+                finally:
+                    stand_in.grad = None
+            self._send_back(round_params, mine)
+            if mine is not None:
+                self.whole[mine].untyped_storage().resize_(0)
+        if not self._checked:
+            self._checked = True
+            changed = [k for g, b in zip(optimizer.param_groups, before) for k, v in _hyper(g).items() if b.get(k) != v]
+            error = None if not changed else ValueError(
+                f"{type(optimizer).__name__} changed its param group's {sorted(set(changed))} inside step(): it keeps "
+                "state outside state[p], which couples the parameters, so hf_zero cannot step it on whole parameters "
+                "one owner at a time ([Note: whole-parameter step]). Declare it elementwise with "
+                "hf_zero.register_elementwise if it is, or use stage 0."
+            )
+            raise_if_any_failed(error, self.group, "the whole-parameter step")
+
+    def _bring(self, round_params: list[int | None], what: str) -> torch.Tensor:
+        """The round's pieces of masters (`what="master"`) or gradients, from every rank to each owner."""
+        me = self.group.rank
+        send_splits, recv_splits, parts = [0] * self.group.size, [0] * self.group.size, []
+        for owner, index in enumerate(round_params):
+            if index is None:
+                continue
+            a, b = self._span(index, me)
+            if b > a:
+                piece = self.pieces[(id(self.slots[index][0]), self.slots[index][1])]
+                values = piece.master if what == "master" else piece.grad
+                parts.append(values[a - piece.start : b - piece.start])
+                send_splits[owner] = b - a
+        mine = round_params[me]
+        if mine is not None:
+            for rank in range(self.group.size):
+                a, b = self._span(mine, rank)
+                recv_splits[rank] = b - a
+        dtype = self._dtype(round_params, what)
+        send = torch.cat([p.to(self.device, dtype) for p in parts]) if parts else torch.empty(0, dtype=dtype, device=self.device)
+        recv = torch.empty(sum(recv_splits), dtype=dtype, device=self.device)
+        all_to_all_uneven(recv, send, recv_splits, send_splits, self.group)
+        return recv
+
+    def _dtype(self, round_params: list[int | None], what: str) -> torch.dtype:
+        for index in round_params:
+            if index is not None:
+                unit = self.slots[index][0]
+                return unit.master_dtype if what == "master" else unit.sharded_grad.dtype
+        return torch.float32
+
+    def _send_back(self, round_params: list[int | None], mine: int | None) -> None:
+        """The owners' new values into every rank's master pieces."""
+        me = self.group.rank
+        send_splits, recv_splits = [0] * self.group.size, [0] * self.group.size
+        if mine is not None:
+            for rank in range(self.group.size):
+                a, b = self._span(mine, rank)
+                send_splits[rank] = b - a
+        targets = []
+        for owner, index in enumerate(round_params):
+            if index is None:
+                continue
+            a, b = self._span(index, me)
+            if b > a:
+                recv_splits[owner] = b - a
+                targets.append((index, a, b))
+        dtype = self._dtype(round_params, "master")
+        send = (self.whole[mine].reshape(-1).to(self.device) if mine is not None
+                else torch.empty(0, dtype=dtype, device=self.device))
+        recv = torch.empty(sum(recv_splits), dtype=dtype, device=self.device)
+        all_to_all_uneven(recv, send, recv_splits, send_splits, self.group)
+        at = 0
+        for index, a, b in targets:
+            piece = self.pieces[(id(self.slots[index][0]), self.slots[index][1])]
+            piece.master[a - piece.start : b - piece.start].copy_(recv[at : at + b - a])
+            at += b - a
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's plain hyperparameters (what an optimizer with group-level state would change in step)."""
+    return {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None)))}
