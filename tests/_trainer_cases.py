@@ -110,6 +110,7 @@ class Job:
     lora: bool = False  # peft LoRA around the model (tests/_training.with_lora)
     save_total_limit: int | None = None
     snapshot_on_save: bool = False  # record the full state at every checkpoint (tests/test_trainer.py)
+    optim: str = "adamw_torch"  # the Trainer's --optim
     oom: str | None = None  # --auto_find_batch_size with a simulated out-of-memory error: "step_end" or "forward"
     best_model: bool = False  # evaluate every save_steps, load the best at the end
 
@@ -212,7 +213,7 @@ def _common(job: Job) -> dict[str, Any]:
         output_dir=job.out_dir, per_device_train_batch_size=job.micro_bs, per_device_eval_batch_size=job.micro_bs,
         gradient_accumulation_steps=job.accum, max_steps=job.steps, learning_rate=1e-3, weight_decay=0.1,
         adam_epsilon=1e-6,  # see tests/_training.make_optimizer: keeps Adam's rounding sensitivity far below 1e-5
-        max_grad_norm=1.0, logging_steps=1, report_to="none", seed=0, disable_tqdm=True,
+        max_grad_norm=1.0, logging_steps=1, report_to="none", seed=0, disable_tqdm=True, optim=job.optim,
         use_cpu=device().type == "cpu",
         save_strategy="steps" if job.save_steps else "no", save_steps=job.save_steps or 500,
         save_total_limit=job.save_total_limit,

@@ -333,6 +333,14 @@ def test_auto_find_batch_size_resumes_with_the_batch_size_found(pools, tmp_path)
         assert rel_err(got["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
+def test_optim_adafactor_at_stage_3_matches_the_stock_trainer(pools, tmp_path):
+    """`--optim adafactor` (transformers' Adafactor: factored second moments need each matrix whole) steps on
+    whole parameters ([Note: whole-parameter step]): losses, norms and weights as the stock Trainer's (1e-5)."""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), optim="adafactor")
+    got = pools(2).values(tc.run, job)[0]
+    _assert_close_to_reference(got, _reference(_ref_key(job)))
+
+
 def test_zero_trainer_with_offload_dir_saves_and_resumes_like_in_memory(pools, tmp_path):
     """`--zero_offload_optimizer --zero_offload_dir DIR` through ZeroTrainingArguments: the Trainer's losses equal
     the in-memory run's, its periodic checkpoint streams the state from the offload files, and a run resumed
