@@ -35,14 +35,6 @@ from capacity import GIB, SHAPE, _kill, _tree_rss, n_params  # noqa: E402
 SAVES = ("state", "weights, every rank", "weights, rank 0")
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -53,6 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_zero
+    from _capacity_worker import _status  # VmRSS / VmHWM of this process
 
     torch.set_num_threads(4)
     dist.init_process_group("gloo")

@@ -20,7 +20,6 @@ any is renamed, and rank 0 writes the index last, so a failed save leaves no wei
 from __future__ import annotations
 
 import contextlib
-import heapq
 import json
 import os
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from ..engine.collectives import all_to_all_uneven, comm_device, gather_objects,
 from ..engine.disk import MASTER
 from ..engine.engine import Piece, ZeroEngine
 from ..engine.flat import FlatUnit
+from ..engine.whole import deal
 from .format import fsync_file, write_bytes_atomically
 from .stream import PIECE_NUMEL, Entry, host_pieces, write_streamed
 from .writer import INDEX_FILE, WEIGHT_FILE
@@ -76,12 +76,7 @@ class OwnerPlan:
     @staticmethod
     def deal(tensors: list[Tensor], dtype: torch.dtype, world_size: int, max_bytes: int) -> "OwnerPlan":
         nbytes = [t.numel * _itemsize(t, dtype) for t in tensors]
-        owned: list[list[int]] = [[] for _ in range(world_size)]
-        load = [(0, r) for r in range(world_size)]  # a heap of (bytes so far, rank): the lightest rank first
-        for i in sorted(range(len(tensors)), key=lambda i: (-nbytes[i], i)):
-            size, rank = heapq.heappop(load)
-            owned[rank].append(i)
-            heapq.heappush(load, (size + nbytes[i], rank))
+        owned = deal(nbytes, world_size)  # largest first, to the rank with the fewest bytes so far
         files: list[list[list[int]]] = []
         for mine in owned:
             groups: list[list[int]] = []
