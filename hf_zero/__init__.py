@@ -10,6 +10,7 @@ Example:
 
 from .api import attach_optimizer, full_state_dict, gathered_parameters, initialize, model_state_memory, state_dict_options
 from .checkpoint import consolidate, last_complete_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
+from .engine.whole import register_elementwise
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
 from .integrations.pretrained import from_pretrained
@@ -55,6 +56,7 @@ __all__ = [
     "load_checkpoint",
     "model_state_memory",
     "save_checkpoint",
+    "register_elementwise",
     "save_pretrained",
     "state_dict_options",
 ]

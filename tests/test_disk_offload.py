@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from hf_zero.engine.whole import register_elementwise
 import torch
 
 from tests._training import Scenario, make_model, make_optimizer, reference_run, rel_err, sharded_run
@@ -264,6 +266,7 @@ def test_optimizer_state_dict_is_refused_with_a_pointer_to_checkpoints(tmp_path)
         opt.load_state_dict({})
 
 
+@register_elementwise  # a user's own elementwise optimizer: declared, so it takes the flat path
 class CountingSGD(torch.optim.Optimizer):
     """An elementwise optimizer that keeps a step counter in its param group (as schedule-free optimizers do)
     and scales its update by it: stepped window by window, it must still advance the counter once per step."""
