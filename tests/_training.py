@@ -369,6 +369,21 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     }
 
 
+def same_global_batch(sc: Scenario, world: int, stage: int, global_batch: int) -> Scenario:
+    """`sc` on `world` ranks at `stage` with the same global batch (micro-batch 2, accumulation fills the rest)."""
+    return replace(sc, world=world, stage=stage, micro_bs=2, accum=global_batch // (2 * world))
+
+
+def interrupted_run(pools: Any, before: Scenario, after: Scenario, checkpoint: str, save_at: int,
+                    run_before: Any = None, run_after: Any = None) -> dict[str, Any]:
+    """`before` trains steps [0, save_at) and saves to `checkpoint`; `after` starts from another init (seed 1),
+    loads it and trains the rest. The losses of both parts and the final weights (rank 0's)."""
+    first = pools(before.world).values(run_before or sharded_run, replace(before, stop_step=save_at, save_to=checkpoint))[0]
+    second = pools(after.world).values(run_after or sharded_run,
+                                       replace(after, seed=1, start_step=save_at, load_from=checkpoint))[0]
+    return {"losses": first["losses"] + second["losses"], "state": second["state"]}
+
+
 def _activation_checkpointing(model: nn.Module, how: str) -> None:
     """Activation checkpointing as users of FSDP write it (`Scenario.ac`)."""
     if not how:

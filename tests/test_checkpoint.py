@@ -9,13 +9,11 @@ bit. Another world size or stage: the global batch is the same, only its split a
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests._training import Scenario, rel_err, sharded_run
+from tests._training import Scenario, interrupted_run, rel_err, same_global_batch, sharded_run
 
 # Every rank function here follows tests._dist.device(): on a machine with a GPU per rank the pools run on
 # CUDA + NCCL (make gpu-check), elsewhere on CPU + gloo.
@@ -24,23 +22,12 @@ pytestmark = pytest.mark.device_agnostic
 STEPS, SAVE_AT = 5, 3
 
 
-def _split(sc: Scenario, world: int, stage: int, global_batch: int) -> Scenario:
-    """The same global batch on `world` ranks (micro-batch 2, accumulation fills the rest)."""
-    return replace(sc, world=world, stage=stage, micro_bs=2, accum=global_batch // (2 * world))
-
-
-def _interrupted(pools, before: Scenario, after: Scenario, ckpt: Path) -> dict:
-    first = pools(before.world).values(sharded_run, replace(before, stop_step=SAVE_AT, save_to=str(ckpt)))[0]
-    second = pools(after.world).values(sharded_run, replace(after, seed=1, start_step=SAVE_AT, load_from=str(ckpt)))[0]
-    return {"losses": first["losses"] + second["losses"], "state": second["state"]}
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("model", ["llama", "falcon"])
 def test_resume_same_world_is_bit_exact(pools, tmp_path, model, stage):
     sc = Scenario(model=model, stage=stage, world=2, steps=STEPS)
     straight = pools(2).values(sharded_run, sc)[0]
-    resumed = _interrupted(pools, sc, sc, tmp_path / "ckpt")
+    resumed = interrupted_run(pools, sc, sc, str(tmp_path / "ckpt"), SAVE_AT)
     assert resumed["losses"] == straight["losses"]
     for name, value in straight["state"].items():
         np.testing.assert_array_equal(resumed["state"][name], value, err_msg=name)
@@ -60,10 +47,10 @@ def test_resume_same_world_is_bit_exact(pools, tmp_path, model, stage):
 @pytest.mark.parametrize("model", ["llama", "falcon"])
 def test_resume_on_another_world_size_and_stage(pools, tmp_path, model, before, after, global_batch):
     base = Scenario(model=model, steps=STEPS)
-    sc_before = _split(base, before[0], before[1], global_batch)
-    sc_after = _split(base, after[0], after[1], global_batch)
+    sc_before = same_global_batch(base, before[0], before[1], global_batch)
+    sc_after = same_global_batch(base, after[0], after[1], global_batch)
     straight = pools(sc_before.world).values(sharded_run, sc_before)[0]
-    resumed = _interrupted(pools, sc_before, sc_after, tmp_path / "ckpt")
+    resumed = interrupted_run(pools, sc_before, sc_after, str(tmp_path / "ckpt"), SAVE_AT)
     np.testing.assert_allclose(resumed["losses"], straight["losses"], rtol=1e-6, atol=0)
     for name, value in straight["state"].items():
         assert rel_err(resumed["state"][name], value) <= 1e-5, name

@@ -13,7 +13,8 @@ A checkpoint is a directory:
 Tensors are keyed by the parameter's name (the first of its tied names). A model file holds,
 under the name `model.layers.0.mlp.up_proj.weight`, the 1D piece `[start, end)` of the flattened
 parameter; an optimizer file holds `model.layers.0.mlp.up_proj.weight::exp_avg` for the same
-range, and scalar state (`::step`) whole. Each file's safetensors metadata repeats its ranges, the
+range, and scalar state (`::step`) whole; an optimizer that steps on whole parameters has its state
+written whole by each parameter's owner instead ([Note: owned optimizer state]). Each file's safetensors metadata repeats its ranges, the
 format version and the world size, so a file describes itself; the manifest indexes all of them
 with sizes and SHA-256 checksums, the parameter shapes, the tied aliases and the optimizer's
 param groups. Nothing is pickled.
@@ -85,7 +86,8 @@ class Manifest:
     buffers: dict[str, dict[str, Any]]  # persistent buffer name -> {"shape", "dtype"}
     files: dict[str, FileEntry]
     optimizer: dict[str, Any] | None = None  # {"class", "param_groups": [{hyperparams, "params": [names]}],
-    #                                           "state": {name: {key: "elementwise" | "whole"}}}
+    #                                           "state": {name: {key: "elementwise" | "whole" | "param" | ...}},
+    #                                           "owners": {name: file} on the whole-parameter path}
     engine: dict[str, Any] = field(default_factory=dict)  # {"loss_scale": ...}
     user: dict[str, Any] = field(default_factory=dict)  # free-form metadata from the caller
     format: str = FORMAT_NAME

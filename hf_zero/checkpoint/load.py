@@ -21,6 +21,7 @@ from ..engine.engine import Piece, ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer
 from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files, optim_file_for
+from .owned_state import PARAM, check_flat_loadable, load_owned, owned_files, piece_param_state, read_whole, restore_value
 from .reader import FileCache, read_pieces
 
 
@@ -69,6 +70,9 @@ def load_checkpoint(
         _check_model_matches(manifest, engine, directory)
         _check_optimizer_matches(manifest, optimizer, directory)
         check_files(directory, manifest, _files_needed(manifest, engine, optimizer), verify)
+        if optimizer is not None and not optimizer.steps_whole_parameters:
+            with FileCache(directory) as cache:
+                check_flat_loadable(manifest, cache)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.load_checkpoint")
@@ -96,12 +100,18 @@ def load_checkpoint(
 
 def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizer: ShardedOptimizer | None) -> list[str]:
     needed: set[str] = set()
+    with_state = optimizer is not None and manifest.optimizer is not None
+    owners: dict[str, str] = (manifest.optimizer or {}).get("owners", {})
     for piece in engine.pieces:
         for file, s, e in manifest.slices[piece.name]:
             if s < piece.end and e > piece.start:
                 needed.add(file)
-                if optimizer is not None and manifest.optimizer is not None:
+                if with_state and not owners:
                     needed.add(optim_file_for(file))
+        if with_state and piece.name in owners:
+            needed.add(owners[piece.name])
+    if with_state and optimizer is not None and optimizer.steps_whole_parameters and engine.whole is not None:
+        needed |= owned_files(engine.whole, manifest)
     if manifest.buffers:
         needed.add(BUFFERS_FILE)
     return sorted(needed)
@@ -128,12 +138,6 @@ def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path
 def _check_optimizer_matches(manifest: Manifest, optimizer: ShardedOptimizer | None, directory: Path) -> None:
     if optimizer is None:
         return
-    if optimizer.steps_whole_parameters:
-        raise ValueError(
-            "hf_zero checkpoints do not hold the state of optimizers that step on whole parameters yet "
-                f"({type(optimizer.optimizer).__name__}, [Note: whole-parameter step]): save and load the model "
-                "with optimizer=None, or use an elementwise optimizer (AdamW, SGD, ...) to checkpoint the optimizer."
-        )
     if manifest.optimizer is None:
         raise ValueError(f"The checkpoint at {directory} holds no optimizer state; load it with optimizer=None.")
     saved_class = manifest.optimizer["class"]
@@ -169,14 +173,17 @@ def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: M
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     inner = optimizer.optimizer
     inner.state.clear()
+    if optimizer.steps_whole_parameters and engine.whole is not None:  # [Note: owned optimizer state]
+        load_owned(engine.whole, inner, manifest, cache)
+        return
     group_of = {id(t): g for g in inner.param_groups for t in g["params"]}
     for piece in engine.pieces:
         kinds = saved["state"].get(piece.name)
         if kinds:
-            whole = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
+            whole, flat = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
             if engine.disk is not None and engine.disk.holds(piece.unit):  # [Note: disk offload]: into the files
                 at = engine.disk.offset_of(piece)
-                for key in [k for k, kind in kinds.items() if kind == "elementwise"]:
+                for key in flat:
                     engine.disk.write_range(key, at, whole[key])
                     whole[key] = torch.empty(0, dtype=whole[key].dtype)
                 for t in piece.optim_params:
@@ -184,39 +191,30 @@ def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: M
                 continue
             for t, (a, b) in zip(piece.optim_params, piece.bounds):  # [Note: optimizer chunks]
                 inner.state[t] = {
-                    key: value[a:b] if kinds[key] == "elementwise"
+                    key: value[a:b] if key in flat
                     else value.clone() if isinstance(value, torch.Tensor) else value
                     for key, value in whole.items()
                 }
 
 
 def _piece_state(piece: Piece, kinds: dict[str, str], manifest: Manifest, cache: FileCache,
-                 group: dict[str, Any]) -> dict[str, Any]:
-    stored = [[optim_file_for(f), s, e] for f, s, e in manifest.slices[piece.name]]
+                 group: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """The state of one piece, and the keys that are elementwise (cut into the piece's chunks)."""
+    owner = (manifest.optimizer or {}).get("owners", {}).get(piece.name)
+    stored = [[owner, 0, 0]] if owner else [[optim_file_for(f), s, e] for f, s, e in manifest.slices[piece.name]]
     state: dict[str, Any] = {}
+    flat: set[str] = set()
     for key, kind in kinds.items():
         tkey = f"{piece.name}{STATE_SEP}{key}"
         if kind == "elementwise":
             out = torch.empty(piece.end - piece.start, dtype=piece.master.dtype, device=piece.master.device)
             read_pieces(cache, tkey, stored, piece.start, piece.end, out)
             state[key] = out
-            continue
-        value = _whole(cache, tkey, stored)
-        if kind == "int":
-            state[key] = int(value.item())
-        elif kind == "float":
-            state[key] = float(value.item())
-        elif key == "step" and not (group.get("fused") or group.get("capturable")):
-            state[key] = value.to(torch.float32)  # torch keeps `step` on the CPU unless fused/capturable
+            flat.add(key)
+        elif kind == PARAM and owner and len(cache.get(owner).get_slice(tkey).get_shape()) > 0:
+            state[key] = piece_param_state(piece, key, manifest, cache).to(piece.master.device)  # [Note: owned optimizer state]
+            flat.add(key)
         else:
-            state[key] = value.to(piece.master.device)
-    return state
-
-
-def _whole(cache: FileCache, key: str, stored: list[list[Any]]) -> torch.Tensor:
-    for file, _, _ in stored:
-        handle = cache.get(file)
-        if key in handle.keys():
-            return handle.get_tensor(key)
-    raise ValueError(f"No file of the checkpoint holds the optimizer state {key}; the checkpoint is damaged.")
+            state[key] = restore_value(key, kind, read_whole(cache, tkey, stored), group, piece.master.device)
+    return state, flat
 

@@ -45,6 +45,7 @@ from .format import (
     write_file_atomically,
 )
 from ..dtypes import dtype_name
+from .owned_state import owned_entries
 from .stream import Entry, host_pieces, write_streamed
 
 
@@ -91,12 +92,6 @@ def save_checkpoint(
     with agreement(world, "hf_zero.save_checkpoint"):  # arguments may differ between ranks: agree first
         if optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
             raise TypeError("save_checkpoint expects the optimizer returned by hf_zero.initialize.")
-        if optimizer is not None and optimizer.steps_whole_parameters:
-            raise ValueError(
-                "hf_zero checkpoints do not hold the state of optimizers that step on whole parameters yet "
-                f"({type(optimizer.optimizer).__name__}, [Note: whole-parameter step]): save and load the model "
-                "with optimizer=None, or use an elementwise optimizer (AdamW, SGD, ...) to checkpoint the optimizer."
-            )
         _check_json(metadata)
     engine.hooks.wait_reductions()
     token = broadcast_object(uuid.uuid4().hex[:12], world)
@@ -154,7 +149,10 @@ def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optim
     _write_streamed(staging, mfile, masters, header, record)
     record["slices"] = {name: [mfile, s, e] for name, (s, e) in slices.items()}
     if optimizer is not None:
-        state_entries, kinds = _optimizer_pieces(engine, optimizer)
+        if optimizer.steps_whole_parameters and engine.whole is not None:  # [Note: owned optimizer state]
+            state_entries, kinds, record["owners"] = owned_entries(engine.whole, optimizer.optimizer, optim_file(rank, size))
+        else:
+            state_entries, kinds = _optimizer_pieces(engine, optimizer)
         header = {"kind": "optimizer", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank,
                   "slices": slices, "state": kinds}
         _write_streamed(staging, optim_file(rank, size), state_entries, header, record)
@@ -234,7 +232,9 @@ def _manifest(model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer 
     files: dict[str, FileEntry] = {}
     slices: dict[str, list[list[Any]]] = {name: [] for name in params}
     state: dict[str, dict[str, str]] = {}
+    owners: dict[str, str] = {}
     for rec in records:
+        owners.update(rec.get("owners", {}))
         files.update({k: FileEntry(**v) for k, v in rec["files"].items()})
         for name, entry in rec["slices"].items():
             slices[name].append(entry)
@@ -249,6 +249,8 @@ def _manifest(model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer 
             hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
             groups.append({**_jsonable(hyper), "params": names})
         optim = {"class": type(optimizer.optimizer).__name__, "param_groups": groups, "state": state}
+        if optimizer.steps_whole_parameters:
+            optim["owners"] = owners
     engine_state = {"loss_scale": engine.scaler.scale} if engine.scaler is not None else {}
     return Manifest(stage=engine.config.stage, world_size=engine.world.size, params=params, slices=slices,
                     aliases=aliases, buffers=buffers, files=files, optimizer=optim, engine=engine_state,

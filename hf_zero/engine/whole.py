@@ -114,6 +114,11 @@ class WholeStep:
         self.device = comm_device(group)
         self._checked = False
 
+    def owned_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, stand-in) of every parameter this rank owns, in the order the optimizer holds them: what a
+        checkpoint saves and loads its state by ([Note: checkpoint layout])."""
+        return [(self.slots[i][0].layout.slots[self.slots[i][1]].name, self.whole[i]) for i in sorted(self.whole)]
+
     def stand_in(self, index: int) -> torch.Tensor | None:
         """What the optimizer holds for parameter `index` of `slots`: its whole stand-in here, or None (another
         rank owns it)."""
