@@ -111,8 +111,10 @@ class Job:
     save_total_limit: int | None = None
     snapshot_on_save: bool = False  # record the full state at every checkpoint (tests/test_trainer.py)
     optim: str = "adamw_torch"  # the Trainer's --optim
+    optim_target_modules: tuple[str, ...] | None = None  # the Trainer's --optim_target_modules (GaLore, APOLLO)
     oom: str | None = None  # --auto_find_batch_size with a simulated out-of-memory error: "step_end" or "forward"
     best_model: bool = False  # evaluate every save_steps, load the best at the end
+    eval_steps: int | None = None  # evaluate every that many steps (without best_model)
 
     @property
     def accum(self) -> int:
@@ -214,11 +216,13 @@ def _common(job: Job) -> dict[str, Any]:
         gradient_accumulation_steps=job.accum, max_steps=job.steps, learning_rate=1e-3, weight_decay=0.1,
         adam_epsilon=1e-6,  # see tests/_training.make_optimizer: keeps Adam's rounding sensitivity far below 1e-5
         max_grad_norm=1.0, logging_steps=1, report_to="none", seed=0, disable_tqdm=True, optim=job.optim,
+        optim_target_modules=list(job.optim_target_modules) if job.optim_target_modules else None,
         use_cpu=device().type == "cpu",
         save_strategy="steps" if job.save_steps else "no", save_steps=job.save_steps or 500,
         save_total_limit=job.save_total_limit,
         **(dict(eval_strategy="steps", eval_steps=job.save_steps, load_best_model_at_end=True,
                 metric_for_best_model="eval_loss") if job.best_model else {}),
+        **(dict(eval_strategy="steps", eval_steps=job.eval_steps) if job.eval_steps else {}),
         gradient_checkpointing=job.checkpointing, dataloader_num_workers=0, auto_find_batch_size=job.oom is not None,
     )
 
@@ -269,6 +273,7 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     main = trainer.args.process_index == 0
     return {
         "losses": losses, "norms": [float(n) for n in norms], "eval_loss": eval_loss,
+        "eval_losses": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
         "world": trainer.args.world_size,
         "state": {k: v.detach().cpu().clone() for k, v in state.items()} if main else None,
         "checkpoints": sorted(os.listdir(job.out_dir)) if main and os.path.isdir(job.out_dir) else None,

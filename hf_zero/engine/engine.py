@@ -306,6 +306,14 @@ class ZeroEngine:
         self.release_gathered()  # no copy gathered before the step is used after it
         return True
 
+    def publish_masters(self) -> None:
+        """Publish every unit's master shard into its parameters after the optimizer moved the masters outside
+        `step` (schedule-free's `train()` / `eval()`), and drop every copy gathered before."""
+        self.hooks.wait_reductions()
+        for pending in [unit.publish_master(async_op=True) for unit in self.units]:
+            pending.wait()
+        self.release_gathered()
+
     def _used_anywhere(self) -> dict[int, list[bool]]:
         """[Note: unused parameters]
         A parameter that no rank's backward reached since `zero_grad` (an expert no token was routed

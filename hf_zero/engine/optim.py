@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .engine import ZeroEngine
+from .optim_configs import carry_configs
 from .whole import COUPLED, WholeStep, is_elementwise
 
 
@@ -34,22 +35,33 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
     if not is_elementwise(optimizer):
         whole = WholeStep([where[id(p)] for p in params], engine.plan.shard_group,
                           {(id(piece.unit), piece.slot_index): piece for piece in engine.pieces})
+    initial = [dict(optimizer.state.get(p, {})) for group in optimizer.param_groups for p in group["params"]]
+    optimizer.state.clear()
     group_names: list[list[str]] = []
+    moved: list[tuple[int, int, torch.Tensor, list[torch.Tensor]]] = []
     index = 0
-    for group in optimizer.param_groups:
+    for g, group in enumerate(optimizer.param_groups):
         pieces, names = [], []
-        for _ in group["params"]:
+        for j, original in enumerate(group["params"]):
             param = params[index]  # built over meta parameters or stand-ins: the engine's own
             if whole is not None:
                 stand_in = whole.stand_in(index)
                 pieces.extend([stand_in] if stand_in is not None else [])
+                held = [stand_in] if stand_in is not None else []
             elif (piece := by_param.get(id(param))) is not None:  # in chunks ([Note: optimizer chunks]); `.grad` bound by each step
                 pieces.extend(piece.optim_params)
+                held = list(piece.optim_params)
+            else:
+                held = []
+            for t in held:  # state set at construction (APOLLO's projection seeds): each tensor stepped for the parameter
+                if initial[index]:
+                    optimizer.state[t] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in initial[index].items()}
             names.append(engine.name_of(param))
+            moved.append((g, j, original, held))
             index += 1
         group["params"] = pieces
         group_names.append(names)
-    optimizer.state.clear()
+    carry_configs(optimizer, moved, engine.compute_param)  # [Note: per-parameter optimizer configs]
     sharded = ShardedOptimizer(optimizer, engine, group_names)
     engine.whole = whole
     return sharded
@@ -67,9 +79,9 @@ def check_optimizer(
         )
     if isinstance(optimizer, ShardedOptimizer):
         raise ValueError("This optimizer is already sharded by hf_zero.initialize; pass the original optimizer once.")
-    if any(len(s) for s in optimizer.state.values()):
+    if any(not _is_initial(s) for s in optimizer.state.values()):
         raise ValueError(
-            "The optimizer already holds state (it has taken a step). Call hf_zero.initialize before "
+            "The optimizer already holds state (tensors: it has taken a step). Call hf_zero.initialize before "
             "training, or load the state afterwards with hf_zero.load_checkpoint."
         )
     name = type(optimizer).__name__
@@ -93,6 +105,11 @@ def check_optimizer(
                     f"Param group {i} of the optimizer holds a tensor of shape {tuple(param.shape)} that is not "
                     "a parameter of the model. Build the optimizer over model.parameters()."
                 )
+
+
+def _is_initial(state: dict[str, Any]) -> bool:
+    """Whether a parameter's optimizer state is what a constructor sets (numbers, 0-d tensors), not a step's."""
+    return all(not isinstance(v, torch.Tensor) or v.ndim == 0 for v in state.values())
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -151,6 +168,51 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._check_attached("step")
         self.step_was_skipped = not self._engine.step(self.optimizer)
         return loss
+
+    def train(self) -> None:
+        """The optimizer's own `train()`, where it has one (schedule-free optimizers: the weights move back from
+        their average to the point gradients are taken at), reaching the master shards and the parameters.
+        The Trainer calls it before every training step; a call that changes no mode costs nothing.
+
+        Example:
+
+        ```python
+        >>> optimizer.train()  # schedulefree.AdamWScheduleFree, before training steps
+        ```
+        """
+        self._switch_mode("train")
+
+    def eval(self) -> None:
+        """The optimizer's own `eval()`, where it has one (schedule-free optimizers: the weights move to their
+        average, the ones to evaluate and save), reaching the master shards and the parameters.
+
+        Example:
+
+        ```python
+        >>> optimizer.eval()  # schedulefree.AdamWScheduleFree, before evaluation
+        ```
+        """
+        self._switch_mode("eval")
+
+    def _switch_mode(self, what: str) -> None:
+        switch = getattr(self.optimizer, what, None)
+        if not callable(switch):
+            return
+        self._check_attached(what)
+        engine = self._engine
+        if engine.disk is not None or engine.whole is not None:
+            raise ValueError(
+                f"{type(self.optimizer).__name__}.{what}() moves the weights it holds, which hf_zero supports on flat "
+                "shards in memory only: "
+                + ("drop ZeroConfig.offload_dir." if engine.disk is not None else
+                   "this optimizer steps on whole parameters ([Note: whole-parameter step]); declare it with "
+                   "hf_zero.register_elementwise if its math is elementwise.")
+            )
+        engine.hooks.wait_reductions()
+        modes = [group.get("train_mode") for group in self.param_groups]
+        switch()
+        if None in modes or modes != [group.get("train_mode") for group in self.param_groups]:
+            engine.publish_masters()  # the masters moved: into the parameters, and no stale gathered copy
 
     def _check_attached(self, what: str) -> None:
         if self._engine.optimizer is not self.optimizer:

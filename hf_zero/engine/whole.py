@@ -18,21 +18,33 @@ optimizer not known to be elementwise steps on whole parameters:
   sends the new values back into every rank's master pieces. All owners step their round-k
   parameter at the same time; a rank holds at most one parameter whole in transit (its master and
   gradient), beyond the optimizer state of the parameters it owns (about 1/N of the whole).
-- `step()` is therefore called once per owned parameter. An optimizer that keeps state outside
-  `state[p]` (a step counter in the param group, a global norm, a learning-rate estimate over all
-  parameters) couples the parameters and cannot step this way: the known ones are refused at
-  `initialize` (`COUPLED`), and a change of a param group's hyperparameters during `step()` is
-  caught at the first step and refused on every rank.
+- `step()` is therefore called once per owned parameter, and the known optimizers that couple the
+  parameters (a learning-rate estimate or line search over all of them) are refused at `initialize`
+  (`COUPLED`).
+
+[Note: group state on the whole path]
+Some optimizers keep state in their param groups and change it in `step()`: optimi's StableAdamW
+counts steps in `group["step"]`, others set a group up at the first call (`group["setup"]`). Called
+once per owned parameter, such a counter would advance as many times as the rank owns parameters. So
+every call of one step starts from the group state the step began with (restored in place before each
+call after the first), and after the rounds the state one call left is broadcast from the owner of
+the first stepped parameter to every rank of the shard group, including ranks that owned nothing
+that stepped: each rank's groups then read as after one call of an unsharded `step()`. Two calls of
+the same step that leave different group states mean the group state depends on the parameters
+(the coupling above): refused on every rank. The broadcast stops once a step after the first
+leaves the group state as it found it (state set up once); until then it costs one small broadcast
+per step.
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 from typing import Any
 
 import torch
 
-from .collectives import CommGroup, all_to_all_uneven, comm_device, raise_if_any_failed
+from .collectives import CommGroup, all_to_all_uneven, broadcast_object, comm_device, raise_if_any_failed
 from .flat import FlatUnit
 
 # Elementwise optimizers: the flat path is exact for them. (module prefix, class name) pairs.
@@ -112,7 +124,8 @@ class WholeStep:
             t.untyped_storage().resize_(0)
             self.whole[i] = t
         self.device = comm_device(group)
-        self._checked = False
+        self._sync_groups = True  # carry the group state of a step to every rank ([Note: group state on the whole path])
+        self._synced_steps = 0
 
     def owned_params(self) -> list[tuple[str, torch.Tensor]]:
         """(name, stand-in) of every parameter this rank owns, in the order the optimizer holds them: what a
@@ -135,14 +148,18 @@ class WholeStep:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, used: dict[int, list[bool]]) -> None:
         """Step every parameter that got a gradient on some rank (`used`: per unit, per slot; [Note: unused
-        parameters]), each on its owner, round by round."""
+        parameters]), each on its owner, round by round ([Note: group state on the whole path])."""
         stepped = [used[id(unit)][s] and not unit.grad_is_zero for unit, s in self.slots]
-        before = [_hyper(g) for g in optimizer.param_groups]
+        before = [_group_state(g) for g in optimizer.param_groups]
+        after: list[dict[str, Any]] | None = None
+        coupled: list[str] = []
         for k in range(self.rounds):
             round_params = [o[k] if k < len(o) and stepped[o[k]] else None for o in self.owned]
             mine = round_params[self.group.rank]
             master, grad = self._bring(round_params, "master"), self._bring(round_params, "grad")
             if mine is not None:
+                if after is not None:  # every call of the step starts from the step's group state
+                    _set_group_state(optimizer.param_groups, before)
                 stand_in = self.whole[mine]
                 stand_in.untyped_storage().resize_(stand_in.numel() * stand_in.element_size())
                 stand_in.copy_(master.view(stand_in.shape))
@@ -152,19 +169,37 @@ class WholeStep:
                     optimizer.step()
                 finally:
                     stand_in.grad = None
+                now = [_group_state(g) for g in optimizer.param_groups]
+                coupled += [] if after is None else _differ(now, after)
+                after = now
             self._send_back(round_params, mine)
             if mine is not None:
                 self.whole[mine].untyped_storage().resize_(0)
-        if not self._checked:
-            self._checked = True
-            changed = [k for g, b in zip(optimizer.param_groups, before) for k, v in _hyper(g).items() if b.get(k) != v]
-            error = None if not changed else ValueError(
-                f"{type(optimizer).__name__} changed its param group's {sorted(set(changed))} inside step(): it keeps "
-                "state outside state[p], which couples the parameters, so hf_zero cannot step it on whole parameters "
-                "one owner at a time ([Note: whole-parameter step]). Declare it elementwise with "
-                "hf_zero.register_elementwise if it is, or use stage 0."
-            )
-            raise_if_any_failed(error, self.group, "the whole-parameter step")
+        self._agree_on_group_state(optimizer, stepped, before, after, coupled)
+
+    def _agree_on_group_state(self, optimizer: torch.optim.Optimizer, stepped: list[bool],
+                              before: list[dict[str, Any]], after: list[dict[str, Any]] | None,
+                              coupled: list[str]) -> None:
+        """Give every rank the group state one call of the step left ([Note: group state on the whole path]),
+        while the steps change it; refuse an optimizer whose calls left different group states."""
+        if not self._sync_groups:
+            return
+        error = None if not coupled else ValueError(
+            f"{type(optimizer).__name__} changed its param groups' {sorted(set(coupled))} differently for different "
+            "parameters inside step(): its group state depends on the parameters, which couples them, so hf_zero "
+            "cannot step it on whole parameters one owner at a time ([Note: whole-parameter step]). Use stage 0, "
+            "or declare it with hf_zero.register_elementwise if its math is elementwise."
+        )
+        raise_if_any_failed(error, self.group, "the whole-parameter step")
+        first = min((i for i, s in enumerate(stepped) if s), default=None)
+        if first is None:
+            return
+        source = next(r for r, owned in enumerate(self.owned) if first in owned)
+        state = broadcast_object(after if self.group.rank == source else None, self.group, source)
+        _set_group_state(optimizer.param_groups, state)
+        self._synced_steps += 1
+        if self._synced_steps >= 2 and not _differ(state, before):
+            self._sync_groups = False  # set up at the first step, unchanged by the second: nothing to carry
 
     def _bring(self, round_params: list[int | None], what: str) -> torch.Tensor:
         """The round's pieces of masters (`what="master"`) or gradients, from every rank to each owner."""
@@ -225,6 +260,39 @@ class WholeStep:
             at += b - a
 
 
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's plain hyperparameters (what an optimizer with group-level state would change in step)."""
-    return {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None)))}
+def _group_state(group: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a param group's entries but its parameters (tensors cloned: optimizers count in place)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in group.items() if k != "params"}
+
+
+def _set_group_state(groups: list[dict[str, Any]], states: list[dict[str, Any]]) -> None:
+    """Make each group's entries but its parameters those of `states` (entries a step added and the state lacks
+    are removed)."""
+    for group, state in zip(groups, states):
+        for key in [k for k in group if k != "params" and k not in state]:
+            del group[key]
+        for key, value in state.items():
+            current = group.get(key)
+            if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current.shape == value.shape:
+                current.copy_(value)  # in place: an optimizer may hold the tensor
+            else:
+                group[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _differ(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
+    """The group entries whose values differ between two lists of group states."""
+    out = []
+    for x, y in zip(a, b):
+        for key in set(x) | set(y):
+            u, v = x.get(key), y.get(key)
+            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+                same = (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape == v.shape
+                        and u.dtype == v.dtype and bool(torch.equal(u.cpu(), v.cpu())))
+            else:
+                try:
+                    same = bool(u == v)
+                except Exception:  # noqa: BLE001 - a value without a plain comparison counts as changed
+                    same = False
+            if not same:
+                out.append(key)
+    return out
