@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterable, Iterator, TypeVar
+from typing import Any, Iterable, Iterator, Sequence, TypeVar, overload
 
 import torch
 from torch import nn
@@ -16,19 +16,31 @@ from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine, valid
 from .engine.full_state import gathered_parameters as _gathered, unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded
 from .model import attach, unshard_and_detach
-from .engine.optim import ShardedOptimizer, check_optimizer, shard_optimizer
+from .engine.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.units import UnitSpec, units_for
 
 M = TypeVar("M", bound=nn.Module)
 
 
+@overload
+def initialize(model: M, optimizer: None = None, config: ZeroConfig | None = None, *,
+               weights_from: str | os.PathLike[str] | None = None) -> tuple[M, None]: ...
+@overload
+def initialize(model: M, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None, *,
+               weights_from: str | os.PathLike[str] | None = None) -> tuple[M, ShardedOptimizer]: ...
+@overload
+def initialize(model: M, optimizer: list[torch.optim.Optimizer], config: ZeroConfig | None = None, *,
+               weights_from: str | os.PathLike[str] | None = None) -> tuple[M, list[ShardedOptimizer]]: ...
+@overload
+def initialize(model: M, optimizer: tuple[torch.optim.Optimizer, ...], config: ZeroConfig | None = None, *,
+               weights_from: str | os.PathLike[str] | None = None) -> tuple[M, tuple[ShardedOptimizer, ...]]: ...
 def initialize(
     model: M,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     config: ZeroConfig | None = None,
     *,
     weights_from: str | os.PathLike[str] | None = None,
-) -> tuple[M, ShardedOptimizer | None]:
+) -> tuple[M, Any]:
     """Shard `model` in place over the default process group and shard `optimizer` to match.
 
     Every rank must call it with the same model architecture and config. The model stays an
@@ -41,9 +53,12 @@ def initialize(
         model (`nn.Module`):
             The model, with materialized weights on the CPU or on this rank's device (they move
             to the device of the process group's backend unit by unit: CUDA for NCCL).
-        optimizer (`torch.optim.Optimizer`, *optional*):
-            An elementwise optimizer built over `model.parameters()`, with any param groups; it
-            must not have stepped yet. Its groups and hyperparameters are kept.
+        optimizer (`torch.optim.Optimizer` or a list or tuple of them, *optional*):
+            Any optimizer built over `model.parameters()`, with any param groups; it must not have
+            stepped yet. Its groups and hyperparameters are kept. Elementwise optimizers step flat
+            shards, every other one whole parameters ([Note: whole-parameter step]). Several
+            optimizers over disjoint parameters (Muon on the matrices, AdamW on the rest) come back
+            sharded in the same list or tuple ([Note: several optimizers]).
         config (`ZeroConfig`, *optional*):
             The engine settings; defaults to `ZeroConfig()` (stage 3, fp32).
         weights_from (`str` or `os.PathLike`, *optional*):
@@ -54,7 +69,8 @@ def initialize(
 
     Returns:
         `tuple[nn.Module, ShardedOptimizer | None]`: the same model object, sharded, and a
-        `torch.optim.Optimizer` that steps this rank's shards (`None` without an optimizer).
+        `torch.optim.Optimizer` that steps this rank's shards (`None` without an optimizer; a list or
+        tuple of them for a list or tuple).
 
     Raises:
         TypeError / ValueError: for a wrong argument (on every rank, before any other collective).
@@ -95,8 +111,7 @@ def initialize(
             source = SafetensorsSource(weights_from, model)
             source.check(specs)
         validate_model(model, world, has_source=source is not None)
-        if optimizer is not None:
-            check_optimizer(optimizer, model, cfg.offload_dir)
+        check_optimizers(optimizer_list(optimizer), model, cfg.offload_dir)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     # Agree before the first collective: a mistake on one rank raises on every rank.
@@ -105,12 +120,11 @@ def initialize(
         source.load_buffers(model)
     engine = ZeroEngine(model, specs, cfg, world, source)
     attach(model, engine)
-    sharded = shard_optimizer(optimizer, engine) if optimizer is not None else None
-    return model, sharded
+    return model, shard_optimizers(optimizer, engine)
 
 
-def _initialize_again(model: M, optimizer: torch.optim.Optimizer | None, config: ZeroConfig | None
-                      ) -> tuple[M, ShardedOptimizer | None]:
+def _initialize_again(model: M, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+                      config: ZeroConfig | None) -> tuple[M, Any]:
     """`initialize` on a model it already sharded (a second Trainer, a second script stage): under the same
     settings (or `config=None`) the engine stays and `optimizer` is attached to it, releasing the one before;
     under other settings the model is made whole and sharded anew."""
@@ -119,8 +133,8 @@ def _initialize_again(model: M, optimizer: torch.optim.Optimizer | None, config:
         raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
     if config is None or config == engine.config:
         return model, (attach_optimizer(model, optimizer) if optimizer is not None else None)
-    if optimizer is not None:  # built over what the modules hold now (stand-ins at stage 3): the real parameters
-        for group in optimizer.param_groups:
+    for each in optimizer_list(optimizer):  # built over what the modules hold now (stand-ins at stage 3): the real ones
+        for group in each.param_groups:
             group["params"] = [engine.compute_param(p) for p in group["params"]]
     unshard_and_detach(model)
     return initialize(model, optimizer, config)
@@ -131,10 +145,12 @@ def _check_arguments(model: object, optimizer: object, config: object) -> None:
         raise TypeError(f"hf_zero.initialize expects an nn.Module as model; got {type(model).__name__}.")
     if config is not None and not isinstance(config, ZeroConfig):
         raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"hf_zero.initialize expects a torch.optim.Optimizer (or None); got {type(optimizer).__name__}."
-        )
+    for each in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        if each is not None and not isinstance(each, torch.optim.Optimizer):
+            raise TypeError(
+                "hf_zero.initialize expects a torch.optim.Optimizer, a list or tuple of them, or None; got "
+                f"{type(each).__name__}."
+            )
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -181,8 +197,9 @@ def engine_of(model: nn.Module) -> ZeroEngine:
     return get_engine(model)
 
 
-def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-    """Shard an optimizer built over the parameters of a model that `initialize` already sharded.
+def attach_optimizer(model: nn.Module, optimizer: Any) -> Any:
+    """Shard an optimizer (or a list or tuple of them, as `initialize`) built over the parameters of a model that
+    `initialize` already sharded; returns it sharded, in the shape given.
 
     For integrations that shard a model before its optimizer exists (e.g. an evaluation run
     before training), and for a model that outlives its optimizer (a second `ZeroTrainer` on a
@@ -199,12 +216,13 @@ def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Shar
     engine = get_engine(model)
     error: Exception | None = None
     try:
-        check_optimizer(optimizer, model, engine.config.offload_dir, engine)
+        _check_arguments(model, optimizer, None)
+        check_optimizers(optimizer_list(optimizer), model, engine.config.offload_dir, engine)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.attach_optimizer")
     engine.release_optimizer()  # a model outlives its optimizer (a second Trainer): the first one lets go
-    return shard_optimizer(optimizer, engine)
+    return shard_optimizers(optimizer, engine)
 
 
 @contextlib.contextmanager

@@ -39,10 +39,11 @@ def _estimate(args: argparse.Namespace) -> int:
                         gradient_checkpointing=args.gradient_checkpointing)
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
     rows = estimate(model, hf_config, world_size=args.world_size, nodes=args.nodes, workload=workload,
-                    mixed_precision=mixed)
+                    mixed_precision=mixed, optimizer=args.optimizer)
     n = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {n / 1e9:.2f}B parameters; {args.world_size} ranks on {args.nodes} node(s); "
-          f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, fp32 Adam; "
+          f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, "
+          f"{'fp32 Adam on flat shards' if args.optimizer == 'adamw' else 'Adafactor on whole parameters'}; "
           f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}{trainable_note}. "
           "GiB per device / per node:")
     print(format_table(rows, device_memory, host_memory, disk))
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--micro-batch", type=int, default=1, help="sequences per device per micro-batch")
     e.add_argument("--gradient-checkpointing", action="store_true")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype (default bf16)")
+    e.add_argument("--optimizer", choices=["adamw", "adafactor"], default="adamw",
+                   help="adamw: two moments on flat shards; adafactor: factored moments on whole parameters, each on "
+                        "the rank that owns it (default adamw)")
     e.add_argument("--device-memory", default=None, help="device size, e.g. 80GB: adds a 'fits' column")
     e.add_argument("--host-memory", default=None, help="host memory per node, e.g. 1TB: counted in 'fits'")
     e.add_argument("--disk", default=None, help="free disk per node for offload_dir, e.g. 4TB: counted in 'fits'")

@@ -29,6 +29,7 @@ and without checkpointing) and checked on others: tests/test_estimate.py states 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ from .engine.engine import ModelStateMemory, chunk_bounds
 from .engine.layout import FlatLayout
 from .engine.group import split_frozen
 from .engine.units import UnitSpec, units_for
+from .engine.whole import deal
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DISK_BUFFER_BYTES = 7 * 3 * 16 * 2**20  # [Note: disk offload]: windows in flight x (master + 2 moments) x 16 MiB
@@ -75,9 +77,14 @@ class Estimate:
 
 
 def model_states(
-    specs: list[UnitSpec], config: ZeroConfig, world_size: int, rank: int, model_dtype: torch.dtype = torch.float32
+    specs: list[UnitSpec], config: ZeroConfig, world_size: int, rank: int, model_dtype: torch.dtype = torch.float32,
+    optimizer: str = "adamw", order: list[str] | None = None,
 ) -> ModelStateMemory:
     """The model-state bytes rank `rank` holds after a step, by placement (`"device"` or `"host"`).
+
+    `optimizer`: `"adamw"` (flat shards, [Note: optimizer shards]) or `"adafactor"` (torch's, on whole parameters:
+    each rank holds the factored state of the parameters it owns, dealt as the engine deals them over the
+    trainable parameters in `order`, their names in the optimizer's order; default: the units' order).
 
     Example:
 
@@ -130,9 +137,30 @@ def model_states(
             add("gradients", host, s * md)
             if config.stage <= 1 and spec.backward_reads_params:  # a lookup's gradient travels as rows
                 add("gradients", "device", padded * pd)  # the unsharded buffer, kept and reused
-        add("optimizer_states", master_where, sum(2 * (b - a) * md for _, a, b in trainable))
-        add("optimizer_states", host, sum(_ADAM_STEP_BYTES * len(chunk_bounds(b - a)) for _, a, b in trainable))
+        if optimizer == "adamw":
+            add("optimizer_states", master_where, sum(2 * (b - a) * md for _, a, b in trainable))
+            add("optimizer_states", host, sum(_ADAM_STEP_BYTES * len(chunk_bounds(b - a)) for _, a, b in trainable))
+    if optimizer != "adamw":  # [Note: whole-parameter step]: the owned parameters' state, whole
+        for shape in owned_shapes(specs, shards, shard_rank, md, order):
+            add("optimizer_states", host, adafactor_state_bytes(shape, md))
     return ModelStateMemory(**parts)
+
+
+def owned_shapes(specs: list[UnitSpec], shards: int, shard_rank: int, master_bytes: int,
+                 order: list[str] | None = None) -> list[tuple[int, ...]]:
+    """The shapes of the trainable parameters that shard rank `shard_rank` owns on the whole-parameter path."""
+    shapes = {n: tuple(p.shape) for spec in specs for n, p in zip(spec.param_names, spec.params) if p.requires_grad}
+    names = [n for n in order if n in shapes] if order is not None else list(shapes)
+    sizes = [math.prod(shapes[n]) * master_bytes for n in names]
+    return [shapes[names[i]] for i in deal(sizes, shards)[shard_rank]]
+
+
+def adafactor_state_bytes(shape: tuple[int, ...], master_bytes: int) -> int:
+    """torch's Adafactor state of one parameter: row and column second moments of a matrix (the variance of a
+    vector), and a float32 step."""
+    n = math.prod(shape)
+    factored = n // shape[-1] + n // shape[-2] if len(shape) >= 2 else n
+    return factored * master_bytes + _ADAM_STEP_BYTES
 
 
 def activation_bytes(config: Any, workload: Workload, dtype_bytes: int) -> int:
@@ -160,27 +188,34 @@ def estimate(
     nodes: int = 1,
     workload: Workload = Workload(),
     mixed_precision: str = "bf16",
+    optimizer: str = "adamw",
 ) -> list[Estimate]:
     """Rows for stages 0-3 with no offload, optimizer offload, (stage 3) parameter offload, (stages 1-3)
     disk offload (`offload_dir`) and (stage 3) disk offload with `offload_params`.
 
-    `model` may live on the meta device (only shapes are read).
+    `model` may live on the meta device (only shapes are read). `optimizer`: `"adamw"` or `"adafactor"` (on whole
+    parameters, [Note: whole-parameter step]: its owned state, and one largest parameter's master and gradient
+    in transit among the buffers; offload_dir does not take it, so no disk rows).
     """
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ValueError(f"--world-size ({world_size}) must be a positive multiple of --nodes ({nodes}).")
     model_dtype = next(model.parameters()).dtype
     specs = units_for(model, ZeroConfig(mixed_precision=mixed_precision))  # type: ignore[arg-type]
+    order = [n for n, p in model.named_parameters() if p.requires_grad]  # the order an optimizer holds them in
+    whole = optimizer != "adamw"
     rows = []
     per_node = world_size // nodes
     for stage in (0, 1, 2, 3):
         for offload in ("none", "optimizer", "optimizer+params", "disk", "disk+params"):
             if (offload.endswith("params") and stage != 3) or (offload == "disk" and stage == 0):
                 continue
+            if whole and offload.startswith("disk"):
+                continue
             config = ZeroConfig(stage=stage, mixed_precision=mixed_precision,  # type: ignore[arg-type]
                                 offload_optimizer=offload != "none", offload_params=offload.endswith("params"),
                                 offload_dir="PATH" if offload.startswith("disk") else None)
             worst = max(
-                (model_states(specs, config, world_size, r, model_dtype) for r in {0, world_size - 1}),
+                (model_states(specs, config, world_size, r, model_dtype, optimizer, order) for r in {0, world_size - 1}),
                 key=lambda m: m.total("device"),
             )
             e = _BYTES[config.param_dtype or model_dtype]
@@ -197,6 +232,8 @@ def estimate(
                 buffers = live_grads * e + (max(grad_sizes) * reduce_bytes if reduce_bytes != e else 0)
             else:
                 buffers = max(grad_sizes) * reduce_bytes
+            if whole:  # one parameter whole in transit: its master and its gradient, in the master dtype
+                buffers += 2 * max(grad_sizes_of_params(specs)) * _BYTES[torch.float32 if config.param_dtype else model_dtype]
             rows.append(Estimate(
                 stage=stage, offload=offload, model_states=worst.total("device"), gathered_units=gathered,
                 activations=activation_bytes(hf_config, workload, e), buffers=buffers,
@@ -204,6 +241,11 @@ def estimate(
                 disk_per_node=worst.total("disk") * per_node,
             ))
     return rows
+
+
+def grad_sizes_of_params(specs: list[UnitSpec]) -> list[int]:
+    """The element counts of the trainable parameters (0 when there is none)."""
+    return [p.numel() for spec in specs for p in spec.params if p.requires_grad] or [0]
 
 
 def format_table(rows: list[Estimate], device_memory: int | None = None, host_memory: int | None = None,

@@ -188,7 +188,7 @@ class ZeroModel:
         ```
         """
         engine = self.zero_engine
-        if engine.optimizer is not None:
+        if engine.attached:
             raise ValueError(
                 "resize_token_embeddings replaces the embedding parameters, which the attached optimizer holds. "
                 "Resize before building the optimizer (hf_zero.initialize(model, None, config), resize, then "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Iterable
 
 import torch
@@ -56,7 +57,8 @@ class PlainAdamW(torch.optim.AdamW):
 
 def build_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """`kind`: "adamw" (the Trainer's two groups, tests._training.make_optimizer), "torch_adafactor",
-    "hf_adafactor" (what `--optim adafactor` builds, with a fixed lr), "lars", "muon_adamw"."""
+    "hf_adafactor" (what `--optim adafactor` builds, with a fixed lr), "lars", "muon_adamw", "muon_and_adamw" (a
+    list of two optimizers)."""
     from tests._training import make_optimizer
 
     if kind == "adamw":
@@ -71,6 +73,11 @@ def build_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optim
         return LARS(model.parameters(), lr=lr)
     if kind == "muon_adamw":
         return MuonWithAdamW(model, lr)
+    if kind == "muon_and_adamw":  # the same two as two optimizers, as hf_zero.initialize takes them
+        both = MuonWithAdamW(model, lr)
+        for each in (both.muon, both.adamw):
+            each.state = collections.defaultdict(dict)  # each its own state, as two optimizers built apart
+        return [both.muon, both.adamw]
     if kind == "plain_adamw":
         return PlainAdamW(model.parameters(), lr=lr)
     raise ValueError(kind)
@@ -98,3 +105,43 @@ def load_on_flat_shards_error(sc: Any) -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+def whole_step_memory(kind: str = "llama_8") -> dict[str, Any]:
+    """Adafactor at stage 3 on this rank ([Note: whole-parameter step]): after 2 steps, this rank's master-weight
+    and optimizer-state bytes and the group's totals; during every call of the inner step (a step pre-hook), the
+    gradient bytes held (the flat gradient shards plus the `.grad` of the parameter in transit), how many whole
+    parameters are materialized, and the largest parameter's bytes."""
+    import torch.distributed as dist
+
+    import hf_zero
+    from tests._training import make_model
+
+    model = make_model(kind)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    model, opt = hf_zero.initialize(model, torch.optim.Adafactor(model.parameters(), lr=1e-2), hf_zero.ZeroConfig(stage=3))
+    engine = model.zero_engine
+    seen: dict[str, int] = {"grads": 0, "whole": 0, "calls": 0}
+
+    def during(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        transit = sum(p.grad.numel() * p.grad.element_size() for p in held if p.grad is not None)
+        seen["grads"] = max(seen["grads"], sum(engine.memory().gradients.values()) + transit)
+        seen["whole"] = max(seen["whole"], sum(p.untyped_storage().nbytes() > 0 for p in held))
+        seen["calls"] += 1
+
+    opt.optimizer.register_step_pre_hook(during)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    masters = sum(unit.sharded_master.numel() * unit.sharded_master.element_size() for unit in engine.units)
+    state = sum(v.numel() * v.element_size() for s in opt.optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    shard_grads = sum(unit.layout.shard_numel * unit.master_dtype.itemsize for unit in engine.units if unit.has_trainable)
+    totals = torch.tensor([masters, state], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return {"masters": masters, "state": state, "total_masters": float(totals[0]), "total_state": float(totals[1]),
+            "shard_grads": shard_grads, "largest": largest, "blocks": len(model.model.layers), **seen}

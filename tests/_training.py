@@ -19,7 +19,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Scenario:
-    model: str = "llama"  # "llama", "llama_deep", "falcon" or "toy"
+    model: str = "llama"  # "llama", "llama_8", "llama_deep", "falcon" or "toy"
     stage: int = 3
     world: int = 2
     steps: int = 5
@@ -67,6 +67,11 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     if kind == "llama":
         cfg = LlamaConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        )
+    elif kind == "llama_8":  # the "llama" blocks, 8 of them
+        cfg = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
         )
     elif kind == "llama_deep":  # 4 blocks of 2 K parameters under a 4 K head: stage 3's backward prefetch is gated
@@ -286,8 +291,9 @@ def reference_run(sc: Scenario, accumulate: bool = False) -> dict[str, Any]:
         if sc.max_grad_norm is not None:
             params = [p for p in model.parameters() if p.grad is not None]
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, sc.max_grad_norm)))
-        opt.step()
-        opt.zero_grad()
+        for each in opt if isinstance(opt, list) else [opt]:
+            each.step()
+            each.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "norms": norms, "state": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}}
 
@@ -314,6 +320,7 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     opt = build_optimizer(sc.optimizer, model, sc.lr)
     config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, wrap=sc.wrap, **dict(sc.config_overrides))
     model, opt = hf_zero.initialize(model, opt, config)
+    opts = opt if isinstance(opt, list) else [opt]  # several optimizers come back as the list they were given
     if sc.stream_ordered:
         model.zero_engine.hooks.gate_on_reductions = False
     gathers = _count_gathers(model)
@@ -342,11 +349,13 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
         if sc.max_grad_norm is not None:
-            norms.append(float(opt.clip_grad_norm_(sc.max_grad_norm)))
-        opt.step()
+            norms.append(float(opts[0].clip_grad_norm_(sc.max_grad_norm)))  # over the model: every optimizer's
+        for each in opts:
+            each.step()
         if step == sc.start_step:  # at the step: zero_grad frees the gradient shards
             memory = hf_zero.model_state_memory(model)
-        opt.zero_grad()
+        for each in opts:
+            each.zero_grad()
     if sc.save_to is not None and sc.lora:
         model.save_pretrained(sc.save_to)  # PEFT's adapter files
     elif sc.save_to is not None:
@@ -354,7 +363,9 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     disk = model.zero_engine.disk
     disk_read_bytes = disk.read_bytes if disk is not None else 0
     state = hf_zero.full_state_dict(model)
+    scaler = model.zero_engine.scaler
     return {
+        "loss_scale": scaler.scale if scaler is not None else None,
         "disk_read_bytes": disk_read_bytes,
         "losses": losses,
         "norms": norms,

@@ -32,8 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
         Scenario(model="llama", stage=3, world=2, mixed_precision="bf16", lora=True),
         Scenario(model="falcon", stage=2, world=3, lora=True, config_overrides=(("offload_optimizer", True),)),
         Scenario(model="llama", stage=1, world=2, mixed_precision="bf16", lora=True),
+        Scenario(model="llama", stage=3, world=2, optimizer="torch_adafactor"),  # [Note: whole-parameter step]
+        Scenario(model="falcon", stage=1, world=3, mixed_precision="bf16", optimizer="torch_adafactor"),
+        Scenario(model="llama", stage=0, world=2, optimizer="torch_adafactor",
+                 config_overrides=(("offload_optimizer", True),)),
     ],
-    ids=lambda sc: f"{sc.model}-stage{sc.stage}-w{sc.world}-{sc.mixed_precision}-{len(sc.config_overrides)}off-{len(sc.frozen)}frozen{'-lora' * sc.lora}",
+    ids=lambda sc: (f"{sc.model}-stage{sc.stage}-w{sc.world}-{sc.mixed_precision}-{len(sc.config_overrides)}off-"
+                    f"{len(sc.frozen)}frozen{'-lora' * sc.lora}-{sc.optimizer}"),
 )
 def test_estimated_model_states_equal_the_engine_accounting(pools, sc):
     """Byte for byte, per rank and per placement, after the first optimizer step."""
@@ -59,7 +64,9 @@ def _assert_accounting_matches(pools, sc: Scenario) -> None:
     specs = units_for(model, config)
     for rank, result in enumerate(results):
         measured = result["memory"]
-        estimated = model_states(specs, config, sc.world, rank)
+        optimizer = {"adamw": "adamw", "torch_adafactor": "adafactor"}[sc.optimizer]
+        order = [n for n, p in model.named_parameters() if p.requires_grad]
+        estimated = model_states(specs, config, sc.world, rank, optimizer=optimizer, order=order)
         for category in ("parameters", "gradients", "optimizer_states"):
             got = {("device" if k == "cpu" else k): v for k, v in getattr(measured, category).items()}
             assert got == getattr(estimated, category), (rank, category)
@@ -135,6 +142,28 @@ def test_cli_prints_the_table_for_big_configs(tmp_path, name, config):
     assert float(stage3[3]) == pytest.approx(16 * params / 16 / 2**30, rel=0.01)
     fits = {r.split("|")[2].strip() + str(r.split("|")[1].strip()): r.split("|")[-2].strip() for r in rows}
     assert fits["none0"] == "no (device)" and fits["optimizer+params3"] == "yes"
+
+
+def test_cli_estimates_adafactor_on_whole_parameters(tmp_path):
+    """`--optimizer adafactor`: factored moments in place of Adam's two (model states of 70B at stage 3 on 16 ranks
+    drop from 16 to about 8 bytes per parameter: fp32 master and gradient shards), one largest parameter in
+    transit among the buffers, and no disk rows (offload_dir does not take the whole-parameter path)."""
+    path = tmp_path / "llama-70b.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    base = [sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(path), "--world-size", "16"]
+    tables = {}
+    for optimizer in ("adamw", "adafactor"):
+        done = subprocess.run(base + ["--optimizer", optimizer], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        tables[optimizer] = {tuple(c.strip() for c in line.split("|")[1:3]): [float(c) for c in line.split("|")[3:-1]]
+                             for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()}
+    params = 70.55e9
+    assert not any(offload.startswith("disk") for _, offload in tables["adafactor"])
+    adam, factored = tables["adamw"][("3", "none")], tables["adafactor"][("3", "none")]
+    assert adam[0] == pytest.approx(16 * params / 16 / 2**30, rel=0.01)
+    assert factored[0] == pytest.approx(8 * params / 16 / 2**30, rel=0.01)
+    largest = 128256 * 8192  # the embedding: master and gradient, fp32, in transit
+    assert factored[3] - adam[3] == pytest.approx(2 * 4 * largest / 2**30, abs=0.01)
 
 
 def test_llama_70b_on_one_node_fits_with_disk_offload_only(tmp_path):

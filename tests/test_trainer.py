@@ -135,6 +135,8 @@ def test_zero_stage_parsed_from_the_command_line():
         ({"zero_hybrid_shard": True, "zero_shard_group_size": 2}, "Pass --zero_hybrid_shard or --zero_shard_group_size"),
         ({"zero_shard_group_size": 0}, "ZeroConfig.shard_group_size must be None or a positive int"),
         ({"zero_stage": 0, "zero_shard_group_size": 2}, "ZeroConfig.shard_group_size needs stage 1, 2 or 3"),
+        ({"optim": "galore_adamw_layerwise", "optim_target_modules": ["mlp"]},
+         "--optim galore_adamw_layerwise steps each parameter from a hook on it inside backward"),
     ],
 )
 def test_refused_combinations(kwargs, message):
@@ -369,6 +371,13 @@ def test_optim_choices_at_stage_3_match_the_stock_trainer(pools, tmp_path, optim
         np.testing.assert_allclose(got[key], ref[key], rtol=tol, atol=0, err_msg=key)
     for name, value in ref["state"].items():
         assert rel_err(got["state"][name].numpy(), value.numpy()) <= tol, name
+    if optim in ("adafactor", "stable_adamw"):  # and the stock Trainer under DDP on the same 2 processes
+        ddp = pools(2).values(tc.run, replace(job, out_dir=str(tmp_path / "ddp")), False)[0]
+        assert ddp["world"] == 2
+        for key in ("losses", "norms", "eval_losses"):
+            np.testing.assert_allclose(got[key], ddp[key], rtol=TOL, atol=0, err_msg=key)
+        for name, value in ddp["state"].items():
+            assert rel_err(got["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
 def test_zero_trainer_with_offload_dir_saves_and_resumes_like_in_memory(pools, tmp_path):

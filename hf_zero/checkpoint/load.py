@@ -110,8 +110,8 @@ def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizer: ShardedOpti
                     needed.add(optim_file_for(file))
         if with_state and piece.name in owners:
             needed.add(owners[piece.name])
-    if with_state and optimizer is not None and optimizer.steps_whole_parameters and engine.whole is not None:
-        needed |= owned_files(engine.whole, manifest)
+    if with_state and optimizer is not None and optimizer.whole_step is not None:
+        needed |= owned_files(optimizer.whole_step, manifest)
     if manifest.buffers:
         needed.add(BUFFERS_FILE)
     return sorted(needed)
@@ -173,8 +173,8 @@ def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: M
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     inner = optimizer.optimizer
     inner.state.clear()
-    if optimizer.steps_whole_parameters and engine.whole is not None:  # [Note: owned optimizer state]
-        load_owned(engine.whole, inner, manifest, cache)
+    if optimizer.whole_step is not None:  # [Note: owned optimizer state]
+        load_owned(optimizer.whole_step, inner, manifest, cache)
         return
     group_of = {id(t): g for g in inner.param_groups for t in g["params"]}
     for piece in engine.pieces:

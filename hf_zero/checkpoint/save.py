@@ -149,8 +149,8 @@ def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optim
     _write_streamed(staging, mfile, masters, header, record)
     record["slices"] = {name: [mfile, s, e] for name, (s, e) in slices.items()}
     if optimizer is not None:
-        if optimizer.steps_whole_parameters and engine.whole is not None:  # [Note: owned optimizer state]
-            state_entries, kinds, record["owners"] = owned_entries(engine.whole, optimizer.optimizer, optim_file(rank, size))
+        if optimizer.whole_step is not None:  # [Note: owned optimizer state]
+            state_entries, kinds, record["owners"] = owned_entries(optimizer.whole_step, optimizer.optimizer, optim_file(rank, size))
         else:
             state_entries, kinds = _optimizer_pieces(engine, optimizer)
         header = {"kind": "optimizer", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank,

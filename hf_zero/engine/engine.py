@@ -91,6 +91,16 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Attached:
+    """An optimizer attached to the engine ([Note: several optimizers]): its whole-parameter path if it takes
+    that one ([Note: whole-parameter step]), and the units whose parameters it steps."""
+
+    optimizer: torch.optim.Optimizer
+    whole: WholeStep | None
+    units: tuple[FlatUnit, ...]
+
+
+@dataclass(frozen=True)
 class StateDictOptions:
     """What `model.state_dict()` of a sharded model returns (set with `hf_zero.state_dict_options`).
 
@@ -168,8 +178,8 @@ class ZeroEngine:
         self.hooks.on_reduced = self._mark_has_grads
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
-        self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, once attached
-        self.whole: WholeStep | None = None  # its whole-parameter path, if it takes that one ([Note: whole-parameter step])
+        self.attached: list[Attached] = []  # the inner optimizers, once attached ([Note: several optimizers])
+        self._verdict: dict[int, list[bool]] | None = None  # this round of steps: the used parameters; {}: skip
         self.pieces: list[Piece] = [  # this rank's
             piece for unit in self.units for piece in _pieces(unit, self.disk is not None and self.disk.holds(unit))
         ]
@@ -214,6 +224,7 @@ class ZeroEngine:
 
     def _mark_has_grads(self) -> None:
         self.has_grads = True
+        self._verdict = None  # new gradients: the next step decides anew
 
     @property
     def defers_reduction_in_no_sync(self) -> bool:
@@ -245,6 +256,7 @@ class ZeroEngine:
         for piece in self.pieces:
             piece.unbind_grads()
         self.has_grads = False
+        self._verdict = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the sharded gradients by their global norm; returns the norm of the unsharded gradients."""
@@ -270,34 +282,53 @@ class ZeroEngine:
         return total
 
     # ---- optimizer step ---------------------------------------------------------------------
+    def attach(self, entry: Attached) -> None:
+        """Add an optimizer to the ones that step this model ([Note: several optimizers])."""
+        self.attached.append(entry)
+
+    def attached_to(self, optimizer: torch.optim.Optimizer) -> Attached | None:
+        """The entry of an attached optimizer, or None (never attached, or released)."""
+        return next((a for a in self.attached if a.optimizer is optimizer), None)
+
     def release_optimizer(self) -> None:
-        """Forget the attached optimizer (its state freed; it refuses to step): a newer one is being attached."""
-        if self.optimizer is not None:
-            self.optimizer.state.clear()
-            self.optimizer, self.whole = None, None
+        """Forget the attached optimizers (their state freed; they refuse to step): newer ones are being attached."""
+        for entry in self.attached:
+            entry.optimizer.state.clear()
+        self.attached = []
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped."""
+        """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped.
+
+        [Note: several optimizers]
+        A model may be stepped by several optimizers over disjoint parameters (Muon on the matrices, AdamW on
+        the rest), each attached with its own path. Whether this round of steps happens (gradients reduced, no
+        fp16 overflow) and which parameters got a gradient anywhere are decided once, by the first `step()`
+        after new gradients, and reused by the others until `zero_grad` or the next reduction: the loss scale
+        moves once per round. Each step publishes the units its optimizer holds parameters of."""
         self.hooks.wait_reductions()
-        if not self.has_grads:
+        entry = self.attached_to(optimizer)
+        if entry is None:
+            raise RuntimeError(f"[rank {self.world.rank}] hf_zero: step() of an optimizer this model does not hold")
+        if self._verdict is None:
+            ok = self.has_grads and (self.scaler is None or self.scaler.check_and_update(self.units, self.world))
+            self._verdict = self._used_anywhere() if ok else {}
+        used = self._verdict
+        if not used:
             return False
-        if self.scaler is not None and not self.scaler.check_and_update(self.units, self.world):
-            return False
-        used = self._used_anywhere()
         on_disk = self.disk is not None
         for piece in self.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
             if not (on_disk and self.disk.holds(piece.unit)):
                 piece.bind_grads(used[id(piece.unit)][piece.slot_index])
-        if self.disk is not None:  # [Note: disk offload]: stepped window by window, published as it goes
+        if entry.whole is not None:  # [Note: whole-parameter step]; masters on disk read and written by range
+            entry.whole.step(optimizer, used)
+        elif self.disk is not None:  # [Note: disk offload]: stepped window by window, published as it goes
             with mapped_temporaries():  # [Note: host heap]
                 self.disk.step(optimizer, used)
-        elif self.whole is not None:
-            self.whole.step(optimizer, used)
         else:
             optimizer.step()
         published = [
             unit.gather_persistent(async_op=True) if self.disk is not None and self.disk.holds(unit)
-            else unit.publish_master(async_op=True) for unit in self.units
+            else unit.publish_master(async_op=True) for unit in entry.units
         ]
         for pending in published:
             pending.wait()
@@ -432,9 +463,9 @@ class ZeroEngine:
             count(category, t, placement)
         if self.disk is not None:  # [Note: disk offload]: masters and elementwise optimizer state
             parts["optimizer_states"]["disk"] = self.disk.files.nbytes
-        if self.optimizer is not None:
+        for entry in self.attached:
             offloaded = self.config.offload_optimizer
-            for state in self.optimizer.state.values():
+            for state in entry.optimizer.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor):
                         count("optimizer_states", v, "host" if offloaded and v.device.type == "cpu" else str(v.device))

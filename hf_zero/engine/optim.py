@@ -14,12 +14,12 @@ each on the rank that owns it ([Note: whole-parameter step] in whole.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from .engine import ZeroEngine
+from .engine import Attached, ZeroEngine
 from .optim_configs import carry_configs
 from .whole import COUPLED, WholeStep, is_elementwise
 
@@ -34,7 +34,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
     whole = None
     if not is_elementwise(optimizer):
         whole = WholeStep([where[id(p)] for p in params], engine.plan.shard_group,
-                          {(id(piece.unit), piece.slot_index): piece for piece in engine.pieces})
+                          {(id(piece.unit), piece.slot_index): piece for piece in engine.pieces}, engine.disk)
     initial = [dict(optimizer.state.get(p, {})) for group in optimizer.param_groups for p in group["params"]]
     optimizer.state.clear()
     group_names: list[list[str]] = []
@@ -62,9 +62,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
         group["params"] = pieces
         group_names.append(names)
     carry_configs(optimizer, moved, engine.compute_param)  # [Note: per-parameter optimizer configs]
-    sharded = ShardedOptimizer(optimizer, engine, group_names)
-    engine.whole = whole
-    return sharded
+    units = {id(unit): unit for unit, _ in (where[id(p)] for p in params)}
+    engine.attach(Attached(optimizer, whole, tuple(u for u in engine.units if id(u) in units)))
+    return ShardedOptimizer(optimizer, engine, group_names)
 
 
 def check_optimizer(
@@ -90,11 +90,6 @@ def check_optimizer(
             f"hf_zero cannot shard {name}: {COUPLED[name]}, so no rank can step its part alone "
             "([Note: whole-parameter step]). Use an optimizer whose step treats each parameter on its own."
         )
-    if offload_dir is not None and not is_elementwise(optimizer):
-        raise ValueError(
-            f"{name} steps on whole parameters ([Note: whole-parameter step]), which ZeroConfig.offload_dir does not "
-            "support yet: drop offload_dir, or use an elementwise optimizer (AdamW, SGD, ...)."
-        )
     model_params = {id(p) for p in model.parameters()}
     if engine is not None:  # the engine's own parameters too: the modules may hold their stand-ins now
         model_params |= {id(p) for unit in engine.units for p in unit.params}
@@ -110,6 +105,49 @@ def check_optimizer(
 def _is_initial(state: dict[str, Any]) -> bool:
     """Whether a parameter's optimizer state is what a constructor sets (numbers, 0-d tensors), not a step's."""
     return all(not isinstance(v, torch.Tensor) or v.ndim == 0 for v in state.values())
+
+
+def optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None) -> list[torch.optim.Optimizer]:
+    """The optimizers `initialize` was given: none, one, or a list or tuple of several ([Note: several optimizers])."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, (list, tuple)):
+        if not optimizer:
+            raise ValueError("hf_zero.initialize got an empty list of optimizers; pass None, one optimizer, or several.")
+        return list(optimizer)
+    return [optimizer]
+
+
+def check_optimizers(optimizers: list[torch.optim.Optimizer], model: nn.Module, offload_dir: str | None,
+                     engine: ZeroEngine | None = None) -> None:
+    """`check_optimizer` for each, and for several: no parameter in two of them, no offload_dir."""
+    for optimizer in optimizers:
+        check_optimizer(optimizer, model, offload_dir, engine)
+    if len(optimizers) < 2:
+        return
+    if offload_dir is not None:
+        raise ValueError("ZeroConfig.offload_dir steps one optimizer; build one optimizer, or drop offload_dir.")
+    owner: dict[int, int] = {}
+    for i, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                real = engine.compute_param(param) if engine is not None else param
+                if owner.setdefault(id(real), i) != i:
+                    raise ValueError(
+                        f"A parameter of shape {tuple(param.shape)} is in optimizers {owner[id(real)]} and {i}: each "
+                        "parameter may be stepped by one optimizer only. Split the parameters between them."
+                    )
+
+
+def shard_optimizers(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, engine: ZeroEngine
+) -> "ShardedOptimizer | list[ShardedOptimizer] | tuple[ShardedOptimizer, ...] | None":
+    """`shard_optimizer` for each optimizer given, returned in the shape given (None, one, list or tuple)."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, (list, tuple)):
+        return type(optimizer)(shard_optimizer(o, engine) for o in optimizer)
+    return shard_optimizer(optimizer, engine)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -142,13 +180,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # one list, shared with the inner optimizer
         self.state = optimizer.state
         self.step_was_skipped = False
-        engine.optimizer = optimizer
 
     @property
     def steps_whole_parameters(self) -> bool:
         """Whether the optimizer steps on whole parameters, each on its owner ([Note: whole-parameter step]),
         rather than on flat shards."""
-        return self._engine.whole is not None and self._engine.optimizer is self.optimizer
+        return self.whole_step is not None
+
+    @property
+    def whole_step(self) -> WholeStep | None:
+        """The optimizer's whole-parameter path on this rank ([Note: whole-parameter step]), or None (flat shards,
+        or released)."""
+        entry = self._engine.attached_to(self.optimizer)
+        return entry.whole if entry is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._initializing:
@@ -200,7 +244,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         self._check_attached(what)
         engine = self._engine
-        if engine.disk is not None or engine.whole is not None:
+        if engine.disk is not None or self.whole_step is not None:
             raise ValueError(
                 f"{type(self.optimizer).__name__}.{what}() moves the weights it holds, which hf_zero supports on flat "
                 "shards in memory only: "
@@ -215,7 +259,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             engine.publish_masters()  # the masters moved: into the parameters, and no stale gathered copy
 
     def _check_attached(self, what: str) -> None:
-        if self._engine.optimizer is not self.optimizer:
+        if self._engine.attached_to(self.optimizer) is None:
             raise RuntimeError(
                 f"[rank {self._engine.world.rank}] hf_zero: optimizer.{what}() on an optimizer that was released "
                 "when another one was attached to the same model (a second ZeroTrainer, hf_zero.initialize or "

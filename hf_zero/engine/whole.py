@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from .collectives import CommGroup, all_to_all_uneven, broadcast_object, comm_device, raise_if_any_failed
+from .disk import MASTER, DiskOffload
 from .flat import FlatUnit
 
 # Elementwise optimizers: the flat path is exact for them. (module prefix, class name) pairs.
@@ -110,10 +111,12 @@ def deal(sizes: list[int], ranks: int) -> list[list[int]]:
 class WholeStep:
     """The whole-parameter path of one optimizer on this rank ([Note: whole-parameter step])."""
 
-    def __init__(self, slots: list[tuple[FlatUnit, int]], group: CommGroup, pieces: dict[tuple[int, int], Any]) -> None:
+    def __init__(self, slots: list[tuple[FlatUnit, int]], group: CommGroup, pieces: dict[tuple[int, int], Any],
+                 disk: DiskOffload | None = None) -> None:
         self.slots = slots  # (unit, slot index) of every parameter the optimizer steps, in group order
         self.group = group
         self.pieces = pieces  # (id(unit), slot index) -> this rank's Piece
+        self.disk = disk  # [Note: disk offload]: masters of the units it holds are read from and written to its files
         sizes = [unit.layout.slots[i].numel * unit.master_dtype.itemsize for unit, i in slots]
         self.owned = deal(sizes, group.size)
         self.rounds = max((len(o) for o in self.owned), default=0)
@@ -156,13 +159,16 @@ class WholeStep:
         for k in range(self.rounds):
             round_params = [o[k] if k < len(o) and stepped[o[k]] else None for o in self.owned]
             mine = round_params[self.group.rank]
-            master, grad = self._bring(round_params, "master"), self._bring(round_params, "grad")
-            if mine is not None:
+            stand_in = self.whole[mine] if mine is not None else None
+            if stand_in is not None:  # the master arrives straight into it where it lives on the comm device
+                stand_in.untyped_storage().resize_(stand_in.numel() * stand_in.element_size())
+            master = self._bring(round_params, "master", stand_in)
+            grad = self._bring(round_params, "grad")
+            if stand_in is not None:
                 if after is not None:  # every call of the step starts from the step's group state
                     _set_group_state(optimizer.param_groups, before)
-                stand_in = self.whole[mine]
-                stand_in.untyped_storage().resize_(stand_in.numel() * stand_in.element_size())
-                stand_in.copy_(master.view(stand_in.shape))
+                if master.data_ptr() != stand_in.data_ptr():
+                    stand_in.copy_(master.view(stand_in.shape))
                 stand_in.grad = grad.view(stand_in.shape).to(device=stand_in.device, dtype=stand_in.dtype)
                 del master, grad
                 try:
@@ -201,8 +207,9 @@ class WholeStep:
         if self._synced_steps >= 2 and not _differ(state, before):
             self._sync_groups = False  # set up at the first step, unchanged by the second: nothing to carry
 
-    def _bring(self, round_params: list[int | None], what: str) -> torch.Tensor:
-        """The round's pieces of masters (`what="master"`) or gradients, from every rank to each owner."""
+    def _bring(self, round_params: list[int | None], what: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The round's pieces of masters (`what="master"`) or gradients, from every rank to each owner (received
+        into `into`, this rank's stand-in, when its device and dtype are the collective's)."""
         me = self.group.rank
         send_splits, recv_splits, parts = [0] * self.group.size, [0] * self.group.size, []
         for owner, index in enumerate(round_params):
@@ -211,8 +218,12 @@ class WholeStep:
             a, b = self._span(index, me)
             if b > a:
                 piece = self.pieces[(id(self.slots[index][0]), self.slots[index][1])]
-                values = piece.master if what == "master" else piece.grad
-                parts.append(values[a - piece.start : b - piece.start])
+                if what == "master" and self.disk is not None and self.disk.holds(piece.unit):
+                    at = self.disk.offset_of(piece) + a - piece.start
+                    parts.append(torch.cat([part.clone() for part in self.disk.read_range(MASTER, at, b - a)]))
+                else:
+                    values = piece.master if what == "master" else piece.grad
+                    parts.append(values[a - piece.start : b - piece.start])
                 send_splits[owner] = b - a
         mine = round_params[me]
         if mine is not None:
@@ -221,7 +232,10 @@ class WholeStep:
                 recv_splits[rank] = b - a
         dtype = self._dtype(round_params, what)
         send = torch.cat([p.to(self.device, dtype) for p in parts]) if parts else torch.empty(0, dtype=dtype, device=self.device)
-        recv = torch.empty(sum(recv_splits), dtype=dtype, device=self.device)
+        if into is not None and into.device == self.device and into.dtype == dtype and into.numel() == sum(recv_splits):
+            recv = into.view(-1)
+        else:
+            recv = torch.empty(sum(recv_splits), dtype=dtype, device=self.device)
         all_to_all_uneven(recv, send, recv_splits, send_splits, self.group)
         return recv
 
@@ -256,7 +270,14 @@ class WholeStep:
         at = 0
         for index, a, b in targets:
             piece = self.pieces[(id(self.slots[index][0]), self.slots[index][1])]
-            piece.master[a - piece.start : b - piece.start].copy_(recv[at : at + b - a])
+            values = recv[at : at + b - a]
+            if self.disk is not None and self.disk.holds(piece.unit):  # into the file, and into the parameter shard
+                self.disk.write_range(MASTER, self.disk.offset_of(piece) + a - piece.start, values)
+                if piece.unit.shard_reader is None:  # else [Note: parameters on disk]: gathers read the file
+                    lo = piece.local[0] + a - piece.start
+                    piece.unit.param_shard()[lo : lo + b - a].copy_(values)
+            else:
+                piece.master[a - piece.start : b - piece.start].copy_(values)
             at += b - a
 
 

@@ -21,7 +21,7 @@ class _ZeroArguments:
     `accelerate launch --mixed_precision`), so it has one owner. The
     combinations that cannot work are refused here, before `torch.distributed` starts, with a
     message that says what to do instead: `--deepspeed` and `--fsdp` (and their Accelerate
-    environment switches).
+    environment switches), and the layer-wise `--optim` choices (`galore_adamw_layerwise`, ...).
 
     Example:
 
@@ -62,6 +62,13 @@ class _ZeroArguments:
             raise ValueError(
                 "hf_zero cannot be combined with FSDP (--fsdp or ACCELERATE_USE_FSDP): both shard the model. Drop "
                 "--fsdp and use --zero_stage 3 for full sharding."
+            )
+        optim = str(getattr(getattr(self, "optim", ""), "value", getattr(self, "optim", "")))
+        if optim.endswith("_layerwise"):
+            raise ValueError(
+                f"--optim {optim} steps each parameter from a hook on it inside backward, before any reduction, so it "
+                "cannot step hf_zero's reduced shards. Use --optim " + optim.removesuffix("_layerwise") + ": it steps "
+                "on whole parameters, each on the rank that owns it, and ZeRO already keeps 1/N of its state per rank."
             )
 
     def to_zero_config(self) -> ZeroConfig:
