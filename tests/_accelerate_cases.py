@@ -24,18 +24,31 @@ def _fresh_accelerator(use_zero: bool, stage: int, accum: int) -> Any:
     return Accelerator(cpu=True, gradient_accumulation_steps=accum)
 
 
+def _optimizers(model: torch.nn.Module, two: bool) -> list[torch.optim.Optimizer]:
+    """The Trainer's AdamW groups; or (`two`) Adafactor on the matrices (whole parameters, [Note: whole-parameter
+    step]) and AdamW on the rest (flat shards)."""
+    if not two:
+        return [make_optimizer(model, 1e-3)]
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    taken = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    return [torch.optim.Adafactor(matrices, lr=1e-2), torch.optim.AdamW(rest, lr=1e-3, eps=1e-6)]
+
+
 def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at: int | None = None,
          save_dir: str | None = None, load_dir: str | None = None, resume_step: int = 0,
-         seed: int = 0, train: bool = True) -> dict[str, Any]:
-    """Train `steps` optimizer steps; optionally save_state after `save_at` steps or load_state first."""
+         seed: int = 0, train: bool = True, two_optimizers: bool = False) -> dict[str, Any]:
+    """Train `steps` optimizer steps; optionally save_state after `save_at` steps or load_state first.
+    `two_optimizers`: two optimizers over disjoint parameters (`_optimizers`), each with its scheduler."""
     accelerator = _fresh_accelerator(use_zero, stage, accum)
     model = make_model("llama", seed=seed)
-    optimizer = make_optimizer(model, 1e-3)
+    optimizers = _optimizers(model, two_optimizers)
     world = accelerator.num_processes
     loader = DataLoader(TokenDataset(2 * world * accum * steps, 16, seed=1), batch_size=2, shuffle=True,
                         generator=torch.Generator().manual_seed(0))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + 0.1 * step)) for o in optimizers]
+    model, loader, *rest = accelerator.prepare(model, loader, *optimizers, *schedulers)
+    optimizers, schedulers = rest[: len(optimizers)], rest[len(optimizers):]
     start = 0
     if load_dir is not None:
         accelerator.load_state(load_dir)
@@ -48,9 +61,10 @@ def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at
             accelerator.backward(out.loss)
             if accelerator.sync_gradients:
                 norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            for optimizer, scheduler in zip(optimizers, schedulers):
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
         losses.append(float(accelerator.gather(out.loss.detach()).mean()))
         if accelerator.sync_gradients:
             done += 1
@@ -59,6 +73,6 @@ def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at
                 break
     state = accelerator.get_state_dict(model)
     return {
-        "losses": losses, "norms": norms, "world": world, "lr": scheduler.get_last_lr(),
+        "losses": losses, "norms": norms, "world": world, "lr": [s.get_last_lr() for s in schedulers],
         "state": {k: v.detach().clone() for k, v in state.items()} if accelerator.is_main_process else None,
     }

@@ -145,3 +145,25 @@ def whole_step_memory(kind: str = "llama_8") -> dict[str, Any]:
     dist.all_reduce(totals)
     return {"masters": masters, "state": state, "total_masters": float(totals[0]), "total_state": float(totals[1]),
             "shard_grads": shard_grads, "largest": largest, "blocks": len(model.model.layers), **seen}
+
+
+def partial_zero_grad_error() -> str:
+    """Two optimizers; after a step, only the first calls zero_grad() before the next backward: the next step
+    raises (the gradients are shared flat buffers, dropped once both asked)."""
+    import hf_zero
+    from tests._training import make_model
+
+    model = make_model("llama")
+    model, (first, second) = hf_zero.initialize(model, build_optimizer("muon_and_adamw", model, 1e-2),
+                                                hf_zero.ZeroConfig(stage=3))
+    x = torch.randint(0, 256, (2, 16))
+    model(input_ids=x, labels=x).loss.backward()
+    first.step()
+    first.zero_grad()
+    second.step()  # its gradients are still there: the first one's zero_grad waits for it
+    model(input_ids=x, labels=x).loss.backward()
+    try:
+        first.step()
+    except ValueError as e:
+        return str(e)
+    return ""

@@ -11,10 +11,11 @@ from tests._training import rel_err
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_accelerate_loop_matches_ddp(pools, stage):
-    zero = pools(2).values(ac.loop, True, stage)[0]
-    ddp = pools(2).values(ac.loop, False)[0]
+@pytest.mark.parametrize("stage, two_optimizers", [(1, False), (3, False), (3, True)])
+def test_accelerate_loop_matches_ddp(pools, stage, two_optimizers):
+    """Two optimizers: Adafactor on the matrices (whole parameters) and AdamW on the rest, prepared together."""
+    zero = pools(2).values(ac.loop, True, stage, two_optimizers=two_optimizers)[0]
+    ddp = pools(2).values(ac.loop, False, two_optimizers=two_optimizers)[0]
     assert zero["world"] == ddp["world"] == 2
     np.testing.assert_allclose(zero["losses"], ddp["losses"], rtol=TOL, atol=0)
     np.testing.assert_allclose(zero["norms"], ddp["norms"], rtol=TOL, atol=0)
@@ -23,14 +24,17 @@ def test_accelerate_loop_matches_ddp(pools, stage):
         assert rel_err(zero["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
-def test_save_state_and_load_state_resume(pools, tmp_path):
+@pytest.mark.parametrize("two_optimizers", [False, True])
+def test_save_state_and_load_state_resume(pools, tmp_path, two_optimizers):
     """save_state after 2 of 4 steps; load_state into a model with another init and finish: the
-    remaining losses, the lr and the final weights equal the uninterrupted run's, bit for bit."""
-    straight = pools(2).values(ac.loop, True, 3)[0]
-    pools(2).values(ac.loop, True, 3, save_at=2, save_dir=str(tmp_path / "state"))
+    remaining losses, the lr and the final weights equal the uninterrupted run's, bit for bit (with two
+    optimizers too: both states in one sharded checkpoint)."""
+    two = {"two_optimizers": two_optimizers}
+    straight = pools(2).values(ac.loop, True, 3, **two)[0]
+    pools(2).values(ac.loop, True, 3, save_at=2, save_dir=str(tmp_path / "state"), **two)
     assert (tmp_path / "state" / "hf_zero" / "hf_zero_manifest.json").is_file()
     assert not list((tmp_path / "state").glob("optimizer*.bin"))  # the optimizer is sharded, not Accelerate's
-    resumed = pools(2).values(ac.loop, True, 3, load_dir=str(tmp_path / "state"), resume_step=2, seed=1)[0]
+    resumed = pools(2).values(ac.loop, True, 3, load_dir=str(tmp_path / "state"), resume_step=2, seed=1, **two)[0]
     assert resumed["losses"] == straight["losses"][4:]
     assert resumed["lr"] == straight["lr"]
     for name, value in straight["state"].items():

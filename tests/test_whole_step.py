@@ -17,7 +17,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests._optimizers import load_on_flat_shards_error, sharded_run_on_flat_shards, whole_step_memory
+from tests._optimizers import (load_on_flat_shards_error, partial_zero_grad_error, sharded_run_on_flat_shards,
+                               whole_step_memory)
 from tests._training import Scenario, interrupted_run, reference_run, rel_err, same_global_batch, sharded_run
 
 OPTIMIZERS = {"torch_adafactor": 1e-2, "hf_adafactor": 1e-2, "lars": 1e-1, "muon_adamw": 1e-2, "muon_and_adamw": 1e-2}
@@ -56,9 +57,11 @@ def test_lars_on_flat_shards_is_wrong(pools):
     assert _distance(got, ref) > 100 * max(noise, 1e-7), (_distance(got, ref), noise)
 
 
-@pytest.mark.parametrize("optimizer, stage", [("torch_adafactor", 3), ("muon_adamw", 1), ("hf_adafactor", 2)])
+@pytest.mark.parametrize("optimizer, stage", [("torch_adafactor", 3), ("muon_adamw", 1), ("hf_adafactor", 2),
+                                              ("muon_and_adamw", 3)])
 def test_whole_parameter_state_resumes_bit_exact(pools, tmp_path, optimizer, stage):
-    """Saved by the owners, loaded by the same owners: the resumed run is the uninterrupted one, bit for bit."""
+    """Saved by the owners, loaded by the same owners: the resumed run is the uninterrupted one, bit for bit. Two
+    optimizers (Muon on whole parameters, AdamW on flat shards) save into one checkpoint and load back."""
     sc = Scenario(model="llama", stage=stage, world=2, steps=5, optimizer=optimizer, lr=OPTIMIZERS[optimizer])
     straight = pools(2).values(sharded_run, sc)[0]
     resumed = interrupted_run(pools, sc, sc, str(tmp_path / "ckpt"), SAVE_AT)
@@ -69,22 +72,29 @@ def test_whole_parameter_state_resumes_bit_exact(pools, tmp_path, optimizer, sta
 
 @pytest.mark.parametrize(
     "optimizer, before, after",
-    [("torch_adafactor", (2, 3), (3, 3)), ("torch_adafactor", (3, 3), (2, 3)), ("hf_adafactor", (3, 3), (2, 1))],
+    [("torch_adafactor", (2, 3), (3, 3)), ("torch_adafactor", (3, 3), (2, 3)), ("hf_adafactor", (3, 3), (2, 1)),
+     ("muon_and_adamw", (2, 3), (3, 2))],
 )
 def test_whole_parameter_state_resumes_on_another_world_size(pools, tmp_path, optimizer, before, after):
     """Adafactor's factored state, saved by 2 owners and loaded by 3 (and back, and onto another stage), equals the
     uninterrupted run: losses within 1e-6, weights within 1e-5 (the split of the global batch changes the fp32
-    summation order, as for the flat path's resume tests)."""
+    summation order, as for the flat path's resume tests). Muon (bfloat16 Newton-Schulz iterations) turns that
+    change of order into more: for it the bound is 10x the distance between the uninterrupted runs on both layouts."""
     base = Scenario(model="llama", steps=5, optimizer=optimizer, lr=OPTIMIZERS[optimizer])
     sc_before, sc_after = same_global_batch(base, *before, 12), same_global_batch(base, *after, 12)
     straight = pools(sc_before.world).values(sharded_run, sc_before)[0]
+    loss_tol, weight_tol = 1e-6, 1e-5
+    if optimizer.startswith("muon"):
+        other = pools(sc_after.world).values(sharded_run, sc_after)[0]
+        loss_tol = max(loss_tol, 10 * max(abs(a - b) / abs(b) for a, b in zip(other["losses"], straight["losses"])))
+        weight_tol = max(weight_tol, 10 * max(rel_err(other["state"][k], v) for k, v in straight["state"].items()))
     resumed = interrupted_run(pools, sc_before, sc_after, str(tmp_path / "ckpt"), SAVE_AT)
     manifest = json.loads((tmp_path / "ckpt" / "hf_zero_manifest.json").read_text())
     owners = manifest["optimizer"]["owners"]
     assert len(set(owners.values())) == before[0] and "param" in manifest["optimizer"]["state"][next(iter(owners))].values()
-    np.testing.assert_allclose(resumed["losses"], straight["losses"], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(resumed["losses"], straight["losses"], rtol=loss_tol, atol=0)
     for name, value in straight["state"].items():
-        assert rel_err(resumed["state"][name], value) <= 1e-5, name
+        assert rel_err(resumed["state"][name], value) <= weight_tol, name
 
 
 @pytest.mark.parametrize("flat_first", [True, False])
@@ -176,3 +186,10 @@ def test_whole_path_equals_the_flat_path_under_every_option(pools, tmp_path, sta
     assert whole["loss_scale"] == flat["loss_scale"]
     for name, value in flat["state"].items():
         assert rel_err(whole["state"][name], value) <= 1e-6, name
+
+
+def test_a_backward_after_a_partial_zero_grad_is_refused(pools):
+    """Two optimizers share the flat gradient buffers: the gradients are dropped once both called zero_grad(). A
+    backward after only one did would add onto the old gradients: its step raises on every rank, saying what to do."""
+    errors = pools(2).values(partial_zero_grad_error)
+    assert all("Call zero_grad() on every optimizer before the next backward" in e for e in errors), errors

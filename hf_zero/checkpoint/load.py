@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch import nn
 from ..engine.collectives import raise_if_any_failed
 from ..engine.engine import Piece, ZeroEngine
 from ..engine.module import get_engine
-from ..engine.optim import ShardedOptimizer
+from ..engine.optim import ShardedOptimizer, sharded_list
 from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files, optim_file_for
 from .owned_state import PARAM, check_flat_loadable, load_owned, owned_files, piece_param_state, read_whole, restore_value
 from .reader import FileCache, read_pieces
@@ -28,7 +28,7 @@ from .reader import FileCache, read_pieces
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
-    optimizer: ShardedOptimizer | None = None,
+    optimizer: ShardedOptimizer | Sequence[ShardedOptimizer] | None = None,
     *,
     verify: bool = True,
 ) -> dict[str, Any]:
@@ -40,7 +40,8 @@ def load_checkpoint(
     Args:
         path (`str` or `os.PathLike`): the checkpoint directory.
         model (`nn.Module`): a model returned by `hf_zero.initialize`, of the same architecture.
-        optimizer (`ShardedOptimizer`, *optional*): restored too (state, param-group hyperparameters).
+        optimizer (`ShardedOptimizer` or a list or tuple of them, *optional*): restored too (state, param-group
+            hyperparameters); several optimizers in the order they were saved.
         verify (`bool`, *optional*, defaults to `True`): check every file's SHA-256 against the
             manifest before reading (costs one read of the files); sizes are always checked.
 
@@ -68,11 +69,13 @@ def load_checkpoint(
     try:
         manifest = Manifest.read(directory)
         _check_model_matches(manifest, engine, directory)
-        _check_optimizer_matches(manifest, optimizer, directory)
-        check_files(directory, manifest, _files_needed(manifest, engine, optimizer), verify)
-        if optimizer is not None and not optimizer.steps_whole_parameters:
+        optimizers = sharded_list(optimizer, "load_checkpoint")
+        _check_optimizer_matches(manifest, optimizers, directory)
+        check_files(directory, manifest, _files_needed(manifest, engine, optimizers), verify)
+        flat = {n for o in optimizers if not o.steps_whole_parameters for names in o.group_param_names for n in names}
+        if flat:
             with FileCache(directory) as cache:
-                check_flat_loadable(manifest, cache)
+                check_flat_loadable(manifest, cache, flat)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.load_checkpoint")
@@ -90,28 +93,29 @@ def load_checkpoint(
                         read_pieces(cache, piece.name, manifest.slices[piece.name], piece.start, piece.end, out)
                 engine.write_master(unit, master)
             _load_buffers(model, manifest, cache)
-        if optimizer is not None and manifest.optimizer is not None:
-            _load_optimizer(engine, optimizer, manifest, cache)
+        for each, part in zip(optimizers, optimizer_parts(manifest)):
+            _load_optimizer(engine, each, part, manifest, cache)
     if engine.scaler is not None and "loss_scale" in manifest.engine:
         engine.scaler.scale = float(manifest.engine["loss_scale"])
     engine.zero_grad()
     return dict(manifest.user)
 
 
-def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizer: ShardedOptimizer | None) -> list[str]:
+def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizers: list[ShardedOptimizer]) -> list[str]:
     needed: set[str] = set()
-    with_state = optimizer is not None and manifest.optimizer is not None
+    with_state = bool(optimizers) and manifest.optimizer is not None
     owners: dict[str, str] = (manifest.optimizer or {}).get("owners", {})
     for piece in engine.pieces:
         for file, s, e in manifest.slices[piece.name]:
             if s < piece.end and e > piece.start:
                 needed.add(file)
-                if with_state and not owners:
+                if with_state and piece.name not in owners:
                     needed.add(optim_file_for(file))
         if with_state and piece.name in owners:
             needed.add(owners[piece.name])
-    if with_state and optimizer is not None and optimizer.whole_step is not None:
-        needed |= owned_files(optimizer.whole_step, manifest)
+    for optimizer in optimizers if with_state else []:
+        if optimizer.whole_step is not None:
+            needed |= owned_files(optimizer.whole_step, manifest)
     if manifest.buffers:
         needed.add(BUFFERS_FILE)
     return sorted(needed)
@@ -135,24 +139,39 @@ def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path
             raise ValueError(f"{directory}/hf_zero_manifest.json covers {covered} elements of {name}; the index is damaged.")
 
 
-def _check_optimizer_matches(manifest: Manifest, optimizer: ShardedOptimizer | None, directory: Path) -> None:
-    if optimizer is None:
+def optimizer_parts(manifest: Manifest) -> list[dict[str, Any]]:
+    """The class and param groups of each optimizer the checkpoint holds state of (none, one, or several)."""
+    if manifest.optimizer is None:
+        return []
+    return list(manifest.optimizer.get("parts") or [manifest.optimizer])
+
+
+def _check_optimizer_matches(manifest: Manifest, optimizers: list[ShardedOptimizer], directory: Path) -> None:
+    if not optimizers:
         return
     if manifest.optimizer is None:
         raise ValueError(f"The checkpoint at {directory} holds no optimizer state; load it with optimizer=None.")
-    saved_class = manifest.optimizer["class"]
-    if saved_class != type(optimizer.optimizer).__name__:
+    parts = optimizer_parts(manifest)
+    if len(parts) != len(optimizers):
         raise ValueError(
-            f"The checkpoint at {directory} holds {saved_class} state but the optimizer is "
-            f"{type(optimizer.optimizer).__name__}; build the same optimizer class to resume."
+            f"The checkpoint at {directory} holds the state of {len(parts)} optimizer(s) "
+            f"({', '.join(p['class'] for p in parts)}); {len(optimizers)} were given. Pass the same optimizers, in "
+            "the order they were saved."
         )
-    saved_groups = [g["params"] for g in manifest.optimizer["param_groups"]]
-    if saved_groups != optimizer.group_param_names:
-        raise ValueError(
-            f"The optimizer's param groups differ from the checkpoint's at {directory} ({len(saved_groups)} saved "
-            f"group(s) vs {len(optimizer.group_param_names)}, or other parameters in them); build the optimizer "
-            "with the same groups to resume."
-        )
+    for optimizer, part in zip(optimizers, parts):
+        saved_class = part["class"]
+        if saved_class != type(optimizer.optimizer).__name__:
+            raise ValueError(
+                f"The checkpoint at {directory} holds {saved_class} state but the optimizer is "
+                f"{type(optimizer.optimizer).__name__}; build the same optimizer class to resume."
+            )
+        saved_groups = [g["params"] for g in part["param_groups"]]
+        if saved_groups != optimizer.group_param_names:
+            raise ValueError(
+                f"The optimizer's param groups differ from the checkpoint's at {directory} ({len(saved_groups)} saved "
+                f"group(s) vs {len(optimizer.group_param_names)}, or other parameters in them); build the optimizer "
+                "with the same groups to resume."
+            )
 
 
 def _load_buffers(model: nn.Module, manifest: Manifest, cache: FileCache) -> None:
@@ -165,9 +184,10 @@ def _load_buffers(model: nn.Module, manifest: Manifest, cache: FileCache) -> Non
             live[name].copy_(handle.get_tensor(name))
 
 
-def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: Manifest, cache: FileCache) -> None:
+def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, part: dict[str, Any], manifest: Manifest,
+                    cache: FileCache) -> None:
     saved = manifest.optimizer or {}
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+    for group, saved_group in zip(optimizer.param_groups, part["param_groups"]):
         for key, value in saved_group.items():
             if key != "params":
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
@@ -179,7 +199,7 @@ def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, manifest: M
     group_of = {id(t): g for g in inner.param_groups for t in g["params"]}
     for piece in engine.pieces:
         kinds = saved["state"].get(piece.name)
-        if kinds:
+        if kinds and piece.optim_params and id(piece.optim_params[0]) in group_of:  # another optimizer's: skipped
             whole, flat = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
             if engine.disk is not None and engine.disk.holds(piece.unit):  # [Note: disk offload]: into the files
                 at = engine.disk.offset_of(piece)

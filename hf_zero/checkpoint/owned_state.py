@@ -93,11 +93,14 @@ def load_owned(whole: WholeStep, optimizer: torch.optim.Optimizer, manifest: Man
         optimizer.state[stand_in] = state
 
 
-def check_flat_loadable(manifest: Manifest, cache: FileCache) -> None:
-    """Raise unless every state tensor saved whole by an owner is a scalar or has its parameter's size, so that
-    the flat path can cut it into pieces (checked before anything is loaded, on every rank alike)."""
+def check_flat_loadable(manifest: Manifest, cache: FileCache, names: set[str]) -> None:
+    """Raise unless every state tensor of the parameters `names` (those a flat-path optimizer loads) saved whole by
+    an owner is a scalar or has its parameter's size, so that the flat path can cut it into pieces (checked before
+    anything is loaded, on every rank alike)."""
     saved = manifest.optimizer or {}
     for name, file in saved.get("owners", {}).items():
+        if name not in names:
+            continue
         for key, kind in saved["state"].get(name, {}).items():
             if kind != PARAM:
                 continue

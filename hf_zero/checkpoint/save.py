@@ -19,7 +19,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from ..engine.collectives import CommGroup, agreement, broadcast_object, failed_
 from ..engine.disk import MASTER
 from ..engine.engine import Piece, ZeroEngine
 from ..engine.module import get_engine
-from ..engine.optim import ShardedOptimizer
+from ..engine.optim import ShardedOptimizer, sharded_list
 from .format import (
     BUFFERS_FILE,
     FORMAT_VERSION,
@@ -52,7 +52,7 @@ from .stream import Entry, host_pieces, write_streamed
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
-    optimizer: ShardedOptimizer | None = None,
+    optimizer: ShardedOptimizer | Sequence[ShardedOptimizer] | None = None,
     *,
     tokenizer: Any = None,
     metadata: dict[str, Any] | None = None,
@@ -68,7 +68,8 @@ def save_checkpoint(
             Every rank must see the same filesystem at this path.
         model (`nn.Module`): a model returned by `hf_zero.initialize`. Its `config` and
             `generation_config`, when it has them, are saved beside the shards.
-        optimizer (`ShardedOptimizer`, *optional*): its state and param groups are saved too.
+        optimizer (`ShardedOptimizer` or a list or tuple of them, *optional*): its state and param groups are
+            saved too (for several optimizers, each one's groups; the state keyed by parameter name).
         tokenizer (*optional*): saved with its `save_pretrained`, for consolidation.
         metadata (`dict`, *optional*): JSON-serializable values stored in the manifest
             (e.g. `{"step": 1000}`) and returned by `load_checkpoint`.
@@ -90,8 +91,7 @@ def save_checkpoint(
     world = engine.world
     target = Path(path)
     with agreement(world, "hf_zero.save_checkpoint"):  # arguments may differ between ranks: agree first
-        if optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
-            raise TypeError("save_checkpoint expects the optimizer returned by hf_zero.initialize.")
+        optimizers = sharded_list(optimizer, "save_checkpoint")
         _check_json(metadata)
     engine.hooks.wait_reductions()
     token = broadcast_object(uuid.uuid4().hex[:12], world)
@@ -101,7 +101,7 @@ def save_checkpoint(
     error: BaseException | None = None
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        record = _write_rank_files(staging, model, engine, optimizer)
+        record = _write_rank_files(staging, model, engine, optimizers)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         error = e
     _raise_if_failed(error, world, staging, "write its shards to", target)
@@ -110,7 +110,7 @@ def save_checkpoint(
     with agreement(world, f"hf_zero.save_checkpoint (commit of {target}; nothing was replaced)"):
         if world.rank == 0:
             try:
-                manifest = _manifest(model, engine, optimizer, records, metadata)
+                manifest = _manifest(model, engine, optimizers, records, metadata)
                 save_hf_files(model, tokenizer, staging)
                 write_bytes_atomically(staging / MANIFEST, manifest.to_json().encode())
                 _swap_into_place(staging, target, token)
@@ -133,7 +133,7 @@ def _raise_if_failed(error: BaseException | None, world: CommGroup, staging: Pat
     raise_if_any_failed(error, world, "hf_zero.save_checkpoint")
 
 
-def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer | None) -> dict[str, Any]:
+def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optimizers: list[ShardedOptimizer]) -> dict[str, Any]:
     record: dict[str, Any] = {"files": {}, "slices": {}, "state": {}}
     if engine.world.rank == 0:
         buffers = engine.module_state(with_params=False)
@@ -148,11 +148,18 @@ def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optim
     header = {"kind": "model", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank, "slices": slices}
     _write_streamed(staging, mfile, masters, header, record)
     record["slices"] = {name: [mfile, s, e] for name, (s, e) in slices.items()}
-    if optimizer is not None:
-        if optimizer.whole_step is not None:  # [Note: owned optimizer state]
-            state_entries, kinds, record["owners"] = owned_entries(optimizer.whole_step, optimizer.optimizer, optim_file(rank, size))
-        else:
-            state_entries, kinds = _optimizer_pieces(engine, optimizer)
+    if optimizers:
+        state_entries: list[Entry] = []
+        kinds: dict[str, dict[str, str]] = {}
+        record["owners"] = {}
+        for optimizer in optimizers:  # over disjoint parameters: one file, keyed by parameter name
+            if optimizer.whole_step is not None:  # [Note: owned optimizer state]
+                entries, more, owners = owned_entries(optimizer.whole_step, optimizer.optimizer, optim_file(rank, size))
+                record["owners"].update(owners)
+            else:
+                entries, more = _optimizer_pieces(engine, optimizer)
+            state_entries += entries
+            kinds.update(more)
         header = {"kind": "optimizer", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank,
                   "slices": slices, "state": kinds}
         _write_streamed(staging, optim_file(rank, size), state_entries, header, record)
@@ -220,7 +227,7 @@ def _write_safetensors(staging: Path, name: str, tensors: dict[str, torch.Tensor
     record["files"][name] = {"bytes": final.stat().st_size, "sha256": sha256_of(final)}
 
 
-def _manifest(model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer | None,
+def _manifest(model: nn.Module, engine: ZeroEngine, optimizers: list[ShardedOptimizer],
               records: list[dict[str, Any]], metadata: dict[str, Any] | None) -> Manifest:
     params: dict[str, dict[str, Any]] = {}
     for unit in engine.units:
@@ -243,13 +250,16 @@ def _manifest(model: nn.Module, engine: ZeroEngine, optimizer: ShardedOptimizer 
     for entries in slices.values():
         entries.sort(key=lambda e: e[1])
     optim = None
-    if optimizer is not None:
-        groups = []
-        for group, names in zip(optimizer.param_groups, optimizer.group_param_names):
-            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
-            groups.append({**_jsonable(hyper), "params": names})
-        optim = {"class": type(optimizer.optimizer).__name__, "param_groups": groups, "state": state}
-        if optimizer.steps_whole_parameters:
+    if optimizers:
+        parts = []
+        for optimizer in optimizers:
+            groups = []
+            for group, names in zip(optimizer.param_groups, optimizer.group_param_names):
+                hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+                groups.append({**_jsonable(hyper), "params": names})
+            parts.append({"class": type(optimizer.optimizer).__name__, "param_groups": groups})
+        optim = {**parts[0], "state": state} if len(parts) == 1 else {"parts": parts, "state": state}
+        if any(o.steps_whole_parameters for o in optimizers):
             optim["owners"] = owners
     engine_state = {"loss_scale": engine.scaler.scale} if engine.scaler is not None else {}
     return Manifest(stage=engine.config.stage, world_size=engine.world.size, params=params, slices=slices,

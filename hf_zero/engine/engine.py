@@ -180,6 +180,8 @@ class ZeroEngine:
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.attached: list[Attached] = []  # the inner optimizers, once attached ([Note: several optimizers])
         self._verdict: dict[int, list[bool]] | None = None  # this round of steps: the used parameters; {}: skip
+        self._zero_requests: set[int] = set()  # optimizers that called zero_grad this round ([Note: several optimizers])
+        self._partial_zero = False  # new gradients arrived while only some of them had
         self.pieces: list[Piece] = [  # this rank's
             piece for unit in self.units for piece in _pieces(unit, self.disk is not None and self.disk.holds(unit))
         ]
@@ -225,6 +227,7 @@ class ZeroEngine:
     def _mark_has_grads(self) -> None:
         self.has_grads = True
         self._verdict = None  # new gradients: the next step decides anew
+        self._partial_zero = self._partial_zero or bool(self._zero_requests)
 
     @property
     def defers_reduction_in_no_sync(self) -> bool:
@@ -257,6 +260,14 @@ class ZeroEngine:
             piece.unbind_grads()
         self.has_grads = False
         self._verdict = None
+        self._zero_requests, self._partial_zero = set(), False
+
+    def zero_grad_of(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.zero_grad()`: with one attached optimizer, drop the gradients; with several, once each of
+        them has asked since the last drop (the others still step on them, [Note: several optimizers])."""
+        self._zero_requests.add(id(optimizer))
+        if {id(a.optimizer) for a in self.attached} <= self._zero_requests:
+            self.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the sharded gradients by their global norm; returns the norm of the unsharded gradients."""
@@ -304,11 +315,20 @@ class ZeroEngine:
         the rest), each attached with its own path. Whether this round of steps happens (gradients reduced, no
         fp16 overflow) and which parameters got a gradient anywhere are decided once, by the first `step()`
         after new gradients, and reused by the others until `zero_grad` or the next reduction: the loss scale
-        moves once per round. Each step publishes the units its optimizer holds parameters of."""
+        moves once per round. Each step publishes the units its optimizer holds parameters of. The gradients
+        are dropped once every optimizer has called `zero_grad()` (so `opt1.step(); opt1.zero_grad();
+        opt2.step()` steps opt2 on its gradients); a backward after only some of them did is refused at the
+        next step."""
         self.hooks.wait_reductions()
         entry = self.attached_to(optimizer)
         if entry is None:
             raise RuntimeError(f"[rank {self.world.rank}] hf_zero: step() of an optimizer this model does not hold")
+        if self._partial_zero:
+            raise ValueError(
+                "A backward ran after only some of this model's optimizers called zero_grad(): their gradients are "
+                "shared flat buffers, dropped once every optimizer has called zero_grad() (or model.zero_grad()). Call "
+                "zero_grad() on every optimizer before the next backward."
+            )
         if self._verdict is None:
             ok = self.has_grads and (self.scaler is None or self.scaler.check_and_update(self.units, self.world))
             self._verdict = self._used_anywhere() if ok else {}

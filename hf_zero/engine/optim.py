@@ -267,9 +267,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the sharded (and any held unsharded) gradients of the model."""
+        """Zero the sharded (and any held unsharded) gradients of the model (with several optimizers: once each of
+        them has called it, [Note: several optimizers])."""
         self._check_attached("zero_grad")
-        self._engine.zero_grad()
+        self._engine.zero_grad_of(self.optimizer)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every rank's shards; returns that norm (equal to the unsharded one).
@@ -297,3 +298,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "state lives in the offload files ([Note: disk offload]); use hf_zero.save_checkpoint / "
                 "hf_zero.load_checkpoint, which stream it from and to the files."
             )
+
+
+def sharded_list(optimizer: Any, caller: str) -> list[ShardedOptimizer]:
+    """The sharded optimizers given to `caller` (a checkpoint function): none, one, or a list or tuple of them."""
+    optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not all(isinstance(o, ShardedOptimizer) for o in optimizers):
+        raise TypeError(f"{caller} expects the optimizer returned by hf_zero.initialize (or a list or tuple of them).")
+    return optimizers

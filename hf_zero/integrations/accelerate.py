@@ -121,7 +121,7 @@ class ZeroAccelerator(Accelerator):
         self.zero_config = self.zero_plugin.to_zero_config(str(requested).lower())
         super().__init__(*args, mixed_precision="no", **kwargs)
         self._zero_model: nn.Module | None = None
-        self._zero_optimizer: ShardedOptimizer | None = None
+        self._zero_optimizers: list[ShardedOptimizer] = []  # several over disjoint parameters: [Note: several optimizers]
 
     # ---- prepare ----------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
@@ -129,24 +129,22 @@ class ZeroAccelerator(Accelerator):
         optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
         if not modules:
             return super().prepare(*args, device_placement=device_placement)
-        if len(modules) > 1 or len(optimizers) > 1 or self._zero_model is not None:
+        if len(modules) > 1 or self._zero_model is not None:
             raise ValueError(
-                "ZeroAccelerator shards one model (with at most one optimizer) per accelerator; prepare them in one call."
+                "ZeroAccelerator shards one model (with its optimizers) per accelerator; prepare them in one call."
             )
         items = list(args)
-        optimizer = items[optimizers[0]] if optimizers else None
-        if isinstance(optimizer, AcceleratedOptimizer):
-            optimizer = optimizer.optimizer
-        model, sharded = initialize(items[modules[0]], optimizer, self.zero_config)
+        inner = [o.optimizer if isinstance(o, AcceleratedOptimizer) else o for o in (items[i] for i in optimizers)]
+        model, sharded = initialize(items[modules[0]], inner or None, self.zero_config)
         items[modules[0]] = model
-        self._zero_model, self._zero_optimizer = model, sharded
-        if sharded is not None:
-            items[optimizers[0]] = _ShardedAcceleratedOptimizer(sharded, device_placement=False, scaler=None)
+        self._zero_model, self._zero_optimizers = model, list(sharded or [])
+        for i, each in zip(optimizers, self._zero_optimizers):
+            items[i] = _ShardedAcceleratedOptimizer(each, device_placement=False, scaler=None)
         return super().prepare(*items, device_placement=device_placement)
 
     # ---- gradients --------------------------------------------------------------------------
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2) -> torch.Tensor:
-        if self._zero_optimizer is None or self._zero_model is None:
+        if not self._zero_optimizers or self._zero_model is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         engine = get_engine(self._zero_model)
@@ -156,7 +154,7 @@ class ZeroAccelerator(Accelerator):
                 "clip_grad_norm_ got parameters that are not the sharded model's; pass model.parameters() of the "
                 "model ZeroAccelerator prepared (its norm is taken over every rank's gradient shards)."
             )
-        return self._zero_optimizer.clip_grad_norm_(max_norm, norm_type)
+        return self._zero_optimizers[0].clip_grad_norm_(max_norm, norm_type)  # over the model: every optimizer's
 
     # ---- full weights -----------------------------------------------------------------------
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
@@ -178,7 +176,8 @@ class ZeroAccelerator(Accelerator):
         """Hide the sharded model and optimizer from Accelerate's own state files (they are saved sharded)."""
         models, optimizers = list(self._models), list(self._optimizers)
         self._models = [m for m in models if m is not self._zero_model]
-        self._optimizers = [o for o in optimizers if getattr(o, "optimizer", None) is not self._zero_optimizer]
+        ours = {id(o) for o in self._zero_optimizers}
+        self._optimizers = [o for o in optimizers if id(getattr(o, "optimizer", None)) not in ours]
         try:
             yield
         finally:
@@ -190,7 +189,7 @@ class ZeroAccelerator(Accelerator):
         with self._without_engine_objects():
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         directory = str(location or output_dir)
-        save_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR), self._zero_model, self._zero_optimizer,
+        save_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR), self._zero_model, self._optimizer_arg(),
                         metadata={"step": self.step})
         return directory
 
@@ -201,8 +200,14 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("ZeroAccelerator.load_state needs the checkpoint directory (input_dir).")
         with self._without_engine_objects():
             super().load_state(input_dir, load_kwargs, **kwargs)
-        load_checkpoint(os.path.join(input_dir, CHECKPOINT_SUBDIR), self._zero_model, self._zero_optimizer)
+        load_checkpoint(os.path.join(input_dir, CHECKPOINT_SUBDIR), self._zero_model, self._optimizer_arg())
+
+    def _optimizer_arg(self) -> ShardedOptimizer | list[ShardedOptimizer] | None:
+        """The prepared optimizers as the checkpoint functions take them (one saves as one, several as a list)."""
+        if len(self._zero_optimizers) == 1:
+            return self._zero_optimizers[0]
+        return list(self._zero_optimizers) or None
 
     def free_memory(self, *objects: Any) -> Any:
-        self._zero_model = self._zero_optimizer = None
+        self._zero_model, self._zero_optimizers = None, []
         return super().free_memory(*objects)
