@@ -221,7 +221,7 @@ def attach_optimizer(model: nn.Module, optimizer: Any) -> Any:
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.attach_optimizer")
-    engine.release_optimizer()  # a model outlives its optimizer (a second Trainer): the first one lets go
+    engine.steps.release()  # a model outlives its optimizer (a second Trainer): the first one lets go
     return shard_optimizers(optimizer, engine)
 
 

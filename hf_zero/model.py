@@ -188,7 +188,7 @@ class ZeroModel:
         ```
         """
         engine = self.zero_engine
-        if engine.attached:
+        if engine.steps.attached:
             raise ValueError(
                 "resize_token_embeddings replaces the embedding parameters, which the attached optimizer holds. "
                 "Resize before building the optimizer (hf_zero.initialize(model, None, config), resize, then "
@@ -212,7 +212,7 @@ def unshard_and_detach(model: nn.Module) -> ZeroEngine:
     """Make a sharded `model` a plain module again (whole parameters, its own class) and let its engine go
     (offload files closed); returns that engine, for its settings."""
     engine = get_engine(model)
-    engine.release_optimizer()
+    engine.steps.release()
     unshard_model(engine)
     detach(model)
     if engine.disk is not None:

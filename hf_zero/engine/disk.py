@@ -299,7 +299,7 @@ class DiskOffload:
     # ---- the optimizer step -------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, used: dict[int, list[bool]]) -> None:
         """Step `optimizer` window by window over the files and publish each window's new values into its
-        units' compute parameters ([Note: disk offload]); `used` as in `ZeroEngine._used_anywhere`."""
+        units' compute parameters ([Note: disk offload]); `used` as in `OptimizerSteps._used_anywhere` (stepping.py)."""
         self.drain()
         groups = optimizer.param_groups
         full = [g["params"] for g in groups]

@@ -22,12 +22,12 @@ from .flat import FlatUnit, grad_slab, transient_nbytes
 from .layout import FlatLayout
 from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
-from .pool import BufferPool, mapped_temporaries, release_free_host_memory
+from .pool import BufferPool
 from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
 from .units import UnitSpec
-from .whole import WholeStep
+from .stepping import OptimizerSteps
 
 
 OPTIMIZER_CHUNK_NUMEL = 1 << 22  # [Note: optimizer chunks]: at most 16 MiB of fp32 per optimizer tensor
@@ -88,16 +88,6 @@ class Piece:
     def unbind_grads(self) -> None:
         for t in self.optim_params:
             t.grad = None
-
-
-@dataclass(frozen=True)
-class Attached:
-    """An optimizer attached to the engine ([Note: several optimizers]): its whole-parameter path if it takes
-    that one ([Note: whole-parameter step]), and the units whose parameters it steps."""
-
-    optimizer: torch.optim.Optimizer
-    whole: WholeStep | None
-    units: tuple[FlatUnit, ...]
 
 
 @dataclass(frozen=True)
@@ -178,10 +168,7 @@ class ZeroEngine:
         self.hooks.on_reduced = self._mark_has_grads
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
-        self.attached: list[Attached] = []  # the inner optimizers, once attached ([Note: several optimizers])
-        self._verdict: dict[int, list[bool]] | None = None  # this round of steps: the used parameters; {}: skip
-        self._zero_requests: set[int] = set()  # optimizers that called zero_grad this round ([Note: several optimizers])
-        self._partial_zero = False  # new gradients arrived while only some of them had
+        self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
         self.pieces: list[Piece] = [  # this rank's
             piece for unit in self.units for piece in _pieces(unit, self.disk is not None and self.disk.holds(unit))
         ]
@@ -226,8 +213,7 @@ class ZeroEngine:
 
     def _mark_has_grads(self) -> None:
         self.has_grads = True
-        self._verdict = None  # new gradients: the next step decides anew
-        self._partial_zero = self._partial_zero or bool(self._zero_requests)
+        self.steps.on_reduced()
 
     @property
     def defers_reduction_in_no_sync(self) -> bool:
@@ -259,15 +245,7 @@ class ZeroEngine:
         for piece in self.pieces:
             piece.unbind_grads()
         self.has_grads = False
-        self._verdict = None
-        self._zero_requests, self._partial_zero = set(), False
-
-    def zero_grad_of(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer.zero_grad()`: with one attached optimizer, drop the gradients; with several, once each of
-        them has asked since the last drop (the others still step on them, [Note: several optimizers])."""
-        self._zero_requests.add(id(optimizer))
-        if {id(a.optimizer) for a in self.attached} <= self._zero_requests:
-            self.zero_grad()
+        self.steps.on_zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the sharded gradients by their global norm; returns the norm of the unsharded gradients."""
@@ -291,95 +269,6 @@ class ZeroEngine:
             for g in shards:
                 g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return total
-
-    # ---- optimizer step ---------------------------------------------------------------------
-    def attach(self, entry: Attached) -> None:
-        """Add an optimizer to the ones that step this model ([Note: several optimizers])."""
-        self.attached.append(entry)
-
-    def attached_to(self, optimizer: torch.optim.Optimizer) -> Attached | None:
-        """The entry of an attached optimizer, or None (never attached, or released)."""
-        return next((a for a in self.attached if a.optimizer is optimizer), None)
-
-    def release_optimizer(self) -> None:
-        """Forget the attached optimizers (their state freed; they refuse to step): newer ones are being attached."""
-        for entry in self.attached:
-            entry.optimizer.state.clear()
-        self.attached = []
-
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped.
-
-        [Note: several optimizers]
-        A model may be stepped by several optimizers over disjoint parameters (Muon on the matrices, AdamW on
-        the rest), each attached with its own path. Whether this round of steps happens (gradients reduced, no
-        fp16 overflow) and which parameters got a gradient anywhere are decided once, by the first `step()`
-        after new gradients, and reused by the others until `zero_grad` or the next reduction: the loss scale
-        moves once per round. Each step publishes the units its optimizer holds parameters of. The gradients
-        are dropped once every optimizer has called `zero_grad()` (so `opt1.step(); opt1.zero_grad();
-        opt2.step()` steps opt2 on its gradients); a backward after only some of them did is refused at the
-        next step."""
-        self.hooks.wait_reductions()
-        entry = self.attached_to(optimizer)
-        if entry is None:
-            raise RuntimeError(f"[rank {self.world.rank}] hf_zero: step() of an optimizer this model does not hold")
-        if self._partial_zero:
-            raise ValueError(
-                "A backward ran after only some of this model's optimizers called zero_grad(): their gradients are "
-                "shared flat buffers, dropped once every optimizer has called zero_grad() (or model.zero_grad()). Call "
-                "zero_grad() on every optimizer before the next backward."
-            )
-        if self._verdict is None:
-            ok = self.has_grads and (self.scaler is None or self.scaler.check_and_update(self.units, self.world))
-            self._verdict = self._used_anywhere() if ok else {}
-        used = self._verdict
-        if not used:
-            return False
-        on_disk = self.disk is not None
-        for piece in self.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
-            if not (on_disk and self.disk.holds(piece.unit)):
-                piece.bind_grads(used[id(piece.unit)][piece.slot_index])
-        if entry.whole is not None:  # [Note: whole-parameter step]; masters on disk read and written by range
-            entry.whole.step(optimizer, used)
-        elif self.disk is not None:  # [Note: disk offload]: stepped window by window, published as it goes
-            with mapped_temporaries():  # [Note: host heap]
-                self.disk.step(optimizer, used)
-        else:
-            optimizer.step()
-        published = [
-            unit.gather_persistent(async_op=True) if self.disk is not None and self.disk.holds(unit)
-            else unit.publish_master(async_op=True) for unit in entry.units
-        ]
-        for pending in published:
-            pending.wait()
-        if any(unit.master_device.type == "cpu" for unit in self.units):
-            release_free_host_memory()  # [Note: host heap]
-        self.release_gathered()  # no copy gathered before the step is used after it
-        return True
-
-    def publish_masters(self) -> None:
-        """Publish every unit's master shard into its parameters after the optimizer moved the masters outside
-        `step` (schedule-free's `train()` / `eval()`), and drop every copy gathered before."""
-        self.hooks.wait_reductions()
-        for pending in [unit.publish_master(async_op=True) for unit in self.units]:
-            pending.wait()
-        self.release_gathered()
-
-    def _used_anywhere(self) -> dict[int, list[bool]]:
-        """[Note: unused parameters]
-        A parameter that no rank's backward reached since `zero_grad` (an expert no token was routed
-        to, a block LayerDrop skipped, a pooler the loss does not use) has no gradient in unsharded
-        training, and the optimizer skips it: no weight decay, no moment update. Its unit's reduced
-        shard holds zeros for it instead, so the ranks agree, with one small all-reduce per optimizer
-        step, on which parameters got a gradient anywhere, and the others keep `.grad = None`."""
-        flags = torch.tensor([int(u) for unit in self.units for u in unit.used], dtype=torch.int32, device=comm_device(self.world))
-        if self.world.size > 1:
-            max_scalar_(flags, self.world)
-        out, offset = {}, 0
-        for unit in self.units:
-            out[id(unit)] = [bool(f) for f in flags[offset : offset + len(unit.params)].tolist()]
-            offset += len(unit.params)
-        return out
 
     def release_gathered(self) -> None:
         """Finish the reductions in flight and free every gathered unit (stage 3, prefetches included),
@@ -483,7 +372,7 @@ class ZeroEngine:
             count(category, t, placement)
         if self.disk is not None:  # [Note: disk offload]: masters and elementwise optimizer state
             parts["optimizer_states"]["disk"] = self.disk.files.nbytes
-        for entry in self.attached:
+        for entry in self.steps.attached:
             offloaded = self.config.offload_optimizer
             for state in entry.optimizer.state.values():
                 for v in state.values():

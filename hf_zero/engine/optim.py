@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .engine import Attached, ZeroEngine
+from .engine import ZeroEngine
+from .stepping import Attached
 from .optim_configs import carry_configs
 from .whole import COUPLED, WholeStep, is_elementwise
 
@@ -63,7 +64,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
         group_names.append(names)
     carry_configs(optimizer, moved, engine.compute_param)  # [Note: per-parameter optimizer configs]
     units = {id(unit): unit for unit, _ in (where[id(p)] for p in params)}
-    engine.attach(Attached(optimizer, whole, tuple(u for u in engine.units if id(u) in units)))
+    engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.units if id(u) in units)))
     return ShardedOptimizer(optimizer, engine, group_names)
 
 
@@ -191,7 +192,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def whole_step(self) -> WholeStep | None:
         """The optimizer's whole-parameter path on this rank ([Note: whole-parameter step]), or None (flat shards,
         or released)."""
-        entry = self._engine.attached_to(self.optimizer)
+        entry = self._engine.steps.attached_to(self.optimizer)
         return entry.whole if entry is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -210,7 +211,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_attached("step")
-        self.step_was_skipped = not self._engine.step(self.optimizer)
+        self.step_was_skipped = not self._engine.steps.step(self.optimizer)
         return loss
 
     def train(self) -> None:
@@ -256,10 +257,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         modes = [group.get("train_mode") for group in self.param_groups]
         switch()
         if None in modes or modes != [group.get("train_mode") for group in self.param_groups]:
-            engine.publish_masters()  # the masters moved: into the parameters, and no stale gathered copy
+            engine.steps.publish_masters()  # the masters moved: into the parameters, and no stale gathered copy
 
     def _check_attached(self, what: str) -> None:
-        if self._engine.attached_to(self.optimizer) is None:
+        if self._engine.steps.attached_to(self.optimizer) is None:
             raise RuntimeError(
                 f"[rank {self._engine.world.rank}] hf_zero: optimizer.{what}() on an optimizer that was released "
                 "when another one was attached to the same model (a second ZeroTrainer, hf_zero.initialize or "
@@ -270,7 +271,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Zero the sharded (and any held unsharded) gradients of the model (with several optimizers: once each of
         them has called it, [Note: several optimizers])."""
         self._check_attached("zero_grad")
-        self._engine.zero_grad_of(self.optimizer)
+        self._engine.steps.zero_grad_of(self.optimizer)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every rank's shards; returns that norm (equal to the unsharded one).

@@ -1,0 +1,147 @@
+"""`OptimizerSteps`: the optimizers attached to a sharded model and how a round of their steps runs.
+
+[Note: several optimizers]
+A model may be stepped by several optimizers over disjoint parameters (Muon on the matrices, AdamW on
+the rest), each attached with its own path (flat shards, [Note: optimizer shards]; whole parameters,
+[Note: whole-parameter step]). Whether a round of steps happens (gradients reduced, no fp16 overflow)
+and which parameters got a gradient anywhere are decided once, by the first `step()` after new
+gradients, and reused by the others until `zero_grad` or the next reduction: the loss scale moves once
+per round. Each step publishes the units its optimizer holds parameters of. The gradients are dropped
+once every optimizer has called `zero_grad()` (so `opt1.step(); opt1.zero_grad(); opt2.step()` steps
+opt2 on its gradients); a backward after only some of them did is refused at the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .collectives import comm_device, max_scalar_
+from .flat import FlatUnit
+from .pool import mapped_temporaries, release_free_host_memory
+from .whole import WholeStep
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+
+@dataclass(frozen=True)
+class Attached:
+    """An optimizer attached to the engine: its whole-parameter path if it takes that one ([Note: whole-parameter
+    step]), and the units whose parameters it steps."""
+
+    optimizer: torch.optim.Optimizer
+    whole: WholeStep | None
+    units: tuple[FlatUnit, ...]
+
+
+class OptimizerSteps:
+    """The optimizers attached to one engine, the verdict of the current round of steps, and who asked to drop
+    the gradients ([Note: several optimizers])."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        self.engine = engine
+        self.attached: list[Attached] = []
+        self._verdict: dict[int, list[bool]] | None = None  # this round: the used parameters; {}: skip the round
+        self._zero_requests: set[int] = set()  # optimizers that called zero_grad this round
+        self._partial_zero = False  # new gradients arrived while only some of them had
+
+    def on_reduced(self) -> None:
+        """New gradients reached the shards: the next step decides anew."""
+        self._verdict = None
+        self._partial_zero = self._partial_zero or bool(self._zero_requests)
+
+    def on_zero_grad(self) -> None:
+        """The gradients were dropped."""
+        self._verdict = None
+        self._zero_requests, self._partial_zero = set(), False
+
+    def zero_grad_of(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.zero_grad()`: with one attached optimizer, drop the gradients; with several, once each of
+        them has asked since the last drop (the others still step on them)."""
+        self._zero_requests.add(id(optimizer))
+        if {id(a.optimizer) for a in self.attached} <= self._zero_requests:
+            self.engine.zero_grad()
+
+    def attach(self, entry: Attached) -> None:
+        """Add an optimizer to the ones that step this model ([Note: several optimizers])."""
+        self.attached.append(entry)
+
+    def attached_to(self, optimizer: torch.optim.Optimizer) -> Attached | None:
+        """The entry of an attached optimizer, or None (never attached, or released)."""
+        return next((a for a in self.attached if a.optimizer is optimizer), None)
+
+    def release(self) -> None:
+        """Forget the attached optimizers (their state freed; they refuse to step): newer ones are being attached."""
+        for entry in self.attached:
+            entry.optimizer.state.clear()
+        self.attached = []
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped."""
+        engine = self.engine
+        engine.hooks.wait_reductions()
+        entry = self.attached_to(optimizer)
+        if entry is None:
+            raise RuntimeError(f"[rank {engine.world.rank}] hf_zero: step() of an optimizer this model does not hold")
+        if self._partial_zero:
+            raise ValueError(
+                "A backward ran after only some of this model's optimizers called zero_grad(): their gradients are "
+                "shared flat buffers, dropped once every optimizer has called zero_grad() (or model.zero_grad()). Call "
+                "zero_grad() on every optimizer before the next backward."
+            )
+        if self._verdict is None:
+            ok = engine.has_grads and (engine.scaler is None or engine.scaler.check_and_update(engine.units, engine.world))
+            self._verdict = self._used_anywhere() if ok else {}
+        used = self._verdict
+        if not used:
+            return False
+        on_disk = engine.disk is not None
+        for piece in engine.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
+            if not (on_disk and engine.disk.holds(piece.unit)):
+                piece.bind_grads(used[id(piece.unit)][piece.slot_index])
+        if entry.whole is not None:  # [Note: whole-parameter step]; masters on disk read and written by range
+            entry.whole.step(optimizer, used)
+        elif engine.disk is not None:  # [Note: disk offload]: stepped window by window, published as it goes
+            with mapped_temporaries():  # [Note: host heap]
+                engine.disk.step(optimizer, used)
+        else:
+            optimizer.step()
+        published = [
+            unit.gather_persistent(async_op=True) if engine.disk is not None and engine.disk.holds(unit)
+            else unit.publish_master(async_op=True) for unit in entry.units
+        ]
+        for pending in published:
+            pending.wait()
+        if any(unit.master_device.type == "cpu" for unit in engine.units):
+            release_free_host_memory()  # [Note: host heap]
+        engine.release_gathered()  # no copy gathered before the step is used after it
+        return True
+
+    def publish_masters(self) -> None:
+        """Publish every unit's master shard into its parameters after the optimizer moved the masters outside
+        `step` (schedule-free's `train()` / `eval()`), and drop every copy gathered before."""
+        engine = self.engine
+        engine.hooks.wait_reductions()
+        for pending in [unit.publish_master(async_op=True) for unit in engine.units]:
+            pending.wait()
+        engine.release_gathered()
+
+    def _used_anywhere(self) -> dict[int, list[bool]]:
+        """[Note: unused parameters]
+        A parameter that no rank's backward reached since `zero_grad` (an expert no token was routed
+        to, a block LayerDrop skipped, a pooler the loss does not use) has no gradient in unsharded
+        training, and the optimizer skips it: no weight decay, no moment update. Its unit's reduced
+        shard holds zeros for it instead, so the ranks agree, with one small all-reduce per optimizer
+        step, on which parameters got a gradient anywhere, and the others keep `.grad = None`."""
+        engine = self.engine
+        flags = torch.tensor([int(u) for unit in engine.units for u in unit.used], dtype=torch.int32, device=comm_device(engine.world))
+        if engine.world.size > 1:
+            max_scalar_(flags, engine.world)
+        out, offset = {}, 0
+        for unit in engine.units:
+            out[id(unit)] = [bool(f) for f in flags[offset : offset + len(unit.params)].tolist()]
+            offset += len(unit.params)
+        return out
