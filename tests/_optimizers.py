@@ -167,3 +167,39 @@ def partial_zero_grad_error() -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+def schedule_free_outputs(stage: int | None, mixed_precision: str = "no") -> dict[str, Any]:
+    """schedulefree's AdamWScheduleFree (lr 1e-2): 3 steps, then the logits of a fixed batch after `eval()` (the
+    weights' average), after `train()` and one more step. `stage=None`: unsharded, in this process (the
+    reference); otherwise sharded (the global batch split over the ranks)."""
+    import schedulefree
+    import torch.distributed as dist
+
+    import hf_zero
+    from tests._training import make_model
+
+    model = make_model("llama")
+    opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=1e-2, warmup_steps=0)
+    rank, world = (0, 1) if stage is None else (dist.get_rank(), dist.get_world_size())
+    if stage is not None:
+        model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage, mixed_precision=mixed_precision))
+    data = torch.randint(0, 256, (5, 4, 16), generator=torch.Generator().manual_seed(0))
+    probe = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def train_step(step: int) -> None:
+        opt.train()
+        batch = data[step].chunk(world)[rank]
+        (model(input_ids=batch, labels=batch).loss * batch.shape[0] / data.shape[1] * world).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for step in range(3):
+        train_step(step)
+    opt.eval()
+    with torch.no_grad():
+        evaluated = model(input_ids=probe).logits.float()
+    train_step(3)
+    with torch.no_grad():
+        trained = model(input_ids=probe).logits.float()
+    return {"eval": evaluated.numpy(), "train": trained.numpy()}

@@ -137,6 +137,7 @@ def test_zero_stage_parsed_from_the_command_line():
         ({"zero_stage": 0, "zero_shard_group_size": 2}, "ZeroConfig.shard_group_size needs stage 1, 2 or 3"),
         ({"optim": "galore_adamw_layerwise", "optim_target_modules": ["mlp"]},
          "--optim galore_adamw_layerwise steps each parameter from a hook on it inside backward"),
+        ({"optim": "lomo"}, "--optim lomo updates each parameter inside backward"),
     ],
 )
 def test_refused_combinations(kwargs, message):
@@ -343,6 +344,7 @@ OPTIM_CHOICES = {  # --optim: what it builds and the path it takes; whether its 
     "adamw_8bit": ("bitsandbytes' AdamW8bit: blockwise quantized state, embeddings in 32 bits", True),
     "galore_adamw": ("GaLore: low-rank projections of the matrices, whole parameters", False),
     "apollo_adamw": ("APOLLO: random projections seeded per parameter at construction", False),
+    "adagrad": ("torch's Adagrad: flat shards, its accumulator set at construction", False),
 }
 
 

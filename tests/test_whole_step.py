@@ -17,8 +17,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests._optimizers import (load_on_flat_shards_error, partial_zero_grad_error, sharded_run_on_flat_shards,
-                               whole_step_memory)
+from tests._optimizers import (load_on_flat_shards_error, partial_zero_grad_error, schedule_free_outputs,
+                               sharded_run_on_flat_shards, whole_step_memory)
 from tests._training import Scenario, interrupted_run, reference_run, rel_err, same_global_batch, sharded_run
 
 OPTIMIZERS = {"torch_adafactor": 1e-2, "hf_adafactor": 1e-2, "lars": 1e-1, "muon_adamw": 1e-2, "muon_and_adamw": 1e-2}
@@ -193,3 +193,16 @@ def test_a_backward_after_a_partial_zero_grad_is_refused(pools):
     backward after only one did would add onto the old gradients: its step raises on every rank, saying what to do."""
     errors = pools(2).values(partial_zero_grad_error)
     assert all("Call zero_grad() on every optimizer before the next backward" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_schedule_free_eval_and_train_reach_the_parameters(pools, stage):
+    """schedulefree's eval() moves the weights to their average and train() back: through the sharded optimizer
+    both reach the master shards and every rank's compute parameters (stages 1-2: gathered again). The logits of a
+    probe batch after eval(), and after train() and a step, equal the unsharded run's (1e-5 relative, fp32)."""
+    ref = schedule_free_outputs(None)
+    got = pools(2).values(schedule_free_outputs, stage)[0]
+    tol = 1e-5
+    for key in ("eval", "train"):
+        assert rel_err(got[key], ref[key]) <= tol, (key, rel_err(got[key], ref[key]))
+    assert rel_err(ref["eval"], ref["train"]) > 100 * tol  # eval() moved the weights by far more than the bound

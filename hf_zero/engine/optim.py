@@ -45,18 +45,18 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
         pieces, names = [], []
         for j, original in enumerate(group["params"]):
             param = params[index]  # built over meta parameters or stand-ins: the engine's own
+            held: list[torch.Tensor] = []
             if whole is not None:
                 stand_in = whole.stand_in(index)
-                pieces.extend([stand_in] if stand_in is not None else [])
                 held = [stand_in] if stand_in is not None else []
+                for t in held if initial[index] else []:  # [Note: state set at construction]
+                    optimizer.state[t] = {k: _carried(v, t.device) for k, v in initial[index].items()}
             elif (piece := by_param.get(id(param))) is not None:  # in chunks ([Note: optimizer chunks]); `.grad` bound by each step
-                pieces.extend(piece.optim_params)
                 held = list(piece.optim_params)
-            else:
-                held = []
-            for t in held:  # state set at construction (APOLLO's projection seeds): each tensor stepped for the parameter
-                if initial[index]:
-                    optimizer.state[t] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in initial[index].items()}
+                for t, (a, b) in zip(held, piece.bounds) if initial[index] else []:  # [Note: state set at construction]
+                    span = (piece.start + a, piece.start + b)
+                    optimizer.state[t] = {k: _carried(v, t.device, span) for k, v in initial[index].items()}
+            pieces.extend(held)
             names.append(engine.name_of(param))
             moved.append((g, j, original, held))
             index += 1
@@ -80,11 +80,21 @@ def check_optimizer(
         )
     if isinstance(optimizer, ShardedOptimizer):
         raise ValueError("This optimizer is already sharded by hf_zero.initialize; pass the original optimizer once.")
-    if any(not _is_initial(s) for s in optimizer.state.values()):
+    if any(_has_stepped(s) for s in optimizer.state.values()):
         raise ValueError(
-            "The optimizer already holds state (tensors: it has taken a step). Call hf_zero.initialize before "
+            "The optimizer already holds state (it has taken a step). Call hf_zero.initialize before "
             "training, or load the state afterwards with hf_zero.load_checkpoint."
         )
+    for param, state in optimizer.state.items():  # [Note: state set at construction]
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or value.ndim == 0:
+                continue
+            if offload_dir is not None or (is_elementwise(optimizer) and value.numel() != param.numel()):
+                raise ValueError(
+                    f"{type(optimizer).__name__} set its state {key!r} (shape {tuple(value.shape)}) at construction, "
+                    + ("which ZeroConfig.offload_dir cannot place in its files: drop offload_dir." if offload_dir
+                       is not None else "which cannot be cut into flat shards: it is not the parameter's size.")
+                )
     name = type(optimizer).__name__
     if name in COUPLED:
         raise ValueError(
@@ -103,9 +113,24 @@ def check_optimizer(
                 )
 
 
-def _is_initial(state: dict[str, Any]) -> bool:
-    """Whether a parameter's optimizer state is what a constructor sets (numbers, 0-d tensors), not a step's."""
-    return all(not isinstance(v, torch.Tensor) or v.ndim == 0 for v in state.values())
+def _has_stepped(state: dict[str, Any]) -> bool:
+    """Whether a parameter's optimizer state records a step taken (a `step` count above 0)."""
+    step = state.get("step", 0)
+    return bool(step.item() > 0) if isinstance(step, torch.Tensor) else bool(step and step > 0)
+
+
+def _carried(value: Any, device: torch.device, span: tuple[int, int] | None = None) -> Any:
+    """[Note: state set at construction]
+    Some optimizers set per-parameter state in their constructor: APOLLO a projection seed, torch's Adagrad
+    its accumulator (`sum`, the parameter's size) and a zero step. That state moves with the parameter to
+    what steps it: whole to its owner's stand-in, or (`span`: the elements `[a, b)` of the flattened
+    parameter a flat chunk holds) cut to the chunk; numbers as they are, 0-d tensors copied. An optimizer
+    that has already stepped is refused instead (`check_optimizer`)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.ndim == 0 or span is None:
+        return value.clone() if value.ndim == 0 and value.device.type == "cpu" else value.to(device, copy=True)
+    return value.reshape(-1)[span[0] : span[1]].to(device, copy=True)
 
 
 def optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None) -> list[torch.optim.Optimizer]:

@@ -21,7 +21,8 @@ class _ZeroArguments:
     `accelerate launch --mixed_precision`), so it has one owner. The
     combinations that cannot work are refused here, before `torch.distributed` starts, with a
     message that says what to do instead: `--deepspeed` and `--fsdp` (and their Accelerate
-    environment switches), and the layer-wise `--optim` choices (`galore_adamw_layerwise`, ...).
+    environment switches), and the `--optim` choices that step inside backward (`lomo`, `adalomo`, the
+    layer-wise ones such as `galore_adamw_layerwise`).
 
     Example:
 
@@ -64,6 +65,12 @@ class _ZeroArguments:
                 "--fsdp and use --zero_stage 3 for full sharding."
             )
         optim = str(getattr(getattr(self, "optim", ""), "value", getattr(self, "optim", "")))
+        if optim in ("lomo", "adalomo"):
+            raise ValueError(
+                f"--optim {optim} updates each parameter inside backward from its unreduced gradient (fused "
+                "backward), which cannot step hf_zero's reduced shards. Use --optim adafactor or adamw_torch_8bit for "
+                "small optimizer state: with --zero_stage 3 each rank keeps 1/N of it."
+            )
         if optim.endswith("_layerwise"):
             raise ValueError(
                 f"--optim {optim} steps each parameter from a hook on it inside backward, before any reduction, so it "
