@@ -22,10 +22,17 @@ pytestmark = pytest.mark.device_agnostic
 STEPS, SAVE_AT = 5, 3
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("model", ["llama", "falcon"])
-def test_resume_same_world_is_bit_exact(pools, tmp_path, model, stage):
-    sc = Scenario(model=model, stage=stage, world=2, steps=STEPS)
+WHOLE_PARAMETER_CASES = [  # optimizers on whole parameters ([Note: owned optimizer state]); lr 1e-2
+    ("llama", 3, "torch_adafactor"), ("llama", 1, "muon_adamw"), ("llama", 2, "hf_adafactor"),
+    ("llama", 3, "muon_and_adamw"),  # two optimizers (Muon whole, AdamW flat) in one checkpoint
+]
+
+
+@pytest.mark.parametrize("model, stage, optimizer",
+                         [(m, s, "adamw") for m in ("llama", "falcon") for s in (1, 2, 3)] + WHOLE_PARAMETER_CASES)
+def test_resume_same_world_is_bit_exact(pools, tmp_path, model, stage, optimizer):
+    sc = Scenario(model=model, stage=stage, world=2, steps=STEPS, optimizer=optimizer,
+                  lr=1e-3 if optimizer == "adamw" else 1e-2)
     straight = pools(2).values(sharded_run, sc)[0]
     resumed = interrupted_run(pools, sc, sc, str(tmp_path / "ckpt"), SAVE_AT)
     assert resumed["losses"] == straight["losses"]
