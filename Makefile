@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf_zero-installed
 
-.PHONY: install demo parity-demo test gpu-check clean
+.PHONY: install demo parity-demo test lint gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,14 @@ parity-demo: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
 		examples/zero_parity_demo.py
 
-test: $(STAMP)
+test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
+
+# Lint, format and type checks of the package (settings in pyproject.toml); `make test` runs them first.
+lint: $(STAMP)
+	$(BIN)/ruff check
+	$(BIN)/ruff format --check
+	$(BIN)/mypy
 
 # The CUDA + NCCL path on a machine with NVIDIA GPUs: installs the CUDA build of the pinned torch in .venv-cuda,
 # runs the parity demo under torchrun on every GPU, the device-agnostic tests (parity, checkpoints, Trainer,

@@ -8,11 +8,18 @@ Example:
 ```
 """
 
-from .api import attach_optimizer, full_state_dict, gathered_parameters, initialize, model_state_memory, state_dict_options
+from .api import (
+    attach_optimizer,
+    full_state_dict,
+    gathered_parameters,
+    initialize,
+    model_state_memory,
+    state_dict_options,
+)
 from .checkpoint import consolidate, last_complete_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
-from .engine.whole import register_elementwise
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
+from .engine.whole import register_elementwise
 from .integrations.pretrained import from_pretrained
 
 __version__ = "0.1.0"
@@ -35,6 +42,7 @@ def __getattr__(name: str) -> object:
 
         return getattr(importlib.import_module(f".integrations.{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")
+
 
 __all__ = [
     "ModelStateMemory",

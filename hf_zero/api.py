@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterable, Iterator, Sequence, TypeVar, overload
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -13,27 +14,48 @@ from .checkpoint.pretrained import SafetensorsSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine, validate_model
-from .engine.full_state import gathered_parameters as _gathered, unique_params
+from .engine.full_state import gathered_parameters as _gathered
+from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded
-from .model import attach, unshard_and_detach
 from .engine.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.units import UnitSpec, units_for
+from .model import attach, unshard_and_detach
 
 M = TypeVar("M", bound=nn.Module)
 
 
 @overload
-def initialize(model: M, optimizer: None = None, config: ZeroConfig | None = None, *,
-               weights_from: str | os.PathLike[str] | None = None) -> tuple[M, None]: ...
+def initialize(
+    model: M,
+    optimizer: None = None,
+    config: ZeroConfig | None = None,
+    *,
+    weights_from: str | os.PathLike[str] | None = None,
+) -> tuple[M, None]: ...
 @overload
-def initialize(model: M, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None, *,
-               weights_from: str | os.PathLike[str] | None = None) -> tuple[M, ShardedOptimizer]: ...
+def initialize(
+    model: M,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig | None = None,
+    *,
+    weights_from: str | os.PathLike[str] | None = None,
+) -> tuple[M, ShardedOptimizer]: ...
 @overload
-def initialize(model: M, optimizer: list[torch.optim.Optimizer], config: ZeroConfig | None = None, *,
-               weights_from: str | os.PathLike[str] | None = None) -> tuple[M, list[ShardedOptimizer]]: ...
+def initialize(
+    model: M,
+    optimizer: list[torch.optim.Optimizer],
+    config: ZeroConfig | None = None,
+    *,
+    weights_from: str | os.PathLike[str] | None = None,
+) -> tuple[M, list[ShardedOptimizer]]: ...
 @overload
-def initialize(model: M, optimizer: tuple[torch.optim.Optimizer, ...], config: ZeroConfig | None = None, *,
-               weights_from: str | os.PathLike[str] | None = None) -> tuple[M, tuple[ShardedOptimizer, ...]]: ...
+def initialize(
+    model: M,
+    optimizer: tuple[torch.optim.Optimizer, ...],
+    config: ZeroConfig | None = None,
+    *,
+    weights_from: str | os.PathLike[str] | None = None,
+) -> tuple[M, tuple[ShardedOptimizer, ...]]: ...
 def initialize(
     model: M,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
@@ -123,8 +145,9 @@ def initialize(
     return model, shard_optimizers(optimizer, engine)
 
 
-def _initialize_again(model: M, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
-                      config: ZeroConfig | None) -> tuple[M, Any]:
+def _initialize_again(
+    model: M, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, config: ZeroConfig | None
+) -> tuple[M, Any]:
     """`initialize` on a model it already sharded (a second Trainer, a second script stage): under the same
     settings (or `config=None`) the engine stays and `optimizer` is attached to it, releasing the one before;
     under other settings the model is made whole and sharded anew."""
@@ -137,7 +160,7 @@ def _initialize_again(model: M, optimizer: torch.optim.Optimizer | Sequence[torc
         for group in each.param_groups:
             group["params"] = [engine.compute_param(p) for p in group["params"]]
     unshard_and_detach(model)
-    return initialize(model, optimizer, config)
+    return initialize(model, cast(Any, optimizer), config)  # one, several or none: the overloads cover each
 
 
 def _check_arguments(model: object, optimizer: object, config: object) -> None:
@@ -153,7 +176,9 @@ def _check_arguments(model: object, optimizer: object, config: object) -> None:
             )
 
 
-def full_state_dict(model: nn.Module, *, rank0_only: bool = True, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: nn.Module, *, rank0_only: bool = True, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Gather the full, unsharded state dict of a sharded model, one unit at a time.
 
     A collective: every rank must call it. Parameters come from the fp32 master shards (the

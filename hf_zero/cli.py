@@ -1,24 +1,31 @@
 """The `hf-zero` command.
 
-    hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]
-    hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L] [--micro-batch B]
-                     [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB] [--host-memory 1TB]
-                     [--disk 4TB]
+hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]
+hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L] [--micro-batch B]
+                 [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB] [--host-memory 1TB]
+                 [--disk 4TB]
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint.consolidate import consolidate
 
     files = consolidate(
-        args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        verify=not args.no_verify, progress=not args.quiet,
+        args.checkpoint,
+        args.output,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        verify=not args.no_verify,
+        progress=not args.quiet,
     )
     print(f"wrote {len(files)} weight file(s) to {args.output}: {', '.join(files)}")
     return 0
@@ -35,17 +42,27 @@ def _estimate(args: argparse.Namespace) -> int:
     device_memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     host_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
     disk = parse_size(args.disk, "--disk") if args.disk else None
-    workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
-                        gradient_checkpointing=args.gradient_checkpointing)
+    workload = Workload(
+        micro_batch=args.micro_batch, seq_len=args.seq_len, gradient_checkpointing=args.gradient_checkpointing
+    )
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
-    rows = estimate(model, hf_config, world_size=args.world_size, nodes=args.nodes, workload=workload,
-                    mixed_precision=mixed, optimizer=args.optimizer)
+    rows = estimate(
+        model,
+        hf_config,
+        world_size=args.world_size,
+        nodes=args.nodes,
+        workload=workload,
+        mixed_precision=mixed,
+        optimizer=args.optimizer,
+    )
     n = sum(p.numel() for p in model.parameters())
-    print(f"{type(model).__name__}: {n / 1e9:.2f}B parameters; {args.world_size} ranks on {args.nodes} node(s); "
-          f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, "
-          f"{'fp32 Adam on flat shards' if args.optimizer == 'adamw' else 'Adafactor on whole parameters'}; "
-          f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}{trainable_note}. "
-          "GiB per device / per node:")
+    print(
+        f"{type(model).__name__}: {n / 1e9:.2f}B parameters; {args.world_size} ranks on {args.nodes} node(s); "
+        f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, "
+        f"{'fp32 Adam on flat shards' if args.optimizer == 'adamw' else 'Adafactor on whole parameters'}; "
+        f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}{trainable_note}. "
+        "GiB per device / per node:"
+    )
     print(format_table(rows, device_memory, host_memory, disk))
     return 0
 
@@ -56,21 +73,31 @@ def _step_time(model: Any, hf_config: Any, args: argparse.Namespace) -> int:
     from .steptime import GPUS, Job, ModelShape, format_predictions
 
     hw = GPUS[args.gpu]
-    overrides = {"peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
-                 "compute_efficiency": args.compute_efficiency,
-                 "intra_node_bandwidth": args.intra_node_gbps and args.intra_node_gbps * 1e9,
-                 "inter_node_bandwidth": args.inter_node_gbps and args.inter_node_gbps * 1e9,
-                 "devices_per_node": args.world_size // args.nodes if args.nodes > 1 else None}
+    overrides = {
+        "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+        "compute_efficiency": args.compute_efficiency,
+        "intra_node_bandwidth": args.intra_node_gbps and args.intra_node_gbps * 1e9,
+        "inter_node_bandwidth": args.inter_node_gbps and args.inter_node_gbps * 1e9,
+        "devices_per_node": args.world_size // args.nodes if args.nodes > 1 else None,
+    }
     hw = replace(hw, **{k: v for k, v in overrides.items() if v})
     worlds = [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else [args.world_size]
     if any(w < 1 for w in worlds):
         raise ValueError(f"--world-sizes must be positive integers; got {args.world_sizes!r}.")
-    job = Job(world_size=worlds[0], micro_batch=args.micro_batch, seq_len=args.seq_len, accum=args.accum,
-              gradient_checkpointing=args.gradient_checkpointing, param_bytes=4 if args.dtype == "fp32" else 2,
-              reduce_bytes=4)
+    job = Job(
+        world_size=worlds[0],
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        accum=args.accum,
+        gradient_checkpointing=args.gradient_checkpointing,
+        param_bytes=4 if args.dtype == "fp32" else 2,
+        reduce_bytes=4,
+    )
     print(format_predictions(ModelShape.from_model(model, hf_config), job, hw, worlds))
-    print("Assumptions: hf_zero/steptime.py, [Note: step-time model]; validated against measured step times in "
-          "docs/performance.md.")
+    print(
+        "Assumptions: hf_zero/steptime.py, [Note: step-time model]; validated against measured step times in "
+        "docs/performance.md."
+    )
     return 0
 
 
@@ -96,10 +123,14 @@ def _trainable(model: Any, args: argparse.Namespace) -> str:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if trained == 0:
         raise ValueError("No parameter is trainable with these --trainable / --lora-rank settings.")
-    return "" if trained == total else f"; trainable {trained / 1e6:.1f}M of {total / 1e9:.2f}B (frozen weights in the compute dtype only)"
+    return (
+        ""
+        if trained == total
+        else f"; trainable {trained / 1e6:.1f}M of {total / 1e9:.2f}B (frozen weights in the compute dtype only)"
+    )
 
 
-def _meta_model(path: str) -> tuple[object, object]:
+def _meta_model(path: str) -> tuple[Any, nn.Module]:
     """A model built on the meta device from a config.json or a model directory (no weights read)."""
     import json
     import os
@@ -130,8 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("checkpoint", help="checkpoint directory written by hf_zero.save_checkpoint")
     c.add_argument("output", help="output directory for the Hugging Face model")
-    c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype of the written weights (default: the saved master dtype, fp32)")
+    c.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="dtype of the written weights (default: the saved master dtype, fp32)",
+    )
     c.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 500MB (default 5GB)")
     c.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the checkpoint files")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -145,17 +180,27 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--micro-batch", type=int, default=1, help="sequences per device per micro-batch")
     e.add_argument("--gradient-checkpointing", action="store_true")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype (default bf16)")
-    e.add_argument("--optimizer", choices=["adamw", "adafactor"], default="adamw",
-                   help="adamw: two moments on flat shards; adafactor: factored moments on whole parameters, each on "
-                        "the rank that owns it (default adamw)")
+    e.add_argument(
+        "--optimizer",
+        choices=["adamw", "adafactor"],
+        default="adamw",
+        help="adamw: two moments on flat shards; adafactor: factored moments on whole parameters, each on "
+        "the rank that owns it (default adamw)",
+    )
     e.add_argument("--device-memory", default=None, help="device size, e.g. 80GB: adds a 'fits' column")
     e.add_argument("--host-memory", default=None, help="host memory per node, e.g. 1TB: counted in 'fits'")
     e.add_argument("--disk", default=None, help="free disk per node for offload_dir, e.g. 4TB: counted in 'fits'")
-    e.add_argument("--trainable", default=None, metavar="REGEX",
-                   help="only parameters whose names match are trained (the others frozen: no gradient, no optimizer "
-                        "state, no fp32 master), e.g. 'layers\\.(30|31)\\.'")
+    e.add_argument(
+        "--trainable",
+        default=None,
+        metavar="REGEX",
+        help="only parameters whose names match are trained (the others frozen: no gradient, no optimizer "
+        "state, no fp32 master), e.g. 'layers\\.(30|31)\\.'",
+    )
     e.add_argument("--lora-rank", type=int, default=0, help="estimate LoRA training (peft) of this rank")
-    e.add_argument("--lora-targets", default=None, help="comma-separated module names for LoRA (default: peft's for the model)")
+    e.add_argument(
+        "--lora-targets", default=None, help="comma-separated module names for LoRA (default: peft's for the model)"
+    )
     t = e.add_argument_group("step time (--time): predicted compute, communication, step time and MFU")
     t.add_argument("--time", action="store_true", help="predict step time instead of memory")
     t.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100", help="device preset (default h100)")

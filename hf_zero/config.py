@@ -18,10 +18,7 @@ MixedPrecision = Literal["no", "bf16", "fp16"]
 ReduceDtype = Literal["fp32", "bf16", "fp16"]
 Collectives = Literal["auto", "native", "composed"]
 
-_STAGE_HELP = (
-    "0 = plain data parallel, 1 = shard optimizer state, 2 = also shard gradients, "
-    "3 = also shard parameters"
-)
+_STAGE_HELP = "0 = plain data parallel, 1 = shard optimizer state, 2 = also shard gradients, 3 = also shard parameters"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,46 +157,121 @@ class ZeroConfig:
 
     # Each field's `help` is its one-line summary for the integrations' settings (`--zero_<name>`,
     # `ZeroPlugin(zero_<name>=...)`), derived from these fields in integrations/settings.py.
-    stage: Literal[0, 1, 2, 3] = field(default=3, metadata={"help": _STAGE_HELP + " (model-state memory per rank for "
-        "fp32 Adam: 1: 8Ψ+12Ψ/N, 2: 4Ψ+12Ψ/N, 3: 16Ψ/N bytes; stage 3 communicates 1.5x more)."})
-    mixed_precision: MixedPrecision = field(default="no", metadata={"help": "Compute dtype (no, bf16, fp16); the "
-        "integrations take it from the Trainer's --bf16/--fp16 or Accelerate's mixed_precision.", "host_owned": True})
-    reduce_dtype: ReduceDtype | None = field(default=None, metadata={"help": "Gradient reduction dtype (default: fp32 "
-        "under mixed precision, else the parameters' dtype). bf16 halves gradient traffic at some accuracy cost."})
-    wrap: str | tuple[str, ...] = field(default="auto", metadata={"help": "Sharding units: 'auto' (the model's "
-        "_no_split_modules, e.g. LlamaDecoderLayer) or module class names (comma-separated on the command line)."})
-    sync_module_states: bool = field(default=True, metadata={"help": "Broadcast rank 0's weights to every rank when "
-        "sharding (as DDP does)."})
-    offload_optimizer: bool = field(default=False, metadata={"help": "ZeRO-Offload: fp32 master weights, gradient "
-        "shards and optimizer state in host memory; the optimizer step runs on the CPU."})
-    offload_params: bool = field(default=False, metadata={"help": "Stage 3 with offload_optimizer: the parameter "
-        "shards live in host memory too and are copied to the device before each gather; with offload_dir, each gather "
-        "reads the unit's master shard from the files instead (no parameter shard kept)."})
-    offload_dir: str | None = field(default=None, metadata={"help": "ZeRO-Infinity, with offload_optimizer: keep the "
-        "fp32 master weights and optimizer state in files under this folder (a fast local disk), streamed through a "
-        "few host buffers at each step, instead of host memory."})
-    prefetch: int = field(default=1, metadata={"help": "Stage 3: units gathered ahead of the running one (overlaps "
-        "communication with compute; each adds one gathered unit of device memory). 0 disables."})
-    bucket_size_mb: float = field(default=25.0, metadata={"help": "Group consecutive transformer blocks into one unit "
-        "(one all-gather, one reduce-scatter) until it holds this many MiB of parameters. 0: one block per unit."})
-    shard_group_size: int | None = field(default=None, metadata={"help": "Hybrid sharding: shard within groups of this "
-        "many consecutive ranks (a node) and replicate across them; must divide the world size."})
-    collectives: Collectives = field(default="auto", metadata={"help": "How gathers and reductions travel: native "
-        "(the backend's), composed (broadcasts and all-reduce) or auto (composed on gloo, native on NCCL)."})
-    group_timeout_s: float = field(default=600.0, metadata={"help": "Timeout in seconds of the process groups hf_zero "
-        "creates (hybrid sharding)."})
-    no_sync_keeps_grads: bool = field(default=False, metadata={"help": "Stages 2-3 with gradient accumulation: keep "
-        "unsharded gradients across micro-batches and reduce once per step (fewer collectives, the full model's "
-        "gradients on every rank) instead of reducing every micro-batch into the shards."})
-    quantized_weights: bool = field(default=False, metadata={"help": "Stage 3: all-gather parameters in int8 with "
-        "per-block scales (ZeRO++ qwZ): fewer bytes, weights rounded in forward/backward; masters stay exact."})
-    quantized_gradients: bool = field(default=False, metadata={"help": "Stages 2-3: reduce-scatter gradients in int8 "
-        "with per-block scales through an all-to-all, summed in fp32 by the owner (ZeRO++ qgZ)."})
-    quantization_block: int = field(default=256, metadata={"help": "Elements per int8 scale for the quantized "
-        "collectives."})
+    stage: Literal[0, 1, 2, 3] = field(
+        default=3,
+        metadata={
+            "help": _STAGE_HELP + " (model-state memory per rank for "
+            "fp32 Adam: 1: 8Ψ+12Ψ/N, 2: 4Ψ+12Ψ/N, 3: 16Ψ/N bytes; stage 3 communicates 1.5x more)."
+        },
+    )
+    mixed_precision: MixedPrecision = field(
+        default="no",
+        metadata={
+            "help": "Compute dtype (no, bf16, fp16); the "
+            "integrations take it from the Trainer's --bf16/--fp16 or Accelerate's mixed_precision.",
+            "host_owned": True,
+        },
+    )
+    reduce_dtype: ReduceDtype | None = field(
+        default=None,
+        metadata={
+            "help": "Gradient reduction dtype (default: fp32 "
+            "under mixed precision, else the parameters' dtype). bf16 halves gradient traffic at some accuracy cost."
+        },
+    )
+    wrap: str | tuple[str, ...] = field(
+        default="auto",
+        metadata={
+            "help": "Sharding units: 'auto' (the model's "
+            "_no_split_modules, e.g. LlamaDecoderLayer) or module class names (comma-separated on the command line)."
+        },
+    )
+    sync_module_states: bool = field(
+        default=True, metadata={"help": "Broadcast rank 0's weights to every rank when sharding (as DDP does)."}
+    )
+    offload_optimizer: bool = field(
+        default=False,
+        metadata={
+            "help": "ZeRO-Offload: fp32 master weights, gradient "
+            "shards and optimizer state in host memory; the optimizer step runs on the CPU."
+        },
+    )
+    offload_params: bool = field(
+        default=False,
+        metadata={
+            "help": "Stage 3 with offload_optimizer: the parameter shards live in host memory too and are copied "
+            "to the device before each gather; with offload_dir, each gather reads the unit's master shard from the "
+            "files instead (no parameter shard kept)."
+        },
+    )
+    offload_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "ZeRO-Infinity, with offload_optimizer: keep the fp32 master weights and optimizer state in "
+            "files under this folder (a fast local disk), streamed through a few host buffers at each step, instead "
+            "of host memory."
+        },
+    )
+    prefetch: int = field(
+        default=1,
+        metadata={
+            "help": "Stage 3: units gathered ahead of the running one (overlaps "
+            "communication with compute; each adds one gathered unit of device memory). 0 disables."
+        },
+    )
+    bucket_size_mb: float = field(
+        default=25.0,
+        metadata={
+            "help": "Group consecutive transformer blocks into one unit "
+            "(one all-gather, one reduce-scatter) until it holds this many MiB of parameters. 0: one block per unit."
+        },
+    )
+    shard_group_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Hybrid sharding: shard within groups of this "
+            "many consecutive ranks (a node) and replicate across them; must divide the world size."
+        },
+    )
+    collectives: Collectives = field(
+        default="auto",
+        metadata={
+            "help": "How gathers and reductions travel: native "
+            "(the backend's), composed (broadcasts and all-reduce) or auto (composed on gloo, native on NCCL)."
+        },
+    )
+    group_timeout_s: float = field(
+        default=600.0, metadata={"help": "Timeout in seconds of the process groups hf_zero creates (hybrid sharding)."}
+    )
+    no_sync_keeps_grads: bool = field(
+        default=False,
+        metadata={
+            "help": "Stages 2-3 with gradient accumulation: keep "
+            "unsharded gradients across micro-batches and reduce once per step (fewer collectives, the full model's "
+            "gradients on every rank) instead of reducing every micro-batch into the shards."
+        },
+    )
+    quantized_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "Stage 3: all-gather parameters in int8 with "
+            "per-block scales (ZeRO++ qwZ): fewer bytes, weights rounded in forward/backward; masters stay exact."
+        },
+    )
+    quantized_gradients: bool = field(
+        default=False,
+        metadata={
+            "help": "Stages 2-3: reduce-scatter gradients in int8 "
+            "with per-block scales through an all-to-all, summed in fp32 by the owner (ZeRO++ qgZ)."
+        },
+    )
+    quantization_block: int = field(
+        default=256, metadata={"help": "Elements per int8 scale for the quantized collectives."}
+    )
     initial_loss_scale: float = field(default=65536.0, metadata={"help": "fp16: the starting dynamic loss scale."})
-    loss_scale_window: int = field(default=1000, metadata={"help": "fp16: overflow-free steps after which the loss "
-        "scale doubles."})
+    loss_scale_window: int = field(
+        default=1000, metadata={"help": "fp16: overflow-free steps after which the loss scale doubles."}
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
@@ -213,8 +285,14 @@ class ZeroConfig:
                 f"ZeroConfig.reduce_dtype must be None, 'fp32', 'bf16' or 'fp16'; got {self.reduce_dtype!r}."
             )
         object.__setattr__(self, "wrap", _normalize_wrap(self.wrap))
-        for name in ("sync_module_states", "offload_optimizer", "offload_params", "no_sync_keeps_grads",
-                     "quantized_weights", "quantized_gradients"):
+        for name in (
+            "sync_module_states",
+            "offload_optimizer",
+            "offload_params",
+            "no_sync_keeps_grads",
+            "quantized_weights",
+            "quantized_gradients",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ZeroConfig.{name} must be a bool; got {getattr(self, name)!r}.")
         if self.offload_params and (self.stage != 3 or not self.offload_optimizer):
@@ -234,14 +312,19 @@ class ZeroConfig:
                 )
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"ZeroConfig.prefetch must be an int >= 0 (units gathered ahead); got {self.prefetch!r}.")
-        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)) or not (
-            0 <= self.bucket_size_mb < float("inf")
+        if (
+            isinstance(self.bucket_size_mb, bool)
+            or not isinstance(self.bucket_size_mb, (int, float))
+            or not (0 <= self.bucket_size_mb < float("inf"))
         ):
             raise ValueError(
-                f"ZeroConfig.bucket_size_mb must be a number >= 0 (MB of parameters per unit); got {self.bucket_size_mb!r}."
+                "ZeroConfig.bucket_size_mb must be a number >= 0 (MB of parameters per unit); got "
+                f"{self.bucket_size_mb!r}."
             )
         if self.shard_group_size is not None and (
-            isinstance(self.shard_group_size, bool) or not isinstance(self.shard_group_size, int) or self.shard_group_size < 1
+            isinstance(self.shard_group_size, bool)
+            or not isinstance(self.shard_group_size, int)
+            or self.shard_group_size < 1
         ):
             raise ValueError(
                 f"ZeroConfig.shard_group_size must be None or a positive int (e.g. the GPUs per node); "
@@ -256,18 +339,26 @@ class ZeroConfig:
         if self.quantized_weights and self.stage != 3:
             raise ValueError("ZeroConfig.quantized_weights needs stage=3: only stage 3 gathers parameters every step.")
         if self.quantized_gradients and self.stage < 2:
-            raise ValueError("ZeroConfig.quantized_gradients needs stage 2 or 3 (a reduce-scatter of every gradient); "
-                             "stages 0-1 all-reduce them.")
-        if isinstance(self.quantization_block, bool) or not isinstance(self.quantization_block, int) or not (
-            8 <= self.quantization_block <= 2**20
+            raise ValueError(
+                "ZeroConfig.quantized_gradients needs stage 2 or 3 (a reduce-scatter of every gradient); "
+                "stages 0-1 all-reduce them."
+            )
+        if (
+            isinstance(self.quantization_block, bool)
+            or not isinstance(self.quantization_block, int)
+            or not (8 <= self.quantization_block <= 2**20)
         ):
-            raise ValueError(f"ZeroConfig.quantization_block must be an int in [8, 1048576]; got {self.quantization_block!r}.")
+            raise ValueError(
+                f"ZeroConfig.quantization_block must be an int in [8, 1048576]; got {self.quantization_block!r}."
+            )
         if not (isinstance(self.group_timeout_s, (int, float)) and self.group_timeout_s > 0):
             raise ValueError(f"ZeroConfig.group_timeout_s must be > 0 seconds; got {self.group_timeout_s!r}.")
         if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):
             raise ValueError(f"ZeroConfig.initial_loss_scale must be > 0; got {self.initial_loss_scale!r}.")
-        if isinstance(self.loss_scale_window, bool) or not isinstance(self.loss_scale_window, int) or (
-            self.loss_scale_window < 1
+        if (
+            isinstance(self.loss_scale_window, bool)
+            or not isinstance(self.loss_scale_window, int)
+            or (self.loss_scale_window < 1)
         ):
             raise ValueError(f"ZeroConfig.loss_scale_window must be an int >= 1; got {self.loss_scale_window!r}.")
 

@@ -14,8 +14,15 @@ import torch
 
 SHORT_NAMES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FILE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
     "bool": torch.bool,
 }
 
@@ -26,7 +33,9 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return dtype
     found = SHORT_NAMES.get(dtype) or (_FILE_NAMES.get(dtype) if dtype in ("float32", "bfloat16", "float16") else None)
     if found is None:
-        raise ValueError(f"dtype must be one of 'fp32', 'bf16', 'fp16' (or None to keep the saved dtype); got {dtype!r}.")
+        raise ValueError(
+            f"dtype must be one of 'fp32', 'bf16', 'fp16' (or None to keep the saved dtype); got {dtype!r}."
+        )
     return found
 
 

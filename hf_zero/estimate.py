@@ -3,8 +3,9 @@
 [Note: estimator]
 Model states are computed with the engine's own rules (the same `units_for` and `FlatLayout`
 on a meta-device model, so padding, tied weights and frozen parameters count exactly as they
-will: frozen ones in the compute dtype only, [Note: frozen parameters]), for Adam-type optimizers (two moments of the master dtype and a scalar step per parameter
-piece). The estimate equals what `hf_zero.model_state_memory` reports after the first step.
+will: frozen ones in the compute dtype only, [Note: frozen parameters]), for Adam-type optimizers
+(two moments of the master dtype and a scalar step per parameter piece) or Adafactor on whole
+parameters. The estimate equals what `hf_zero.model_state_memory` reports after the first step.
 
 On top of model states, a device holds, at its peak (the start of the backward pass):
 - gathered units (stage 3): the root unit and the two largest other units (the running one and
@@ -38,8 +39,8 @@ from torch import nn
 
 from .config import ZeroConfig
 from .engine.engine import ModelStateMemory, chunk_bounds
-from .engine.layout import FlatLayout
 from .engine.group import split_frozen
+from .engine.layout import FlatLayout
 from .engine.units import UnitSpec, units_for
 from .engine.whole import deal
 
@@ -77,8 +78,13 @@ class Estimate:
 
 
 def model_states(
-    specs: list[UnitSpec], config: ZeroConfig, world_size: int, rank: int, model_dtype: torch.dtype = torch.float32,
-    optimizer: str = "adamw", order: list[str] | None = None,
+    specs: list[UnitSpec],
+    config: ZeroConfig,
+    world_size: int,
+    rank: int,
+    model_dtype: torch.dtype = torch.float32,
+    optimizer: str = "adamw",
+    order: list[str] | None = None,
 ) -> ModelStateMemory:
     """The model-state bytes rank `rank` holds after a step, by placement (`"device"` or `"host"`).
 
@@ -146,8 +152,9 @@ def model_states(
     return ModelStateMemory(**parts)
 
 
-def owned_shapes(specs: list[UnitSpec], shards: int, shard_rank: int, master_bytes: int,
-                 order: list[str] | None = None) -> list[tuple[int, ...]]:
+def owned_shapes(
+    specs: list[UnitSpec], shards: int, shard_rank: int, master_bytes: int, order: list[str] | None = None
+) -> list[tuple[int, ...]]:
     """The shapes of the trainable parameters that shard rank `shard_rank` owns on the whole-parameter path."""
     shapes = {n: tuple(p.shape) for spec in specs for n, p in zip(spec.param_names, spec.params) if p.requires_grad}
     names = [n for n in order if n in shapes] if order is not None else list(shapes)
@@ -200,7 +207,7 @@ def estimate(
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ValueError(f"--world-size ({world_size}) must be a positive multiple of --nodes ({nodes}).")
     model_dtype = next(model.parameters()).dtype
-    specs = units_for(model, ZeroConfig(mixed_precision=mixed_precision))  # type: ignore[arg-type]
+    specs = units_for(model, ZeroConfig(mixed_precision=mixed_precision))  # type: ignore[arg-type]  # a str the caller checked against the Literal
     order = [n for n, p in model.named_parameters() if p.requires_grad]  # the order an optimizer holds them in
     whole = optimizer != "adamw"
     rows = []
@@ -211,11 +218,18 @@ def estimate(
                 continue
             if whole and offload.startswith("disk"):
                 continue
-            config = ZeroConfig(stage=stage, mixed_precision=mixed_precision,  # type: ignore[arg-type]
-                                offload_optimizer=offload != "none", offload_params=offload.endswith("params"),
-                                offload_dir="PATH" if offload.startswith("disk") else None)
+            config = ZeroConfig(
+                stage=stage,
+                mixed_precision=mixed_precision,  # type: ignore[arg-type]  # a str the caller checked against the Literal
+                offload_optimizer=offload != "none",
+                offload_params=offload.endswith("params"),
+                offload_dir="PATH" if offload.startswith("disk") else None,
+            )
             worst = max(
-                (model_states(specs, config, world_size, r, model_dtype, optimizer, order) for r in {0, world_size - 1}),
+                (
+                    model_states(specs, config, world_size, r, model_dtype, optimizer, order)
+                    for r in {0, world_size - 1}
+                ),
                 key=lambda m: m.total("device"),
             )
             e = _BYTES[config.param_dtype or model_dtype]
@@ -233,13 +247,22 @@ def estimate(
             else:
                 buffers = max(grad_sizes) * reduce_bytes
             if whole:  # one parameter whole in transit: its master and its gradient, in the master dtype
-                buffers += 2 * max(grad_sizes_of_params(specs)) * _BYTES[torch.float32 if config.param_dtype else model_dtype]
-            rows.append(Estimate(
-                stage=stage, offload=offload, model_states=worst.total("device"), gathered_units=gathered,
-                activations=activation_bytes(hf_config, workload, e), buffers=buffers,
-                host_per_node=(worst.total("host") + (DISK_BUFFER_BYTES if offload.startswith("disk") else 0)) * per_node,
-                disk_per_node=worst.total("disk") * per_node,
-            ))
+                buffers += (
+                    2 * max(grad_sizes_of_params(specs)) * _BYTES[torch.float32 if config.param_dtype else model_dtype]
+                )
+            rows.append(
+                Estimate(
+                    stage=stage,
+                    offload=offload,
+                    model_states=worst.total("device"),
+                    gathered_units=gathered,
+                    activations=activation_bytes(hf_config, workload, e),
+                    buffers=buffers,
+                    host_per_node=(worst.total("host") + (DISK_BUFFER_BYTES if offload.startswith("disk") else 0))
+                    * per_node,
+                    disk_per_node=worst.total("disk") * per_node,
+                )
+            )
     return rows
 
 
@@ -248,8 +271,9 @@ def grad_sizes_of_params(specs: list[UnitSpec]) -> list[int]:
     return [p.numel() for spec in specs for p in spec.params if p.requires_grad] or [0]
 
 
-def format_table(rows: list[Estimate], device_memory: int | None = None, host_memory: int | None = None,
-                 disk: int | None = None) -> str:
+def format_table(
+    rows: list[Estimate], device_memory: int | None = None, host_memory: int | None = None, disk: int | None = None
+) -> str:
     """A markdown table of the rows (GiB), with a 'fits' column when any size is given: a row fits when its
     per-device, host-per-node and disk-per-node bytes are within the sizes given.
 
@@ -260,21 +284,28 @@ def format_table(rows: list[Estimate], device_memory: int | None = None, host_me
     ```
     """
     gib = 2**30
-    head = ("| stage | offload | model states | gathered units | activations | buffers | per device | host per node "
-            "| disk per node |")
+    head = (
+        "| stage | offload | model states | gathered units | activations | buffers | per device | host per node "
+        "| disk per node |"
+    )
     sep = "|---|---|---|---|---|---|---|---|---|"
     limits = (device_memory, host_memory, disk)
     if any(x is not None for x in limits):
         head, sep = head + " fits |", sep + "---|"
     lines = [head, sep]
     for r in rows:
-        line = (f"| {r.stage} | {r.offload} | {r.model_states / gib:.2f} | {r.gathered_units / gib:.2f} | "
-                f"{r.activations / gib:.2f} | {r.buffers / gib:.2f} | {r.device_total / gib:.2f} | "
-                f"{r.host_per_node / gib:.1f} | {r.disk_per_node / gib:.1f} |")
+        line = (
+            f"| {r.stage} | {r.offload} | {r.model_states / gib:.2f} | {r.gathered_units / gib:.2f} | "
+            f"{r.activations / gib:.2f} | {r.buffers / gib:.2f} | {r.device_total / gib:.2f} | "
+            f"{r.host_per_node / gib:.1f} | {r.disk_per_node / gib:.1f} |"
+        )
         if any(x is not None for x in limits):
             needs = (r.device_total, r.host_per_node, r.disk_per_node)
-            over = [name for name, need, have in zip(("device", "host", "disk"), needs, limits)
-                    if have is not None and need > have]
+            over = [
+                name
+                for name, need, have in zip(("device", "host", "disk"), needs, limits)
+                if have is not None and need > have
+            ]
             line += f" {'yes' if not over else 'no (' + ', '.join(over) + ')'} |"
         lines.append(line)
     return "\n".join(lines)

@@ -51,8 +51,9 @@ def launch_env() -> LaunchEnv:
     )
 
 
-def accelerator_device(kind: str, *, bound: torch.device | None, local_rank: int | None, count: int,
-                       current: int, world_size: int) -> torch.device:
+def accelerator_device(
+    kind: str, *, bound: torch.device | None, local_rank: int | None, count: int, current: int, world_size: int
+) -> torch.device:
     """The accelerator (`kind`: "cuda" or "xpu") device this rank computes on, when its model is on the host.
 
     In order: the device the process group is bound to (`init_process_group(device_id=...)`); the one of

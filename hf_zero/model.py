@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from typing import Any, Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -93,9 +94,9 @@ class ZeroModel:
         ```
         """
         if args:  # the positional form nn.Module still accepts: (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
+            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args) :])[:3]
         if keep_vars:
-            return nn.Module.state_dict(self, destination=destination, prefix=prefix, keep_vars=True)  # type: ignore[arg-type]
+            return nn.Module.state_dict(cast(nn.Module, self), destination=destination, prefix=prefix, keep_vars=True)
         full = state_dict(self.zero_engine, self.zero_engine.state_dict_options)
         out = OrderedDict() if destination is None else destination
         for key, value in full.items():
@@ -115,13 +116,20 @@ class ZeroModel:
         ```
         """
         if assign:
-            raise ValueError("load_state_dict(assign=True) would replace the sharded parameters; hf_zero copies values into its shards, so use assign=False.")
+            raise ValueError(
+                "load_state_dict(assign=True) would replace the sharded parameters; hf_zero copies values into its "
+                "shards, so use assign=False."
+            )
         return load_state_dict(self.zero_engine, state_dict, strict=strict)
 
     def save_pretrained(
-        self, save_directory: str | os.PathLike[str], is_main_process: bool = True,
-        state_dict: dict[str, torch.Tensor] | None = None, push_to_hub: bool = False,
-        max_shard_size: int | str = "50GB", **kwargs: Any,
+        self,
+        save_directory: str | os.PathLike[str],
+        is_main_process: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        push_to_hub: bool = False,
+        max_shard_size: int | str = "50GB",
+        **kwargs: Any,
     ) -> None:
         """Write a `from_pretrained` directory of the sharded model, once, from rank 0.
 
@@ -141,9 +149,13 @@ class ZeroModel:
         if getattr(self, "peft_config", None) is not None and state_dict is None:
             return self._save_peft_adapter(save_directory, is_main_process=is_main_process, **kwargs)
         if state_dict is not None:
-            super().save_pretrained(  # type: ignore[misc]
-                save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,
-                max_shard_size=max_shard_size, **kwargs,
+            super().save_pretrained(  # type: ignore[misc]  # the mixin sits before the model class, which has it
+                save_directory,
+                is_main_process=is_main_process,
+                state_dict=state_dict,
+                push_to_hub=push_to_hub,
+                max_shard_size=max_shard_size,
+                **kwargs,
             )
             return
         if push_to_hub or kwargs.get("safe_serialization") is False:
@@ -154,7 +166,13 @@ class ZeroModel:
         from .checkpoint.consolidate import save_pretrained as write_pretrained
 
         engine = self.zero_engine
-        write_pretrained(self, save_directory, dtype=engine.model_dtype, max_shard_size=max_shard_size, progress=False)
+        write_pretrained(
+            cast(nn.Module, self),
+            save_directory,
+            dtype=engine.model_dtype,
+            max_shard_size=max_shard_size,
+            progress=False,
+        )
 
     def _save_peft_adapter(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
         """A `PeftModel` sharded as a whole: its trainable parameters (the adapter) are gathered to rank 0
@@ -164,7 +182,7 @@ class ZeroModel:
         kwargs.pop("is_main_process", None)
         with agreement(engine.world, "save_pretrained (PEFT adapter)"):
             if engine.world.rank == 0:
-                super().save_pretrained(save_directory, state_dict=adapter, is_main_process=True, **kwargs)  # type: ignore[misc]
+                super().save_pretrained(save_directory, state_dict=adapter, is_main_process=True, **kwargs)  # type: ignore[misc]  # the mixin sits before the model class, which has it
 
     # ---- generation and structure -----------------------------------------------------------
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -173,7 +191,7 @@ class ZeroModel:
         each forward gathers parameters. An explicit `synced_gpus` is respected. Every rank must call it."""
         if kwargs.get("synced_gpus") is None and self.zero_engine.generation_needs_sync:
             kwargs["synced_gpus"] = True
-        return super().generate(*args, **kwargs)  # type: ignore[misc]
+        return super().generate(*args, **kwargs)  # type: ignore[misc]  # the mixin sits before the model class, which has it
 
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> Any:
         """Resize the vocabulary of a sharded model: the model is gathered (a full copy on each rank for
@@ -194,7 +212,9 @@ class ZeroModel:
                 "Resize before building the optimizer (hf_zero.initialize(model, None, config), resize, then "
                 "hf_zero.attach_optimizer), or before hf_zero.initialize."
             )
-        return restructure(self, lambda model: type(model).resize_token_embeddings(model, *args, **kwargs))
+        return restructure(
+            cast(nn.Module, self), lambda model: type(model).resize_token_embeddings(model, *args, **kwargs)
+        )
 
 
 def restructure(model: nn.Module, change: Any) -> Any:

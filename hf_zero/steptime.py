@@ -85,7 +85,7 @@ class ModelShape:
         return self.block_params * self.layers + self.embedding_params + (0 if self.tied else self.head_params)
 
     @classmethod
-    def from_model(cls, model: Any, config: Any) -> "ModelShape":
+    def from_model(cls, model: Any, config: Any) -> ModelShape:
         """From a (meta-device) Hugging Face causal LM and its config."""
         embedding = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
@@ -93,8 +93,14 @@ class ModelShape:
         total = sum(p.numel() for p in model.parameters())
         layers = int(config.num_hidden_layers)
         rest = total - embedding.numel() - (0 if tied else head.numel())
-        return cls(block_params=rest // layers, layers=layers, embedding_params=embedding.numel(),
-                   head_params=head.numel(), tied=tied, hidden=int(config.hidden_size))
+        return cls(
+            block_params=rest // layers,
+            layers=layers,
+            embedding_params=embedding.numel(),
+            head_params=head.numel(),
+            tied=tied,
+            hidden=int(config.hidden_size),
+        )
 
 
 @dataclass(frozen=True)
@@ -161,8 +167,11 @@ def predict(shape: ModelShape, job: Job, hw: Hardware) -> StepTime:
     backward_s = compute_s - forward_s
 
     def bandwidth(ranks: int) -> float:
-        return hw.intra_node_bandwidth if ranks <= hw.devices_per_node else min(hw.intra_node_bandwidth,
-                                                                                 hw.inter_node_bandwidth)
+        return (
+            hw.intra_node_bandwidth
+            if ranks <= hw.devices_per_node
+            else min(hw.intra_node_bandwidth, hw.inter_node_bandwidth)
+        )
 
     p = shape.params
     qbytes = 1 + 4 / job.quantization_block
@@ -192,8 +201,14 @@ def predict(shape: ModelShape, job: Job, hw: Hardware) -> StepTime:
         else:
             add("bwd", nbytes_elems * job.reduce_bytes, g, bw, count=count)
         if g < n:  # hybrid: the shard's gradients across replicas
-            add("bwd", nbytes_elems / g * job.reduce_bytes, n // g, hw.inter_node_bandwidth, all_reduce=True,
-                count=count)
+            add(
+                "bwd",
+                nbytes_elems / g * job.reduce_bytes,
+                n // g,
+                hw.inter_node_bandwidth,
+                all_reduce=True,
+                count=count,
+            )
 
     if job.stage == 0:
         add("bwd", p * job.reduce_bytes, n, bandwidth(n), all_reduce=True, count=units)
@@ -214,24 +229,41 @@ def predict(shape: ModelShape, job: Job, hw: Hardware) -> StepTime:
     elements = p if job.stage == 0 else p / g
     optimizer_s = 32 * elements / hw.optimizer_bytes_per_s
     step_s = compute_s + exposed + optimizer_s
-    return StepTime(compute_s=compute_s, comm_bytes=moved, comm_s=comm_s, exposed_comm_s=exposed,
-                    optimizer_s=optimizer_s, step_s=step_s, tokens_per_s_per_device=tokens / step_s,
-                    mfu=model_flops / (step_s * hw.peak_flops))
+    return StepTime(
+        compute_s=compute_s,
+        comm_bytes=moved,
+        comm_s=comm_s,
+        exposed_comm_s=exposed,
+        optimizer_s=optimizer_s,
+        step_s=step_s,
+        tokens_per_s_per_device=tokens / step_s,
+        mfu=model_flops / (step_s * hw.peak_flops),
+    )
 
 
 def format_predictions(shape: ModelShape, job: Job, hw: Hardware, world_sizes: list[int]) -> str:
     """A table of predictions for each world size and stage (and ZeRO-3 with int8 weights + bf16 gradients)."""
-    lines = [f"{hw.name}: peak {hw.peak_flops / 1e12:.0f} TFLOP/s x efficiency {hw.compute_efficiency:.2f}, "
-             f"bus bandwidth {hw.intra_node_bandwidth / 1e9:.0f} GB/s in a node, {hw.inter_node_bandwidth / 1e9:.0f} "
-             f"GB/s across, {hw.devices_per_node} per node; {shape.params / 1e9:.2f}B parameters, micro-batch "
-             f"{job.micro_batch} x {job.seq_len}, accumulation {job.accum}",
-             "| devices | setting | compute (s) | comm (GB/rank) | exposed comm (s) | optimizer (s) | step (s) | "
-             "tokens/s/device | MFU |", "|---|---|---|---|---|---|---|---|---|"]
-    settings = [("DDP", dict(stage=0)), ("ZeRO-1", dict(stage=1)), ("ZeRO-2", dict(stage=2)), ("ZeRO-3", dict(stage=3)),
-                ("ZeRO-3 int8 w + bf16 g", dict(stage=3, quantized_weights=True, reduce_bytes=2))]
+    lines = [
+        f"{hw.name}: peak {hw.peak_flops / 1e12:.0f} TFLOP/s x efficiency {hw.compute_efficiency:.2f}, "
+        f"bus bandwidth {hw.intra_node_bandwidth / 1e9:.0f} GB/s in a node, {hw.inter_node_bandwidth / 1e9:.0f} "
+        f"GB/s across, {hw.devices_per_node} per node; {shape.params / 1e9:.2f}B parameters, micro-batch "
+        f"{job.micro_batch} x {job.seq_len}, accumulation {job.accum}",
+        "| devices | setting | compute (s) | comm (GB/rank) | exposed comm (s) | optimizer (s) | step (s) | "
+        "tokens/s/device | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    settings = [
+        ("DDP", dict(stage=0)),
+        ("ZeRO-1", dict(stage=1)),
+        ("ZeRO-2", dict(stage=2)),
+        ("ZeRO-3", dict(stage=3)),
+        ("ZeRO-3 int8 w + bf16 g", dict(stage=3, quantized_weights=True, reduce_bytes=2)),
+    ]
     for world in world_sizes:
         for label, change in settings:
-            t = predict(shape, replace(job, world_size=world, **change), hw)
-            lines.append(f"| {world} | {label} | {t.compute_s:.3f} | {t.comm_bytes / 1e9:.2f} | {t.exposed_comm_s:.3f} | "
-                         f"{t.optimizer_s:.3f} | {t.step_s:.3f} | {t.tokens_per_s_per_device:,.0f} | {t.mfu:.1%} |")
+            t = predict(shape, replace(job, world_size=world, **change), hw)  # type: ignore[arg-type]  # ints and bools by name
+            lines.append(
+                f"| {world} | {label} | {t.compute_s:.3f} | {t.comm_bytes / 1e9:.2f} | {t.exposed_comm_s:.3f} | "
+                f"{t.optimizer_s:.3f} | {t.step_s:.3f} | {t.tokens_per_s_per_device:,.0f} | {t.mfu:.1%} |"
+            )
     return "\n".join(lines)

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import agreement, broadcast_object
 from ..engine.module import get_engine
-from ..dtypes import dtype_from_name, parse_dtype
-from .owned import write_owned
 from .format import BUFFERS_FILE, HF_FILES, Manifest, check_files, save_hf_files, set_config_dtype
+from .owned import write_owned
 from .reader import FileCache, read_pieces
 from .writer import HFShardWriter, parse_size
 
@@ -145,13 +145,14 @@ def save_pretrained(
         max_bytes = parse_size(max_shard_size)
     if parallel:
         bar = _progress(1, "writing owned tensors", progress and engine.world.rank == 0, "round")
-        files = write_owned(engine, Path(output_dir), out_dtype or engine.master_dtype, max_bytes,
-                            on_round=bar.update_to)
+        written = write_owned(
+            engine, Path(output_dir), out_dtype or engine.master_dtype, max_bytes, on_round=bar.update_to
+        )
         bar.close()
         with agreement(engine.world, f"hf_zero.save_pretrained ({output_dir})"):
             if engine.world.rank == 0:
                 save_hf_files(model, tokenizer, Path(output_dir), out_dtype or engine.master_dtype)
-        return files
+        return written
     writer: HFShardWriter | None = None
     error: Exception | None = None  # rank 0's first failure; the ranks still finish every gather
     if engine.world.rank == 0:
@@ -209,5 +210,6 @@ def _progress(total: int, desc: str, enabled: bool, unit: str) -> Any:
     def update_to(done: int, new_total: int) -> None:  # a bar whose total is known once the work is planned
         bar.total = new_total
         bar.update(done - bar.n)
+
     bar.update_to = update_to
     return bar

@@ -14,10 +14,10 @@ Tensors are keyed by the parameter's name (the first of its tied names). A model
 under the name `model.layers.0.mlp.up_proj.weight`, the 1D piece `[start, end)` of the flattened
 parameter; an optimizer file holds `model.layers.0.mlp.up_proj.weight::exp_avg` for the same
 range, and scalar state (`::step`) whole; an optimizer that steps on whole parameters has its state
-written whole by each parameter's owner instead ([Note: owned optimizer state]). Each file's safetensors metadata repeats its ranges, the
-format version and the world size, so a file describes itself; the manifest indexes all of them
-with sizes and SHA-256 checksums, the parameter shapes, the tied aliases and the optimizer's
-param groups. Nothing is pickled.
+written whole by each parameter's owner instead ([Note: owned optimizer state]). Each file's
+safetensors metadata repeats its ranges, the format version and the world size, so a file
+describes itself; the manifest indexes all of them with sizes and SHA-256 checksums, the
+parameter shapes, the tied aliases and the optimizer's param groups. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -97,7 +98,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @staticmethod
-    def read(directory: str | os.PathLike[str]) -> "Manifest":
+    def read(directory: str | os.PathLike[str]) -> Manifest:
         """Read and check a checkpoint's manifest.
 
         Raises:
@@ -137,7 +138,7 @@ def sha256_of(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def write_file_atomically(path: Path, write: Callable[[Path], None]) -> None:
+def write_file_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """[Note: atomic files] `write(tmp)` writes the file under a temporary name beside `path`; it is
     flushed to disk, then renamed: readers see the old file or the whole new one, never a part."""
     tmp = path.with_name(path.name + ".partial")
@@ -210,7 +211,9 @@ def check_files(directory: Path, manifest: Manifest, names: list[str], verify: b
 
 
 def last_complete_checkpoint(
-    output_dir: str | os.PathLike[str], pattern: str = r"checkpoint-(\d+)", subdir: str = "hf_zero",
+    output_dir: str | os.PathLike[str],
+    pattern: str = r"checkpoint-(\d+)",
+    subdir: str = "hf_zero",
     also_required: tuple[str, ...] = (),
 ) -> Path | None:
     """The newest `output_dir/<pattern>` directory whose hf_zero checkpoint is complete.

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +22,15 @@ from ..engine.engine import Piece, ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer, sharded_list
 from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files, optim_file_for
-from .owned_state import PARAM, check_flat_loadable, load_owned, owned_files, piece_param_state, read_whole, restore_value
+from .owned_state import (
+    PARAM,
+    check_flat_loadable,
+    load_owned,
+    owned_files,
+    piece_param_state,
+    read_whole,
+    restore_value,
+)
 from .reader import FileCache, read_pieces
 
 
@@ -136,7 +145,9 @@ def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path
     for name, entries in manifest.slices.items():
         covered = sum(e - s for _, s, e in entries)
         if covered != math.prod(theirs[name]):
-            raise ValueError(f"{directory}/hf_zero_manifest.json covers {covered} elements of {name}; the index is damaged.")
+            raise ValueError(
+                f"{directory}/hf_zero_manifest.json covers {covered} elements of {name}; the index is damaged."
+            )
 
 
 def optimizer_parts(manifest: Manifest) -> list[dict[str, Any]]:
@@ -184,8 +195,9 @@ def _load_buffers(model: nn.Module, manifest: Manifest, cache: FileCache) -> Non
             live[name].copy_(handle.get_tensor(name))
 
 
-def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, part: dict[str, Any], manifest: Manifest,
-                    cache: FileCache) -> None:
+def _load_optimizer(
+    engine: ZeroEngine, optimizer: ShardedOptimizer, part: dict[str, Any], manifest: Manifest, cache: FileCache
+) -> None:
     saved = manifest.optimizer or {}
     for group, saved_group in zip(optimizer.param_groups, part["param_groups"]):
         for key, value in saved_group.items():
@@ -207,18 +219,20 @@ def _load_optimizer(engine: ZeroEngine, optimizer: ShardedOptimizer, part: dict[
                     engine.disk.write_range(key, at, whole[key])
                     whole[key] = torch.empty(0, dtype=whole[key].dtype)
                 for t in piece.optim_params:
-                    inner.state[t] = {k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()}
+                    inner.state[t] = {
+                        k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()
+                    }
                 continue
             for t, (a, b) in zip(piece.optim_params, piece.bounds):  # [Note: optimizer chunks]
                 inner.state[t] = {
-                    key: value[a:b] if key in flat
-                    else value.clone() if isinstance(value, torch.Tensor) else value
+                    key: value[a:b] if key in flat else value.clone() if isinstance(value, torch.Tensor) else value
                     for key, value in whole.items()
                 }
 
 
-def _piece_state(piece: Piece, kinds: dict[str, str], manifest: Manifest, cache: FileCache,
-                 group: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+def _piece_state(
+    piece: Piece, kinds: dict[str, str], manifest: Manifest, cache: FileCache, group: dict[str, Any]
+) -> tuple[dict[str, Any], set[str]]:
     """The state of one piece, and the keys that are elementwise (cut into the piece's chunks)."""
     owner = (manifest.optimizer or {}).get("owners", {}).get(piece.name)
     stored = [[owner, 0, 0]] if owner else [[optim_file_for(f), s, e] for f, s, e in manifest.slices[piece.name]]
@@ -232,9 +246,10 @@ def _piece_state(piece: Piece, kinds: dict[str, str], manifest: Manifest, cache:
             state[key] = out
             flat.add(key)
         elif kind == PARAM and owner and len(cache.get(owner).get_slice(tkey).get_shape()) > 0:
-            state[key] = piece_param_state(piece, key, manifest, cache).to(piece.master.device)  # [Note: owned optimizer state]
+            state[key] = piece_param_state(piece, key, manifest, cache).to(
+                piece.master.device
+            )  # [Note: owned optimizer state]
             flat.add(key)
         else:
             state[key] = restore_value(key, kind, read_whole(cache, tkey, stored), group, piece.master.device)
     return state, flat
-

@@ -20,11 +20,12 @@ any is renamed, and rank 0 writes the index last, so a failed save leaves no wei
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -62,7 +63,8 @@ class OwnerPlan:
     Example:
 
     ```python
-    >>> plan = OwnerPlan.deal([Tensor("a", (4,), 4), Tensor("b", (2,), 2)], torch.float32, world_size=2, max_bytes=10**9)
+    >>> tensors = [Tensor("a", (4,), 4), Tensor("b", (2,), 2)]
+    >>> plan = OwnerPlan.deal(tensors, torch.float32, world_size=2, max_bytes=10**9)
     >>> plan.owned, plan.files
     ([[0], [1]], [[[0]], [[1]]])
     ```
@@ -74,7 +76,7 @@ class OwnerPlan:
     files: list[list[list[int]]]  # per rank: its files, each a list of tensor indices
 
     @staticmethod
-    def deal(tensors: list[Tensor], dtype: torch.dtype, world_size: int, max_bytes: int) -> "OwnerPlan":
+    def deal(tensors: list[Tensor], dtype: torch.dtype, world_size: int, max_bytes: int) -> OwnerPlan:
         nbytes = [t.numel * _itemsize(t, dtype) for t in tensors]
         owned = deal(nbytes, world_size)  # largest first, to the rank with the fewest bytes so far
         files: list[list[list[int]]] = []
@@ -96,8 +98,12 @@ class OwnerPlan:
         total = sum(len(f) for f in self.files)
         names, k = [], 0
         for groups in self.files:
-            names.append(["model.safetensors" if total == 1 else f"model-{k + j + 1:05d}-of-{total:05d}.safetensors"
-                          for j in range(len(groups))])
+            names.append(
+                [
+                    "model.safetensors" if total == 1 else f"model-{k + j + 1:05d}-of-{total:05d}.safetensors"
+                    for j in range(len(groups))
+                ]
+            )
             k += len(groups)
         return names
 
@@ -138,12 +144,15 @@ class Exchange:
         self.world = engine.world
         # every rank's (replica, shard rank): an owner takes its tensor from the ranks of its own shard group
         self.places: list[tuple[int, int]] = gather_objects(
-            (engine.plan.replicate_group.rank, engine.plan.shard_group.rank), self.world)
+            (engine.plan.replicate_group.rank, engine.plan.shard_group.rank), self.world
+        )
         for replica in {p[0] for p in self.places}:
             shard_ranks = [s for r, s in self.places if r == replica]
             if shard_ranks != list(range(len(shard_ranks))):
-                raise RuntimeError(f"[rank {self.world.rank}] hf_zero: the shard group of replica {replica} is not in "
-                                   f"global rank order ({shard_ranks}); the owned-tensor save needs it")
+                raise RuntimeError(
+                    f"[rank {self.world.rank}] hf_zero: the shard group of replica {replica} is not in "
+                    f"global rank order ({shard_ranks}); the owned-tensor save needs it"
+                )
         self.width = max(1, PIECE_NUMEL // self.world.size)
         self.pieces: dict[tuple[int, int], Piece] = {(id(p.unit), p.slot_index): p for p in engine.pieces}
         self.device = comm_device(self.world)
@@ -253,8 +262,13 @@ def _unit(t: Tensor) -> FlatUnit:
     return t.unit
 
 
-def write_owned(engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_bytes: int,
-                on_round: Callable[[int, int], None] | None = None) -> list[str]:
+def write_owned(
+    engine: ZeroEngine,
+    directory: Path,
+    dtype: torch.dtype,
+    max_bytes: int,
+    on_round: Callable[[int, int], None] | None = None,
+) -> list[str]:
     """Write the model's tensors into `directory` as [Note: owned tensors] says; a collective. Returns every
     file written (on every rank). The side files (config, tokenizer) are the caller's. `on_round(done, total)`
     is called after each round (a progress bar)."""
@@ -273,7 +287,7 @@ def write_owned(engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_byt
             for i in group:
                 t = plan.tensors[i]
                 out = dtype if t.value is None or t.value.is_floating_point() else t.value.dtype
-                entries.append(Entry(t.name, out, t.shape, lambda k=k: exchange.windows(k)))
+                entries.append(Entry(t.name, out, t.shape, functools.partial(exchange.windows, k)))
                 k += 1
             tmp = directory / f".{name}.partial"
             written.append(tmp)
@@ -307,9 +321,16 @@ def write_owned(engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_byt
 
 
 def _index(plan: OwnerPlan, names: list[list[str]]) -> bytes:
-    weight_map = {plan.tensors[i].name: name
-                  for rank_names, groups in zip(names, plan.files) for name, group in zip(rank_names, groups) for i in group}
+    weight_map = {
+        plan.tensors[i].name: name
+        for rank_names, groups in zip(names, plan.files)
+        for name, group in zip(rank_names, groups)
+        for i in group
+    }
     parameters = sum(t.numel for t in plan.tensors if t.parameter)
     total = sum(t.numel * _itemsize(t, plan.dtype) for t in plan.tensors)
-    index = {"metadata": {"total_parameters": parameters, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_parameters": parameters, "total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()

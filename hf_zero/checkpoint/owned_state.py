@@ -49,7 +49,9 @@ def owned_entries(
                 entries.append(Entry(tkey, value.dtype, tuple(value.shape), host_pieces(value)))
             elif isinstance(value, (bool, int, float)):
                 kinds[name][key] = "int" if isinstance(value, int) and not isinstance(value, bool) else "float"
-                entries.append(Entry(tkey, torch.float64, (), host_pieces(torch.tensor(float(value), dtype=torch.float64))))
+                entries.append(
+                    Entry(tkey, torch.float64, (), host_pieces(torch.tensor(float(value), dtype=torch.float64)))
+                )
             else:
                 raise TypeError(
                     f"Optimizer state {key!r} of {name} is a {type(value).__name__}; hf_zero checkpoints hold "
@@ -89,7 +91,9 @@ def load_owned(whole: WholeStep, optimizer: torch.optim.Optimizer, manifest: Man
                 read_pieces(cache, tkey, stored, 0, stand_in.numel(), out)
                 state[key] = out.view(stand_in.shape).to(stand_in.device)
             else:
-                state[key] = restore_value(key, kind, read_whole(cache, tkey, stored), group_of[id(stand_in)], stand_in.device)
+                state[key] = restore_value(
+                    key, kind, read_whole(cache, tkey, stored), group_of[id(stand_in)], stand_in.device
+                )
         optimizer.state[stand_in] = state
 
 
@@ -154,9 +158,18 @@ def restore_value(key: str, kind: str, value: torch.Tensor, group: dict[str, Any
 
 def _torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype name (`F32`, `BF16`, ...)."""
-    table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
+    table = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
     if name not in table:
         raise ValueError(f"hf_zero cannot read optimizer state stored as {name}.")
     return table[name]

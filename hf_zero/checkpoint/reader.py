@@ -37,7 +37,7 @@ class FileCache:
     def close(self) -> None:
         self._handles.clear()
 
-    def __enter__(self) -> "FileCache":
+    def __enter__(self) -> FileCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -56,9 +56,7 @@ def read_flat_range(handle: Any, key: str, shape: list[int], start: int, end: in
     return rows[offset : offset + (end - start)]
 
 
-def read_pieces(
-    cache: FileCache, key: str, stored: list[list[Any]], start: int, end: int, out: torch.Tensor
-) -> None:
+def read_pieces(cache: FileCache, key: str, stored: list[list[Any]], start: int, end: int, out: torch.Tensor) -> None:
     """Fill `out` (1D, `end - start` elements) from the stored 1D pieces `[[file, s, e], ...]` of a parameter."""
     filled = 0
     for file, s, e in stored:

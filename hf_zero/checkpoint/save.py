@@ -14,17 +14,27 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..engine.collectives import CommGroup, agreement, broadcast_object, failed_ranks, gather_objects, raise_if_any_failed
+from ..dtypes import dtype_name
+from ..engine.collectives import (
+    CommGroup,
+    agreement,
+    broadcast_object,
+    failed_ranks,
+    gather_objects,
+    raise_if_any_failed,
+)
 from ..engine.disk import MASTER
 from ..engine.engine import Piece, ZeroEngine
 from ..engine.module import get_engine
@@ -44,7 +54,6 @@ from .format import (
     write_bytes_atomically,
     write_file_atomically,
 )
-from ..dtypes import dtype_name
 from .owned_state import owned_entries
 from .stream import Entry, host_pieces, write_streamed
 
@@ -133,12 +142,20 @@ def _raise_if_failed(error: BaseException | None, world: CommGroup, staging: Pat
     raise_if_any_failed(error, world, "hf_zero.save_checkpoint")
 
 
-def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optimizers: list[ShardedOptimizer]) -> dict[str, Any]:
+def _write_rank_files(
+    staging: Path, model: nn.Module, engine: ZeroEngine, optimizers: list[ShardedOptimizer]
+) -> dict[str, Any]:
     record: dict[str, Any] = {"files": {}, "slices": {}, "state": {}}
     if engine.world.rank == 0:
         buffers = engine.module_state(with_params=False)
         if buffers:
-            _write_safetensors(staging, BUFFERS_FILE, {k: v.detach().to("cpu", copy=True).contiguous() for k, v in buffers.items()}, {}, record)
+            _write_safetensors(
+                staging,
+                BUFFERS_FILE,
+                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in buffers.items()},
+                {},
+                record,
+            )
     if not engine.writes_shards:
         return record  # a replica (stage 0 or hybrid): the shard-group rank 0 replica writes
     rank, size = engine.plan.shard_group.rank, engine.plan.shard_group.size
@@ -160,8 +177,14 @@ def _write_rank_files(staging: Path, model: nn.Module, engine: ZeroEngine, optim
                 entries, more = _optimizer_pieces(engine, optimizer)
             state_entries += entries
             kinds.update(more)
-        header = {"kind": "optimizer", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank,
-                  "slices": slices, "state": kinds}
+        header = {
+            "kind": "optimizer",
+            "format_version": FORMAT_VERSION,
+            "world_size": size,
+            "rank": rank,
+            "slices": slices,
+            "state": kinds,
+        }
         _write_streamed(staging, optim_file(rank, size), state_entries, header, record)
         record["state"] = kinds
     return record
@@ -182,8 +205,9 @@ def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[
     entries: list[Entry] = []
     kinds: dict[str, dict[str, str]] = {}
     for piece in engine.pieces:
-        states = [optimizer.optimizer.state.get(t) for t in piece.optim_params]
-        if not all(states):
+        found = [optimizer.optimizer.state.get(t) for t in piece.optim_params]
+        states: list[dict[str, Any]] = [s for s in found if s]
+        if not states or len(states) != len(found):
             continue
         on_disk = engine.disk is not None and engine.disk.holds(piece.unit)
         kinds[piece.name] = {}
@@ -194,13 +218,19 @@ def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[
                 if on_disk and engine.disk is not None and key in engine.disk.state_keys:
                     disk, at, n = engine.disk, engine.disk.offset_of(piece), piece.end - piece.start
                     kinds[piece.name][key] = "elementwise"
-                    entries.append(Entry(tkey, value.dtype, (n,), lambda d=disk, k=key, a=at, m=n: d.read_range(k, a, m)))
+                    entries.append(Entry(tkey, value.dtype, (n,), functools.partial(disk.read_range, key, at, n)))
                     continue
                 elementwise = all(v.ndim == 1 and v.numel() == b - a for v, (a, b) in zip(parts, piece.bounds))
                 kinds[piece.name][key] = "elementwise" if elementwise else "whole"
                 whole = parts if elementwise else [value]
-                entries.append(Entry(tkey, value.dtype, (piece.end - piece.start,) if elementwise else tuple(value.shape),
-                                     host_pieces(*whole)))
+                entries.append(
+                    Entry(
+                        tkey,
+                        value.dtype,
+                        (piece.end - piece.start,) if elementwise else tuple(value.shape),
+                        host_pieces(*whole),
+                    )
+                )
             elif isinstance(value, (bool, int, float)):
                 kinds[piece.name][key] = "int" if isinstance(value, int) and not isinstance(value, bool) else "float"
                 number = torch.tensor(float(value), dtype=torch.float64)
@@ -213,29 +243,46 @@ def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[
     return entries, kinds
 
 
-def _write_streamed(staging: Path, name: str, entries: list[Entry], header: dict[str, Any], record: dict[str, Any]) -> None:
+def _write_streamed(
+    staging: Path, name: str, entries: list[Entry], header: dict[str, Any], record: dict[str, Any]
+) -> None:
     final = staging / name
     digest: list[str] = []
-    write_file_atomically(final, lambda tmp: digest.append(write_streamed(tmp, entries, {"hf_zero": json.dumps(header)})))
+    write_file_atomically(
+        final, lambda tmp: digest.append(write_streamed(tmp, entries, {"hf_zero": json.dumps(header)}))
+    )
     record["files"][name] = {"bytes": final.stat().st_size, "sha256": digest[0]}
 
 
-def _write_safetensors(staging: Path, name: str, tensors: dict[str, torch.Tensor], header: dict[str, Any], record: dict[str, Any]) -> None:
+def _write_safetensors(
+    staging: Path, name: str, tensors: dict[str, torch.Tensor], header: dict[str, Any], record: dict[str, Any]
+) -> None:
     final = staging / name
     metadata = {"hf_zero": json.dumps(header)} if header else None
     write_file_atomically(final, lambda tmp: save_safetensors(tmp, tensors, metadata))
     record["files"][name] = {"bytes": final.stat().st_size, "sha256": sha256_of(final)}
 
 
-def _manifest(model: nn.Module, engine: ZeroEngine, optimizers: list[ShardedOptimizer],
-              records: list[dict[str, Any]], metadata: dict[str, Any] | None) -> Manifest:
+def _manifest(
+    model: nn.Module,
+    engine: ZeroEngine,
+    optimizers: list[ShardedOptimizer],
+    records: list[dict[str, Any]],
+    metadata: dict[str, Any] | None,
+) -> Manifest:
     params: dict[str, dict[str, Any]] = {}
     for unit in engine.units:
         for slot in unit.layout.slots:
             params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(unit.master_dtype)}
-    aliases = {name: engine.name_of(p) for name, p in model.named_parameters(remove_duplicate=False)
-               if name != engine.name_of(p)}
-    buffers = {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in engine.module_state(with_params=False).items()}
+    aliases = {
+        name: engine.name_of(p)
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if name != engine.name_of(p)
+    }
+    buffers = {
+        k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
+        for k, v in engine.module_state(with_params=False).items()
+    }
     files: dict[str, FileEntry] = {}
     slices: dict[str, list[list[Any]]] = {name: [] for name in params}
     state: dict[str, dict[str, str]] = {}
@@ -262,9 +309,18 @@ def _manifest(model: nn.Module, engine: ZeroEngine, optimizers: list[ShardedOpti
         if any(o.steps_whole_parameters for o in optimizers):
             optim["owners"] = owners
     engine_state = {"loss_scale": engine.scaler.scale} if engine.scaler is not None else {}
-    return Manifest(stage=engine.config.stage, world_size=engine.world.size, params=params, slices=slices,
-                    aliases=aliases, buffers=buffers, files=files, optimizer=optim, engine=engine_state,
-                    user=dict(metadata or {}))
+    return Manifest(
+        stage=engine.config.stage,
+        world_size=engine.world.size,
+        params=params,
+        slices=slices,
+        aliases=aliases,
+        buffers=buffers,
+        files=files,
+        optimizer=optim,
+        engine=engine_state,
+        user=dict(metadata or {}),
+    )
 
 
 def _swap_into_place(staging: Path, target: Path, token: str) -> None:

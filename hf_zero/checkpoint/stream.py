@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -24,9 +24,18 @@ from ..engine.disk import host_bytes
 PIECE_NUMEL = 1 << 22  # elements copied to the host at a time (16 MiB of fp32)
 
 _DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -58,6 +67,7 @@ def host_pieces(*tensors: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
     >>> entry = Entry("w", torch.float32, (8,), host_pieces(torch.ones(3), torch.zeros(5)))
     ```
     """
+
     def pieces() -> Iterator[torch.Tensor]:
         for t in tensors:
             flat = t.detach().reshape(-1)
@@ -66,6 +76,7 @@ def host_pieces(*tensors: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
                 continue
             for a in range(0, flat.numel(), PIECE_NUMEL):
                 yield flat[a : a + PIECE_NUMEL].to("cpu")
+
     return pieces
 
 
@@ -85,7 +96,11 @@ def write_streamed(path: Path, entries: list[Entry], metadata: dict[str, str] | 
     for e in entries:
         if e.dtype not in _DTYPES:
             raise TypeError(f"hf_zero cannot store {e.name} of dtype {e.dtype} in a safetensors file.")
-        header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {
+            "dtype": _DTYPES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

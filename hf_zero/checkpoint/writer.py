@@ -18,8 +18,18 @@ import torch
 
 from .format import save_safetensors, write_bytes_atomically
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -102,9 +112,13 @@ class HFShardWriter:
             os.replace(tmp, self.output_dir / final)
             weight_map.update({t: final for t in tensor_names})
         if n > 1:
-            index = {"metadata": {"total_parameters": self.total_parameters, "total_size": self.total_bytes},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            write_bytes_atomically(self.output_dir / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+            index = {
+                "metadata": {"total_parameters": self.total_parameters, "total_size": self.total_bytes},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            write_bytes_atomically(
+                self.output_dir / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+            )
         return names
 
     def abort(self) -> None:

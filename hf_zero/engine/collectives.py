@@ -29,9 +29,10 @@ the buffer would be an extra allocation, so fp32 keeps the all-reduce).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 import datetime
-from typing import Any, Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -52,13 +53,19 @@ class CommGroup:
     size: int
     composed: bool = False  # bulk collectives composed of broadcasts / all-reduce ([Note: composed collectives])
 
+    def global_rank_of(self, group_rank: int) -> int:
+        """The global rank of this group's rank `group_rank` (the group of one: this process's own)."""
+        if self.pg is None:
+            return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_global_rank(self.pg, group_rank)
+
     @staticmethod
-    def single() -> "CommGroup":
+    def single() -> CommGroup:
         """The group made of this process alone: its collectives cost nothing."""
         return CommGroup(pg=None, rank=0, size=1)
 
     @staticmethod
-    def world() -> "CommGroup":
+    def world() -> CommGroup:
         """The default process group, or a group of one when `torch.distributed` is not initialized."""
         if not (dist.is_available() and dist.is_initialized()):
             return CommGroup.single()
@@ -69,7 +76,7 @@ class CommGroup:
     def global_rank(self) -> int:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
-    def using(self, bulk: BulkCollectives) -> "CommGroup":
+    def using(self, bulk: BulkCollectives) -> CommGroup:
         """This group with its all-gather and reduce-scatter carried as `bulk` says: `"native"` (the
         backend's collectives), `"composed"` (broadcasts / an all-reduce) or `"auto"` (composed on
         gloo, native elsewhere). See [Note: composed collectives]."""
@@ -93,7 +100,7 @@ class Pending:
         return w if isinstance(w, list) else [w] if w is not None else []
 
     @staticmethod
-    def join(*pendings: "Pending", then: Callable[[], object] | None = None) -> "Pending":
+    def join(*pendings: Pending, then: Callable[[], object] | None = None) -> Pending:
         """One `Pending` for several issued collectives, finished by their own completion steps (in order),
         then by `then`."""
         steps = [p.then for p in pendings if p.then is not None] + ([then] if then is not None else [])
@@ -103,9 +110,10 @@ class Pending:
         def finish() -> None:
             for step in steps:
                 step()
+
         return Pending([w for p in pendings for w in p.works], finish)
 
-    def and_then(self, step: Callable[[], object]) -> "Pending":
+    def and_then(self, step: Callable[[], object]) -> Pending:
         """Add a completion step after the ones already there (e.g. a copy out of a staging buffer)."""
         first = self.then
         self.then = step if first is None else (lambda: (first(), step()))
@@ -163,7 +171,7 @@ def stream_ordered(group: CommGroup) -> bool:
     return "nccl" in backend or "xccl" in backend
 
 
-_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def issue_after(first: Pending, issue: Callable[[], Pending], group: CommGroup) -> Pending:
@@ -249,12 +257,19 @@ def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: CommGroup) -> 
     chunks = output.view(group.size, -1)
     if chunks[group.rank].data_ptr() != shard.data_ptr():
         chunks[group.rank].copy_(shard)
-    return Pending([dist.broadcast(chunks[i], src=dist.get_global_rank(group.pg, i), group=group.pg, async_op=True)
-                    for i in range(group.size)])
+    return Pending(
+        [
+            dist.broadcast(chunks[i], src=group.global_rank_of(i), group=group.pg, async_op=True)
+            for i in range(group.size)
+        ]
+    )
 
 
 def reduce_scatter_into(
-    output: torch.Tensor, full: torch.Tensor, group: CommGroup, async_op: bool = False,
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: CommGroup,
+    async_op: bool = False,
     scratch: torch.Tensor | None = None,
 ) -> Pending:
     """Sum `full` over the group and keep this rank's chunk in `output` (SUM, not mean).
@@ -270,15 +285,21 @@ def reduce_scatter_into(
         return Pending()
     staged_out, staged_full = _staged(output, group), _staged(full, group)
     if not group.composed:
-        pending = Pending(_reduce_scatter_single(staged_out, staged_full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True))
+        pending = Pending(
+            _reduce_scatter_single(staged_out, staged_full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
+        )
     elif scratch is not None:
         received = _staged(scratch, group).view(group.size, -1)
-        pending = Pending(dist.all_to_all_single(received, staged_full.view(group.size, -1), group=group.pg, async_op=True),
-                          then=lambda: _sum_rows(received, staged_out))
+        pending = Pending(
+            dist.all_to_all_single(received, staged_full.view(group.size, -1), group=group.pg, async_op=True),
+            then=lambda: _sum_rows(received, staged_out),
+        )
     else:
         own = staged_full.view(group.size, -1)[group.rank]
-        pending = Pending(dist.all_reduce(staged_full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True),
-                          then=lambda: staged_out.copy_(own))
+        pending = Pending(
+            dist.all_reduce(staged_full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True),
+            then=lambda: staged_out.copy_(own),
+        )
     if staged_out is not output:  # [Note: staging]
         pending.and_then(lambda: output.copy_(staged_out))
     if not async_op:
@@ -309,7 +330,11 @@ def all_to_all_into(output: torch.Tensor, chunks: torch.Tensor, group: CommGroup
 
 
 def all_to_all_uneven(
-    output: torch.Tensor, send: torch.Tensor, output_splits: Sequence[int], send_splits: Sequence[int], group: CommGroup,
+    output: torch.Tensor,
+    send: torch.Tensor,
+    output_splits: Sequence[int],
+    send_splits: Sequence[int],
+    group: CommGroup,
 ) -> None:
     """Send `send_splits[j]` elements of the 1D `send` (taken in rank order) to group rank j, and receive
     `output_splits[i]` elements from rank i into the 1D `output` (in rank order). Blocking.
@@ -343,7 +368,9 @@ def all_gather_rows(
     """
     n, dim = values.shape
     if n > capacity:
-        raise RuntimeError(f"[rank {group.global_rank}] hf_zero: {n} rows to gather exceed the agreed capacity {capacity}")
+        raise RuntimeError(
+            f"[rank {group.global_rank}] hf_zero: {n} rows to gather exceed the agreed capacity {capacity}"
+        )
     padded_rows = torch.full((capacity,), -1, dtype=torch.int64, device=values.device)
     padded_rows[:n] = rows
     padded_values = values.new_zeros(capacity, dim)
@@ -369,7 +396,7 @@ def max_ints(values: Sequence[int], group: CommGroup) -> list[int]:
 
 
 def all_reduce_(
-    tensor: torch.Tensor, group: CommGroup, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+    tensor: torch.Tensor, group: CommGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
 ) -> Pending:
     """All-reduce `tensor` in place over the group (staged when off the communication device)."""
     if group.size == 1:
@@ -386,7 +413,7 @@ def broadcast_(tensor: torch.Tensor, group: CommGroup, src_group_rank: int = 0) 
     """Overwrite `tensor` on every rank with the group's rank `src_group_rank` copy."""
     if group.size == 1:
         return
-    src = dist.get_global_rank(group.pg, src_group_rank)
+    src = group.global_rank_of(src_group_rank)
     staged = _staged(tensor, group)
     dist.broadcast(staged, src=src, group=group.pg)
     if staged is not tensor:  # [Note: staging]
@@ -404,7 +431,7 @@ def failed_ranks(failed: bool, group: CommGroup) -> list[int]:
     flags = torch.zeros(group.size, dtype=torch.int32, device=comm_device(group))
     flags[group.rank] = int(failed)
     dist.all_reduce(flags, group=group.pg)
-    return [dist.get_global_rank(group.pg, r) for r, f in enumerate(flags.tolist()) if f]
+    return [group.global_rank_of(r) for r, f in enumerate(flags.tolist()) if f]
 
 
 def all_agree(value: int, group: CommGroup) -> bool:
@@ -429,7 +456,6 @@ def max_scalar_(value: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return value
 
 
-
 def gather_objects(obj: Any, group: CommGroup) -> list[Any]:
     """Every rank's small picklable `obj` (file records, error texts), in group-rank order."""
     if group.size == 1:
@@ -444,7 +470,7 @@ def broadcast_object(obj: Any, group: CommGroup, src_group_rank: int = 0) -> Any
     if group.size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group.pg, src_group_rank), group=group.pg)
+    dist.broadcast_object_list(box, src=group.global_rank_of(src_group_rank), group=group.pg)
     return box[0]
 
 
@@ -495,11 +521,10 @@ class agreement:
         self.group = group
         self.what = what
 
-    def __enter__(self) -> "agreement":
+    def __enter__(self) -> agreement:
         return self
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is not None and not isinstance(exc, Exception):
-            return False
+            return  # KeyboardInterrupt and the like: propagate without a collective
         raise_if_any_failed(exc, self.group, self.what)
-        return False

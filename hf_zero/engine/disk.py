@@ -5,9 +5,10 @@ With `ZeroConfig(offload_optimizer=True, offload_dir=PATH)` each rank keeps, in 
 own under PATH, one preallocated file with the master shards of its trainable units end to end
 (`master.bin`) and one file per elementwise optimizer state (`state-exp_avg.bin`, ..., at the
 same offsets). In memory stay: the compute-dtype parameter shards (what stage 3 gathers from,
-unless [Note: parameters on disk]; the whole parameters at stages 1-2), the gradient shards (written by the reductions, read by
-clipping and the step), the optimizer's non-elementwise state (Adam's `step`), and a fixed set
-of host buffers (pinned when the compute device is an accelerator).
+unless [Note: parameters on disk]; the whole parameters at stages 1-2), the gradient shards
+(written by the reductions, read by clipping and the step), the optimizer's non-elementwise
+state (Adam's `step`), and a fixed set of host buffers (pinned when the compute device is an
+accelerator).
 
 The optimizer steps in windows of at most `WINDOW_NUMEL` consecutive elements of the files, made
 of its chunks ([Note: optimizer chunks] in engine.py). A window's master and state are read into
@@ -48,10 +49,11 @@ import time
 import uuid
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -100,7 +102,7 @@ class OffloadFiles:
         self._fds: dict[str, int] = {}
 
     @staticmethod
-    def create(root: Path, *, rank: int, numel: int, dtype: torch.dtype) -> "OffloadFiles":
+    def create(root: Path, *, rank: int, numel: int, dtype: torch.dtype) -> OffloadFiles:
         """Make this rank's folder under `root` and its preallocated master file; `OSError` with the cause
         and the bytes needed when `root` cannot be written or has too little free space."""
         directory = root / f"hf_zero-offload-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank:05d}"
@@ -108,15 +110,19 @@ class OffloadFiles:
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise OSError(f"ZeroConfig.offload_dir {root} cannot be written ({e.strerror or e}); choose a folder "
-                          "this process can create files in.") from e
+            raise OSError(
+                f"ZeroConfig.offload_dir {root} cannot be written ({e.strerror or e}); choose a folder "
+                "this process can create files in."
+            ) from e
         free = shutil.disk_usage(directory).free
         files = OffloadFiles(directory, numel)
         try:
             if free < need:
-                raise OSError(f"ZeroConfig.offload_dir {root} has {free / 2**30:.2f} GiB free; this rank needs "
-                              f"{need / 2**30:.2f} GiB (master weights and {RESERVED_STATES} optimizer states of "
-                              f"{numel} elements). Free space or point offload_dir at a larger disk.")
+                raise OSError(
+                    f"ZeroConfig.offload_dir {root} has {free / 2**30:.2f} GiB free; this rank needs "
+                    f"{need / 2**30:.2f} GiB (master weights and {RESERVED_STATES} optimizer states of "
+                    f"{numel} elements). Free space or point offload_dir at a larger disk."
+                )
             files.add(MASTER, dtype)
         except OSError:
             files.remove()
@@ -134,8 +140,10 @@ class OffloadFiles:
             os.posix_fallocate(fd, 0, max(nbytes, 1))
         except OSError as e:
             if e.errno not in (95, 22):  # EOPNOTSUPP / EINVAL: a filesystem without fallocate
-                raise OSError(f"hf_zero could not preallocate {nbytes / 2**30:.2f} GiB for {path}: {e.strerror}. "
-                              "Free space in ZeroConfig.offload_dir.") from e
+                raise OSError(
+                    f"hf_zero could not preallocate {nbytes / 2**30:.2f} GiB for {path}: {e.strerror}. "
+                    "Free space in ZeroConfig.offload_dir."
+                ) from e
             os.ftruncate(fd, nbytes)
 
     def read(self, key: str, offset: int, out: torch.Tensor) -> None:
@@ -177,7 +185,7 @@ class Chunk:
     """One optimizer tensor of a disk-offloaded unit: elements `[a, b)` of `piece`'s master."""
 
     param: torch.Tensor  # what the optimizer steps; 0 elements outside its window
-    piece: "Piece"
+    piece: Piece
     a: int
     b: int
     offset: int  # element offset in the files
@@ -223,14 +231,14 @@ class DiskOffload:
         self._finalizer = weakref.finalize(self, _shutdown, self._io, files)
 
     # ---- layout -------------------------------------------------------------------------------
-    def holds(self, unit: "FlatUnit") -> bool:
+    def holds(self, unit: FlatUnit) -> bool:
         return id(unit) in self.offsets
 
-    def offset_of(self, piece: "Piece") -> int:
+    def offset_of(self, piece: Piece) -> int:
         """The element offset in the files of `piece`'s first element."""
         return self.offsets[id(piece.unit)] + piece.local[0]
 
-    def adopt_master(self, unit: "FlatUnit") -> None:
+    def adopt_master(self, unit: FlatUnit) -> None:
         """Give `unit` its place in the files, write its freshly filled master shard there and free the
         shard's memory (the tensor stays, holding 0 bytes)."""
         self.offsets[id(unit)] = self._next_offset
@@ -240,11 +248,13 @@ class DiskOffload:
         if unit.sharded_param is unit.sharded_master:  # [Note: parameters on disk]
             unit.shard_reader = _shard_reader(weakref.ref(self), unit)
 
-    def build_windows(self, pieces: list["Piece"]) -> None:
+    def build_windows(self, pieces: list[Piece]) -> None:
         """Group the chunks of the disk units' pieces into windows of consecutive elements."""
         chunks = [
             Chunk(t, piece, a, b, self.offset_of(piece) + a)
-            for piece in pieces if self.holds(piece.unit) for t, (a, b) in zip(piece.optim_params, piece.bounds)
+            for piece in pieces
+            if self.holds(piece.unit)
+            for t, (a, b) in zip(piece.optim_params, piece.bounds)
         ]
         chunks.sort(key=lambda c: c.offset)
         current: list[Chunk] = []
@@ -263,15 +273,17 @@ class DiskOffload:
         self.windows.append(Window(tuple(chunks), chunks[0].offset, last.offset + last.numel - chunks[0].offset))
 
     # ---- whole shards (checkpoints, gathers, loads) -----------------------------------------
-    def read_master(self, unit: "FlatUnit", pin: bool = False) -> torch.Tensor:
+    def read_master(self, unit: FlatUnit, pin: bool = False) -> torch.Tensor:
         """A fresh host tensor (pinned with `pin` on an accelerator) with `unit`'s master shard as the files hold it."""
         self.drain()
-        out = torch.empty(unit.layout.shard_numel, dtype=unit.master_dtype, pin_memory=pin and self.device.type != "cpu")
+        out = torch.empty(
+            unit.layout.shard_numel, dtype=unit.master_dtype, pin_memory=pin and self.device.type != "cpu"
+        )
         self.files.read(MASTER, self.offsets[id(unit)], out)
         self.read_bytes += out.numel() * out.element_size()
         return out
 
-    def write_master(self, unit: "FlatUnit", values: torch.Tensor) -> None:
+    def write_master(self, unit: FlatUnit, values: torch.Tensor) -> None:
         self.drain()
         self.files.write(MASTER, self.offsets[id(unit)], values.to("cpu").contiguous())
 
@@ -327,8 +339,8 @@ class DiskOffload:
                     self._recycle(list(buffers.values()))
                     continue
                 self._install(window, buffers, optimizer.state)
-                for c, g in zip(window.chunks, grads):
-                    c.param.grad = g
+                for c, grad in zip(window.chunks, grads):
+                    c.param.grad = grad
                 if not first:
                     for g, values in zip(groups, before):
                         g.update(values)
@@ -379,9 +391,9 @@ class DiskOffload:
         """Move state tensors the optimizer created in this step (its first) into the window's buffers, making
         a file for each new elementwise key; then leave every chunk and state entry without elements."""
         for c in window.chunks:
-            entries = state.get(c.param)
+            entries = state.get(c.param) or {}
             at = c.offset - window.offset
-            for key, value in list((entries or {}).items()):
+            for key, value in list(entries.items()):
                 if not isinstance(value, torch.Tensor) or value.shape != c.param.shape:
                     continue  # not elementwise (a step count, a scalar): stays in memory
                 if key not in self.files.dtypes:
@@ -394,7 +406,7 @@ class DiskOffload:
                     target.copy_(value)
                 entries[key] = self._placeholder(value.dtype)
             c.param.grad = None
-            c.param.set_()
+            c.param.set_()  # type: ignore[call-overload]  # no arguments: an empty storage, valid at runtime
 
     def _publish(self, window: Window, master: torch.Tensor) -> None:
         for c in window.chunks:
@@ -470,14 +482,16 @@ def _grad_of(chunk: Chunk, used: dict[int, list[bool]]) -> torch.Tensor | None:
     return piece.grad[chunk.a : chunk.b]
 
 
-def _shard_reader(disk: "weakref.ref[DiskOffload]", unit: "FlatUnit") -> Callable[[], torch.Tensor]:
+def _shard_reader(disk: weakref.ref[DiskOffload], unit: FlatUnit) -> Callable[[], torch.Tensor]:
     """A gather source for `unit` read from the files ([Note: parameters on disk]); holds the owner weakly."""
 
     def read() -> torch.Tensor:
         owner = disk()
         if owner is None:
-            raise RuntimeError(f"[rank {unit.shard_group.global_rank}] hf_zero: unit '{unit.spec.name}' gathers "
-                               "from offload files that were already released")
+            raise RuntimeError(
+                f"[rank {unit.shard_group.global_rank}] hf_zero: unit '{unit.spec.name}' gathers "
+                "from offload files that were already released"
+            )
         return owner.read_master(unit, pin=True)
 
     return read

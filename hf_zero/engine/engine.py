@@ -5,30 +5,38 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from ..config import ZeroConfig
 from ..launch import accelerator_device, launch_env
-from .collectives import (CommGroup, all_gather_into, all_reduce_, bound_device, broadcast_, comm_device, max_scalar_,
-                          raise_if_any_failed, stream_ordered)
 from .accounting import ModelStateMemory
+from .collectives import (
+    CommGroup,
+    all_gather_into,
+    all_reduce_,
+    bound_device,
+    broadcast_,
+    comm_device,
+    max_scalar_,
+    raise_if_any_failed,
+    stream_ordered,
+)
 from .disk import DiskOffload, OffloadFiles
 from .flat import FlatUnit, grad_slab, transient_nbytes
-from .layout import FlatLayout
 from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
+from .layout import FlatLayout
 from .pool import BufferPool
 from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
-from .units import UnitSpec
 from .stepping import OptimizerSteps
-
+from .units import UnitSpec
 
 OPTIMIZER_CHUNK_NUMEL = 1 << 22  # [Note: optimizer chunks]: at most 16 MiB of fp32 per optimizer tensor
 
@@ -106,7 +114,11 @@ class ZeroEngine:
     """Shards a model in place and runs its units' lifecycle; built by `hf_zero.initialize`."""
 
     def __init__(
-        self, model: nn.Module, specs: list[UnitSpec], config: ZeroConfig, world: CommGroup,
+        self,
+        model: nn.Module,
+        specs: list[UnitSpec],
+        config: ZeroConfig,
+        world: CommGroup,
         source: ShardSource | None = None,
     ) -> None:
         self.model = model
@@ -183,7 +195,7 @@ class ZeroEngine:
                     self._real[id(stand_in)] = p
                     self._names[id(stand_in)] = n
 
-    def name_of(self, param: nn.Parameter) -> str:
+    def name_of(self, param: torch.Tensor) -> str:
         """The first qualified name of one of the model's parameters (or of its stand-in)."""
         return self._names[id(param)]
 
@@ -260,7 +272,9 @@ class ZeroEngine:
             local = torch.stack([g.detach().abs().max().float() for g in shards]).max()
             total = max_scalar_(local.reshape(1).to(comm), group)[0]
         else:
-            local = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in shards]).sum()
+            local = torch.stack(
+                [torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in shards]
+            ).sum()
             summed = local.reshape(1).to(comm)
             all_reduce_(summed, group)
             total = summed[0] ** (1.0 / norm_type)
@@ -282,7 +296,11 @@ class ZeroEngine:
     # ---- gathering --------------------------------------------------------------------------
     @torch.no_grad()
     def gather_units(
-        self, *, rank0_only: bool = True, device: torch.device | str = "cpu", trainable_only: bool = False,
+        self,
+        *,
+        rank0_only: bool = True,
+        device: torch.device | str = "cpu",
+        trainable_only: bool = False,
     ) -> Iterator[list[tuple[str, nn.Parameter, torch.Tensor]]]:
         """Gather the master parameters one unit at a time: yields `[(name, param, full value), ...]`.
 
@@ -304,12 +322,17 @@ class ZeroEngine:
             full = full.to(device)
             yield [
                 (slot.name, p, full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone())
-                for slot, p in zip(unit.layout.slots, unit.params) if p.requires_grad or not trainable_only
+                for slot, p in zip(unit.layout.slots, unit.params)
+                if p.requires_grad or not trainable_only
             ]
             del full
 
     def full_state_dict(
-        self, *, rank0_only: bool = True, device: torch.device | str = "cpu", trainable_only: bool = False,
+        self,
+        *,
+        rank0_only: bool = True,
+        device: torch.device | str = "cpu",
+        trainable_only: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Gather the master parameters unit by unit, keyed like an unsharded `state_dict()`; a collective.
         `trainable_only`: only the parameters that require grad (no buffers)."""
@@ -382,8 +405,12 @@ class ZeroEngine:
 
 
 def _pool_for(
-    specs: list[UnitSpec], world: CommGroup, plan: StagePlan, config: ZeroConfig,
-    param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    specs: list[UnitSpec],
+    world: CommGroup,
+    plan: StagePlan,
+    config: ZeroConfig,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
 ) -> BufferPool:
     """[Note: buffer reuse] pool the buffer sizes of which there are several units (the repeated
     blocks): gathered parameters and unsharded gradients (and their cast for the reduction). At
@@ -391,14 +418,16 @@ def _pool_for(
     whose reduction is in flight) wait in the pool per size."""
     align = config.quantization_block if config.quantized_weights or config.quantized_gradients else 1
     weight_block = config.quantization_block if config.quantized_weights else None
-    layouts = {}  # padded numel -> a layout of that size (the blocks of one model share it)
+    layouts: dict[int, FlatLayout] = {}  # padded numel -> a layout of that size (the blocks of one model share it)
     counts: Counter[int] = Counter()
     for s in specs:
         layout = FlatLayout.build(s.param_names, [p.shape for p in s.params], plan.shard_group.size, align)
         layouts.setdefault(layout.padded_numel, layout)
         counts[layout.padded_numel] += 1
     sizes = {
-        n for numel, c in counts.items() if c > 1
+        n
+        for numel, c in counts.items()
+        if c > 1
         for n in transient_nbytes(layouts[numel], plan.shard_group.size, param_dtype, reduce_dtype, weight_block)
     }
     return BufferPool(sizes, per_size=config.prefetch + 2)
@@ -411,8 +440,14 @@ def _swap_parameters(model: nn.Module, replaced: dict[int, nn.Parameter]) -> Non
                 module._parameters[name] = replaced[id(param)]
 
 
-def _disk_for(specs: list[UnitSpec], config: ZeroConfig, world: CommGroup, plan: StagePlan, device: torch.device,
-              master_dtype: torch.dtype) -> DiskOffload | None:
+def _disk_for(
+    specs: list[UnitSpec],
+    config: ZeroConfig,
+    world: CommGroup,
+    plan: StagePlan,
+    device: torch.device,
+    master_dtype: torch.dtype,
+) -> DiskOffload | None:
     """This rank's offload files when `config.offload_dir` is set, created (with the free-space check) on every
     rank before any unit: a failure on one rank raises on every rank."""
     if config.offload_dir is None:
@@ -421,7 +456,8 @@ def _disk_for(specs: list[UnitSpec], config: ZeroConfig, world: CommGroup, plan:
     align = config.quantization_block if config.quantized_weights or config.quantized_gradients else 1
     numel = sum(
         FlatLayout.build(s.param_names, [p.shape for p in s.params], size, align).shard_numel
-        for s in specs if not s.frozen
+        for s in specs
+        if not s.frozen
     )
     files, error = None, None
     try:
@@ -500,8 +536,12 @@ def _rank_accelerator(kind: str, world: CommGroup) -> torch.device:
     collective and allocation uses it."""
     module = getattr(torch, kind)
     chosen = accelerator_device(
-        kind, bound=bound_device(world), local_rank=launch_env().local_rank,
-        count=module.device_count(), current=module.current_device(), world_size=world.size,
+        kind,
+        bound=bound_device(world),
+        local_rank=launch_env().local_rank,
+        count=module.device_count(),
+        current=module.current_device(),
+        world_size=world.size,
     )
     module.set_device(chosen)
     return chosen
@@ -530,4 +570,3 @@ def _move_buffers(model: nn.Module, device: torch.device, sync_from: CommGroup |
                 module._buffers[name] = buf
             if sync_from is not None:
                 broadcast_(buf, sync_from)
-

@@ -45,19 +45,27 @@ tensor for the moment of the add: 131 MB for a 32000 x 1024 head.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from typing import TYPE_CHECKING, Callable
-
+from .collectives import (
+    CommGroup,
+    Pending,
+    all_gather_into,
+    all_gather_rows,
+    all_reduce_,
+    issue_after,
+    max_ints,
+    reduce_scatter_into,
+)
+from .layout import FlatLayout
 from .lifecycle import ShardState
-from .collectives import (CommGroup, Pending, all_gather_into, all_gather_rows, all_reduce_, issue_after, max_ints,
-                          reduce_scatter_into)
 from .pool import BufferPool
 from .quant import gather_int8, gather_workspace_numels, reduce_scatter_int8
-from .layout import FlatLayout
 from .resting import ModuleSlots
 from .sparse import coalesced_rows, scatter_rows_
 from .units import UnitSpec
@@ -67,7 +75,10 @@ if TYPE_CHECKING:
 
 
 def transient_nbytes(
-    layout: FlatLayout, group_size: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    layout: FlatLayout,
+    group_size: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
     weight_quant_block: int | None,
 ) -> frozenset[int]:
     """[Note: buffer reuse] the sizes of the buffers a unit with this layout takes from the pool and gives
@@ -109,7 +120,7 @@ class FlatUnit:
         master_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         persistent_params: bool,
-        source: "ShardSource",
+        source: ShardSource,
         pool: BufferPool,
         host: torch.device | None = None,
         offload_params: bool = False,
@@ -155,8 +166,11 @@ class FlatUnit:
             shard_device = host if offload_params and host is not None else device
             if master_on_disk and offload_params:
                 self.sharded_param = self.sharded_master  # a stand-in: each gather reads the files
-            elif self.sharded_master.device == shard_device and (param_dtype == master_dtype or host is None) \
-                    and not master_on_disk:
+            elif (
+                self.sharded_master.device == shard_device
+                and (param_dtype == master_dtype or host is None)
+                and not master_on_disk
+            ):
                 # [Note: cast on gather] the master, in memory on the compute device, is the gather source
                 self.sharded_param = self.sharded_master
             else:
@@ -170,7 +184,9 @@ class FlatUnit:
         else:
             self.reshard()
 
-        self._sharded_grad: torch.Tensor | None = None  # 1D (shard_numel,), master dtype; held from the first reduction to zero_grad
+        self._sharded_grad: torch.Tensor | None = (
+            None  # 1D (shard_numel,), master dtype; held from the first reduction to zero_grad
+        )
         self._grad_storage_nbytes = 0  # bytes of the storage `_sharded_grad` views (a shared slab, or its own)
         self.grad_is_zero = True  # sharded_grad holds no reduced gradient yet (a lazy zero)
         self.unsharded_grad: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
@@ -206,8 +222,9 @@ class FlatUnit:
     @property
     def buffer_nbytes(self) -> frozenset[int]:
         """The sizes of the transient buffers this unit takes from the pool (see `transient_nbytes`)."""
-        return transient_nbytes(self.layout, self.shard_group.size, self.param_dtype, self.reduce_dtype,
-                                self.weight_quant_block)
+        return transient_nbytes(
+            self.layout, self.shard_group.size, self.param_dtype, self.reduce_dtype, self.weight_quant_block
+        )
 
     @property
     def param_nbytes(self) -> int:
@@ -266,11 +283,24 @@ class FlatUnit:
             cast = source = self.pool.new_tensor(source.numel(), self.param_dtype, self.device).copy_(source)
         if self.weight_quant_block is not None:
             blocks, scales = gather_workspace_numels(source.numel(), self.weight_quant_block, self.shard_group.size)
-            workspace = (self.pool.new_tensor(blocks, torch.int8, self.device),
-                         self.pool.new_tensor(scales, torch.float32, self.device))
-            pending = gather_int8(self.unsharded_param, source, self.shard_group, self.weight_quant_block,
-                                  async_op=True, workspace=workspace)
-            pending.and_then(lambda: [self.pool.release(t.untyped_storage()) for t in workspace])
+            workspace = (
+                self.pool.new_tensor(blocks, torch.int8, self.device),
+                self.pool.new_tensor(scales, torch.float32, self.device),
+            )
+            pending = gather_int8(
+                self.unsharded_param,
+                source,
+                self.shard_group,
+                self.weight_quant_block,
+                async_op=True,
+                workspace=workspace,
+            )
+
+            def release_workspace() -> None:
+                for t in workspace:
+                    self.pool.release(t.untyped_storage())
+
+            pending.and_then(release_workspace)
         else:
             pending = all_gather_into(self.unsharded_param, source, self.shard_group, async_op=True)
         if cast is not None:
@@ -393,8 +423,13 @@ class FlatUnit:
 
     def _dense_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
         """`grad` (dense, sparse or absent) as a flat buffer: autograd's own tensor when it fits as is."""
-        if grad is not None and not grad.is_sparse and grad.is_contiguous() and grad.dtype == self.param_dtype \
-                and grad.numel() == self.layout.padded_numel:
+        if (
+            grad is not None
+            and not grad.is_sparse
+            and grad.is_contiguous()
+            and grad.dtype == self.param_dtype
+            and grad.numel() == self.layout.padded_numel
+        ):
             return grad.detach().view(-1)
         buffer = self.pool.new_tensor(self.layout.padded_numel, self.param_dtype, self.device).zero_()
         self._add_into(buffer, grad)
@@ -425,7 +460,8 @@ class FlatUnit:
                 "it never allocated"
             )
         source = buffer = self.unsharded_grad
-        quantized = self.grad_quant_block is not None and self.shard_group.size > 1  # from the buffer as is: no cast
+        block = self.grad_quant_block
+        quantized = block is not None and self.shard_group.size > 1  # from the buffer as is: no cast
         if not quantized and source.dtype != self.reduce_dtype:
             source = self.pool.new_tensor(source.numel(), self.reduce_dtype, self.device).copy_(source)
         into_acc = self._reduces_into_shard
@@ -435,16 +471,17 @@ class FlatUnit:
             output = source  # a fresh cast copy: reduce it in place
         else:  # pooled: released with the unsharded gradients once the sum is in the shard
             output = self.pool.new_tensor(self.layout.shard_numel, self.reduce_dtype, self.device)
-        if quantized:
-            pending = reduce_scatter_int8(output, source, self.shard_group, self.grad_quant_block, async_op=async_op)
+        if quantized and block is not None:
+            pending = reduce_scatter_int8(output, source, self.shard_group, block, async_op=async_op)
         else:
             scratch = None
             if buffer_is_free and source is not buffer and buffer.element_size() >= source.element_size():
                 scratch = buffer.view(source.dtype)[: source.numel()]  # the gradients were cast: memory to receive into
             pending = reduce_scatter_into(output, source, self.shard_group, async_op=async_op, scratch=scratch)
         if self.replicate_group.size > 1:  # the cross-replica sum follows the shard-group sum
-            pending = issue_after(pending, lambda: all_reduce_(output, self.replicate_group, async_op=True),
-                                  self.shard_group)
+            pending = issue_after(
+                pending, lambda: all_reduce_(output, self.replicate_group, async_op=True), self.shard_group
+            )
             if not async_op:
                 pending.wait()
         return GradReduction(pending, output, source, buffer, into_acc)
@@ -537,6 +574,7 @@ class FlatUnit:
         """`(category, tensor, placement)` of what this unit holds, placement `"host"` for offloaded
         tensors (even on a CPU-only machine) and the device otherwise. Views and aliases are
         deduplicated by the caller, in this order."""
+
         def where(t: torch.Tensor, offloaded: bool) -> str:
             return "host" if offloaded else str(t.device)
 

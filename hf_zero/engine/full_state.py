@@ -15,7 +15,7 @@ bf16 embedding leaves every other master element bit for bit as it was.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -45,14 +45,17 @@ def load_state_dict(engine: ZeroEngine, values: Mapping[str, torch.Tensor], stri
         problems = [
             f"size mismatch for {k}: copying a param with shape {tuple(values[k].shape)} from checkpoint, "
             f"the shape in current model is {tuple(t.shape)}."
-            for k, t in expected.items() if k in values and tuple(values[k].shape) != tuple(t.shape)
+            for k, t in expected.items()
+            if k in values and tuple(values[k].shape) != tuple(t.shape)
         ]
         if strict and unexpected:
             problems.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
         if strict and missing:
             problems.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
         if problems:
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(engine.model).__name__}:\n\t" + "\n\t".join(problems))
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(engine.model).__name__}:\n\t" + "\n\t".join(problems)
+            )
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         error = e
     raise_if_any_failed(error, engine.world, "load_state_dict")
@@ -152,6 +155,9 @@ def unique_params(module_or_params: nn.Module | torch.Tensor | Iterable[torch.Te
     seen: dict[int, torch.Tensor] = {}
     for p in module_or_params:
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"gathered_parameters takes a module, a parameter or an iterable of parameters; got a {type(p).__name__} inside.")
+            raise TypeError(
+                "gathered_parameters takes a module, a parameter or an iterable of parameters; got a "
+                f"{type(p).__name__} inside."
+            )
         seen.setdefault(id(p), p)
     return list(seen.values())

@@ -141,6 +141,9 @@ def _subset(spec: UnitSpec, indices: list[int], frozen: bool) -> UnitSpec:
     from dataclasses import replace
 
     return replace(
-        spec, params=tuple(spec.params[i] for i in indices), param_names=tuple(spec.param_names[i] for i in indices),
-        slots=tuple(spec.slots[i] for i in indices) if spec.slots else (), frozen=frozen,
+        spec,
+        params=tuple(spec.params[i] for i in indices),
+        param_names=tuple(spec.param_names[i] for i in indices),
+        slots=tuple(spec.slots[i] for i in indices) if spec.slots else (),
+        frozen=frozen,
     )

@@ -41,8 +41,9 @@ root's pre_forward calls it when it finds one.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -53,7 +54,6 @@ from .group import UnitGroup
 from .lifecycle import Phase, TrainingState, UnitRun
 from .pool import BufferPool
 from .stages import StagePlan
-
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
 
@@ -72,7 +72,7 @@ class _EndOfBackward(torch.autograd.Function):
     which is the same on every rank, and not by which parameters received gradients."""
 
     @staticmethod
-    def forward(ctx: Any, hooks: "UnitHooks", unit: UnitGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, hooks: UnitHooks, unit: UnitGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hooks, ctx.unit = hooks, unit
         return inputs
 
@@ -86,7 +86,10 @@ class UnitHooks:
     """Registers the hooks of every unit and owns the state of the running backward pass."""
 
     def __init__(
-        self, units: list[UnitGroup], plan: StagePlan, pool: BufferPool,
+        self,
+        units: list[UnitGroup],
+        plan: StagePlan,
+        pool: BufferPool,
         root_output_fn: Callable[[Any], Any] | None = None,
     ):
         self.units = units  # inner units in module order, the root last (each a group of parts, group.py)
@@ -163,7 +166,7 @@ class UnitHooks:
         if not recompute:
             self._prefetch_after(unit, forward=True)
         if unit.sparse_lookup:
-            unit.spec.module.sparse = True  # [Note: sparse lookup gradients]; switched back after the forward
+            cast(Any, unit.spec.module).sparse = True  # [Note: sparse lookup gradients]; switched back after forward
         if not torch.is_grad_enabled():
             return None
         args, kwargs, wrapped = self._carry_end_signal(unit, args, kwargs)
@@ -223,10 +226,10 @@ class UnitHooks:
             ahead = sum(u.param_nbytes for u in self._next_backward[id(unit)])
             if unit.param_nbytes + unit.grad_nbytes + max(in_flight, ahead) > budget:
                 self._late_prefetch.add(id(unit))
-        for forward, units in ((True, order), (False, order[::-1])):
-            for i, unit in enumerate(units):
-                ahead = units[i + 1 : i + 2 + self.prefetch]
-                self._pool_sizes[(id(unit), forward)] = frozenset().union(*(u.buffer_nbytes for u in ahead))
+        for forward, sequence in ((True, order), (False, order[::-1])):
+            for i, unit in enumerate(sequence):
+                coming = sequence[i + 1 : i + 2 + self.prefetch]
+                self._pool_sizes[(id(unit), forward)] = frozenset().union(*(u.buffer_nbytes for u in coming))
 
     def _trim_pool(self, unit: UnitGroup, forward: bool) -> None:
         """[Note: buffer reuse] after `unit` freed its buffers, keep pooled only the sizes that the
@@ -241,13 +244,16 @@ class UnitHooks:
         """The last unit of a forward that will have a backward is the first unit of that backward:
         it stays gathered in between (one all-gather saved per iteration, no extra peak)."""
         return (
-            torch.is_grad_enabled() and self._order_known and unit is self._forward_order[-1]
-            and unit.spec.backward_reads_params and not self.plan.params.persistent
+            torch.is_grad_enabled()
+            and self._order_known
+            and unit is self._forward_order[-1]
+            and unit.spec.backward_reads_params
+            and not self.plan.params.persistent
         )
 
     def _post_forward(self, unit: UnitGroup, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if unit.sparse_lookup:
-            unit.spec.module.sparse = False
+            cast(Any, unit.spec.module).sparse = False
         if _in_backward():  # [Note: recomputation]: the unit's backward follows, keep it gathered
             if torch.is_grad_enabled():
                 self._hook_outputs(unit, output)
@@ -428,8 +434,9 @@ class UnitHooks:
 
     def release_held(self) -> None:
         """Free the unit a forward kept gathered for its backward, when no backward will use it."""
-        if self._held is not None:
-            self._held, held = None, self._held
+        held = self._held
+        if held is not None:
+            self._held = None
             held.reshard()
 
     def reset(self) -> None:
@@ -462,7 +469,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _weakly(method: "weakref.WeakMethod[Callable[..., Any]]", unit: "weakref.ref[UnitGroup]", *args: Any) -> None:
+def _weakly(method: weakref.WeakMethod[Callable[..., Any]], unit: weakref.ref[UnitGroup], *args: Any) -> None:
     """Call `method(unit, *args)` (both weak references) if they still live."""
     bound, target = method(), unit()
     if bound is not None and target is not None:

@@ -31,7 +31,7 @@ class FlatLayout:
     num_shards: int
 
     @staticmethod
-    def build(names: tuple[str, ...], shapes: list[torch.Size], num_shards: int, align: int = 1) -> "FlatLayout":
+    def build(names: tuple[str, ...], shapes: list[torch.Size], num_shards: int, align: int = 1) -> FlatLayout:
         """Parameters end to end; each shard holds a multiple of `align` elements (quantized collectives)."""
         slots, offset = [], 0
         for name, shape in zip(names, shapes):

@@ -24,7 +24,7 @@ ENGINE_ATTR = "_hf_zero_engine"
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def register_params(engine: "ZeroEngine") -> None:
+def register_params(engine: ZeroEngine) -> None:
     """Record `engine` as the owner of its parameters and their stand-ins."""
     ref = weakref.ref(engine)
     for unit in engine.units:
@@ -35,7 +35,7 @@ def register_params(engine: "ZeroEngine") -> None:
                 _OWNERS[r] = ref
 
 
-def engine_of_param(param: torch.Tensor) -> "ZeroEngine | None":
+def engine_of_param(param: torch.Tensor) -> ZeroEngine | None:
     """The live engine that owns `param`, or None."""
     ref = _OWNERS.get(param)
     return ref() if ref is not None else None
@@ -46,7 +46,7 @@ def is_sharded(model: object) -> bool:
     return isinstance(model, nn.Module) and ENGINE_ATTR in model.__dict__
 
 
-def get_engine(model: nn.Module) -> "ZeroEngine":
+def get_engine(model: nn.Module) -> ZeroEngine:
     """The engine of a model sharded by `hf_zero.initialize`; `ValueError` for any other model."""
     engine = model.__dict__.get(ENGINE_ATTR) if isinstance(model, nn.Module) else None
     if engine is None:

@@ -14,19 +14,19 @@ each on the rank that owns it ([Note: whole-parameter step] in whole.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from .engine import ZeroEngine
-from .stepping import Attached
 from .optim_configs import carry_configs
+from .stepping import Attached
 from .whole import COUPLED, WholeStep, is_elementwise
 
 
-
-def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "ShardedOptimizer":
+def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> ShardedOptimizer:
     """Rewrite `optimizer`'s groups onto this rank's shards (elementwise optimizers, [Note: optimizer shards]) or
     onto the whole parameters this rank owns (every other, [Note: whole-parameter step]), and wrap it."""
     by_param = {id(piece.param): piece for piece in engine.pieces}
@@ -34,8 +34,12 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
     params = [engine.compute_param(p) for group in optimizer.param_groups for p in group["params"]]
     whole = None
     if not is_elementwise(optimizer):
-        whole = WholeStep([where[id(p)] for p in params], engine.plan.shard_group,
-                          {(id(piece.unit), piece.slot_index): piece for piece in engine.pieces}, engine.disk)
+        whole = WholeStep(
+            [where[id(p)] for p in params],
+            engine.plan.shard_group,
+            {(id(piece.unit), piece.slot_index): piece for piece in engine.pieces},
+            engine.disk,
+        )
     initial = [dict(optimizer.state.get(p, {})) for group in optimizer.param_groups for p in group["params"]]
     optimizer.state.clear()
     group_names: list[list[str]] = []
@@ -51,7 +55,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> "Sh
                 held = [stand_in] if stand_in is not None else []
                 for t in held if initial[index] else []:  # [Note: state set at construction]
                     optimizer.state[t] = {k: _carried(v, t.device) for k, v in initial[index].items()}
-            elif (piece := by_param.get(id(param))) is not None:  # in chunks ([Note: optimizer chunks]); `.grad` bound by each step
+            elif (
+                piece := by_param.get(id(param))
+            ) is not None:  # in chunks ([Note: optimizer chunks]); `.grad` bound by each step
                 held = list(piece.optim_params)
                 for t, (a, b) in zip(held, piece.bounds) if initial[index] else []:  # [Note: state set at construction]
                     span = (piece.start + a, piece.start + b)
@@ -92,8 +98,11 @@ def check_optimizer(
             if offload_dir is not None or (is_elementwise(optimizer) and value.numel() != param.numel()):
                 raise ValueError(
                     f"{type(optimizer).__name__} set its state {key!r} (shape {tuple(value.shape)}) at construction, "
-                    + ("which ZeroConfig.offload_dir cannot place in its files: drop offload_dir." if offload_dir
-                       is not None else "which cannot be cut into flat shards: it is not the parameter's size.")
+                    + (
+                        "which ZeroConfig.offload_dir cannot place in its files: drop offload_dir."
+                        if offload_dir is not None
+                        else "which cannot be cut into flat shards: it is not the parameter's size."
+                    )
                 )
     name = type(optimizer).__name__
     if name in COUPLED:
@@ -133,19 +142,22 @@ def _carried(value: Any, device: torch.device, span: tuple[int, int] | None = No
     return value.reshape(-1)[span[0] : span[1]].to(device, copy=True)
 
 
-def optimizer_list(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None) -> list[torch.optim.Optimizer]:
+def optimizer_list(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> list[torch.optim.Optimizer]:
     """The optimizers `initialize` was given: none, one, or a list or tuple of several ([Note: several optimizers])."""
     if optimizer is None:
         return []
-    if isinstance(optimizer, (list, tuple)):
-        if not optimizer:
-            raise ValueError("hf_zero.initialize got an empty list of optimizers; pass None, one optimizer, or several.")
-        return list(optimizer)
-    return [optimizer]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if not optimizer:
+        raise ValueError("hf_zero.initialize got an empty list of optimizers; pass None, one optimizer, or several.")
+    return list(optimizer)
 
 
-def check_optimizers(optimizers: list[torch.optim.Optimizer], model: nn.Module, offload_dir: str | None,
-                     engine: ZeroEngine | None = None) -> None:
+def check_optimizers(
+    optimizers: list[torch.optim.Optimizer], model: nn.Module, offload_dir: str | None, engine: ZeroEngine | None = None
+) -> None:
     """`check_optimizer` for each, and for several: no parameter in two of them, no offload_dir."""
     for optimizer in optimizers:
         check_optimizer(optimizer, model, offload_dir, engine)
@@ -167,13 +179,14 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer], model: nn.Module, 
 
 def shard_optimizers(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, engine: ZeroEngine
-) -> "ShardedOptimizer | list[ShardedOptimizer] | tuple[ShardedOptimizer, ...] | None":
+) -> ShardedOptimizer | list[ShardedOptimizer] | tuple[ShardedOptimizer, ...] | None:
     """`shard_optimizer` for each optimizer given, returned in the shape given (None, one, list or tuple)."""
     if optimizer is None:
         return None
-    if isinstance(optimizer, (list, tuple)):
-        return type(optimizer)(shard_optimizer(o, engine) for o in optimizer)
-    return shard_optimizer(optimizer, engine)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return shard_optimizer(optimizer, engine)
+    sharded = [shard_optimizer(o, engine) for o in optimizer]
+    return tuple(sharded) if isinstance(optimizer, tuple) else sharded
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -228,7 +241,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads of step(); ours returns the closure's loss
         """Update this rank's shards and gather the new parameters. Skipped (returns early) when no
         gradient was reduced since `zero_grad`, or when an fp16 overflow was found."""
         loss = None
@@ -274,9 +287,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"{type(self.optimizer).__name__}.{what}() moves the weights it holds, which hf_zero supports on flat "
                 "shards in memory only: "
-                + ("drop ZeroConfig.offload_dir." if engine.disk is not None else
-                   "this optimizer steps on whole parameters ([Note: whole-parameter step]); declare it with "
-                   "hf_zero.register_elementwise if its math is elementwise.")
+                + (
+                    "drop ZeroConfig.offload_dir."
+                    if engine.disk is not None
+                    else "this optimizer steps on whole parameters ([Note: whole-parameter step]); declare it with "
+                    "hf_zero.register_elementwise if its math is elementwise."
+                )
             )
         engine.hooks.wait_reductions()
         modes = [group.get("train_mode") for group in self.param_groups]

@@ -12,25 +12,38 @@ layout are dropped, so each tensor steps with its own parameter's settings.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 
-def carry_configs(optimizer: torch.optim.Optimizer, moved: list[tuple[int, int, torch.Tensor, list[torch.Tensor]]],
-                  own: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def carry_configs(
+    optimizer: torch.optim.Optimizer,
+    moved: list[tuple[int, int, torch.Tensor, list[torch.Tensor]]],
+    own: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
     """Carry `optimizer`'s per-parameter overrides to the tensors that now stand for each parameter. `moved`:
     (group index, position, original parameter, tensors stepped for it) for every original parameter; `own` maps
     a parameter, or what a module holds in its place now, to the engine's own parameter."""
     manager: Any = getattr(optimizer, "mng", None)
-    if manager is None or not all(hasattr(manager, a) for a in ("pid2config", "index2config", "module_weight_config_triple")):
+    if manager is None or not all(
+        hasattr(manager, a) for a in ("pid2config", "index2config", "module_weight_config_triple")
+    ):
         return  # not a bitsandbytes optimizer
-    by_module = {id(own(t)): config for module, attr, config in manager.module_weight_config_triple
-                 if isinstance(t := getattr(module, attr, None), torch.Tensor)}
+    by_module = {
+        id(own(t)): config
+        for module, attr, config in manager.module_weight_config_triple
+        if isinstance(t := getattr(module, attr, None), torch.Tensor)
+    }
     configs = {}
     for g, j, original, _ in moved:
         config: dict[str, Any] = {}
-        for found in (by_module.get(id(own(original))), manager.index2config.get((g, j)), manager.pid2config.get(id(original))):
+        for found in (
+            by_module.get(id(own(original))),
+            manager.index2config.get((g, j)),
+            manager.pid2config.get(id(original)),
+        ):
             config.update(found or {})
         if config:
             configs[id(original)] = config

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -122,7 +123,7 @@ class BufferPool:
             raise RuntimeError(f"hf_zero: BufferPool.fill on a storage that holds {storage.nbytes()} bytes")
         free = self._free.get((storage.device, nbytes))
         if free:
-            storage._swap_data_ptr_(free.pop())
+            storage._swap_data_ptr_(free.pop())  # type: ignore[attr-defined]  # torch's private swap, not in its stubs
             self.reused += 1
         else:
             storage.resize_(nbytes)
@@ -143,7 +144,7 @@ class BufferPool:
         free = self._free.setdefault((storage.device, nbytes), [])
         if nbytes in self.sizes and len(free) < self.per_size:
             empty = torch.UntypedStorage(0, device=storage.device)
-            storage._swap_data_ptr_(empty)  # `empty` now owns the memory
+            storage._swap_data_ptr_(empty)  # type: ignore[attr-defined]  # torch's private swap; `empty` now owns the memory
             free.append(empty)
         else:
             storage.resize_(0)

@@ -30,7 +30,9 @@ _HOST_PIECE = 1 << 20  # elements quantized per pass on the host
 
 
 def quantize_blocks(
-    x: torch.Tensor, block: int, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x: torch.Tensor,
+    block: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (1D, or 2D with rows quantized separately) as int8 blocks and fp32 scales.
 
@@ -74,8 +76,9 @@ def quantize_blocks(
     return q.view(rows.shape[0], blocks * block), scales.view(rows.shape[0], blocks)
 
 
-def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_blocks(
+    q: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The inverse of `quantize_blocks`: `(rows, numel)` values in `dtype`, written into `out` when given."""
     rows, blocks = scales.shape
     block = q.shape[1] // blocks
@@ -97,8 +100,14 @@ def gather_workspace_numels(shard_numel: int, block: int, group_size: int) -> tu
     return group_size * blocks * block, group_size * blocks
 
 
-def gather_int8(output: torch.Tensor, shard: torch.Tensor, group: CommGroup, block: int,
-                async_op: bool = False, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> Pending:
+def gather_int8(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: CommGroup,
+    block: int,
+    async_op: bool = False,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Pending:
     """All-gather `shard` into the 1D `output` in int8 ([Note: block quantization]); `output` is filled,
     dequantized into its dtype, when the returned `Pending` is waited on.
 
@@ -109,24 +118,29 @@ def gather_int8(output: torch.Tensor, shard: torch.Tensor, group: CommGroup, blo
     n = shard.numel()
     numel_q, numel_scales = gather_workspace_numels(n, block, group.size)
     if workspace is None:
-        workspace = (torch.empty(numel_q, dtype=torch.int8, device=shard.device),
-                     torch.empty(numel_scales, dtype=torch.float32, device=shard.device))
+        workspace = (
+            torch.empty(numel_q, dtype=torch.int8, device=shard.device),
+            torch.empty(numel_scales, dtype=torch.float32, device=shard.device),
+        )
     all_q, all_scales = workspace[0].view(group.size, -1), workspace[1].view(group.size, -1)
     q, scales = quantize_blocks(shard, block, out=(all_q[group.rank], all_scales[group.rank]))
 
     def dequantize() -> None:
         dequantize_blocks(all_q, all_scales, n, output.dtype, out=output)
 
-    pending = Pending.join(all_gather_into(all_q.view(-1), q.view(-1), group, async_op=True),
-                           all_gather_into(all_scales.view(-1), scales.view(-1), group, async_op=True),
-                           then=dequantize)
+    pending = Pending.join(
+        all_gather_into(all_q.view(-1), q.view(-1), group, async_op=True),
+        all_gather_into(all_scales.view(-1), scales.view(-1), group, async_op=True),
+        then=dequantize,
+    )
     if not async_op:
         pending.wait()
     return pending
 
 
-def reduce_scatter_int8(output: torch.Tensor, full: torch.Tensor, group: CommGroup, block: int,
-                        async_op: bool = False) -> Pending:
+def reduce_scatter_int8(
+    output: torch.Tensor, full: torch.Tensor, group: CommGroup, block: int, async_op: bool = False
+) -> Pending:
     """Sum `full` (1D, `group.size * output.numel()`) over the group, this rank's chunk into `output`, with
     int8 traffic ([Note: block quantization]): an all-to-all of quantized chunks, summed in fp32 by the owner."""
     n = output.numel()
@@ -144,8 +158,11 @@ def reduce_scatter_int8(output: torch.Tensor, full: torch.Tensor, group: CommGro
                 total.add_(scratch)
         output.copy_(total.view(-1)[:n])
 
-    pending = Pending.join(all_to_all_into(got_q, q, group, async_op=True),
-                           all_to_all_into(got_scales, scales, group, async_op=True), then=accumulate)
+    pending = Pending.join(
+        all_to_all_into(got_q, q, group, async_op=True),
+        all_to_all_into(got_scales, scales, group, async_op=True),
+        then=accumulate,
+    )
     if not async_op:
         pending.wait()
     return pending

@@ -60,9 +60,10 @@ class ShardedParameter(torch.Tensor):
     """
 
     _hf_zero_name: str
+    _hf_zero_param: nn.Parameter  # set on the nn.Parameter that wraps it (`of`): the real parameter
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, name: str) -> "ShardedParameter":
+    def __new__(cls, like: torch.Tensor, name: str) -> ShardedParameter:
         t = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=like.requires_grad
         )
@@ -73,33 +74,33 @@ class ShardedParameter(torch.Tensor):
     def of(param: nn.Parameter, name: str) -> nn.Parameter:
         """The stand-in of `param`: an `nn.Parameter` (by `isinstance`) of the same shape, dtype and device."""
         stand_in = nn.Parameter(ShardedParameter(param, name), requires_grad=param.requires_grad)
-        stand_in._hf_zero_param = param  # type: ignore[attr-defined]
+        stand_in._hf_zero_param = param  # type: ignore[attr-defined]  # an nn.Parameter, which declares no such field
         return stand_in
 
     # Gradient hooks belong to the parameter that autograd sees: the real one.
-    def register_hook(self, hook: Any) -> Any:  # type: ignore[override]
+    def register_hook(self, hook: Any) -> Any:
         return self._hf_zero_param.register_hook(hook)
 
-    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:  # type: ignore[override]
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:
         return self._hf_zero_param.register_post_accumulate_grad_hook(hook)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub types it as an instance method
         first = args[0] if args else None
         if func in _METADATA_OPS and isinstance(first, ShardedParameter):
             return ShardedParameter(first, first._hf_zero_name)
         names = [a._hf_zero_name for a in _flat(args, kwargs) if isinstance(a, ShardedParameter)]
         raise RuntimeError(f"{_message(names[0] if names else 'a parameter')} (operation: {func})")
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own idiom for subclasses
 
-    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]  # torch's stub names a keyword-only `Any`
         return f"ShardedParameter('{self._hf_zero_name}', shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(_message(self._hf_zero_name))
 
-    tolist = item = numpy = __reduce_ex__ = __deepcopy__ = __array__ = _refuse  # type: ignore[assignment]
+    tolist = item = numpy = __reduce_ex__ = __deepcopy__ = __array__ = _refuse  # all refuse alike
 
 
 def _flat(args: Any, kwargs: Any) -> list[Any]:
@@ -122,7 +123,9 @@ class ModuleSlots:
     included), and which of the real parameter or its stand-in those slots hold now."""
 
     def __init__(
-        self, params: tuple[nn.Parameter, ...], names: tuple[str, ...],
+        self,
+        params: tuple[nn.Parameter, ...],
+        names: tuple[str, ...],
         slots: tuple[tuple[tuple[nn.Module, str], ...], ...],
     ) -> None:
         self.params = params  # the real parameters: views of the unit's flat buffer
@@ -144,7 +147,9 @@ class ModuleSlots:
         self.holds_real = real
 
 
-def parameter_slots(model: nn.Module, params: tuple[nn.Parameter, ...]) -> tuple[tuple[tuple[nn.Module, str], ...], ...]:
+def parameter_slots(
+    model: nn.Module, params: tuple[nn.Parameter, ...]
+) -> tuple[tuple[tuple[nn.Module, str], ...], ...]:
     """For each of `params`, every `(module, attribute name)` of `model` that registers it."""
     where: dict[int, list[tuple[nn.Module, str]]] = {id(p): [] for p in params}
     for module in model.modules():

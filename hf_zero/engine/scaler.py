@@ -42,10 +42,14 @@ class LossScaler:
     def scale_outputs(self, output: Any) -> Any:
         """Route every floating-point output that requires grad through the scaling node."""
         if isinstance(output, torch.Tensor):
-            return _ScaleGrad.apply(output, self.scale) if output.requires_grad and output.is_floating_point() else output
+            return (
+                _ScaleGrad.apply(output, self.scale) if output.requires_grad and output.is_floating_point() else output
+            )
         if isinstance(output, tuple):
-            return type(output)(*map(self.scale_outputs, output)) if hasattr(output, "_fields") else tuple(
-                map(self.scale_outputs, output)
+            return (
+                type(output)(*map(self.scale_outputs, output))
+                if hasattr(output, "_fields")
+                else tuple(map(self.scale_outputs, output))
             )
         if isinstance(output, list):
             return [self.scale_outputs(o) for o in output]
@@ -55,9 +59,11 @@ class LossScaler:
             return output
         return output
 
-    def check_and_update(self, units: list["FlatUnit"], world: CommGroup) -> bool:
+    def check_and_update(self, units: list[FlatUnit], world: CommGroup) -> bool:
         """Whether the reduced gradients are finite on every rank; updates the scale either way."""
-        shards = [unit.sharded_grad for unit in units if unit.has_trainable and not unit.grad_is_zero] or [torch.zeros(1)]
+        shards = [unit.sharded_grad for unit in units if unit.has_trainable and not unit.grad_is_zero] or [
+            torch.zeros(1)
+        ]
         local = torch.stack([(~torch.isfinite(g)).any().cpu() for g in shards]).any().float()
         found = local.reshape(1).to(comm_device(world))  # the shards may be on the host (offload)
         all_reduce_(found, world, op=dist.ReduceOp.MAX)

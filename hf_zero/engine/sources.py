@@ -19,7 +19,9 @@ from .layout import FlatLayout
 class ShardSource(Protocol):
     """Fills one unit's master shard for `shard_rank` into `out`."""
 
-    def fill(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor) -> None: ...
+    def fill(
+        self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor
+    ) -> None: ...
 
 
 class LiveParams:

@@ -74,6 +74,8 @@ def scatter_rows_(out: torch.Tensor, start: int, rows: torch.Tensor, values: tor
         lo, hi = max(start, row * dim), min(end, (row + 1) * dim)
         if lo >= hi:
             continue
-        picked = torch.where((rows == row).unsqueeze(1), values, torch.zeros((), dtype=values.dtype, device=values.device))
+        picked = torch.where(
+            (rows == row).unsqueeze(1), values, torch.zeros((), dtype=values.dtype, device=values.device)
+        )
         out[lo - start : hi - start] += picked.sum(0)[lo - row * dim : hi - row * dim]
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .collectives import CommGroup, hybrid_groups
+from .collectives import BulkCollectives, CommGroup, hybrid_groups
 from .group import UnitGroup
 
 
@@ -72,8 +72,11 @@ class StagePlan:
 
 
 def plan_for_stage(
-    stage: int, world: CommGroup, shard_group_size: int | None = None, timeout_s: float = 600.0,
-    collectives: str = "auto",
+    stage: int,
+    world: CommGroup,
+    shard_group_size: int | None = None,
+    timeout_s: float = 600.0,
+    collectives: BulkCollectives = "auto",
 ) -> StagePlan:
     """The `StagePlan` of `stage` over the process group `world`.
 

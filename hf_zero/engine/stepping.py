@@ -93,14 +93,16 @@ class OptimizerSteps:
                 "zero_grad() on every optimizer before the next backward."
             )
         if self._verdict is None:
-            ok = engine.has_grads and (engine.scaler is None or engine.scaler.check_and_update(engine.units, engine.world))
+            ok = engine.has_grads and (
+                engine.scaler is None or engine.scaler.check_and_update(engine.units, engine.world)
+            )
             self._verdict = self._used_anywhere() if ok else {}
         used = self._verdict
         if not used:
             return False
-        on_disk = engine.disk is not None
+        disk = engine.disk
         for piece in engine.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
-            if not (on_disk and engine.disk.holds(piece.unit)):
+            if not (disk is not None and disk.holds(piece.unit)):
                 piece.bind_grads(used[id(piece.unit)][piece.slot_index])
         if entry.whole is not None:  # [Note: whole-parameter step]; masters on disk read and written by range
             entry.whole.step(optimizer, used)
@@ -110,8 +112,10 @@ class OptimizerSteps:
         else:
             optimizer.step()
         published = [
-            unit.gather_persistent(async_op=True) if engine.disk is not None and engine.disk.holds(unit)
-            else unit.publish_master(async_op=True) for unit in entry.units
+            unit.gather_persistent(async_op=True)
+            if engine.disk is not None and engine.disk.holds(unit)
+            else unit.publish_master(async_op=True)
+            for unit in entry.units
         ]
         for pending in published:
             pending.wait()
@@ -137,7 +141,9 @@ class OptimizerSteps:
         shard holds zeros for it instead, so the ranks agree, with one small all-reduce per optimizer
         step, on which parameters got a gradient anywhere, and the others keep `.grad = None`."""
         engine = self.engine
-        flags = torch.tensor([int(u) for unit in engine.units for u in unit.used], dtype=torch.int32, device=comm_device(engine.world))
+        flags = torch.tensor(
+            [int(u) for unit in engine.units for u in unit.used], dtype=torch.int32, device=comm_device(engine.world)
+        )
         if engine.world.size > 1:
             max_scalar_(flags, engine.world)
         out, offset = {}, 0

@@ -98,7 +98,7 @@ def find_units(model: nn.Module, wrap: str | tuple[str, ...], bucket_numel: int 
 Group = list[tuple[str, nn.Module]]  # the (qualified name, module) of each block of one unit
 
 
-def units_for(model: nn.Module, config: "ZeroConfig") -> list[UnitSpec]:
+def units_for(model: nn.Module, config: ZeroConfig) -> list[UnitSpec]:
     """The units `hf_zero.initialize` makes of `model` under `config` (its `wrap` and bucket size).
 
     Example:
@@ -121,10 +121,13 @@ def _group_blocks(blocks: list[tuple[str, nn.Module]], ungrouped: set[int], buck
         numel = sum(p.numel() for p in module.parameters())
         last = groups[-1] if groups else None
         joins = (
-            last is not None and size < bucket_numel and id(module) not in ungrouped
-            and id(last[-1][1]) not in ungrouped and _parent(last[-1][0]) == _parent(name)
+            last is not None
+            and size < bucket_numel
+            and id(module) not in ungrouped
+            and id(last[-1][1]) not in ungrouped
+            and _parent(last[-1][0]) == _parent(name)
         )
-        if joins:
+        if joins and last is not None:
             last.append((name, module))
             size += numel
         else:
@@ -198,8 +201,10 @@ def _fallback_blocks(model: nn.Module, bucket_numel: int) -> list[tuple[str, nn.
         blocks = [(prefix + n, m) for n, m in children]
         names = [n for n, _ in blocks]
         shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-        chosen = (f"a unit per child of {prefix[:-1] or 'the model'} with parameters ({shown}; consecutive small "
-                  "ones joined up to bucket_size_mb) and the root")
+        chosen = (
+            f"a unit per child of {prefix[:-1] or 'the model'} with parameters ({shown}; consecutive small "
+            "ones joined up to bucket_size_mb) and the root"
+        )
     _log_on_rank0(
         f"hf_zero: {type(model).__name__} has no transformer blocks (no `_no_split_modules`, no ModuleList of "
         f"repeated blocks); {total} parameters sharded as {chosen}. Name the modules to shard one by one with "
@@ -253,7 +258,9 @@ def _assign_params(model: nn.Module, groups: list[Group]) -> list[UnitSpec]:
         owned[owner].append((names[0], param))
     specs = [
         UnitSpec(
-            name=_group_name(group), module=group[0][1], params=tuple(p for _, p in owned[i]),
+            name=_group_name(group),
+            module=group[0][1],
+            params=tuple(p for _, p in owned[i]),
             param_names=tuple(n for n, _ in owned[i]),
             backward_reads_params=len(group) > 1 or _backward_reads_params(group[0][1], [p for _, p in owned[i]]),
             modules=tuple(m for _, m in group) if len(group) > 1 else (),
@@ -262,8 +269,15 @@ def _assign_params(model: nn.Module, groups: list[Group]) -> list[UnitSpec]:
         for i, group in enumerate(groups)
     ]
     root = tuple(p for _, p in owned[len(groups)])
-    specs.append(UnitSpec(name="", module=model, params=root, param_names=tuple(n for n, _ in owned[len(groups)]),
-                          slots=parameter_slots(model, root)))
+    specs.append(
+        UnitSpec(
+            name="",
+            module=model,
+            params=root,
+            param_names=tuple(n for n, _ in owned[len(groups)]),
+            slots=parameter_slots(model, root),
+        )
+    )
     return specs
 
 

@@ -50,8 +50,22 @@ from .flat import FlatUnit
 
 # Elementwise optimizers: the flat path is exact for them. (module prefix, class name) pairs.
 ELEMENTWISE: set[tuple[str, str]] = {
-    *(("torch.optim", name) for name in ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam",
-                                         "Adadelta", "ASGD", "Rprop")),
+    *(
+        ("torch.optim", name)
+        for name in (
+            "Adam",
+            "AdamW",
+            "SGD",
+            "RMSprop",
+            "Adagrad",
+            "Adamax",
+            "NAdam",
+            "RAdam",
+            "Adadelta",
+            "ASGD",
+            "Rprop",
+        )
+    ),
     ("lion_pytorch", "Lion"),
     *(("schedulefree", name) for name in ("AdamWScheduleFree", "SGDScheduleFree", "RAdamScheduleFree")),
 }
@@ -111,8 +125,13 @@ def deal(sizes: list[int], ranks: int) -> list[list[int]]:
 class WholeStep:
     """The whole-parameter path of one optimizer on this rank ([Note: whole-parameter step])."""
 
-    def __init__(self, slots: list[tuple[FlatUnit, int]], group: CommGroup, pieces: dict[tuple[int, int], Any],
-                 disk: DiskOffload | None = None) -> None:
+    def __init__(
+        self,
+        slots: list[tuple[FlatUnit, int]],
+        group: CommGroup,
+        pieces: dict[tuple[int, int], Any],
+        disk: DiskOffload | None = None,
+    ) -> None:
         self.slots = slots  # (unit, slot index) of every parameter the optimizer steps, in group order
         self.group = group
         self.pieces = pieces  # (id(unit), slot index) -> this rank's Piece
@@ -127,7 +146,9 @@ class WholeStep:
             t.untyped_storage().resize_(0)
             self.whole[i] = t
         self.device = comm_device(group)
-        self._sync_groups = True  # carry the group state of a step to every rank ([Note: group state on the whole path])
+        self._sync_groups = (
+            True  # carry the group state of a step to every rank ([Note: group state on the whole path])
+        )
         self._synced_steps = 0
 
     def owned_params(self) -> list[tuple[str, torch.Tensor]]:
@@ -183,19 +204,26 @@ class WholeStep:
                 self.whole[mine].untyped_storage().resize_(0)
         self._agree_on_group_state(optimizer, stepped, before, after, coupled)
 
-    def _agree_on_group_state(self, optimizer: torch.optim.Optimizer, stepped: list[bool],
-                              before: list[dict[str, Any]], after: list[dict[str, Any]] | None,
-                              coupled: list[str]) -> None:
+    def _agree_on_group_state(
+        self,
+        optimizer: torch.optim.Optimizer,
+        stepped: list[bool],
+        before: list[dict[str, Any]],
+        after: list[dict[str, Any]] | None,
+        coupled: list[str],
+    ) -> None:
         """Give every rank the group state one call of the step left ([Note: group state on the whole path]),
         while the steps change it; refuse an optimizer whose calls left different group states."""
         if not self._sync_groups:
             return
-        error = None if not coupled else ValueError(
-            f"{type(optimizer).__name__} changed its param groups' {sorted(set(coupled))} differently for different "
-            "parameters inside step(): its group state depends on the parameters, which couples them, so hf_zero "
-            "cannot step it on whole parameters one owner at a time ([Note: whole-parameter step]). Use stage 0, "
-            "or declare it with hf_zero.register_elementwise if its math is elementwise."
-        )
+        error = None
+        if coupled:
+            error = ValueError(
+                f"{type(optimizer).__name__} changed its param groups' {sorted(set(coupled))} differently for "
+                "different parameters inside step(): its group state depends on the parameters, which couples them, "
+                "so hf_zero cannot step it on whole parameters one owner at a time ([Note: whole-parameter step]). "
+                "Use stage 0, or declare it with hf_zero.register_elementwise if its math is elementwise."
+            )
         raise_if_any_failed(error, self.group, "the whole-parameter step")
         first = min((i for i, s in enumerate(stepped) if s), default=None)
         if first is None:
@@ -231,7 +259,11 @@ class WholeStep:
                 a, b = self._span(mine, rank)
                 recv_splits[rank] = b - a
         dtype = self._dtype(round_params, what)
-        send = torch.cat([p.to(self.device, dtype) for p in parts]) if parts else torch.empty(0, dtype=dtype, device=self.device)
+        send = (
+            torch.cat([p.to(self.device, dtype) for p in parts])
+            if parts
+            else torch.empty(0, dtype=dtype, device=self.device)
+        )
         if into is not None and into.device == self.device and into.dtype == dtype and into.numel() == sum(recv_splits):
             recv = into.view(-1)
         else:
@@ -263,8 +295,11 @@ class WholeStep:
                 recv_splits[owner] = b - a
                 targets.append((index, a, b))
         dtype = self._dtype(round_params, "master")
-        send = (self.whole[mine].reshape(-1).to(self.device) if mine is not None
-                else torch.empty(0, dtype=dtype, device=self.device))
+        send = (
+            self.whole[mine].reshape(-1).to(self.device)
+            if mine is not None
+            else torch.empty(0, dtype=dtype, device=self.device)
+        )
         recv = torch.empty(sum(recv_splits), dtype=dtype, device=self.device)
         all_to_all_uneven(recv, send, recv_splits, send_splits, self.group)
         at = 0
@@ -283,7 +318,9 @@ class WholeStep:
 
 def _group_state(group: dict[str, Any]) -> dict[str, Any]:
     """A copy of a param group's entries but its parameters (tensors cloned: optimizers count in place)."""
-    return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in group.items() if k != "params"}
+    return {
+        k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in group.items() if k != "params"
+    }
 
 
 def _set_group_state(groups: list[dict[str, Any]], states: list[dict[str, Any]]) -> None:
@@ -307,8 +344,13 @@ def _differ(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
         for key in set(x) | set(y):
             u, v = x.get(key), y.get(key)
             if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
-                same = (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape == v.shape
-                        and u.dtype == v.dtype and bool(torch.equal(u.cpu(), v.cpu())))
+                same = (
+                    isinstance(u, torch.Tensor)
+                    and isinstance(v, torch.Tensor)
+                    and u.shape == v.shape
+                    and u.dtype == v.dtype
+                    and bool(torch.equal(u.cpu(), v.cpu()))
+                )
             else:
                 try:
                     same = bool(u == v)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, make_dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, cast
 
 import torch
 from accelerate import Accelerator
@@ -65,7 +66,11 @@ class _ZeroPlugin:
 
 
 ZeroPlugin = make_dataclass(
-    "ZeroPlugin", field_specs(cli=False), bases=(_ZeroPlugin,), frozen=True, kw_only=True,
+    "ZeroPlugin",
+    field_specs(cli=False),
+    bases=(_ZeroPlugin,),
+    frozen=True,
+    kw_only=True,
     namespace={"__doc__": _ZeroPlugin.__doc__, "__module__": __name__},
 )
 
@@ -101,7 +106,7 @@ class ZeroAccelerator(Accelerator):
     ```
     """
 
-    def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, zero_plugin: _ZeroPlugin | None = None, **kwargs: Any) -> None:
         for key in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin"):
             if kwargs.get(key) is not None:
                 raise ValueError(f"ZeroAccelerator cannot take {key}: hf_zero is the sharding engine here.")
@@ -121,7 +126,9 @@ class ZeroAccelerator(Accelerator):
         self.zero_config = self.zero_plugin.to_zero_config(str(requested).lower())
         super().__init__(*args, mixed_precision="no", **kwargs)
         self._zero_model: nn.Module | None = None
-        self._zero_optimizers: list[ShardedOptimizer] = []  # several over disjoint parameters: [Note: several optimizers]
+        self._zero_optimizers: list[
+            ShardedOptimizer
+        ] = []  # several over disjoint parameters: [Note: several optimizers]
 
     # ---- prepare ----------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
@@ -143,7 +150,9 @@ class ZeroAccelerator(Accelerator):
         return super().prepare(*items, device_placement=device_placement)
 
     # ---- gradients --------------------------------------------------------------------------
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
         if not self._zero_optimizers or self._zero_model is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -163,8 +172,13 @@ class ZeroAccelerator(Accelerator):
             return full_state_dict(model)
         return super().get_state_dict(model, unwrap=unwrap)
 
-    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True) -> None:
+    def save_model(
+        self,
+        model: nn.Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
         """For a sharded model: a `from_pretrained` directory written by rank 0 (a collective)."""
         if not is_sharded(model):
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
@@ -174,14 +188,15 @@ class ZeroAccelerator(Accelerator):
     @contextlib.contextmanager
     def _without_engine_objects(self) -> Iterator[None]:
         """Hide the sharded model and optimizer from Accelerate's own state files (they are saved sharded)."""
-        models, optimizers = list(self._models), list(self._optimizers)
-        self._models = [m for m in models if m is not self._zero_model]
+        this = cast(Any, self)  # Accelerator's lists, untyped there
+        models, optimizers = list(this._models), list(this._optimizers)
+        this._models = [m for m in models if m is not self._zero_model]
         ours = {id(o) for o in self._zero_optimizers}
-        self._optimizers = [o for o in optimizers if id(getattr(o, "optimizer", None)) not in ours]
+        this._optimizers = [o for o in optimizers if id(getattr(o, "optimizer", None)) not in ours]
         try:
             yield
         finally:
-            self._models, self._optimizers = models, optimizers
+            this._models, this._optimizers = models, optimizers
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         if self._zero_model is None:
@@ -189,8 +204,12 @@ class ZeroAccelerator(Accelerator):
         with self._without_engine_objects():
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         directory = str(location or output_dir)
-        save_checkpoint(os.path.join(directory, CHECKPOINT_SUBDIR), self._zero_model, self._optimizer_arg(),
-                        metadata={"step": self.step})
+        save_checkpoint(
+            os.path.join(directory, CHECKPOINT_SUBDIR),
+            self._zero_model,
+            self._optimizer_arg(),
+            metadata={"step": self.step},
+        )
         return directory
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:

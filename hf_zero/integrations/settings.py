@@ -32,7 +32,7 @@ def exposed_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(ZeroConfig) if not f.metadata.get("host_owned")]
 
 
-def field_specs(*, cli: bool) -> list[tuple[str, Any, dataclasses.Field]]:
+def field_specs(*, cli: bool) -> list[tuple[str, Any, Any]]:
     """`(zero_<name>, type, dataclasses.field(...))` for every exposed setting, for `make_dataclass`.
     With `cli`, types are those `HfArgumentParser` parses (a sequence of names becomes one
     comma-separated string); the help text and the choices come from `ZeroConfig`."""
@@ -71,4 +71,4 @@ def to_zero_config(values: Any, mixed_precision: str, **overrides: Any) -> ZeroC
     elif isinstance(wrap, str):
         kwargs["wrap"] = "auto"
     kwargs.update(overrides)
-    return ZeroConfig(mixed_precision=mixed_precision, **kwargs)  # type: ignore[arg-type]
+    return ZeroConfig(mixed_precision=mixed_precision, **kwargs)  # type: ignore[arg-type]  # a str the caller checked against the Literal

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -45,7 +45,13 @@ from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
 CHECKPOINT_SUBDIR = "hf_zero"
 
 
-class ZeroTrainerMixin:
+if TYPE_CHECKING:  # the checker sees the Trainer this mixin is always put before; at runtime it is a plain mixin
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class ZeroTrainerMixin(_TrainerBase):
     """The hf_zero engine for any `Trainer` subclass (see [Note: Trainer integration]): put it first.
 
     Works with the Trainers of other libraries because it overrides only the Trainer's own methods
@@ -90,15 +96,22 @@ class ZeroTrainerMixin:
         args["mixed_precision"] = "no"  # the engine owns precision (and the fp16 loss scale)
         return args
 
+    def _zero_model(self) -> nn.Module:
+        """The Trainer's model (set by the time any of these methods runs)."""
+        if self.model is None:
+            raise RuntimeError("ZeroTrainer has no model: pass model= (or model_init=) to the Trainer.")
+        return self.model
+
     # ---- sharding ---------------------------------------------------------------------------
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         config = self.args.to_zero_config()
         if not is_sharded(self.model):
             optimizer = self.optimizer if training else None
-            self.model, sharded = initialize(self.model, optimizer, config)
+            sharded_model, sharded = initialize(self._zero_model(), cast(Any, optimizer), config)
+            self.model = sharded_model
             if sharded is not None:
                 self.optimizer = sharded
-            self._shard_for_direct_head(self.model)
+            self._shard_for_direct_head(sharded_model)
             reference = getattr(self, "ref_model", None)  # DPO-style trainers: a frozen copy used for inference
             if config.stage == 3 and isinstance(reference, nn.Module) and not is_sharded(reference):
                 reference.requires_grad_(False)  # inference only: frozen parts, compute dtype, no master copy
@@ -106,16 +119,16 @@ class ZeroTrainerMixin:
                 self._shard_for_direct_head(reference)
                 self._sync_sharded_reference()
         elif training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
-            self.optimizer = attach_optimizer(self.model, self.optimizer)  # sharded for evaluation first
-        return self.model
+            self.optimizer = attach_optimizer(self._zero_model(), self.optimizer)  # sharded for evaluation first
+        return self._zero_model()
 
     def _update_auto_batch_size(self, batch_size: int) -> None:
         """`--auto_find_batch_size`: each attempt at a batch size starts here. After an out-of-memory error the
         sharded model forgets the pass it stopped in (gathered units freed, partial gradients dropped); the model
         stays sharded and keeps its optimizer, as the stock Trainer keeps its model and optimizer."""
         if is_sharded(self.model):
-            get_engine(self.model).zero_grad(abandon_pass=True)
-        super()._update_auto_batch_size(batch_size)  # type: ignore[misc]
+            get_engine(self._zero_model()).zero_grad(abandon_pass=True)
+        super()._update_auto_batch_size(batch_size)
 
     def _sync_sharded_reference(self) -> None:
         """TR-DPO (`sync_ref_model=True`): TRL's callback mixes the policy into the reference model in place,
@@ -127,7 +140,8 @@ class ZeroTrainerMixin:
     def _shard_for_direct_head(self, model: nn.Module) -> None:
         """TRL computes log-probabilities from `lm_head.weight` directly: keep the head gathered through each
         forward of a sharded model ([Note: direct use])."""
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
         if _reads_head_directly(self) and isinstance(head, nn.Module):
             get_engine(model).use_directly(head)
 
@@ -146,7 +160,11 @@ class ZeroTrainerMixin:
 
     # ---- evaluation -------------------------------------------------------------------------
     def prediction_step(
-        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None,
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
         **gen_kwargs: Any,
     ) -> Any:
         """As the Trainer's; a generating Trainer (`Seq2SeqTrainer`, whose `prediction_step` passes
@@ -155,36 +173,49 @@ class ZeroTrainerMixin:
         the caller gave is kept."""
         if not gen_kwargs and not hasattr(self, "_gen_kwargs"):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        if is_sharded(self.model) and get_engine(self.model).generation_needs_sync:
+        if is_sharded(self.model) and get_engine(self._zero_model()).generation_needs_sync:
             gen_kwargs = dict(gen_kwargs or getattr(self, "_gen_kwargs", {}))
             gen_kwargs.setdefault("synced_gpus", True)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
 
     # ---- saving -----------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        output_dir = str(output_dir if output_dir is not None else self.args.output_dir)
         if not is_sharded(self.model):
             return super().save_model(output_dir, _internal_call)
         periodic = _internal_call and not self.args.save_only_model
         if periodic:
             save_checkpoint(
-                os.path.join(output_dir, CHECKPOINT_SUBDIR), self.model, self._sharded_optimizer(),
-                tokenizer=self.processing_class, metadata={"global_step": self.state.global_step},
+                os.path.join(output_dir, CHECKPOINT_SUBDIR),
+                self._zero_model(),
+                self._sharded_optimizer(),
+                tokenizer=self.processing_class,
+                metadata={"global_step": self.state.global_step},
             )
         if getattr(self.model, "peft_config", None) is not None:  # a PEFT model: its adapter, as the stock Trainer
             if not periodic or self.args.zero_save_model_weights:
-                self.model.save_pretrained(output_dir)
+                cast(Any, self._zero_model()).save_pretrained(output_dir)
             if self.args.should_save and self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
         elif periodic and not self.args.zero_save_model_weights:  # the folder without its weights
             if self.args.should_save:
-                save_hf_files(self.model, self.processing_class, Path(output_dir))
+                save_hf_files(self._zero_model(), self.processing_class, Path(output_dir))
         elif periodic:  # every rank writes its share, in the dtype training computes in
-            save_pretrained(self.model, output_dir, tokenizer=self.processing_class,
-                            dtype=get_engine(self.model).param_dtype, parallel=True, progress=not self.args.disable_tqdm)
+            save_pretrained(
+                self._zero_model(),
+                output_dir,
+                tokenizer=self.processing_class,
+                dtype=get_engine(self._zero_model()).param_dtype,
+                parallel=True,
+                progress=not self.args.disable_tqdm,
+            )
         else:
-            save_pretrained(self.model, output_dir, tokenizer=self.processing_class,
-                            progress=not self.args.disable_tqdm and self.args.should_save)
+            save_pretrained(
+                self._zero_model(),
+                output_dir,
+                tokenizer=self.processing_class,
+                progress=not self.args.disable_tqdm and self.args.should_save,
+            )
         if self.args.should_save:
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
@@ -203,7 +234,7 @@ class ZeroTrainerMixin:
         """As `Trainer.train`; `resume_from_checkpoint=True` takes the last *complete* checkpoint-N
         (one whose save was interrupted is skipped)."""
         if resume_from_checkpoint is True:
-            last = last_complete_checkpoint(self.args.output_dir, also_required=("trainer_state.json",))
+            last = last_complete_checkpoint(str(self.args.output_dir), also_required=("trainer_state.json",))
             if last is None:
                 # the stock Trainer's words (scripts search for them); "complete": an interrupted save is skipped
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
@@ -224,7 +255,7 @@ class ZeroTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or self._zero_resume_from is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        load_checkpoint(os.path.join(checkpoint, CHECKPOINT_SUBDIR), self.model, self._sharded_optimizer())
+        load_checkpoint(os.path.join(checkpoint, CHECKPOINT_SUBDIR), self._zero_model(), self._sharded_optimizer())
         self._zero_resume_from = None
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
@@ -236,7 +267,7 @@ class ZeroTrainerMixin:
         best = self.state.best_model_checkpoint
         if not is_sharded(self.model) or best is None:
             return super()._load_best_model()
-        load_checkpoint(os.path.join(best, CHECKPOINT_SUBDIR), self.model)
+        load_checkpoint(os.path.join(best, CHECKPOINT_SUBDIR), self._zero_model())
 
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, make_dataclass
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainingArguments
 
@@ -35,11 +36,16 @@ class _ZeroArguments:
     ```
     """
 
-    # Declared by TrainingArguments, which every class this is mixed into derives from.
-    fp16: bool
-    bf16: bool
-    deepspeed: object
-    fsdp: object
+    if TYPE_CHECKING:  # for the checker only: at runtime an annotation here would change how the Trainer's
+        # parser types the flag (it reads the annotations of every class in the MRO)
+        fp16: bool  # declared by TrainingArguments, which every class this is mixed into derives from
+        bf16: bool
+        deepspeed: dict[str, Any] | str | None
+        fsdp: Any
+        optim: Any
+        zero_shard_group_size: int | None  # the fields the mixin adds
+        zero_hybrid_shard: bool
+        zero_save_model_weights: bool
 
     @property
     def place_model_on_device(self) -> bool:
@@ -50,7 +56,7 @@ class _ZeroArguments:
         # mistake raises the same error on every rank and nothing waits in a collective.
         self._refuse_incompatible()
         self.to_zero_config()
-        super().__post_init__()  # type: ignore[misc]
+        super().__post_init__()  # type: ignore[misc]  # TrainingArguments, after this mixin in the MRO, has it
 
     def _refuse_incompatible(self) -> None:
         env = launch_env()
@@ -64,7 +70,7 @@ class _ZeroArguments:
                 "hf_zero cannot be combined with FSDP (--fsdp or ACCELERATE_USE_FSDP): both shard the model. Drop "
                 "--fsdp and use --zero_stage 3 for full sharding."
             )
-        optim = str(getattr(getattr(self, "optim", ""), "value", getattr(self, "optim", "")))
+        optim = str(getattr(self.optim, "value", self.optim))
         if optim in ("lomo", "adalomo"):
             raise ValueError(
                 f"--optim {optim} updates each parameter inside backward from its unreduced gradient (fused "
@@ -86,7 +92,9 @@ class _ZeroArguments:
         # TrainingArguments' own rule: the launcher's setting, overridden by --bf16 / --fp16.
         mixed = "bf16" if self.bf16 else "fp16" if self.fp16 else env.mixed_precision or "no"
         if mixed not in ("no", "bf16", "fp16"):
-            raise ValueError(f"hf_zero supports mixed precision 'no', 'bf16' or 'fp16'; the launcher asked for {mixed!r}.")
+            raise ValueError(
+                f"hf_zero supports mixed precision 'no', 'bf16' or 'fp16'; the launcher asked for {mixed!r}."
+            )
         group_size = self.zero_shard_group_size
         if self.zero_hybrid_shard:
             if group_size is not None:
@@ -102,19 +110,43 @@ class _ZeroArguments:
 
 # [Note: one source of truth] in settings.py: every ZeroConfig field as --zero_<field>, derived. The mixin
 # holds only these fields (no TrainingArguments defaults), so mixed into another config it keeps that one's.
-ZeroArgumentsMixin = make_dataclass(
+_ZeroArgumentsMixin = make_dataclass(
     "ZeroArgumentsMixin",
-    [*field_specs(cli=True),
-     ("zero_hybrid_shard", bool, field(default=False, metadata={"help": "Hybrid sharding: shard within each node (the "
-      "launcher's LOCAL_WORLD_SIZE ranks) and replicate across nodes, so the big collectives stay inside the node."})),
-     ("zero_save_model_weights", bool, field(default=True, metadata={"help": "Also write the weights, in the dtype "
-      "training computes in, into each checkpoint-N (beside its sharded state in checkpoint-N/hf_zero), so that "
-      "from_pretrained(checkpoint-N) loads that step, as DeepSpeed's stage3_gather_16bit_weights_on_model_save does. "
-      "Every rank writes the tensors it owns; no rank gathers the model. Costs 2 bytes per parameter per checkpoint "
-      "in bf16/fp16 (4 in fp32)."}))],
+    [
+        *field_specs(cli=True),
+        (
+            "zero_hybrid_shard",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "Hybrid sharding: shard within each node (the launcher's LOCAL_WORLD_SIZE ranks) and "
+                    "replicate across nodes, so the big collectives stay inside the node."
+                },
+            ),
+        ),
+        (
+            "zero_save_model_weights",
+            bool,
+            field(
+                default=True,
+                metadata={
+                    "help": "Also write the weights, in the dtype training computes in, into each checkpoint-N "
+                    "(beside its sharded state in checkpoint-N/hf_zero), so that from_pretrained(checkpoint-N) loads "
+                    "that step, as DeepSpeed's stage3_gather_16bit_weights_on_model_save does. Every rank writes the "
+                    "tensors it owns; no rank gathers the model. Costs 2 bytes per parameter per checkpoint in "
+                    "bf16/fp16 (4 in fp32)."
+                },
+            ),
+        ),
+    ],
     bases=(_ZeroArguments,),
     namespace={"__doc__": _ZeroArguments.__doc__, "__module__": __name__},
 )
+if TYPE_CHECKING:  # a class made by make_dataclass is no type to a checker: it sees the class it extends
+    ZeroArgumentsMixin = _ZeroArguments
+else:
+    ZeroArgumentsMixin = _ZeroArgumentsMixin
 
 
 @dataclass
