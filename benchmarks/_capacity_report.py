@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from capacity import GIB, LABELS
+from _capacity_model import GIB, LABELS
 
 
 def _rank_max(run: dict, key: str) -> float:
@@ -22,7 +22,7 @@ def estimated_bytes(layers: int, offload: str = "none") -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from capacity import SEQ, hf_config
+    from _capacity_model import SEQ, hf_config
     from hf_zero.estimate import Workload, estimate
 
     config = hf_config(layers)

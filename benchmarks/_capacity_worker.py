@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from capacity import SEQ, hf_config, n_params
+from _capacity_model import SEQ, hf_config, n_params
 
 
 def _status(field: str) -> int:

@@ -37,10 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from _capacity_model import GIB, SEQ, SHAPE, hf_config, n_params
+
 HERE = Path(__file__).resolve().parent
-SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
-             vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
-SEQ = 128
 # Layer counts each engine tries, in order, until the first that does not fit: one smaller size, then the
 # largest that fit and the next one of the finer ladders run before (git history of this file), so one run
 # compares every engine at its limit within about an hour.
@@ -49,24 +48,6 @@ PLAN = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 17], "ds3": [4, 8, 12],
         "hf_zero3": [16, 20, 21], "hf_zero3_disk": [32, 52, 55],
         "hf_zero3_disk_params": [52, 66]}  # 66 layers (3.04B) is what this disk holds: offload files + checkpoint
 ENGINES = list(PLAN)
-LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "ds3": "DeepSpeed ZeRO-3", "ds3_nvme": "DeepSpeed ZeRO-3 + NVMe",
-          "hf_zero3": "hf_zero ZeRO-3", "hf_zero3_disk": "hf_zero ZeRO-3 + offload_dir",
-          "hf_zero3_disk_params": "hf_zero ZeRO-3 + offload_dir + offload_params"}
-GIB = 2**30
-
-
-def n_params(layers: int) -> int:
-    h, i, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
-    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
-    return 2 * v * h + h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
-
-
-def hf_config(layers: int):  # noqa: ANN201
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(num_hidden_layers=layers, **SHAPE)
-    config._attn_implementation = "sdpa"
-    return config
 
 
 # ---- the driver ---------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from capacity import GIB, SHAPE, _kill, _tree_rss, n_params  # noqa: E402
+from _capacity_model import GIB, SHAPE, n_params  # noqa: E402
+from capacity import _kill, _tree_rss  # noqa: E402
 
 SAVES = ("state", "weights, every rank", "weights, rank 0")
 

@@ -19,7 +19,7 @@ from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded
 from .engine.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.units import UnitSpec, units_for
-from .model import attach, unshard_and_detach
+from .model import attach, unshard_and_detach, use_sharder
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -143,6 +143,9 @@ def initialize(
     engine = ZeroEngine(model, specs, cfg, world, source)
     attach(model, engine)
     return model, shard_optimizers(optimizer, engine)
+
+
+use_sharder(lambda model, config: initialize(model, None, config))  # [Note: re-sharding] in model.py: restructure
 
 
 def _initialize_again(

@@ -38,9 +38,10 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig
-from .engine.engine import ModelStateMemory, chunk_bounds
+from .engine.engine import ModelStateMemory
 from .engine.group import split_frozen
 from .engine.layout import FlatLayout
+from .engine.pieces import chunk_bounds
 from .engine.units import UnitSpec, units_for
 from .engine.whole import deal
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from .config import ZeroConfig
 from .engine.collectives import agreement
 from .engine.engine import ModelStateMemory, ZeroEngine
 from .engine.full_state import load_state_dict, state_dict, unshard_model
@@ -217,14 +218,25 @@ class ZeroModel:
         )
 
 
+# [Note: re-sharding] `restructure` (resize_token_embeddings) shards the changed model again with `initialize`,
+# which lives in hf_zero.api, a module that imports this one: api hands it in when it is imported.
+_SHARDERS: list[Callable[[nn.Module, ZeroConfig], object]] = []
+
+
+def use_sharder(shard: Callable[[nn.Module, ZeroConfig], object]) -> None:
+    """Set how `restructure` shards a model again (`hf_zero.api` gives `initialize`, which imports this module:
+    passed in rather than imported back)."""
+    _SHARDERS[:] = [shard]
+
+
 def restructure(model: nn.Module, change: Any) -> Any:
     """Undo the sharding of `model`, apply `change(model)` (which may replace parameters), shard it
     again with the same settings (values of new parameters from rank 0); returns what `change` returned."""
-    from .api import initialize
-
+    if not _SHARDERS:
+        raise RuntimeError("hf_zero.model.restructure: no sharder set (hf_zero.api sets it when imported)")
     engine = unshard_and_detach(model)
     result = change(model)
-    initialize(model, None, replace(engine.config, sync_module_states=True))
+    _SHARDERS[0](model, replace(engine.config, sync_module_states=True))
     return result
 
 

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from ..engine.collectives import raise_if_any_failed
-from ..engine.engine import Piece, ZeroEngine
+from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer, sharded_list
+from ..engine.pieces import Piece
 from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files, optim_file_for
 from .owned_state import (
     PARAM,

@@ -31,8 +31,9 @@ import torch
 
 from ..engine.collectives import all_to_all_uneven, comm_device, gather_objects, raise_if_any_failed
 from ..engine.disk import MASTER
-from ..engine.engine import Piece, ZeroEngine
+from ..engine.engine import ZeroEngine
 from ..engine.flat import FlatUnit
+from ..engine.pieces import Piece
 from ..engine.whole import deal
 from .format import fsync_file, write_bytes_atomically
 from .stream import PIECE_NUMEL, Entry, host_pieces, write_streamed

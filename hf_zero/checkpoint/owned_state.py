@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..engine.engine import Piece
+from ..engine.pieces import Piece
 from ..engine.whole import WholeStep
 from .format import STATE_SEP, Manifest, optim_file_for
 from .reader import FileCache, read_flat_range, read_pieces

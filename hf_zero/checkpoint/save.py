@@ -36,9 +36,10 @@ from ..engine.collectives import (
     raise_if_any_failed,
 )
 from ..engine.disk import MASTER
-from ..engine.engine import Piece, ZeroEngine
+from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer, sharded_list
+from ..engine.pieces import Piece
 from .format import (
     BUFFERS_FILE,
     FORMAT_VERSION,

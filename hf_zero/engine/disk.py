@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .engine import Piece
     from .flat import FlatUnit
+    from .pieces import Piece
 
 WINDOW_NUMEL = 1 << 22  # elements stepped at once: 16 MiB of fp32 master per buffer
 READ_AHEAD = 2  # windows read ahead of the one being stepped

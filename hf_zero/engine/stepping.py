@@ -14,17 +14,34 @@ opt2 on its gradients); a backward after only some of them did is refused at the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from .collectives import comm_device, max_scalar_
+from .collectives import CommGroup, comm_device, max_scalar_
+from .disk import DiskOffload
 from .flat import FlatUnit
+from .hooks import UnitHooks
+from .pieces import Piece
 from .pool import mapped_temporaries, release_free_host_memory
+from .scaler import LossScaler
 from .whole import WholeStep
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+
+class Sharded(Protocol):
+    """What a round of optimizer steps reads of the engine it serves (`ZeroEngine` is one)."""
+
+    units: list[FlatUnit]
+    pieces: list[Piece]
+    hooks: UnitHooks
+    scaler: LossScaler | None
+    disk: DiskOffload | None
+    world: CommGroup
+    has_grads: bool
+
+    def zero_grad(self, *, abandon_pass: bool = False) -> None: ...
+
+    def release_gathered(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +58,7 @@ class OptimizerSteps:
     """The optimizers attached to one engine, the verdict of the current round of steps, and who asked to drop
     the gradients ([Note: several optimizers])."""
 
-    def __init__(self, engine: ZeroEngine) -> None:
+    def __init__(self, engine: Sharded) -> None:
         self.engine = engine
         self.attached: list[Attached] = []
         self._verdict: dict[int, list[bool]] | None = None  # this round: the used parameters; {}: skip the round

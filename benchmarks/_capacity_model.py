@@ -1,0 +1,25 @@
+"""The capacity benchmark's model family and labels, shared by its driver, worker and report."""
+
+from __future__ import annotations
+
+SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
+             vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+SEQ = 128
+LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "ds3": "DeepSpeed ZeRO-3", "ds3_nvme": "DeepSpeed ZeRO-3 + NVMe",
+          "hf_zero3": "hf_zero ZeRO-3", "hf_zero3_disk": "hf_zero ZeRO-3 + offload_dir",
+          "hf_zero3_disk_params": "hf_zero ZeRO-3 + offload_dir + offload_params"}
+GIB = 2**30
+
+
+def n_params(layers: int) -> int:
+    h, i, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    return 2 * v * h + h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
+
+
+def hf_config(layers: int):  # noqa: ANN201
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=layers, **SHAPE)
+    config._attn_implementation = "sdpa"
+    return config

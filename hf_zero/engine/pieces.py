@@ -1,0 +1,100 @@
+"""`Piece`: the part of one parameter a rank's shard holds, and the chunks the optimizer steps it in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .flat import FlatUnit
+
+OPTIMIZER_CHUNK_NUMEL = 1 << 22  # [Note: optimizer chunks]: at most 16 MiB of fp32 per optimizer tensor
+
+
+def chunk_bounds(numel: int) -> tuple[tuple[int, int], ...]:
+    """The `[a, b)` ranges a piece of `numel` elements is stepped in ([Note: optimizer chunks]).
+
+    Example:
+
+    ```python
+    >>> chunk_bounds(OPTIMIZER_CHUNK_NUMEL + 1)
+    ((0, 4194304), (4194304, 4194305))
+    ```
+    """
+    return tuple((a, min(a + OPTIMIZER_CHUNK_NUMEL, numel)) for a in range(0, max(numel, 1), OPTIMIZER_CHUNK_NUMEL))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that this rank's shard holds: elements `[start, end)` of the
+    flattened parameter, as views of the unit's master and gradient shards.
+
+    [Note: optimizer chunks]
+    An elementwise optimizer written per tensor (torch's AdamW without `foreach`, the default on
+    the CPU) allocates temporaries of the size of the tensor it updates: two for AdamW's
+    denominator. Stepping the 62.5 MiB piece of a 32000 x 1024 head would put 125 MiB on top of
+    every model state at once, the largest transient of the whole step. So the optimizer gets
+    each piece as chunks of at most `OPTIMIZER_CHUNK_NUMEL` elements (`optim_params`, views of
+    `master`): the math is the same, elementwise, and the transient is bounded by two chunks.
+    Checkpoints stay keyed by parameter: the chunks' states are joined on save and split on load.
+    """
+
+    name: str  # the parameter's first qualified name
+    param: nn.Parameter
+    start: int
+    end: int
+    master: torch.Tensor  # 1D view of FlatUnit.sharded_master (0 elements when it is on disk: `engine.read_master`)
+    unit: FlatUnit
+    local: tuple[int, int]  # the same range in the unit's shard coordinates
+    bounds: tuple[tuple[int, int], ...]  # `chunk_bounds` of the piece, in `master` coordinates
+    optim_params: tuple[torch.Tensor, ...]  # views of `master` at `bounds`: what the optimizer steps
+    slot_index: int  # the parameter's index in its unit
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """1D view of the unit's `sharded_grad` (allocating it on first use)."""
+        return self.unit.sharded_grad[self.local[0] : self.local[1]]
+
+    def bind_grads(self, used: bool) -> None:
+        """Point each optimizer chunk's `.grad` at its part of the gradient shard, or None when the unit
+        got no reduction since `zero_grad` ([Note: gradient shard lifetime]) or the parameter got no
+        gradient on any rank (`used`, [Note: unused parameters])."""
+        grad = None if self.unit.grad_is_zero or not used else self.grad
+        for t, (a, b) in zip(self.optim_params, self.bounds):
+            t.grad = None if grad is None else grad[a:b]
+
+    def unbind_grads(self) -> None:
+        for t in self.optim_params:
+            t.grad = None
+
+
+def pieces_of(unit: FlatUnit, on_disk: bool = False) -> list[Piece]:
+    """This rank's pieces of `unit`'s parameters ([Note: optimizer chunks]); `on_disk`: with empty tensors for
+    the master and its chunks, pointed at a window's buffers while it steps ([Note: disk offload])."""
+    lo, _ = unit.layout.shard_range(unit.shard_group.rank)
+    pieces = []
+    for slot_index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
+        slot = unit.layout.slots[slot_index]
+        bounds = chunk_bounds(end - start)
+        if on_disk:  # [Note: disk offload]: chunk tensors pointed at a window's buffers while it steps
+            master = torch.empty(0, dtype=unit.master_dtype, device=unit.master_device)
+            chunks = tuple(torch.empty(0, dtype=unit.master_dtype, device=unit.master_device) for _ in bounds)
+        else:
+            master = unit.sharded_master[start - lo : end - lo]
+            chunks = tuple(master[a:b] for a, b in bounds)
+        pieces.append(
+            Piece(
+                name=slot.name,
+                param=unit.params[slot_index],
+                start=start - slot.offset,
+                end=end - slot.offset,
+                master=master,
+                unit=unit,
+                local=(start - lo, end - lo),
+                bounds=bounds,
+                optim_params=chunks,
+                slot_index=slot_index,
+            )
+        )
+    return pieces
