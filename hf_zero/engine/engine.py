@@ -27,12 +27,12 @@ from .collectives import (
     stream_ordered,
 )
 from .disk import DiskOffload, OffloadFiles
-from .flat import FlatUnit, grad_slab, transient_nbytes
+from .flat import FlatUnit, grad_slab
 from .group import UnitGroup, split_frozen
 from .hooks import UnitHooks
 from .layout import FlatLayout
 from .pieces import Piece, pieces_of
-from .pool import BufferPool
+from .pool import BufferPool, transient_nbytes
 from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage

@@ -64,7 +64,7 @@ from .collectives import (
 )
 from .layout import FlatLayout
 from .lifecycle import ShardState
-from .pool import BufferPool
+from .pool import BufferPool, transient_nbytes
 from .quant import gather_int8, gather_workspace_numels, reduce_scatter_int8
 from .resting import ModuleSlots
 from .sparse import coalesced_rows, scatter_rows_
@@ -72,24 +72,6 @@ from .units import UnitSpec
 
 if TYPE_CHECKING:
     from .sources import ShardSource
-
-
-def transient_nbytes(
-    layout: FlatLayout,
-    group_size: int,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    weight_quant_block: int | None,
-) -> frozenset[int]:
-    """[Note: buffer reuse] the sizes of the buffers a unit with this layout takes from the pool and gives
-    back within a pass: gathered parameters, unsharded gradients and their cast for the reduction, the
-    reduced shard in the reduce dtype, and with int8 weight gathers the blocks and scales received."""
-    sizes = {layout.padded_numel * dt.itemsize for dt in (param_dtype, reduce_dtype)}
-    sizes |= {layout.shard_numel * dt.itemsize for dt in (param_dtype, reduce_dtype)}  # + the cast on gather
-    if weight_quant_block is not None:
-        blocks, scales = gather_workspace_numels(layout.shard_numel, weight_quant_block, group_size)
-        sizes |= {blocks, scales * 4}
-    return frozenset(sizes)
 
 
 @dataclass

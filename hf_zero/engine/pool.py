@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+from .layout import FlatLayout
+from .quant import gather_workspace_numels
+
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
@@ -162,3 +165,21 @@ class BufferPool:
     @property
     def pooled_bytes(self) -> int:
         return sum(s.nbytes() for free in self._free.values() for s in free)
+
+
+def transient_nbytes(
+    layout: FlatLayout,
+    group_size: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    weight_quant_block: int | None,
+) -> frozenset[int]:
+    """[Note: buffer reuse] the sizes of the buffers a unit with this layout takes from the pool and gives
+    back within a pass: gathered parameters, unsharded gradients and their cast for the reduction, the
+    reduced shard in the reduce dtype, and with int8 weight gathers the blocks and scales received."""
+    sizes = {layout.padded_numel * dt.itemsize for dt in (param_dtype, reduce_dtype)}
+    sizes |= {layout.shard_numel * dt.itemsize for dt in (param_dtype, reduce_dtype)}  # + the cast on gather
+    if weight_quant_block is not None:
+        blocks, scales = gather_workspace_numels(layout.shard_numel, weight_quant_block, group_size)
+        sizes |= {blocks, scales * 4}
+    return frozenset(sizes)
