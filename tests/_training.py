@@ -251,7 +251,7 @@ def with_lora(model: nn.Module, kind: str) -> nn.Module:
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS[kind]))
 
 
-def _freeze(model: nn.Module, patterns: tuple[str, ...]) -> None:
+def freeze(model: nn.Module, patterns: tuple[str, ...]) -> None:
     for name, p in model.named_parameters():
         if any(pat in name for pat in patterns):
             p.requires_grad_(False)
@@ -270,7 +270,7 @@ def reference_run(sc: Scenario, accumulate: bool = False) -> dict[str, Any]:
     model = make_model(sc.model)
     if sc.lora:
         model = with_lora(model, sc.model)
-    _freeze(model, sc.frozen)
+    freeze(model, sc.frozen)
     opt = build_optimizer(sc.optimizer, model, sc.lr)
     data = make_batches(sc)
     losses, norms = [], []
@@ -311,7 +311,7 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     model = make_model(sc.model, seed=sc.seed)
     if sc.lora:
         model = with_lora(model, sc.model)
-    _freeze(model, sc.frozen)
+    freeze(model, sc.frozen)
     if sc.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _activation_checkpointing(model, sc.ac)

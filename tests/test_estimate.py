@@ -14,7 +14,7 @@ import torch
 import hf_zero
 from hf_zero.engine.units import units_for
 from hf_zero.estimate import model_states
-from tests._training import Scenario, _freeze, make_model, sharded_run, with_lora
+from tests._training import Scenario, freeze, make_model, sharded_run, with_lora
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def _assert_accounting_matches(pools, sc: Scenario) -> None:
     model = make_model(sc.model)
     if sc.lora:
         model = with_lora(model, sc.model)
-    _freeze(model, sc.frozen)
+    freeze(model, sc.frozen)
     config = hf_zero.ZeroConfig(stage=sc.stage, mixed_precision=sc.mixed_precision, **dict(sc.config_overrides))
     specs = units_for(model, config)
     for rank, result in enumerate(results):

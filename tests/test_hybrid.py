@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tests import _cases
+from tests._parity import run_and_compare
 from tests._training import Scenario, rel_err, sharded_run
-from tests.test_parity import run_and_compare
 
 HYBRID = (("shard_group_size", 2),)
 

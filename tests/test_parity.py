@@ -1,6 +1,6 @@
 """Every stage computes what unsharded training computes.
 
-Tolerance (fp32): per-step losses within 1e-5 relative of the single-process reference on the
+Tolerance (fp32, tests/_parity.py): per-step losses within 1e-5 relative of the single-process reference on the
 same global batch, and every final weight tensor within 1e-5 relative (‖w − w_ref‖ / ‖w_ref‖),
 over 5 optimizer steps with gradient accumulation 2, global-norm clipping at 1.0 and AdamW with
 two weight-decay groups. The gradient norms returned by `clip_grad_norm_` match the reference's
@@ -9,42 +9,15 @@ within 1e-5 relative as well.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
-from tests._training import Scenario, reference_run, rel_err, sharded_run
+from tests._parity import assert_tracks_fp32, reference, run_and_compare
+from tests._training import Scenario, sharded_run
 
 # Every rank function here follows tests._dist.device(): on a machine with a GPU per rank the pools run on
 # CUDA + NCCL (make gpu-check), elsewhere on CPU + gloo.
 pytestmark = pytest.mark.device_agnostic
-
-TOL = 1e-5
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(sc: Scenario) -> dict:
-    return reference_run(sc)
-
-
-def assert_matches_reference(got: dict, ref: dict, tol: float = TOL) -> None:
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=tol, atol=0)
-    np.testing.assert_allclose(got["norms"], ref["norms"], rtol=tol, atol=0)
-    assert set(got["state"]) == set(ref["state"]), set(got["state"]) ^ set(ref["state"])
-    errs = {k: rel_err(got["state"][k], ref["state"][k]) for k in ref["state"]}
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= tol, f"{worst}: relative error {errs[worst]:.2e} > {tol}"
-
-
-def run_and_compare(pools, sc: Scenario, tol: float = TOL) -> dict:
-    results = pools(sc.world).values(sharded_run, sc)
-    ref = _reference(sc.single())
-    assert_matches_reference(results[0], ref, tol)
-    # every rank saw the same losses and norms
-    for r in results[1:]:
-        assert r["losses"] == results[0]["losses"] and r["norms"] == results[0]["norms"]
-    return results[0]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -84,10 +57,8 @@ def test_odd_sizes_and_unit_smaller_than_world(pools, world):
 def test_bf16_mixed_precision_tracks_fp32(pools):
     """bf16 compute with fp32 master weights and fp32 reduction at stage 3: losses within 2e-2 relative of
     fp32 (bf16 keeps 8 bits of mantissa, about 3 significant digits) over a trajectory that falls by more."""
-    from tests.test_precision_and_lifecycle import assert_tracks_fp32
-
     sc = Scenario(model="llama", stage=3, world=2, mixed_precision="bf16", lr=1e-2, repeat_batch=True)
-    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=2e-2)
+    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], reference(sc.single()), tol=2e-2)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests._parity import run_and_compare
 from tests._training import Scenario, make_model, rel_err
-from tests.test_parity import run_and_compare
 
 pytest.importorskip("peft")
 

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from tests import _cases
+from tests._parity import assert_tracks_fp32, reference, run_and_compare
 from tests._training import Scenario, sharded_run
-from tests.test_parity import _reference, run_and_compare
-
-
-def assert_tracks_fp32(got: dict, ref: dict, tol: float) -> None:
-    """Losses within `tol` relative of the fp32 reference, on a trajectory that moves by far more than
-    `tol` (so a run that did not train, or trained on stale weights, cannot pass), and this run's own
-    loss fell by more than the tolerance too."""
-    losses, ref_losses = np.asarray(got["losses"]), np.asarray(ref["losses"])
-    assert (ref_losses[0] - ref_losses[-1]) / ref_losses[0] > 4 * tol, ref_losses
-    np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=0)
-    assert (losses[0] - losses[-1]) / losses[0] > 2 * tol, losses
 
 
 @pytest.mark.device_agnostic
@@ -26,7 +15,7 @@ def test_bf16_tracks_fp32_at_stages_1_and_2(pools, stage):
     """bf16 compute, fp32 master/optimizer/reduction: losses within 2e-2 relative of fp32 (bf16 has
     8 mantissa bits) over a trajectory that falls by more than 8%."""
     sc = Scenario(model="falcon", stage=stage, world=2, mixed_precision="bf16", lr=1e-2, repeat_batch=True)
-    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=2e-2)
+    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], reference(sc.single()), tol=2e-2)
 
 
 @pytest.mark.device_agnostic
@@ -35,7 +24,7 @@ def test_bf16_gradient_reduction(pools):
     within 1e-3 relative of fp32."""
     sc = Scenario(model="llama", stage=3, world=2, config_overrides=(("reduce_dtype", "bf16"),), lr=1e-2,
                   repeat_batch=True)
-    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=1e-3)
+    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], reference(sc.single()), tol=1e-3)
 
 
 @pytest.mark.device_agnostic
@@ -43,7 +32,7 @@ def test_fp16_with_dynamic_loss_scale_tracks_fp32(pools):
     """fp16 compute with the default loss scale: losses within 2e-2 relative of fp32 (fp16 keeps 11
     mantissa bits but a narrow range; the scale keeps small gradients representable)."""
     sc = Scenario(model="llama", stage=3, world=2, mixed_precision="fp16", lr=1e-2, repeat_batch=True)
-    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=2e-2)
+    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], reference(sc.single()), tol=2e-2)
 
 
 def test_fp16_overflow_skips_step_and_halves_scale(pools):

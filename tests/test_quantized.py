@@ -9,9 +9,8 @@ import torch
 
 from hf_zero import ZeroConfig
 from hf_zero.engine.quant import dequantize_blocks, quantize_blocks
+from tests._parity import assert_tracks_fp32, reference
 from tests._training import Scenario, sharded_run
-from tests.test_parity import _reference
-from tests.test_precision_and_lifecycle import assert_tracks_fp32
 
 pytestmark = pytest.mark.device_agnostic
 
@@ -31,14 +30,14 @@ def test_quantized_stage_3_tracks_fp32_and_really_quantizes(pools, which):
     base = Scenario(model="llama", stage=3, world=2, lr=1e-2, repeat_batch=True)
     quantized = pools(2).values(sharded_run, Scenario(**{**base.__dict__, "config_overrides": SETTINGS[which]}))[0]
     exact = pools(2).values(sharded_run, base)[0]
-    assert_tracks_fp32(quantized, _reference(base.single()), tol=3e-2)
+    assert_tracks_fp32(quantized, reference(base.single()), tol=3e-2)
     assert np.abs(np.asarray(quantized["losses"][1:]) - np.asarray(exact["losses"][1:])).max() > 1e-6
 
 
 def test_quantized_gradients_at_stage_2_track_fp32(pools):
     sc = Scenario(model="falcon", stage=2, world=2, lr=1e-2, repeat_batch=True,
                   config_overrides=SETTINGS["gradients"])
-    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], _reference(sc.single()), tol=3e-2)
+    assert_tracks_fp32(pools(2).values(sharded_run, sc)[0], reference(sc.single()), tol=3e-2)
 
 
 def test_block_quantization_error_is_at_most_half_a_step():
@@ -73,4 +72,4 @@ def test_quantization_settings_are_checked(kwargs, message):
 def test_quantized_collectives_combine_with_the_other_settings(pools, world, extra, mixed):
     sc = Scenario(model="llama", stage=3, world=world, lr=1e-2, repeat_batch=True, mixed_precision=mixed,
                   config_overrides=SETTINGS["both"][:2] + extra)
-    assert_tracks_fp32(pools(world).values(sharded_run, sc)[0], _reference(sc.single()), tol=3e-2)
+    assert_tracks_fp32(pools(world).values(sharded_run, sc)[0], reference(sc.single()), tol=3e-2)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests._parity import run_and_compare
 from tests._training import Scenario
-from tests.test_parity import run_and_compare
 
 
 @pytest.mark.parametrize("bucket_mb", [0, 25], ids=["unit-per-block", "bucketed"])
