@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
 ENV_VAR = "HF_ZERO_TEST_DEVICE"
 
 

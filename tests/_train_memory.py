@@ -18,7 +18,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_zero
-from hf_zero.estimate import Workload, activation_bytes, estimate
+from hf_zero.estimate import Workload, estimate
 
 
 def main() -> None:

@@ -405,7 +405,9 @@ def _activation_checkpointing(model: nn.Module, how: str) -> None:
     from functools import partial
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper,
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
     )
 
     if hasattr(model, "config"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_zero.engine.pool import BufferPool
-from tests import _cases
+from tests import _lifecycle_cases as lifecycle_cases
 
 
 def test_release_and_fill_keep_storage_identity_and_views():
@@ -62,7 +62,7 @@ def test_stage3_training_reuses_buffers(pools, case):
     10 blocks allocate alike): each further block's gathers and gradient buffers reuse freed memory.
     The pool is empty between iterations."""
     options, per_block = POOLED[case]
-    small, mid, deep = (pools(2).values(_cases.pool_counts_per_iteration, n, options)[0] for n in (2, 6, 10))
+    small, mid, deep = (pools(2).values(lifecycle_cases.pool_counts_per_iteration, n, options)[0] for n in (2, 6, 10))
     assert deep["allocated"] == mid["allocated"] <= small["allocated"] + 2 * per_block // 3, (small, mid, deep)
     assert deep["reused"] - mid["reused"] == 4 * per_block, (mid, deep)  # 4 more blocks
     assert mid["reused"] > mid["allocated"], mid

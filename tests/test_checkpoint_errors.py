@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import _cases
+from tests import _checkpoint_cases as checkpoint_cases
 from tests._training import Scenario, sharded_run
 
 
@@ -27,7 +27,7 @@ def _copy(saved: Path, tmp_path: Path) -> Path:
 
 
 def _expect(pools, ckpt: Path, error_type: str, message: str, kind: str = "llama", verify: bool = True) -> None:
-    for r in pools(2).values(_cases.load_into_fresh_model, str(ckpt), kind, 3, verify):
+    for r in pools(2).values(checkpoint_cases.load_into_fresh_model, str(ckpt), kind, 3, verify):
         assert r["error_type"] == error_type, r
         assert message in r["error"], r["error"]
         assert r["unchanged"] and r["opt_state_empty"]
@@ -35,7 +35,7 @@ def _expect(pools, ckpt: Path, error_type: str, message: str, kind: str = "llama
 
 def test_good_checkpoint_loads(pools, saved, tmp_path):
     ckpt = _copy(saved, tmp_path)
-    for r in pools(2).values(_cases.load_into_fresh_model, str(ckpt), "llama", 3):
+    for r in pools(2).values(checkpoint_cases.load_into_fresh_model, str(ckpt), "llama", 3):
         assert r["error_type"] is None and not r["unchanged"]  # the control: loading does change the model
 
 

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_zero
-from tests import _cases
+from tests import _checkpoint_cases as checkpoint_cases
 from tests._training import make_tokenizer
 
 
@@ -23,7 +23,7 @@ def exported(request, pools, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"export-{request.param}")
     make_tokenizer(str(root / "tok"))
     results = pools(2).values(
-        _cases.train_and_export, request.param, 3, str(root / "ckpt"), str(root / "live"), str(root / "tok")
+        checkpoint_cases.train_and_export, request.param, 3, str(root / "ckpt"), str(root / "live"), str(root / "tok")
     )
     return {"root": root, "kind": request.param, **results[0]}
 
@@ -36,10 +36,10 @@ def _check_reloaded(out: Path, exported: dict, dtype: torch.dtype = torch.float3
         torch.testing.assert_close(state[name], value.to(dtype), rtol=0, atol=0, msg=name)  # exact (after the cast)
     if dtype == torch.float32:
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor(_cases.PROMPT)).logits.numpy()
+            logits = model(input_ids=torch.tensor(checkpoint_cases.PROMPT)).logits.numpy()
         np.testing.assert_allclose(logits, exported["logits"], rtol=1e-5, atol=1e-6)
-    generated = model.generate(torch.tensor(_cases.PROMPT), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert generated.shape == (1, len(_cases.PROMPT[0]) + 4)
+    generated = model.generate(torch.tensor(checkpoint_cases.PROMPT), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, len(checkpoint_cases.PROMPT[0]) + 4)
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok("sharded training")["input_ids"]) == "sharded training"
 

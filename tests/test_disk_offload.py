@@ -17,10 +17,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from hf_zero.engine.whole import register_elementwise
 import torch
 
+from hf_zero.engine.whole import register_elementwise
 from tests._training import Scenario, make_model, make_optimizer, reference_run, rel_err, sharded_run
 
 pytestmark = pytest.mark.device_agnostic
@@ -110,6 +109,7 @@ def test_disk_checkpoint_resumes_on_another_world_size(pools, tmp_path):
 def _initialize_with(offload_dir: str, bad_rank: int, how: str) -> dict[str, Any]:
     """Every rank initializes with `offload_dir`; rank `bad_rank` gets an unwritable folder or a full disk."""
     import shutil
+
     import torch.distributed as dist
 
     import hf_zero
@@ -207,7 +207,7 @@ def test_files_are_removed_when_the_model_is_released(pools, tmp_path):
 def test_streamed_safetensors_file_reads_back_and_copies_nothing(tmp_path):
     from safetensors.torch import load_file
 
-    from hf_zero.checkpoint.stream import Entry, PIECE_NUMEL, host_pieces, write_streamed
+    from hf_zero.checkpoint.stream import PIECE_NUMEL, Entry, host_pieces, write_streamed
 
     host = torch.randn(10, 3)
     pieces = list(host_pieces(host)())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_zero
-from tests import _cases
+from tests import _engine_cases as engine_cases
 from tests._training import VOCAB, Scenario, make_model, make_optimizer, rel_err, sharded_run
 
 
@@ -119,12 +119,12 @@ def test_config_is_frozen():
 
 
 def test_bad_config_raises_on_every_rank(pools):
-    errors = pools(2).values(_cases.config_error, {"stage": 5})
+    errors = pools(2).values(engine_cases.config_error, {"stage": 5})
     assert all(e.startswith("ValueError: ZeroConfig.stage must be 0, 1, 2 or 3") for e in errors), errors
 
 
 def test_unknown_wrap_class_lists_candidates_on_every_rank(pools):
-    results = pools(2).run(_cases.initialize_with_wrap, [["NoSuchLayer"], ["NoSuchLayer"]])
+    results = pools(2).run(engine_cases.initialize_with_wrap, [["NoSuchLayer"], ["NoSuchLayer"]])
     for r in results:
         assert r.error_type == "ValueError", r.traceback
         assert "ZeroConfig.wrap names ['NoSuchLayer']" in r.error
@@ -135,7 +135,7 @@ def test_error_on_one_rank_raises_on_all_without_hanging(pools):
     """Rank 1 alone passes a bad wrap: rank 1 raises its ValueError, rank 0 a ValueError naming rank 1
     and carrying its cause, both within seconds, and the process group stays usable (the case ends
     with a barrier)."""
-    results = pools(2).run(_cases.initialize_with_wrap, ["auto", ["NoSuchLayer"]], timeout=60)
+    results = pools(2).run(engine_cases.initialize_with_wrap, ["auto", ["NoSuchLayer"]], timeout=60)
     assert results[1].error_type == "ValueError" and "NoSuchLayer" in results[1].error
     assert results[0].error_type == "ValueError" and "failed on rank(s) [1]" in results[0].error
     assert "ZeroConfig.wrap names ['NoSuchLayer']" in results[0].error
@@ -210,7 +210,7 @@ def test_meta_model_is_refused():
 # ---- inference, tied weights, HF API ------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "falcon"])
 def test_eval_forward_and_generate_under_stage3(pools, kind):
-    results = pools(2).values(_cases.eval_and_generate, kind, 3)
+    results = pools(2).values(engine_cases.eval_and_generate, kind, 3)
     ref_model = make_model(kind).eval()
     prompt = torch.tensor([[5, 17, 42, 7]])
     with torch.no_grad():
@@ -224,7 +224,7 @@ def test_eval_forward_and_generate_under_stage3(pools, kind):
 
 
 def test_tied_weights_are_sharded_once_and_stay_tied(pools):
-    results = pools(2).values(_cases.tied_weights_stay_tied)
+    results = pools(2).values(engine_cases.tied_weights_stay_tied)
     assert all(r["same_object"] for r in results)
     assert results[0]["equal_values"]
 
@@ -305,7 +305,7 @@ def test_gradient_shards_exist_only_from_backward_to_zero_grad(pools, stage):
     """[Note: gradient shard lifetime]: no gradient memory after initialize or after zero_grad (as
     with `set_to_none`); after each backward exactly this rank's fp32 shards (stage 2-3 free the
     unsharded gradients), kept through the step."""
-    for r in pools(2).values(_cases.gradient_memory_over_steps, stage):
+    for r in pools(2).values(engine_cases.gradient_memory_over_steps, stage):
         assert r["initialized"] == r["zero_grad0"] == r["zero_grad1"] == 0, r
         assert r["backward0"] == r["step0"] == r["backward1"] == r["step1"] == r["shard_bytes"] > 0, r
         assert r["grads_bound_after_zero_grad"] == 0, r
@@ -317,7 +317,7 @@ def test_embedding_gradient_travels_as_rows(pools, stage):
     exchanged as rows (no dense embedding-sized reduction), and its shard equals the dense gradient
     of an unsharded replica that ran every rank's batch (fp32, 1e-6 of the largest entry); the
     module's `sparse` switch is back off after the forward."""
-    for r in pools(2).values(_cases.lookup_gradient_rows, stage, 24):
+    for r in pools(2).values(engine_cases.lookup_gradient_rows, stage, 24):
         assert r["sparse_lookup"] and r["paths"] == ["rows"], r
         assert r["max_abs_err"] <= 1e-6 * r["scale"], r
         assert r["sparse_after_forward"] is False, r
@@ -329,9 +329,9 @@ def test_embedding_gradient_falls_back_to_dense_on_every_rank(pools, world):
     forward bypassed the module and got a dense gradient, every rank takes the dense path (no rank
     is left in a different collective) and the shard still equals the reference. 3 ranks: shard
     boundaries cut through embedding rows."""
-    many = pools(world).values(_cases.lookup_gradient_rows, 3, 200)
-    bypass = pools(world).values(_cases.lookup_gradient_rows, 2, 24, 1)  # stage 2: the weight is whole
-    few = pools(world).values(_cases.lookup_gradient_rows, 3, 24)
+    many = pools(world).values(engine_cases.lookup_gradient_rows, 3, 200)
+    bypass = pools(world).values(engine_cases.lookup_gradient_rows, 2, 24, 1)  # stage 2: the weight is whole
+    few = pools(world).values(engine_cases.lookup_gradient_rows, 3, 24)
     for r in many + bypass:
         assert r["paths"] == ["dense"], r
         assert r["max_abs_err"] <= 1e-6 * r["scale"], r
@@ -345,7 +345,7 @@ def test_optimizer_chunks_step_and_checkpoint_like_whole_pieces(pools, tmp_path,
     there are pieces, and 3 steps of AdamW with clipping give the same weights as whole pieces
     (fp32, 1e-6 of the largest weight); checkpoints move between chunkings both ways, and the
     step after the resume agrees with the run that never stopped."""
-    for r in pools(2).values(_cases.optimizer_chunks, stage, 1000, str(tmp_path)):
+    for r in pools(2).values(engine_cases.optimizer_chunks, stage, 1000, str(tmp_path)):
         assert r["chunks"] > r["pieces"], r
         assert r["weights_err"] <= 1e-6 * r["scale"], r
         assert r["resumed_err"] <= 1e-6 * r["scale"], r

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests import _cases
+from tests import _engine_cases as engine_cases
 from tests._parity import run_and_compare
 from tests._training import Scenario, rel_err, sharded_run
 
@@ -44,5 +44,5 @@ def test_hybrid_checkpoint_resumes_under_plain_stage_3(pools, tmp_path):
 
 
 def test_shard_group_size_must_divide_the_world(pools):
-    for r in pools(2).run(_cases.initialize_with_config, {"stage": 3, "shard_group_size": 3}):
+    for r in pools(2).run(engine_cases.initialize_with_config, {"stage": 3, "shard_group_size": 3}):
         assert r.error_type == "ValueError" and "must divide the world size (2)" in r.error

@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._dist import (ENV_VAR, Placement, PlacementUnavailable, backend_and_device, choose_placement,
-                         cuda_device_count)
+from tests._dist import (
+    ENV_VAR,
+    Placement,
+    PlacementUnavailable,
+    backend_and_device,
+    choose_placement,
+    cuda_device_count,
+)
 
 CPU, CUDA = Placement("cpu", "gloo"), Placement("cuda", "nccl")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import _cases
+from tests import _lifecycle_cases as lifecycle_cases
 from tests._parity import assert_tracks_fp32, reference, run_and_compare
 from tests._training import Scenario, sharded_run
 
@@ -36,7 +36,7 @@ def test_fp16_with_dynamic_loss_scale_tracks_fp32(pools):
 
 
 def test_fp16_overflow_skips_step_and_halves_scale(pools):
-    for r in pools(2).values(_cases.fp16_overflow_is_skipped):
+    for r in pools(2).values(lifecycle_cases.fp16_overflow_is_skipped):
         assert r["skipped"] and r["unchanged"]
         assert r["scale"] == 2.0**39
 
@@ -52,7 +52,7 @@ def test_stage3_keeps_only_running_and_prefetched_units_whole(pools, checkpointi
     gathers the root and the blocks (in reverse order) but neither the head (kept) nor the input
     embedding (a lookup's backward needs no weights). After the backward no unit is whole, and no
     unsharded gradient buffer is left."""
-    for r in pools(2).values(_cases.gathered_units_during_training, 3, checkpointing, prefetch):
+    for r in pools(2).values(lifecycle_cases.gathered_units_during_training, 3, checkpointing, prefetch):
         assert r["counts"] == ([3, 3] if prefetch else [2, 2]), r
         assert r["after_forward"] == ["lm_head"], r
         assert r["gathered_in_backward"] == ["", "model.layers.1", "model.layers.0"], r
@@ -68,7 +68,7 @@ def test_stage3_backward_holds_three_blocks_and_still_prefetches(pools, checkpoi
     prefetched parameters, never both (four before the gate). The prefetch still happens: the
     backward gathers every block asynchronously (block 4 after the head's backward) and none on demand,
     with activation checkpointing too (the recomputation gathers nothing more)."""
-    for r in pools(2).values(_cases.block_buffers_in_backward, 5, checkpointing):
+    for r in pools(2).values(lifecycle_cases.block_buffers_in_backward, 5, checkpointing):
         assert r["max_alive"] == 3, r
         assert r["prefetched"] == [f"model.layers.{i}" for i in (4, 3, 2, 1, 0)], r
         assert r["on_demand"] == [], r
@@ -89,7 +89,7 @@ def test_stream_ordered_backward_prefetch_bounds_gathered_units_and_matches(pool
     issued at pre-backward behind the reduction), forced here on gloo: every block is still prefetched in
     reverse order and none gathered on demand; at most one more gradient buffer is alive than with the gate
     (four block-sized buffers), and training gives the reference's losses and weights."""
-    for r in pools(2).values(_cases.block_buffers_in_backward, 5, checkpointing, True):
+    for r in pools(2).values(lifecycle_cases.block_buffers_in_backward, 5, checkpointing, True):
         assert r["max_alive"] == 4, r
         assert r["prefetched"] == [f"model.layers.{i}" for i in (4, 3, 2, 1, 0)], r
         assert r["on_demand"] == [], r
@@ -114,8 +114,8 @@ def test_stage3_large_head_adds_only_its_own_buffers(pools, world):
       head (vocab 64) it is gathered ahead as usual;
     - the head's reduction reads autograd's own gradient tensor when its flat layout has no padding
       (2 ranks: 65536 elements split evenly), and an attached flat buffer otherwise (3 ranks)."""
-    large = pools(world).values(_cases.large_head_backward, 2048)
-    small = pools(world).values(_cases.large_head_backward, 64)
+    large = pools(world).values(lifecycle_cases.large_head_backward, 2048)
+    small = pools(world).values(lifecycle_cases.large_head_backward, 64)
     for r in large:
         assert r["pooled_at_head"] == 0, r
         assert r["block_whole_in_head_backward"] is False, r
@@ -127,5 +127,5 @@ def test_stage3_large_head_adds_only_its_own_buffers(pools, world):
 def test_frozen_unit_is_resharded_as_soon_as_its_backward_is_through(pools):
     """[Note: backward end] a fully frozen block ends its backward on its inputs' gradient, like any other:
     by the time the embedding (the next unit in backward) gets its gradient, the block is sharded again."""
-    for r in pools(2).values(_cases.frozen_block_state_at_embedding_grad):
+    for r in pools(2).values(lifecycle_cases.frozen_block_state_at_embedding_grad):
         assert r["frozen"] and r["block0_at_embedding_grad"] == ["sharded", "sharded"], r

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests import _cases
+from tests import _checkpoint_cases as checkpoint_cases
 from tests._training import make_model
 
 
@@ -29,8 +29,8 @@ def base_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("kind", ["llama", "falcon"])
 def test_sharded_loading_equals_from_pretrained_then_initialize(pools, base_dirs, kind, stage):
     """Same losses over 3 training steps and the same final weights, bit for bit."""
-    sharded = pools(2).values(_cases.train_from_pretrained, base_dirs[kind], "sharded", stage)[0]
-    ordinary = pools(2).values(_cases.train_from_pretrained, base_dirs[kind], "ordinary", stage)[0]
+    sharded = pools(2).values(checkpoint_cases.train_from_pretrained, base_dirs[kind], "sharded", stage)[0]
+    ordinary = pools(2).values(checkpoint_cases.train_from_pretrained, base_dirs[kind], "ordinary", stage)[0]
     assert sharded["losses"] == ordinary["losses"]
     assert sharded["state"].keys() == ordinary["state"].keys()
     for name, value in ordinary["state"].items():
@@ -42,10 +42,10 @@ def test_weights_of_another_model_are_refused_on_every_rank(pools, tmp_path):
     other = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
     AutoModelForCausalLM.from_config(other).save_pretrained(tmp_path / "small")
-    for r in pools(2).run(_cases.initialize_from, str(tmp_path / "small")):
+    for r in pools(2).run(checkpoint_cases.initialize_from, str(tmp_path / "small")):
         assert r.error_type == "ValueError" and "holds weights of other shapes than this model" in r.error
     (tmp_path / "empty").mkdir()
-    for r in pools(2).run(_cases.initialize_from, str(tmp_path / "empty")):
+    for r in pools(2).run(checkpoint_cases.initialize_from, str(tmp_path / "empty")):
         assert r.error_type == "FileNotFoundError" and "neither model.safetensors nor" in r.error
 
 

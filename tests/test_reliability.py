@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import hf_zero
-from tests import _cases
+from tests import _checkpoint_cases as checkpoint_cases
+from tests import _engine_cases as engine_cases
 from tests._training import Scenario, sharded_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,13 +45,13 @@ def test_write_failure_on_one_rank_raises_everywhere_and_keeps_the_old_checkpoin
     ckpt = tmp_path / "ckpt"
     pools(2).values(sharded_run, Scenario(model="llama", stage=3, world=2, steps=1, accum=1, save_to=str(ckpt)))
     before = (ckpt / "hf_zero_manifest.json").read_text()
-    results = pools(2).values(_cases.save_with_fault, str(ckpt), 1, code)
+    results = pools(2).values(checkpoint_cases.save_with_fault, str(ckpt), 1, code)
     assert results[1]["error_type"] == "OSError" and os.strerror(code) in results[1]["error"]
     assert results[0]["error_type"] == "OSError" and "failed on rank(s) [1]" in results[0]["error"]
     assert all(r["seconds"] < 30 for r in results)  # nobody waited for a timeout
     assert (ckpt / "hf_zero_manifest.json").read_text() == before  # the previous checkpoint is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # and the half-written one is gone
-    for r in pools(2).values(_cases.load_into_fresh_model, str(ckpt), "llama", 3):
+    for r in pools(2).values(checkpoint_cases.load_into_fresh_model, str(ckpt), "llama", 3):
         assert r["error_type"] is None  # it still loads, checksums verified
 
 
@@ -59,7 +60,7 @@ def test_unwritable_location_is_a_clear_error_on_every_rank(pools, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     start = time.monotonic()
-    for r in pools(2).run(_cases.save_with_fault, str(blocker / "ckpt"), -1, None):
+    for r in pools(2).run(checkpoint_cases.save_with_fault, str(blocker / "ckpt"), -1, None):
         assert r.ok and r.value["error_type"] == "OSError" and "not-a-dir" in r.value["error"], r
     assert time.monotonic() - start < 60
     assert blocker.read_text() == "x"
@@ -67,7 +68,7 @@ def test_unwritable_location_is_a_clear_error_on_every_rank(pools, tmp_path):
 
 def test_one_rank_with_invalid_input_makes_all_raise_within_seconds(pools):
     start = time.monotonic()
-    results = pools(2).run(_cases.initialize_with_wrap, ["auto", ["NoSuchLayer"]], timeout=60)
+    results = pools(2).run(engine_cases.initialize_with_wrap, ["auto", ["NoSuchLayer"]], timeout=60)
     assert time.monotonic() - start < 20
     assert [r.error_type for r in results] == ["ValueError", "ValueError"]
 

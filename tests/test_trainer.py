@@ -170,9 +170,9 @@ def test_hybrid_shard_flag_takes_the_node_size_from_the_launcher(monkeypatch):
 
 
 def test_zero_trainer_refuses_plain_training_arguments(tmp_path):
-    import hf_zero
     from transformers import TrainingArguments
 
+    import hf_zero
     from tests._training import make_model
 
     with pytest.raises(TypeError, match="ZeroTrainer needs ZeroTrainingArguments"):

@@ -17,8 +17,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests._optimizers import (load_on_flat_shards_error, partial_zero_grad_error, schedule_free_outputs,
-                               sharded_run_on_flat_shards, whole_step_memory)
+from tests._optimizers import (
+    load_on_flat_shards_error,
+    partial_zero_grad_error,
+    schedule_free_outputs,
+    sharded_run_on_flat_shards,
+    whole_step_memory,
+)
 from tests._training import Scenario, interrupted_run, reference_run, rel_err, same_global_batch, sharded_run
 
 OPTIMIZERS = {"torch_adafactor": 1e-2, "hf_adafactor": 1e-2, "lars": 1e-1, "muon_adamw": 1e-2, "muon_and_adamw": 1e-2}

@@ -1,0 +1,121 @@
+"""Checkpoint and loading cases: loading into a fresh model, exporting, training from pretrained weights, faults while saving. Functions run on every rank of a pool (importable by name)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from tests._training import make_model, make_optimizer
+
+
+def load_into_fresh_model(ckpt: str, kind: str, stage: int, verify: bool = True) -> dict[str, Any]:
+    """Try to load `ckpt`; report the error and whether the model was left exactly as it was."""
+    model = make_model(kind, seed=1)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
+    before = hf_zero.full_state_dict(model, rank0_only=False)
+    error_type = error = None
+    try:
+        hf_zero.load_checkpoint(ckpt, model, opt, verify=verify)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        error_type, error = type(e).__name__, str(e)
+    after = hf_zero.full_state_dict(model, rank0_only=False)
+    return {
+        "error_type": error_type,
+        "error": error,
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "opt_state_empty": len(opt.state) == 0,
+    }
+
+
+PROMPT = [[5, 17, 42, 7, 99, 3]]
+
+
+def train_and_export(kind: str, stage: int, ckpt: str, live_out: str, tokenizer_dir: str) -> dict[str, Any]:
+    """Train 2 steps, then write a sharded checkpoint and a live from_pretrained directory."""
+    from transformers import AutoTokenizer
+
+    model = make_model(kind)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), hf_zero.ZeroConfig(stage=stage))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        batch = torch.randint(0, 256, (2, 16), generator=g)
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    hf_zero.save_checkpoint(ckpt, model, opt, tokenizer=tokenizer)
+    files = hf_zero.save_pretrained(model, live_out, tokenizer=tokenizer, progress=False)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROMPT)).logits
+    state = hf_zero.full_state_dict(model)
+    if dist.get_rank() != 0:
+        return {"files": files}
+    return {"files": files, "logits": logits.numpy().copy(), "state": {k: v.clone() for k, v in state.items()}}
+
+
+def train_from_pretrained(path: str, mode: str, stage: int, steps: int = 3) -> dict[str, Any]:
+    """Load `path` the sharded way (hf_zero.from_pretrained) or the ordinary way, then train a few steps."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_zero.ZeroConfig(stage=stage)
+    if mode == "sharded":
+        model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, path, config,
+                                             optimizer_fn=lambda m: make_optimizer(m, 1e-3))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
+    model.train()
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(0, 256, (2, 16), generator=g)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    state = hf_zero.full_state_dict(model)
+    return {"losses": losses, "state": state, "tied": getattr(model.config, "tie_word_embeddings", False)
+            and model.lm_head.weight is model.get_input_embeddings().weight}
+
+
+def initialize_from(path: str) -> None:
+    model = make_model("llama")
+    hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3), weights_from=path)
+
+
+def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dict[str, Any]:
+    """Save to `path` (a good checkpoint may already be there) while `failing_rank` hits an OSError."""
+    import errno as errno_module
+    import os
+
+    import hf_zero.checkpoint.save as save_module  # where the shard files are written ([Note: streamed save])
+
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    original = save_module.write_streamed
+
+    def failing_save_file(filename, entries, metadata=None):  # noqa: ANN001
+        if dist.get_rank() == failing_rank and errno_code is not None:
+            raise OSError(errno_code, os.strerror(errno_code), filename)
+        return original(filename, entries, metadata)
+
+    save_module.write_streamed = failing_save_file
+    start = time.monotonic()
+    try:
+        hf_zero.save_checkpoint(path, model, opt, metadata={"attempt": "second"})
+        outcome = {"error_type": None, "error": None}
+    except Exception as e:  # noqa: BLE001
+        outcome = {"error_type": type(e).__name__, "error": str(e)}
+    finally:
+        save_module.write_streamed = original
+    outcome["seconds"] = time.monotonic() - start
+    del errno_module
+    return outcome

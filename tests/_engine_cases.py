@@ -1,0 +1,201 @@
+"""Engine API cases: settings, wrapping, evaluation and generation, tied weights, gradient memory, lookup gradients, optimizer chunks. Functions run on every rank of a pool (importable by name)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from tests._training import make_model, make_optimizer
+
+
+def config_error(kwargs: dict[str, Any]) -> str:
+    """Build a ZeroConfig from `kwargs` on this rank; return the error text (no collective involved)."""
+    try:
+        hf_zero.ZeroConfig(**kwargs)
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def initialize_with_wrap(wrap_by_rank: list[Any]) -> float:
+    """initialize with a per-rank wrap setting; returns the seconds it took to fail (it must fail)."""
+    model = make_model("llama")
+    start = time.monotonic()
+    try:
+        hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3, wrap=wrap_by_rank[dist.get_rank()]))
+    except Exception:
+        dist.barrier()  # the process group is still healthy: every rank got here
+        raise
+    return time.monotonic() - start
+
+
+def initialize_with_config(kwargs: dict[str, Any]) -> None:
+    model = make_model("llama")
+    hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(**kwargs))
+
+
+def eval_and_generate(kind: str, stage: int) -> dict[str, Any]:
+    """Eval logits and greedy generation through the sharded model (every rank calls them)."""
+    model = make_model(kind)
+    model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=stage))
+    model.eval()
+    prompt = torch.tensor([[5, 17, 42, 7]])
+    with torch.no_grad():
+        logits = model(input_ids=prompt).logits
+    generated = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return {
+        "logits": logits.numpy().copy(),
+        "generated": generated.tolist(),
+        "class_name": type(model).__name__,
+        "is_original_class": isinstance(model, type(make_model(kind))),
+        "has_config": model.config.model_type,
+    }
+
+
+def tied_weights_stay_tied() -> dict[str, Any]:
+    model = make_model("falcon")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    same_object = model.lm_head.weight is model.transformer.word_embeddings.weight
+    batch = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    state = hf_zero.full_state_dict(model)
+    if dist.get_rank() != 0:
+        return {"same_object": same_object}
+    return {
+        "same_object": same_object and model.lm_head.weight is model.transformer.word_embeddings.weight,
+        "equal_values": bool(torch.equal(state["lm_head.weight"], state["transformer.word_embeddings.weight"])),
+    }
+
+
+def gradient_memory_over_steps(stage: int) -> dict[str, Any]:
+    """Gradient bytes this rank holds at each point of two training steps ([Note: gradient shard
+    lifetime]): none before the first backward and after each zero_grad."""
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine = model.zero_engine
+
+    def grads() -> int:
+        return sum(hf_zero.model_state_memory(model).gradients.values())
+
+    seen = {"initialized": grads()}
+    for i in range(2):
+        model(input_ids=batch, labels=batch).loss.backward()
+        seen[f"backward{i}"] = grads()
+        opt.step()
+        seen[f"step{i}"] = grads()
+        opt.zero_grad()
+        seen[f"zero_grad{i}"] = grads()
+    seen["shard_bytes"] = sum(u.layout.shard_numel * 4 for u in engine.units if u.has_trainable)
+    seen["grads_bound_after_zero_grad"] = sum(p.grad is not None for g in opt.param_groups for p in g["params"])
+    return seen
+
+
+def lookup_gradient_rows(stage: int, tokens_per_rank: int, bypass_rank: int | None = None) -> dict[str, Any]:
+    """One backward of a LLaMA (vocab 256 x 64) under hf_zero: the input embedding's gradient shard
+    against the dense gradient of an unsharded replica that ran every rank's batch, and how the
+    embedding's reduction travelled ([Note: sparse lookup gradients]). `bypass_rank` computes its
+    embedding output with `F.embedding` on the weight directly (a dense gradient on that rank)."""
+    import torch.nn.functional as F
+
+    from hf_zero.engine import flat
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = make_model("llama")
+    model = make_model("llama")
+    # Token ids with repeats; each rank's batch differs. Row 255 is used by no rank.
+    batches = [torch.randint(0, 255, (1, tokens_per_rank), generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for b in batches:
+        (reference(input_ids=b, labels=b).loss / world).backward()
+    expected = reference.model.embed_tokens.weight.grad.reshape(-1)
+
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
+    unit = next(u for u in model.zero_engine.units if u.spec.name == "model.embed_tokens")
+    paths: list[str] = []
+    inside: list[bool] = []  # whether the embedding unit's reduce_grads is running
+    gather, scatter, reduce = flat.all_gather_rows, flat.reduce_scatter_into, unit.reduce_grads
+    flat.all_gather_rows = lambda *a, **k: (paths.append("rows"), gather(*a, **k))[1]
+    flat.reduce_scatter_into = lambda *a, **k: (paths.append("dense") if inside else None, scatter(*a, **k))[1]
+    unit.reduce_grads = lambda *a, **k: (inside.append(True), reduce(*a, **k), inside.clear())[1]
+    try:
+        batch = batches[rank]
+        if rank == bypass_rank:
+            embeds = F.embedding(batch, model.model.embed_tokens.weight)
+            loss = model(inputs_embeds=embeds, labels=batch).loss
+        else:
+            loss = model(input_ids=batch, labels=batch).loss
+        sparse_after_forward = model.model.embed_tokens.sparse
+        loss.backward()
+        opt.clip_grad_norm_(float("inf"))  # waits for every reduction
+    finally:
+        flat.all_gather_rows, flat.reduce_scatter_into = gather, scatter
+    lo, hi = unit.layout.shard_range(unit.shard_group.rank)
+    padded = torch.cat([expected, expected.new_zeros(unit.layout.padded_numel - expected.numel())])
+    got = unit.sharded_grad
+    return {
+        "paths": paths,
+        "max_abs_err": float((got - padded[lo:hi]).abs().max()),
+        "scale": float(padded.abs().max()),
+        "sparse_after_forward": sparse_after_forward,
+        "sparse_lookup": unit.sparse_lookup,
+    }
+
+
+def optimizer_chunks(stage: int, chunk: int, tmp: str) -> dict[str, Any]:
+    """[Note: optimizer chunks] with a tiny chunk size: 3 AdamW steps (clipping on) give the same
+    weights as unchunked pieces; a checkpoint saved from the chunked run and loaded without chunks
+    (and the reverse) restores the same optimizer state, so the next step agrees too."""
+    from hf_zero.engine import pieces as engine_module
+
+    rank = dist.get_rank()
+    default = engine_module.OPTIMIZER_CHUNK_NUMEL
+    batches = torch.randint(0, 256, (4, 2, 16), generator=torch.Generator().manual_seed(100 + rank))
+
+    def build(chunk_numel: int) -> tuple[Any, Any]:
+        engine_module.OPTIMIZER_CHUNK_NUMEL = chunk_numel
+        try:
+            model = make_model("llama")
+            return hf_zero.initialize(model, make_optimizer(model, 1e-2), hf_zero.ZeroConfig(stage=stage))
+        finally:
+            engine_module.OPTIMIZER_CHUNK_NUMEL = default
+
+    def train(model: Any, opt: Any, steps: range) -> None:
+        for i in steps:
+            model(input_ids=batches[i], labels=batches[i]).loss.backward()
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+
+    def weights(model: Any) -> dict[str, torch.Tensor]:
+        return model.zero_engine.full_state_dict(rank0_only=False)
+
+    out: dict[str, Any] = {}
+    chunked, chunked_opt = build(chunk)
+    plain, plain_opt = build(default)
+    out["chunks"] = sum(len(g["params"]) for g in chunked_opt.param_groups)
+    out["pieces"] = sum(len(g["params"]) for g in plain_opt.param_groups)
+    train(chunked, chunked_opt, range(3))
+    train(plain, plain_opt, range(3))
+    a, b = weights(chunked), weights(plain)
+    out["weights_err"] = max(float((a[k] - b[k]).abs().max()) for k in a)
+    # Checkpoints across chunkings: chunked -> plain and plain -> chunked, then one more step each.
+    hf_zero.save_checkpoint(f"{tmp}/chunked", chunked, chunked_opt)
+    hf_zero.save_checkpoint(f"{tmp}/plain", plain, plain_opt)
+    to_plain, to_plain_opt = build(default)
+    hf_zero.load_checkpoint(f"{tmp}/chunked", to_plain, to_plain_opt)
+    to_chunked, to_chunked_opt = build(chunk)
+    hf_zero.load_checkpoint(f"{tmp}/plain", to_chunked, to_chunked_opt)
+    for model, opt in ((to_plain, to_plain_opt), (to_chunked, to_chunked_opt), (plain, plain_opt)):
+        train(model, opt, range(3, 4))
+    ref = weights(plain)
+    out["resumed_err"] = max(
+        float((w[k] - ref[k]).abs().max()) for w in (weights(to_plain), weights(to_chunked)) for k in ref
+    )
+    out["scale"] = max(float(v.abs().max()) for v in ref.values())
+    return out
