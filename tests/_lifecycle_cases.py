@@ -11,6 +11,13 @@ import hf_zero
 from tests._training import make_model, make_optimizer
 
 
+def _holds_memory(unit: Any) -> bool:
+    """Whether a unit's parameters are whole or being gathered ([Note: unit lifecycle]): not SHARDED."""
+    from hf_zero.engine.lifecycle import ShardState
+
+    return unit.state is not ShardState.SHARDED
+
+
 def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: int = 1) -> dict[str, Any]:
     """How many units are whole (or being gathered) while each block runs forward in the second
     iteration (the first one teaches the engine the order), and what is left after backward."""
@@ -26,18 +33,18 @@ def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: in
     opt.zero_grad()
     counts: list[int] = []
     for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda m, a: counts.append(sum(u.is_unsharded for u in engine.units)))
+        layer.register_forward_pre_hook(lambda m, a: counts.append(sum(_holds_memory(u) for u in engine.units)))
     loss = model(input_ids=batch, labels=batch).loss
-    after_forward = [u.spec.name for u in engine.units if u.is_unsharded]
+    after_forward = [u.spec.name for u in engine.units if _holds_memory(u)]
     gathered_in_backward: list[str] = []
     for unit in engine.units:
-        unit.unshard = _counting(unit.unshard, unit.spec.name, gathered_in_backward)
+        unit.gather = _counting(unit.gather, unit.spec.name, gathered_in_backward)
     loss.backward()
     return {
         "counts": counts,
         "after_forward": after_forward,
         "gathered_in_backward": gathered_in_backward,
-        "after_backward": sum(u.is_unsharded for u in engine.units),
+        "after_backward": sum(_holds_memory(u) for u in engine.units),
         "unsharded_grads_after_backward": sum(u.unsharded_grad is not None for u in engine.units),
         "n_units": len(engine.units),
     }
@@ -112,7 +119,7 @@ def large_head_backward(vocab: int) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     model.lm_head.register_forward_pre_hook(lambda m, a: seen.update(pooled_at_head=engine.pool.pooled_bytes))
     out = model(input_ids=batch, labels=batch)
-    out.logits.register_hook(lambda g: seen.update(block_whole_in_head_backward=last_block.is_unsharded))
+    out.logits.register_hook(lambda g: seen.update(block_whole_in_head_backward=_holds_memory(last_block)))
     model.lm_head.weight.register_hook(lambda g: seen.update(autograd_grad=g.data_ptr()))
     reduce = head.reduce_grads
 
@@ -160,11 +167,11 @@ def block_buffers_in_backward(layers: int = 5, checkpointing: bool = False, stre
     for unit in blocks:
         unit.reduce_grads = _tracking(unit.reduce_grads, lambda name=unit.spec.name: in_flight.add(name))
         unit.finish_reduction = _tracking(unit.finish_reduction, lambda name=unit.spec.name: in_flight.discard(name))
-        unit.unshard = _logging_gathers(unit.unshard, unit.spec.name, gathered)
+        unit.gather = _logging_gathers(unit.gather, unit.spec.name, gathered)
     alive: list[int] = []
 
     def count(_: torch.Tensor) -> None:
-        whole = sum(u.is_unsharded for u in blocks)
+        whole = sum(_holds_memory(u) for u in blocks)
         filling = sum(u.unsharded_grad is not None and u.spec.name not in in_flight for u in blocks)
         alive.append(whole + filling + len(in_flight))
 

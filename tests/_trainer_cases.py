@@ -191,7 +191,9 @@ class _AttemptStart(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
         engine = model.zero_engine
-        self.attempts.append({"gathered": sum(u.is_unsharded for u in engine.units),
+        from hf_zero.engine.lifecycle import ShardState
+
+        self.attempts.append({"gathered": sum(u.state is not ShardState.SHARDED for u in engine.units),
                               "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.units)})
 
     def on_train_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001

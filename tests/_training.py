@@ -422,12 +422,12 @@ def _count_gathers(model: nn.Module) -> dict[str, int]:
     """Count every all-gather of each unit (prefetches included) into the returned dict."""
     counts: dict[str, int] = {}
     for unit in model.zero_engine.units:
-        def counting(*args: Any, _unit: Any = unit, _unshard: Any = unit.unshard, **kwargs: Any) -> Any:
+        def counting(*args: Any, _unit: Any = unit, _unshard: Any = unit.gather, **kwargs: Any) -> Any:
             pending = _unshard(*args, **kwargs)
             if _unit.sharded_param is not None:
                 counts[_unit.spec.name] = counts.get(_unit.spec.name, 0) + 1
             return pending
-        unit.unshard = counting
+        unit.gather = counting
     return counts
 
 

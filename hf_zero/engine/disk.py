@@ -27,7 +27,7 @@ pinned-memory cache, and the last writes overlap the next forward.
 
 [Note: parameters on disk]
 With `offload_params=True` too (stage 3), no compute-dtype parameter shard is kept: the master file
-is each gather's source. `FlatUnit.unshard` calls the unit's `shard_reader`, which waits for the
+is each gather's source. `FlatUnit.gather` calls the unit's `shard_reader`, which waits for the
 writes in flight and reads the unit's master shard into a fresh host tensor (pinned on an
 accelerator); the gather casts it as in [Note: cast on gather] and frees it. The step publishes
 nothing for such units: its written windows are what the next gathers read. What that saves is

@@ -225,7 +225,15 @@ class FlatUnit:
     # ---- parameters -------------------------------------------------------------------------
     @property
     def is_unsharded(self) -> bool:
-        return self.unsharded_param.untyped_storage().nbytes() > 0
+        """Whether the parameters are whole and registered in the modules: the state says ([Note: unit
+        lifecycle]); the storage's byte count is not consulted."""
+        return self.state is ShardState.UNSHARDED
+
+    def _illegal(self, verb: str, why: str) -> RuntimeError:
+        return RuntimeError(
+            f"[rank {self.shard_group.global_rank}] hf_zero: {verb} on unit '{self.spec.name}' in state "
+            f"{self.state.value}: {why}"
+        )
 
     @property
     def needs_gather(self) -> bool:
@@ -235,7 +243,7 @@ class FlatUnit:
     def prefetch(self) -> None:
         """SHARDED -> GATHERING: issue this unit's gather asynchronously (it overlaps the running unit's compute)."""
         if self.needs_gather:
-            self._prefetched = self.unshard(async_op=True)
+            self._prefetched = self.gather(async_op=True)
             self.state = ShardState.GATHERING
 
     def ensure_unsharded(self) -> None:
@@ -245,15 +253,19 @@ class FlatUnit:
             self._prefetched.wait()
             self._prefetched = None
         elif not self.is_unsharded:
-            self.unshard().wait()
+            self.gather().wait()
         if self.module_slots is not None:
             self.module_slots.bind(real=True)
         self.state = ShardState.UNSHARDED
 
-    def unshard(self, async_op: bool = False) -> Pending:
-        """Allocate the unsharded buffer and gather every rank's shard into it."""
+    def gather(self, async_op: bool = False) -> Pending:
+        """The raw gather behind `prefetch` and `ensure_unsharded` (the transitions): allocate the unsharded
+        buffer and gather every rank's shard into it. Legal only from SHARDED: a second gather would write into
+        parameters in use."""
         if self.sharded_param is None:
             return Pending()  # parameters are persistent: nothing to gather
+        if self.state is not ShardState.SHARDED:
+            raise self._illegal("gather", "the parameters are already whole or being gathered")
         storage = self.unsharded_param.untyped_storage()
         if storage.nbytes() == 0:
             self.pool.fill(storage, self.layout.padded_numel * self.unsharded_param.element_size())
@@ -293,7 +305,10 @@ class FlatUnit:
 
     def reshard(self) -> None:
         """-> SHARDED: free the unsharded buffer (stage 3; not while a `gathered_parameters` context pins the unit);
-        the modules then hold the parameters' stand-ins ([Note: resting parameters])."""
+        the modules then hold the parameters' stand-ins ([Note: resting parameters]). A persistent unit (stages
+        0-2, whose parameters are always whole) refuses: freeing it would lose the only whole copy."""
+        if self.sharded_param is None:
+            raise self._illegal("reshard", "stages 0-2 keep the parameters whole; nothing may free them")
         if self.pins:
             return
         if self._prefetched is not None:  # never free memory a collective is still writing

@@ -7,7 +7,9 @@ Two states describe a unit at any time:
   (SHARDED -> GATHERING), `ensure_unsharded` (-> UNSHARDED) and `reshard` (-> SHARDED)): SHARDED
   (only this rank's shard holds memory; the modules hold stand-ins), GATHERING (an all-gather
   into the unsharded buffer is in flight), UNSHARDED (the parameters are whole and registered in
-  the modules). Units of stages 0-2 are always UNSHARDED;
+  the modules). Units of stages 0-2 are always UNSHARDED, and their `reshard` raises. The state is
+  the truth: `is_unsharded` reads it, never the storage's byte count; the raw `gather` behind the
+  transitions raises unless the unit is SHARDED. Illegal calls raise with the rank and the unit;
 - its *backward* state in the current iteration (`Phase`, owned by `UnitHooks` in a `UnitRun`):
   IDLE -> IN_BACKWARD (pre_backward: gathered, `.grad` views attached) -> REDUCING
   (post_backward: its gradients handed to a reduction, or dropped for a frozen unit) -> IDLE (the
