@@ -86,8 +86,7 @@ def load_owned(whole: WholeStep, optimizer: torch.optim.Optimizer, manifest: Man
         for key, kind in kinds.items():
             tkey = f"{name}{STATE_SEP}{key}"
             if kind == "elementwise":  # saved on flat shards: join the pieces into the parameter's shape
-                dtype = cache.get(stored[0][0]).get_slice(tkey).get_dtype()
-                out = torch.empty(stand_in.numel(), dtype=_torch_dtype(dtype))
+                out = torch.empty(stand_in.numel(), dtype=stand_in.dtype)  # the master dtype, as the flat path reads
                 read_pieces(cache, tkey, stored, 0, stand_in.numel(), out)
                 state[key] = out.view(stand_in.shape).to(stand_in.device)
             else:
@@ -154,22 +153,3 @@ def restore_value(key: str, kind: str, value: torch.Tensor, group: dict[str, Any
     if key == "step" and value.ndim == 0 and not (group.get("fused") or group.get("capturable")):
         return value.to(torch.float32)
     return value.to(device)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (`F32`, `BF16`, ...)."""
-    table = {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-    }
-    if name not in table:
-        raise ValueError(f"hf_zero cannot read optimizer state stored as {name}.")
-    return table[name]
