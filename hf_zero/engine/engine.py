@@ -153,7 +153,7 @@ class ZeroEngine:
     def generation_needs_sync(self) -> bool:
         """Whether every rank must run every forward of `generate` (stage 3, several ranks): each
         forward gathers parameters, so a rank that stopped early would leave the others waiting."""
-        return not self.plan.params.persistent and self.world.size > 1
+        return self.plan.params.gathers and self.world.size > 1
 
     @property
     def writes_shards(self) -> bool:
@@ -231,9 +231,7 @@ class ZeroEngine:
         so no copy of the parameters gathered before a change of the master weights is used after it."""
         self.hooks.wait_reductions()
         self.hooks.release_held()
-        if not self.plan.params.persistent:
-            for unit in self.units:
-                unit.reshard()
+        self.plan.params.release(self.units)
 
     # ---- gathering --------------------------------------------------------------------------
     @torch.no_grad()

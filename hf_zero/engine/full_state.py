@@ -111,8 +111,8 @@ def gathered_parameters(
     finally:
         for unit in units:
             unit.pins -= 1
-            if not engine.plan.params.persistent and not unit.pins:
-                unit.reshard()
+            if not unit.pins:
+                engine.plan.params.release([unit])
 
 
 def _write_back(engine: ZeroEngine, unit: FlatUnit, modifier_rank: int) -> None:

@@ -248,7 +248,7 @@ class UnitHooks:
             and self._order_known
             and unit is self._forward_order[-1]
             and unit.spec.backward_reads_params
-            and not self.plan.params.persistent
+            and self.plan.params.gathers
         )
 
     def _post_forward(self, unit: UnitGroup, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -315,12 +315,12 @@ class UnitHooks:
     def _forward_gathers(self, unit: UnitGroup, recompute: bool) -> bool:
         """Whether `unit`'s forward issues a gather (its own, or, outside backward, a prefetch); the
         same on every rank."""
-        own = not self.plan.params.persistent and unit.needs_gather
+        own = self.plan.params.gathers and unit.needs_gather
         return own or (not recompute and any(u.needs_gather for u in self._prefetches(unit, forward=True)))
 
     def _prefetches(self, unit: UnitGroup, forward: bool) -> list[UnitGroup]:
         """The units `_prefetch_after(unit, forward)` gathers."""
-        if not self.prefetch or self.plan.params.persistent or not self._order_known:
+        if not self.prefetch or not self.plan.params.gathers or not self._order_known:
             return []
         return (self._next_forward if forward else self._next_backward).get(id(unit), [])
 
@@ -448,8 +448,7 @@ class UnitHooks:
         self._gated = None
         for unit in self.units:
             unit.detach_grads()
-            if not self.plan.params.persistent:
-                unit.reshard()
+            self.plan.params.release([unit])
         self._held = None
         if not self._order_known:  # a first forward that did not finish: learn the order from the next one
             self._forward_order.clear()

@@ -13,6 +13,10 @@ differ in three choices, each an object or a value picked here and nowhere else:
 
 Stage 0 is "shard over a group of one and replicate over the world": its reduction is an
 all-reduce and every rank updates everything, i.e. plain data parallelism.
+
+Callers ask the parameter residency what they need (`gathers`: whether uses gather, so whether to
+prefetch, keep a unit for its backward or run generation in step; `release(units)`: free what is
+gathered) rather than testing the stage.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .collectives import BulkCollectives, CommGroup, hybrid_groups
+from .flat import FlatUnit
 from .group import UnitGroup
 
 
 class PersistentParams:
     """Stages 0-2: every unit's unsharded parameters stay allocated; nothing to gather or free."""
 
-    persistent = True
+    persistent = True  # the parameters are whole on every rank at every moment
+    gathers = False  # no forward or backward gathers (so nothing to prefetch, nothing to keep for backward)
 
     def before_compute(self, unit: UnitGroup) -> None:
         pass
@@ -37,11 +43,15 @@ class PersistentParams:
     def after_backward(self, unit: UnitGroup) -> None:
         pass
 
+    def release(self, units: list[FlatUnit] | list[UnitGroup]) -> None:
+        """Free whatever of `units` is gathered: nothing is, at these stages."""
+
 
 class ShardedParams:
     """Stage 3: a unit is gathered just before its forward and its backward, and freed after each."""
 
     persistent = False
+    gathers = True  # each use gathers: prefetch ahead, keep the last forward unit for its backward
 
     def before_compute(self, unit: UnitGroup) -> None:
         unit.ensure_unsharded()
@@ -51,6 +61,11 @@ class ShardedParams:
 
     def after_backward(self, unit: UnitGroup) -> None:
         unit.reshard()
+
+    def release(self, units: list[FlatUnit] | list[UnitGroup]) -> None:
+        """Free every gathered unit of `units` (pinned ones stay: [Note: unit lifecycle])."""
+        for unit in units:
+            unit.reshard()
 
 
 ParamResidency = PersistentParams | ShardedParams
