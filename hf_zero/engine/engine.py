@@ -173,7 +173,7 @@ class ZeroEngine:
     def defers_reduction_in_no_sync(self) -> bool:
         """[Note: accumulation] whether `no_sync()` skips the reduction: stages 0-1 (the unsharded
         gradient buffer exists anyway), or stages 2-3 with `ZeroConfig.no_sync_keeps_grads`."""
-        return self.plan.keep_unsharded_grads or self.config.no_sync_keeps_grads
+        return self.plan.grads.keeps_unsharded or self.config.no_sync_keeps_grads
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -194,8 +194,7 @@ class ZeroEngine:
         self.hooks.wait_reductions()
         for unit in self.units:
             unit.zero_grad()
-            if not self.plan.keep_unsharded_grads:
-                unit.unsharded_grad = None
+            self.plan.grads.drop(unit)
         for piece in self.pieces:
             piece.unbind_grads()
         self.has_grads = False

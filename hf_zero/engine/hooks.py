@@ -372,10 +372,9 @@ class UnitHooks:
         self._open_gate()  # before this unit's reduction is issued
         unit.collect_grads()
         if self.requires_grad_sync and unit.has_trainable:
-            free = not self.plan.keep_unsharded_grads
+            free = not self.plan.grads.keeps_unsharded
             self._pending.append((unit, unit.reduce_grads(async_op=True, buffer_is_free=free)))
-            if not self.plan.keep_unsharded_grads:
-                unit.unsharded_grad = None  # the reduction holds it until its wait
+            self.plan.grads.after_issue(unit)  # stages 2-3: the reduction holds it until its wait
             # [Note: bounded reductions] finish older reductions as new ones are issued: each holds its
             # unit's unsharded gradients, so letting them pile up until the end of the backward pass
             # would keep every unit's full gradients alive at once (what stages 2-3 exist to avoid).
@@ -396,10 +395,7 @@ class UnitHooks:
 
     def _finish(self, unit: UnitGroup, reduction: GradReduction) -> None:
         unit.finish_reduction(reduction, self.grad_divisor())
-        if not self.plan.keep_unsharded_grads:
-            unit.release_reduced(reduction)
-        elif unit.unsharded_grad is not None:
-            unit.unsharded_grad.zero_()
+        self.plan.grads.after_reduction(unit, reduction)
         self._finished_since_wait.append(unit)
 
     def wait_reductions(self) -> None:

@@ -4,8 +4,8 @@ Every stage runs the same machinery (flat units, reduce-scatter of gradients int
 an optimizer that updates only this rank's shards, `publish_master` after the step). They
 differ in three choices, each an object or a value picked here and nowhere else:
 
-| stage | shard group | replicate group | parameters (`ParamResidency`) | unsharded gradients |
-|-------|-------------|-----------------|-------------------------------|---------------------|
+| stage | shard group | replicate group | parameters (`ParamResidency`) | unsharded gradients (`GradResidency`) |
+|-------|-------------|-----------------|-------------------------------|-------------------------------------|
 | 0     | this rank   | the world       | persistent                    | kept (reused)       |
 | 1     | the world   | this rank       | persistent                    | kept (reused)       |
 | 2     | the world   | this rank       | persistent                    | freed after reduce  |
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .collectives import BulkCollectives, CommGroup, hybrid_groups
-from .flat import FlatUnit
+from .flat import FlatUnit, GradReduction
 from .group import UnitGroup
 
 
@@ -71,6 +71,45 @@ class ShardedParams:
 ParamResidency = PersistentParams | ShardedParams
 
 
+class KeptGrads:
+    """Stages 0-1: a unit's unsharded gradient buffer lives across backwards; each reduction reads it and it is
+    zeroed for the next accumulation (reused, never reallocated)."""
+
+    keeps_unsharded = True
+
+    def after_issue(self, unit: UnitGroup) -> None:
+        """A reduction of `unit`'s buffer was issued: the unit keeps the buffer."""
+
+    def after_reduction(self, unit: UnitGroup, reduction: GradReduction) -> None:
+        """The reduction landed in the shard: zero the buffer for the next backward."""
+        if unit.unsharded_grad is not None:
+            unit.unsharded_grad.zero_()
+
+    def drop(self, unit: FlatUnit) -> None:
+        """`zero_grad`: the kept buffer stays (it is zeroed after each reduction)."""
+
+
+class FreedGrads:
+    """Stages 2-3: a unit's unsharded gradients live from its backward to the end of their reduction."""
+
+    keeps_unsharded = False
+
+    def after_issue(self, unit: UnitGroup) -> None:
+        """The reduction holds the buffer until its wait; the unit lets go of it now."""
+        unit.unsharded_grad = None
+
+    def after_reduction(self, unit: UnitGroup, reduction: GradReduction) -> None:
+        """The reduction landed in the shard: its buffers go back to the pool."""
+        unit.release_reduced(reduction)
+
+    def drop(self, unit: FlatUnit) -> None:
+        """`zero_grad`: any unsharded gradients left (an abandoned pass) go."""
+        unit.unsharded_grad = None
+
+
+GradResidency = KeptGrads | FreedGrads
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """The choices of one stage (see the table in this module's docstring)."""
@@ -79,7 +118,7 @@ class StagePlan:
     shard_group: CommGroup
     replicate_group: CommGroup
     params: ParamResidency
-    keep_unsharded_grads: bool  # the unsharded gradient buffer lives across backwards (stages 0-1)
+    grads: GradResidency  # whether the unsharded gradient buffer lives across backwards (stages 0-1)
 
     @property
     def data_parallel_size(self) -> int:
@@ -104,13 +143,13 @@ def plan_for_stage(
 
     ```python
     >>> plan = plan_for_stage(3, CommGroup.world())
-    >>> plan.params.persistent, plan.keep_unsharded_grads
-    (False, False)
+    >>> plan.params.gathers, plan.grads.keeps_unsharded
+    (True, False)
     ```
     """
     single = CommGroup.single()
     if stage == 0:
-        return StagePlan(0, single, world, PersistentParams(), keep_unsharded_grads=True)
+        return StagePlan(0, single, world, PersistentParams(), KeptGrads())
     shard, replicate = world, single
     if shard_group_size is not None and shard_group_size != world.size:
         shard, replicate = hybrid_groups(world, shard_group_size, timeout_s)
@@ -119,5 +158,5 @@ def plan_for_stage(
         shard.using(collectives),
         replicate,
         ShardedParams() if stage == 3 else PersistentParams(),
-        keep_unsharded_grads=stage == 1,
+        KeptGrads() if stage == 1 else FreedGrads(),
     )
