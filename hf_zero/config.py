@@ -51,7 +51,7 @@ class ZeroConfig:
             (embeddings, final norm, head) form the root unit. A model with neither (a
             classifier, an `nn.Sequential`, a model of a few parameters) is one unit when it
             fits one bucket (`bucket_size_mb`), else a unit per child module with parameters;
-            the choice is logged ([Note: units without blocks] in `hf_zero/engine/units.py`).
+            the choice is logged ([Note: units without blocks] in `hf_zero/engine/wrap.py`).
         sync_module_states (`bool`, *optional*, defaults to `True`):
             Broadcast rank 0's parameters and buffers to every rank at `initialize`, as DDP
             does, so that ranks seeded differently still train one model. Costs one broadcast

@@ -39,11 +39,11 @@ from torch import nn
 
 from .config import ZeroConfig
 from .engine.engine import ModelStateMemory
-from .engine.group import split_frozen
 from .engine.layout import FlatLayout
 from .engine.pieces import chunk_bounds
-from .engine.units import UnitSpec, units_for
+from .engine.unit import split_frozen
 from .engine.whole import deal
+from .engine.wrap import UnitSpec, units_for
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DISK_BUFFER_BYTES = 7 * 3 * 16 * 2**20  # [Note: disk offload]: windows in flight x (master + 2 moments) x 16 MiB

@@ -92,7 +92,7 @@ def gradient_memory_over_steps(stage: int) -> dict[str, Any]:
         seen[f"step{i}"] = grads()
         opt.zero_grad()
         seen[f"zero_grad{i}"] = grads()
-    seen["shard_bytes"] = sum(u.layout.shard_numel * 4 for u in engine.units if u.has_trainable)
+    seen["shard_bytes"] = sum(u.layout.shard_numel * 4 for u in engine.parts if u.has_trainable)
     seen["grads_bound_after_zero_grad"] = sum(p.grad is not None for g in opt.param_groups for p in g["params"])
     return seen
 
@@ -116,7 +116,7 @@ def lookup_gradient_rows(stage: int, tokens_per_rank: int, bypass_rank: int | No
     expected = reference.model.embed_tokens.weight.grad.reshape(-1)
 
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
-    unit = next(u for u in model.zero_engine.units if u.spec.name == "model.embed_tokens")
+    unit = next(u for u in model.zero_engine.parts if u.spec.name == "model.embed_tokens")
     paths: list[str] = []
     inside: list[bool] = []  # whether the embedding unit's reduce_grads is running
     gather, scatter, reduce = flat.all_gather_rows, flat.reduce_scatter_into, unit.reduce_grads

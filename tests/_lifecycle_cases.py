@@ -33,20 +33,20 @@ def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: in
     opt.zero_grad()
     counts: list[int] = []
     for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda m, a: counts.append(sum(_holds_memory(u) for u in engine.units)))
+        layer.register_forward_pre_hook(lambda m, a: counts.append(sum(_holds_memory(u) for u in engine.parts)))
     loss = model(input_ids=batch, labels=batch).loss
-    after_forward = [u.spec.name for u in engine.units if _holds_memory(u)]
+    after_forward = [u.spec.name for u in engine.parts if _holds_memory(u)]
     gathered_in_backward: list[str] = []
-    for unit in engine.units:
+    for unit in engine.parts:
         unit.gather = _counting(unit.gather, unit.spec.name, gathered_in_backward)
     loss.backward()
     return {
         "counts": counts,
         "after_forward": after_forward,
         "gathered_in_backward": gathered_in_backward,
-        "after_backward": sum(_holds_memory(u) for u in engine.units),
-        "unsharded_grads_after_backward": sum(u.unsharded_grad is not None for u in engine.units),
-        "n_units": len(engine.units),
+        "after_backward": sum(_holds_memory(u) for u in engine.parts),
+        "unsharded_grads_after_backward": sum(u.unsharded_grad is not None for u in engine.parts),
+        "n_units": len(engine.parts),
     }
 
 
@@ -110,7 +110,7 @@ def large_head_backward(vocab: int) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_config(cfg)
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3, bucket_size_mb=0))
     engine = model.zero_engine
-    units = {u.spec.name: u for u in engine.units}
+    units = {u.spec.name: u for u in engine.parts}
     head, last_block = units["lm_head"], units["model.layers.2"]
     batch = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     model(input_ids=batch, labels=batch).loss.backward()
@@ -156,7 +156,7 @@ def block_buffers_in_backward(layers: int = 5, checkpointing: bool = False, stre
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
     if stream_ordered:  # the policy the engine picks for NCCL, here on gloo
         model.zero_engine.hooks.gate_on_reductions = False
-    units = {u.spec.name: u for u in model.zero_engine.units}
+    units = {u.spec.name: u for u in model.zero_engine.parts}
     blocks = [units[f"model.layers.{i}"] for i in range(layers)]
     batch = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     model(input_ids=batch, labels=batch).loss.backward()
@@ -210,7 +210,7 @@ def frozen_block_state_at_embedding_grad() -> dict[str, Any]:
         if name.startswith("model.layers.0."):
             p.requires_grad_(False)
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3, bucket_size_mb=0))
-    units = {u.spec.name: u for u in model.zero_engine.units}
+    units = {u.spec.name: u for u in model.zero_engine.parts}
     seen: list[str] = []
     model.model.embed_tokens.weight.register_post_accumulate_grad_hook(
         lambda p: seen.append(units["model.layers.0"].state.value))

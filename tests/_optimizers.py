@@ -137,10 +137,10 @@ def whole_step_memory(kind: str = "llama_8") -> dict[str, Any]:
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
-    masters = sum(unit.sharded_master.numel() * unit.sharded_master.element_size() for unit in engine.units)
+    masters = sum(unit.sharded_master.numel() * unit.sharded_master.element_size() for unit in engine.parts)
     state = sum(v.numel() * v.element_size() for s in opt.optimizer.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor))
-    shard_grads = sum(unit.layout.shard_numel * unit.master_dtype.itemsize for unit in engine.units if unit.has_trainable)
+    shard_grads = sum(unit.layout.shard_numel * unit.master_dtype.itemsize for unit in engine.parts if unit.has_trainable)
     totals = torch.tensor([masters, state], dtype=torch.float64)
     dist.all_reduce(totals)
     return {"masters": masters, "state": state, "total_masters": float(totals[0]), "total_state": float(totals[1]),

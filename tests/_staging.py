@@ -105,7 +105,7 @@ def recorded_offload_run(sc: Scenario, force_staging: bool) -> dict[str, Any]:
         # The recorder's own control: a host shard handed to a collective by hand is seen as one,
         # unless the communication device is off the host (then it is staged like the engine's).
         engine = recorder.engines[-1]
-        host_shard = next(t for unit in engine.units for _, t, where in unit.storages()
+        host_shard = next(t for unit in engine.parts for _, t, where in unit.storages()
                           if where == "host" and t.untyped_storage().nbytes() > 0)  # not a freed gradient shard
         collectives.broadcast_(host_shard, engine.world)
     finally:

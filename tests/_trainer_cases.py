@@ -133,11 +133,11 @@ class _WindowMemory(TrainerCallback):
         memory = engine.memory()
         self.samples.append({
             "gradients": sum(memory.gradients.values()),
-            "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.units),
-            "shard_bytes": sum(u.layout.shard_numel * 4 for u in engine.units if u.has_trainable),
-            "held_unsharded_bytes": sum(u.unsharded_grad.untyped_storage().nbytes() for u in engine.units
+            "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.parts),
+            "shard_bytes": sum(u.layout.shard_numel * 4 for u in engine.parts if u.has_trainable),
+            "held_unsharded_bytes": sum(u.unsharded_grad.untyped_storage().nbytes() for u in engine.parts
                                         if u.unsharded_grad is not None),
-            "dense_trainable_units": sum(u.has_trainable and not u.sparse_lookup for u in engine.units),
+            "dense_trainable_units": sum(u.has_trainable and not u.sparse_lookup for u in engine.parts),
         })
 
 
@@ -193,8 +193,8 @@ class _AttemptStart(TrainerCallback):
         engine = model.zero_engine
         from hf_zero.engine.lifecycle import ShardState
 
-        self.attempts.append({"gathered": sum(u.state is not ShardState.SHARDED for u in engine.units),
-                              "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.units)})
+        self.attempts.append({"gathered": sum(u.state is not ShardState.SHARDED for u in engine.parts),
+                              "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.parts)})
 
     def on_train_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
         self.order = len(model.zero_engine.hooks._forward_order)
@@ -280,11 +280,11 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         "state": {k: v.detach().cpu().clone() for k, v in state.items()} if main else None,
         "checkpoints": sorted(os.listdir(job.out_dir)) if main and os.path.isdir(job.out_dir) else None,
         "window": window.samples if window is not None else None,
-        "units": [u.spec.name for u in trainer.model.zero_engine.units] if zero else None,
+        "units": [u.spec.name for u in trainer.model.zero_engine.parts] if zero else None,
         "snapshots": snapshots.states if snapshots is not None and main else None,
         "best": trainer.state.best_model_checkpoint,
         "train_batch_size": trainer._train_batch_size,
-        "attempts": (attempts.attempts, attempts.order, len(trainer.model.zero_engine.units)) if attempts else None,
+        "attempts": (attempts.attempts, attempts.order, len(trainer.model.zero_engine.parts)) if attempts else None,
     }
 
 

@@ -375,7 +375,7 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         "max_gathers": max_gathers,
         "parts": [{"frozen": u.spec.frozen, "trainable": u.has_trainable, "shard": u.layout.shard_numel,
                    "local": sum(pc.end - pc.start for pc in model.zero_engine.pieces if pc.unit is u)}
-                  for u in model.zero_engine.units],
+                  for u in model.zero_engine.parts],
         "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
 
@@ -421,7 +421,7 @@ def _activation_checkpointing(model: nn.Module, how: str) -> None:
 def _count_gathers(model: nn.Module) -> dict[str, int]:
     """Count every all-gather of each unit (prefetches included) into the returned dict."""
     counts: dict[str, int] = {}
-    for unit in model.zero_engine.units:
+    for unit in model.zero_engine.parts:
         def counting(*args: Any, _unit: Any = unit, _unshard: Any = unit.gather, **kwargs: Any) -> Any:
             pending = _unshard(*args, **kwargs)
             if _unit.sharded_param is not None:

@@ -146,7 +146,7 @@ def test_models_without_blocks_get_predictable_units(caplog):
     parameters (through single-child wrappers), joined up to the bucket; the log says which."""
     from torch import nn
 
-    from hf_zero.engine.units import find_units
+    from hf_zero.engine.wrap import find_units
 
     seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with caplog.at_level("WARNING", logger="hf_zero"):
@@ -280,7 +280,7 @@ def test_bucket_size_groups_consecutive_blocks():
     units of their own, and every parameter still belongs to exactly one unit."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from hf_zero.engine.units import find_units
+    from hf_zero.engine.wrap import find_units
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_zero
-from hf_zero.engine.units import units_for
+from hf_zero.engine.wrap import units_for
 from hf_zero.estimate import model_states
 from tests._training import Scenario, freeze, make_model, sharded_run, with_lora
 

@@ -12,7 +12,7 @@ from tests._training import make_model
 
 def _unit(stage: int):  # noqa: ANN202
     model, _ = hf_zero.initialize(make_model("llama"), None, hf_zero.ZeroConfig(stage=stage))
-    return model.zero_engine.units[0]
+    return model.zero_engine.parts[0]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -161,7 +161,7 @@ def save_pretrained(
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = e
     files: list[str] = []
-    bar = _progress(len(engine.units), "gathering", progress and engine.world.rank == 0, "unit")
+    bar = _progress(len(engine.parts), "gathering", progress and engine.world.rank == 0, "unit")
     for gathered in engine.gather_units(rank0_only=True):  # every rank joins every gather
         bar.update(1)
         if writer is None or error is not None:

@@ -95,7 +95,7 @@ def load_checkpoint(
     engine.hooks.wait_reductions()
     with FileCache(directory) as cache:
         with torch.no_grad():
-            for unit in engine.units:  # one unit's master at a time ([Note: disk offload])
+            for unit in engine.parts:  # one unit's master at a time ([Note: disk offload])
                 master = engine.read_master(unit)
                 for piece in engine.pieces:
                     if piece.unit is unit:
@@ -132,7 +132,7 @@ def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizers: list[Shard
 
 
 def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path) -> None:
-    ours = {slot.name: list(slot.shape) for unit in engine.units for slot in unit.layout.slots}
+    ours = {slot.name: list(slot.shape) for unit in engine.parts for slot in unit.layout.slots}
     theirs = {name: info["shape"] for name, info in manifest.params.items()}
     missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     if missing or unexpected:

@@ -32,7 +32,7 @@ import torch
 from ..engine.collectives import all_to_all_uneven, comm_device, gather_objects, raise_if_any_failed
 from ..engine.disk import MASTER
 from ..engine.engine import ZeroEngine
-from ..engine.flat import FlatUnit
+from ..engine.flat import FlatPart
 from ..engine.pieces import Piece
 from ..engine.whole import deal
 from .format import fsync_file, write_bytes_atomically
@@ -47,7 +47,7 @@ class Tensor:
     name: str
     shape: tuple[int, ...]
     numel: int
-    unit: FlatUnit | None = None
+    unit: FlatPart | None = None
     slot: int = 0
     value: torch.Tensor | None = None
     parameter: bool = True
@@ -123,7 +123,7 @@ def folder_tensors(engine: ZeroEngine, dtype: torch.dtype) -> list[Tensor]:
     then the persistent buffers. A parameter every rank holds whole in `dtype` is taken as it is."""
     whole = engine.plan.params.persistent
     tensors: list[Tensor] = []
-    for unit in engine.units:
+    for unit in engine.parts:
         for index, slot in enumerate(unit.layout.slots):
             if whole and unit.param_dtype == dtype:
                 value = unit.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -257,7 +257,7 @@ class Exchange:
             yield piece.master[a - piece.start : b - piece.start]
 
 
-def _unit(t: Tensor) -> FlatUnit:
+def _unit(t: Tensor) -> FlatPart:
     if t.unit is None:
         raise RuntimeError(f"hf_zero: {t.name} is held whole and has no shards to read")
     return t.unit

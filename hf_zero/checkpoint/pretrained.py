@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..engine.layout import FlatLayout
-from ..engine.units import UnitSpec
+from ..engine.wrap import UnitSpec
 from .reader import FileCache, hf_weight_map, read_flat_range
 
 

@@ -272,7 +272,7 @@ def _manifest(
     metadata: dict[str, Any] | None,
 ) -> Manifest:
     params: dict[str, dict[str, Any]] = {}
-    for unit in engine.units:
+    for unit in engine.parts:
         for slot in unit.layout.slots:
             params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(unit.master_dtype)}
     aliases = {

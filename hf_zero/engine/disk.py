@@ -27,7 +27,7 @@ pinned-memory cache, and the last writes overlap the next forward.
 
 [Note: parameters on disk]
 With `offload_params=True` too (stage 3), no compute-dtype parameter shard is kept: the master file
-is each gather's source. `FlatUnit.gather` calls the unit's `shard_reader`, which waits for the
+is each gather's source. `FlatPart.gather` calls the unit's `shard_reader`, which waits for the
 writes in flight and reads the unit's master shard into a fresh host tensor (pinned on an
 accelerator); the gather casts it as in [Note: cast on gather] and frees it. The step publishes
 nothing for such units: its written windows are what the next gathers read. What that saves is
@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .flat import FlatUnit
+    from .flat import FlatPart
     from .pieces import Piece
 
 WINDOW_NUMEL = 1 << 22  # elements stepped at once: 16 MiB of fp32 master per buffer
@@ -231,14 +231,14 @@ class DiskOffload:
         self._finalizer = weakref.finalize(self, _shutdown, self._io, files)
 
     # ---- layout -------------------------------------------------------------------------------
-    def holds(self, unit: FlatUnit) -> bool:
+    def holds(self, unit: FlatPart) -> bool:
         return id(unit) in self.offsets
 
     def offset_of(self, piece: Piece) -> int:
         """The element offset in the files of `piece`'s first element."""
         return self.offsets[id(piece.unit)] + piece.local[0]
 
-    def adopt_master(self, unit: FlatUnit) -> None:
+    def adopt_master(self, unit: FlatPart) -> None:
         """Give `unit` its place in the files, write its freshly filled master shard there and free the
         shard's memory (the tensor stays, holding 0 bytes)."""
         self.offsets[id(unit)] = self._next_offset
@@ -273,7 +273,7 @@ class DiskOffload:
         self.windows.append(Window(tuple(chunks), chunks[0].offset, last.offset + last.numel - chunks[0].offset))
 
     # ---- whole shards (checkpoints, gathers, loads) -----------------------------------------
-    def read_master(self, unit: FlatUnit, pin: bool = False) -> torch.Tensor:
+    def read_master(self, unit: FlatPart, pin: bool = False) -> torch.Tensor:
         """A fresh host tensor (pinned with `pin` on an accelerator) with `unit`'s master shard as the files hold it."""
         self.drain()
         out = torch.empty(
@@ -283,7 +283,7 @@ class DiskOffload:
         self.read_bytes += out.numel() * out.element_size()
         return out
 
-    def write_master(self, unit: FlatUnit, values: torch.Tensor) -> None:
+    def write_master(self, unit: FlatPart, values: torch.Tensor) -> None:
         self.drain()
         self.files.write(MASTER, self.offsets[id(unit)], values.to("cpu").contiguous())
 
@@ -482,7 +482,7 @@ def _grad_of(chunk: Chunk, used: dict[int, list[bool]]) -> torch.Tensor | None:
     return piece.grad[chunk.a : chunk.b]
 
 
-def _shard_reader(disk: weakref.ref[DiskOffload], unit: FlatUnit) -> Callable[[], torch.Tensor]:
+def _shard_reader(disk: weakref.ref[DiskOffload], unit: FlatPart) -> Callable[[], torch.Tensor]:
     """A gather source for `unit` read from the files ([Note: parameters on disk]); holds the owner weakly."""
 
     def read() -> torch.Tensor:

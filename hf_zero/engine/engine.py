@@ -27,8 +27,7 @@ from .collectives import (
     stream_ordered,
 )
 from .disk import DiskOffload, OffloadFiles
-from .flat import FlatUnit, grad_slab
-from .group import UnitGroup, split_frozen
+from .flat import FlatPart, grad_slab
 from .hooks import UnitHooks
 from .layout import FlatLayout
 from .pieces import Piece, pieces_of
@@ -37,7 +36,8 @@ from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
 from .stepping import OptimizerSteps
-from .units import UnitSpec
+from .unit import Unit, split_frozen
+from .wrap import UnitSpec
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,14 @@ class ZeroEngine:
         sync_from = world if config.sync_module_states and world.size > 1 else None
         _move_buffers(model, self.device, sync_from)
         source = source or LiveParams(sync_from)
-        grouped = [split_frozen(spec) for spec in specs]  # [Note: frozen parameters] in group.py
+        grouped = [split_frozen(spec) for spec in specs]  # [Note: frozen parameters] in unit.py
         specs = [part for parts in grouped for part in parts]
         self.pool = _pool_for(specs, world, self.plan, config, self.param_dtype, self.reduce_dtype)
         self.disk = _disk_for(specs, config, world, self.plan, self.device, self.master_dtype)
-        self.units: list[FlatUnit] = []
+        self.parts: list[FlatPart] = []
         for spec in specs:
             offloaded = config.offload_optimizer and not spec.frozen
-            unit = FlatUnit(
+            unit = FlatPart(
                 spec,
                 shard_group=self.plan.shard_group,
                 replicate_group=self.plan.replicate_group,
@@ -104,18 +104,18 @@ class ZeroEngine:
             )
             if self.disk is not None and offloaded:
                 self.disk.adopt_master(unit)  # [Note: disk offload]: one unit's master in memory at a time
-            self.units.append(unit)
-        # Parameters built on the meta device were replaced by views (see FlatUnit._bind_params).
+            self.parts.append(unit)
+        # Parameters built on the meta device were replaced by views (see FlatPart._bind_params).
         self.replaced: dict[int, nn.Parameter] = {
-            id(old): new for unit in self.units for old, new in zip(unit.spec.params, unit.params) if old is not new
+            id(old): new for unit in self.parts for old, new in zip(unit.spec.params, unit.params) if old is not new
         }
         _swap_parameters(model, self.replaced)
-        grad_slab(self.units)
+        grad_slab(self.parts)
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
         self.pool.clear()
-        parts = iter(self.units)
-        self.groups = [UnitGroup([next(parts) for _ in split]) for split in grouped]  # what the hooks run
-        self.hooks = UnitHooks(self.groups, self.plan, self.pool, self.scaler.scale_outputs if self.scaler else None)
+        parts = iter(self.parts)
+        self.units = [Unit([next(parts) for _ in split]) for split in grouped]  # what the hooks run
+        self.hooks = UnitHooks(self.units, self.plan, self.pool, self.scaler.scale_outputs if self.scaler else None)
         self.hooks.gate_on_reductions = not stream_ordered(self.plan.shard_group)
         self.hooks.grad_divisor = self._grad_divisor
         self.hooks.prefetch = config.prefetch
@@ -124,14 +124,14 @@ class ZeroEngine:
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
         self.pieces: list[Piece] = [  # this rank's
-            piece for unit in self.units for piece in pieces_of(unit, self.disk is not None and self.disk.holds(unit))
+            piece for unit in self.parts for piece in pieces_of(unit, self.disk is not None and self.disk.holds(unit))
         ]
         if self.disk is not None:
             self.disk.build_windows(self.pieces)
-        self._names = {id(p): n for unit in self.units for p, n in zip(unit.params, unit.spec.param_names)}
+        self._names = {id(p): n for unit in self.parts for p, n in zip(unit.params, unit.spec.param_names)}
         # Stand-ins ([Note: resting parameters]) and meta originals, mapped to the engine's parameters.
         self._real: dict[int, nn.Parameter] = dict(self.replaced)
-        for unit in self.units:
+        for unit in self.parts:
             if unit.module_slots is not None:
                 for stand_in, p, n in zip(unit.module_slots.resting, unit.params, unit.spec.param_names):
                     self._real[id(stand_in)] = p
@@ -145,8 +145,8 @@ class ZeroEngine:
         """Keep the unit of `module`'s parameters gathered through every forward of the model, for code
         that reads them without calling `module` ([Note: direct use] in hooks.py). Stages 0-2: nothing to do."""
         owned = {id(self.compute_param(p)) for p in module.parameters()}  # stand-ins map to the real ones
-        for group in self.groups:
-            if any(id(p) in owned for p in group.params) and group is not self.groups[-1]:
+        for group in self.units:
+            if any(id(p) in owned for p in group.params) and group is not self.units[-1]:
                 self.hooks.use_directly(group)
 
     @property
@@ -192,7 +192,7 @@ class ZeroEngine:
         if abandon_pass:
             self.hooks.reset()
         self.hooks.wait_reductions()
-        for unit in self.units:
+        for unit in self.parts:
             unit.zero_grad()
             self.plan.grads.drop(unit)
         for piece in self.pieces:
@@ -204,7 +204,7 @@ class ZeroEngine:
         """Clip the sharded gradients by their global norm; returns the norm of the unsharded gradients."""
         self.hooks.wait_reductions()
         norm_type = float(norm_type)
-        shards = [unit.sharded_grad for unit in self.units if unit.has_trainable and not unit.grad_is_zero]
+        shards = [unit.sharded_grad for unit in self.parts if unit.has_trainable and not unit.grad_is_zero]
         group = self.plan.shard_group
         if not shards:  # nothing trainable: the norm is zero on every rank
             shards = [torch.zeros(1, device=self.device)]
@@ -230,7 +230,7 @@ class ZeroEngine:
         so no copy of the parameters gathered before a change of the master weights is used after it."""
         self.hooks.wait_reductions()
         self.hooks.release_held()
-        self.plan.params.release(self.units)
+        self.plan.params.release(self.parts)
 
     # ---- gathering --------------------------------------------------------------------------
     @torch.no_grad()
@@ -250,7 +250,7 @@ class ZeroEngine:
         """
         self.hooks.wait_reductions()
         is_writer = self.world.rank == 0 or not rank0_only
-        for unit in self.units:
+        for unit in self.parts:
             if trainable_only and not unit.has_trainable:
                 continue
             full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
@@ -296,13 +296,13 @@ class ZeroEngine:
         return state if with_params else {k: v for k, v in state.items() if id(v) not in self._names}
 
     # ---- master shards ([Note: disk offload]) -----------------------------------------------
-    def read_master(self, unit: FlatUnit) -> torch.Tensor:
+    def read_master(self, unit: FlatPart) -> torch.Tensor:
         """`unit`'s master shard: the tensor itself, or a fresh copy read from the offload files."""
         if self.disk is not None and self.disk.holds(unit):
             return self.disk.read_master(unit)
         return unit.sharded_master
 
-    def write_master(self, unit: FlatUnit, values: torch.Tensor) -> None:
+    def write_master(self, unit: FlatPart, values: torch.Tensor) -> None:
         """Make `values` (from `read_master`, changed) `unit`'s master shard and publish it into the parameters
         (stages 0-2 gather it: a collective)."""
         if self.disk is not None and self.disk.holds(unit):
@@ -328,7 +328,7 @@ class ZeroEngine:
             seen.add(storage.data_ptr())
             parts[category][placement] = parts[category].get(placement, 0) + storage.nbytes()
 
-        held = [item for unit in self.units for item in unit.storages()]
+        held = [item for unit in self.parts for item in unit.storages()]
         order = {"parameters": 0, "gradients": 1, "optimizer_states": 2}  # an alias counts where it is first seen
         for category, t, placement in sorted(held, key=lambda item: order[item[0]]):
             count(category, t, placement)

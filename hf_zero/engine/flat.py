@@ -68,7 +68,7 @@ from .pool import BufferPool, transient_nbytes
 from .quant import gather_int8, gather_workspace_numels, reduce_scatter_int8
 from .resting import ModuleSlots
 from .sparse import coalesced_rows, scatter_rows_
-from .units import UnitSpec
+from .wrap import UnitSpec
 
 if TYPE_CHECKING:
     from .sources import ShardSource
@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class GradReduction:
-    """An issued gradient reduction of one unit; `FlatUnit.finish_reduction` consumes it."""
+    """An issued gradient reduction of one unit; `FlatPart.finish_reduction` consumes it."""
 
     pending: Pending
     output: torch.Tensor  # 1D (shard_numel,), reduce dtype; may be `sharded_grad` itself
@@ -85,7 +85,7 @@ class GradReduction:
     into_accumulator: bool  # output is `sharded_grad` (no copy needed after the wait)
 
 
-class FlatUnit:
+class FlatPart:
     """The sharded and unsharded storage of one unit, and the primitive moves between them.
 
     Which moves happen when is the stage's business (`stages.py`); this class only knows how.
@@ -585,7 +585,7 @@ class FlatUnit:
         return held
 
 
-def grad_slab(units: list[FlatUnit]) -> None:
+def grad_slab(units: list[FlatPart]) -> None:
     """Give every unit that has trainable parameters a gradient shard in one shared buffer, holding no
     memory until the first reduction ([Note: gradient shard lifetime])."""
     trainable = [u for u in units if u.has_trainable]

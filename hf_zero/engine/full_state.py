@@ -23,7 +23,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from .collectives import broadcast_, raise_if_any_failed
 from .engine import StateDictOptions, ZeroEngine
-from .flat import FlatUnit
+from .flat import FlatPart
 
 
 def state_dict(engine: ZeroEngine, options: StateDictOptions) -> dict[str, torch.Tensor]:
@@ -62,7 +62,7 @@ def load_state_dict(engine: ZeroEngine, values: Mapping[str, torch.Tensor], stri
 
     engine.release_gathered()
     by_name = {engine.name_of(t): values[k] for k, t in expected.items() if k in values and id(t) in engine._names}
-    for unit in engine.units:
+    for unit in engine.parts:
         lo, _ = unit.layout.shard_range(unit.shard_group.rank)
         master = engine.read_master(unit)
         for index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
@@ -84,10 +84,10 @@ def gathered_parameters(
 ) -> Iterator[None]:
     """The context behind `hf_zero.gathered_parameters` (see its docstring and [Note: write-back])."""
     error: Exception | None = None
-    units: list[FlatUnit] = []
+    units: list[FlatPart] = []
     try:
         wanted = {id(engine.compute_param(p)) for p in params}
-        units = [u for u in engine.units if any(id(p) in wanted for p in u.params)]
+        units = [u for u in engine.parts if any(id(p) in wanted for p in u.params)]
         unknown = len(wanted) - sum(1 for u in units for p in u.params if id(p) in wanted)
         if unknown:
             raise ValueError(
@@ -115,7 +115,7 @@ def gathered_parameters(
                 engine.plan.params.release([unit])
 
 
-def _write_back(engine: ZeroEngine, unit: FlatUnit, modifier_rank: int) -> None:
+def _write_back(engine: ZeroEngine, unit: FlatPart, modifier_rank: int) -> None:
     """Make `modifier_rank`'s gathered values of `unit` every rank's ([Note: write-back])."""
     full = unit.unsharded_param
     broadcast_(full, engine.world, modifier_rank)
@@ -141,7 +141,7 @@ def unshard_model(engine: ZeroEngine) -> None:
     for gathered in engine.gather_units(rank0_only=False, device=engine.device):
         for _, p, value in gathered:
             p.data = value
-    for unit in engine.units:
+    for unit in engine.parts:
         if unit.module_slots is not None:
             unit.module_slots.bind(real=True)
 

@@ -50,10 +50,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .flat import GradReduction
-from .group import UnitGroup
 from .lifecycle import Phase, TrainingState, UnitRun
 from .pool import BufferPool
 from .stages import StagePlan
+from .unit import Unit
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
 
@@ -72,7 +72,7 @@ class _EndOfBackward(torch.autograd.Function):
     which is the same on every rank, and not by which parameters received gradients."""
 
     @staticmethod
-    def forward(ctx: Any, hooks: UnitHooks, unit: UnitGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, hooks: UnitHooks, unit: Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hooks, ctx.unit = hooks, unit
         return inputs
 
@@ -87,12 +87,12 @@ class UnitHooks:
 
     def __init__(
         self,
-        units: list[UnitGroup],
+        units: list[Unit],
         plan: StagePlan,
         pool: BufferPool,
         root_output_fn: Callable[[Any], Any] | None = None,
     ):
-        self.units = units  # inner units in module order, the root last (each a group of parts, group.py)
+        self.units = units  # inner units in module order, the root last (each a group of parts, unit.py)
         self.root = units[-1]
         self.plan = plan
         self.pool = pool  # emptied at the end of every pass ([Note: buffer reuse])
@@ -104,22 +104,22 @@ class UnitHooks:
         # [Note: reduction-gated prefetch]: True on host-completed backends (gloo); False where collectives are
         # ordered on a device stream (NCCL), set by the engine from the backend at initialize
         self.gate_on_reductions = True
-        self._forward_order: list[UnitGroup] = []  # inner units in the order the first forward ran them
-        self._next_forward: dict[int, list[UnitGroup]] = {}  # id(unit) -> the units to prefetch as it starts
-        self._next_backward: dict[int, list[UnitGroup]] = {}
+        self._forward_order: list[Unit] = []  # inner units in the order the first forward ran them
+        self._next_forward: dict[int, list[Unit]] = {}  # id(unit) -> the units to prefetch as it starts
+        self._next_backward: dict[int, list[Unit]] = {}
         self._pool_sizes: dict[tuple[int, bool], frozenset[int]] = {}  # (id(unit), forward) -> sizes to keep pooled
         self._late_prefetch: set[int] = set()  # id(unit) whose backward prefetch waits for its post_backward
-        self._gated: UnitGroup | None = None  # [Note: reduction-gated prefetch] the running unit's deferred prefetch
+        self._gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit's deferred prefetch
         self._order_known = False
-        self._held: UnitGroup | None = None  # the last unit of the forward, kept gathered for the backward
-        self.direct: list[UnitGroup] = []  # [Note: direct use] units gathered with the root's forward
+        self._held: Unit | None = None  # the last unit of the forward, kept gathered for the backward
+        self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
         self._handles: list[RemovableHandle] = []
         # Per iteration ([Note: unit lifecycle]):
         self.state = TrainingState.IDLE
         rank = plan.shard_group.global_rank
         self._runs: dict[int, UnitRun] = {id(u): UnitRun(u.spec.name or "<root>", rank) for u in units}
-        self._pending: list[tuple[UnitGroup, GradReduction]] = []  # issued, not yet waited
-        self._finished_since_wait: list[UnitGroup] = []  # reduced during this backward pass
+        self._pending: list[tuple[Unit, GradReduction]] = []  # issued, not yet waited
+        self._finished_since_wait: list[Unit] = []  # reduced during this backward pass
         self._callback_queued = False
         self._register()
 
@@ -147,7 +147,7 @@ class UnitHooks:
         self._handles.clear()
 
     # ---- forward ----------------------------------------------------------------------------
-    def _pre_forward(self, unit: UnitGroup, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         recompute = _in_backward()  # [Note: recomputation]
         if unit is self.root and not recompute:
             if self.in_backward:
@@ -174,19 +174,19 @@ class UnitHooks:
             self._runs[id(unit)].expected_signals += 1
         return (args, kwargs) if wrapped else None
 
-    def _member_pre_forward(self, unit: UnitGroup, module: nn.Module, args: Any) -> None:
+    def _member_pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         """A block of a bucketed unit other than its first, replayed alone inside backward: gather the unit
         (outside backward the first block's pre_forward has)."""
         if _in_backward():
             self.plan.params.before_compute(unit)
 
-    def _member_post_forward(self, unit: UnitGroup, module: nn.Module, args: Any, output: Any) -> None:
+    def _member_post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         """A block of a bucketed unit other than its last, replayed inside backward: its outputs' gradients
         begin the unit's backward, as the last block's do after a forward."""
         if _in_backward() and torch.is_grad_enabled():
             self._hook_outputs(unit, output)
 
-    def _carry_end_signal(self, unit: UnitGroup, args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
+    def _carry_end_signal(self, unit: Unit, args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
         """Pass the unit's top-level tensor inputs that require grad through `_EndOfBackward`
         ([Note: backward end]); returns the new args and kwargs and whether any was wrapped."""
         positions = [("a", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -231,7 +231,7 @@ class UnitHooks:
                 coming = sequence[i + 1 : i + 2 + self.prefetch]
                 self._pool_sizes[(id(unit), forward)] = frozenset().union(*(u.buffer_nbytes for u in coming))
 
-    def _trim_pool(self, unit: UnitGroup, forward: bool) -> None:
+    def _trim_pool(self, unit: Unit, forward: bool) -> None:
         """[Note: buffer reuse] after `unit` freed its buffers, keep pooled only the sizes that the
         next units take."""
         sizes = self._pool_sizes.get((id(unit), forward))
@@ -240,7 +240,7 @@ class UnitHooks:
         elif not self._order_known:  # the first iteration: which units follow is not known yet, keep nothing
             self.pool.retain(frozenset())
 
-    def _keeps_for_backward(self, unit: UnitGroup) -> bool:
+    def _keeps_for_backward(self, unit: Unit) -> bool:
         """The last unit of a forward that will have a backward is the first unit of that backward:
         it stays gathered in between (one all-gather saved per iteration, no extra peak)."""
         return (
@@ -251,7 +251,7 @@ class UnitHooks:
             and self.plan.params.gathers
         )
 
-    def _post_forward(self, unit: UnitGroup, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if unit.sparse_lookup:
             cast(Any, unit.spec.module).sparse = False
         if _in_backward():  # [Note: recomputation]: the unit's backward follows, keep it gathered
@@ -273,7 +273,7 @@ class UnitHooks:
         self._hook_outputs(unit, output)
         return output
 
-    def _hook_outputs(self, unit: UnitGroup, output: Any) -> None:
+    def _hook_outputs(self, unit: Unit, output: Any) -> None:
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(partial(self._on_output_grad, unit))
@@ -283,10 +283,10 @@ class UnitHooks:
     def in_backward(self) -> bool:
         return self._callback_queued
 
-    def _on_output_grad(self, unit: UnitGroup, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, unit: Unit, grad: torch.Tensor) -> None:
         self._pre_backward(unit)
 
-    def _pre_backward(self, unit: UnitGroup) -> None:
+    def _pre_backward(self, unit: Unit) -> None:
         if not self._runs[id(unit)].begin_backward():
             return
         self.state = TrainingState.BACKWARD
@@ -305,20 +305,20 @@ class UnitHooks:
                 self._prefetch_after(unit, forward=False)
         unit.attach_grads()
 
-    def _prefetch_after(self, unit: UnitGroup, forward: bool) -> None:
+    def _prefetch_after(self, unit: Unit, forward: bool) -> None:
         """[Note: prefetch] issue the gathers of the units that follow `unit` (see `_learn_order`),
         so they overlap its compute. At most the root, the running unit and `prefetch` more are
         whole at a time."""
         for nxt in self._prefetches(unit, forward):
             nxt.prefetch()
 
-    def _forward_gathers(self, unit: UnitGroup, recompute: bool) -> bool:
+    def _forward_gathers(self, unit: Unit, recompute: bool) -> bool:
         """Whether `unit`'s forward issues a gather (its own, or, outside backward, a prefetch); the
         same on every rank."""
         own = self.plan.params.gathers and unit.needs_gather
         return own or (not recompute and any(u.needs_gather for u in self._prefetches(unit, forward=True)))
 
-    def _prefetches(self, unit: UnitGroup, forward: bool) -> list[UnitGroup]:
+    def _prefetches(self, unit: Unit, forward: bool) -> list[Unit]:
         """The units `_prefetch_after(unit, forward)` gathers."""
         if not self.prefetch or not self.plan.params.gathers or not self._order_known:
             return []
@@ -347,7 +347,7 @@ class UnitHooks:
             self._finish(*self._pending.pop(0))
         self._prefetch_after(unit, forward=False)
 
-    def _on_grad_ready(self, unit: UnitGroup, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, unit: Unit, param: torch.Tensor) -> None:
         run = self._runs[id(unit)]
         if run.phase is Phase.REDUCING:
             raise RuntimeError(
@@ -360,13 +360,13 @@ class UnitHooks:
         if self._gated is not None and all(reduction.pending.done() for _, reduction in self._pending):
             self._open_gate()
 
-    def _on_end_signal(self, unit: UnitGroup) -> None:
+    def _on_end_signal(self, unit: Unit) -> None:
         """[Note: backward end] the gradient of the unit's inputs is complete."""
         self._pre_backward(unit)  # a no-op, unless no output of the unit got a gradient before
         if self._runs[id(unit)].signal():
             self._post_backward(unit)
 
-    def _post_backward(self, unit: UnitGroup) -> None:
+    def _post_backward(self, unit: Unit) -> None:
         if not self._runs[id(unit)].end_backward():
             return
         self._open_gate()  # before this unit's reduction is issued
@@ -393,7 +393,7 @@ class UnitHooks:
         self._clear()
         self.pool.clear()
 
-    def _finish(self, unit: UnitGroup, reduction: GradReduction) -> None:
+    def _finish(self, unit: Unit, reduction: GradReduction) -> None:
         unit.finish_reduction(reduction, self.grad_divisor())
         self.plan.grads.after_reduction(unit, reduction)
         self._finished_since_wait.append(unit)
@@ -416,7 +416,7 @@ class UnitHooks:
         self._callback_queued = False
         self.state = TrainingState.IDLE
 
-    def use_directly(self, unit: UnitGroup) -> None:
+    def use_directly(self, unit: Unit) -> None:
         """[Note: direct use]
         Some code reads a unit's parameters without calling its module: TRL's fused loss computes
         log-probabilities chunk by chunk from `lm_head.weight` and the backbone's hidden states, so the
@@ -464,7 +464,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _weakly(method: weakref.WeakMethod[Callable[..., Any]], unit: weakref.ref[UnitGroup], *args: Any) -> None:
+def _weakly(method: weakref.WeakMethod[Callable[..., Any]], unit: weakref.ref[Unit], *args: Any) -> None:
     """Call `method(unit, *args)` (both weak references) if they still live."""
     bound, target = method(), unit()
     if bound is not None and target is not None:

@@ -3,7 +3,7 @@
 [Note: unit lifecycle]
 Two states describe a unit at any time:
 
-- its *storage* state (`ShardState`, held by each `FlatUnit` part, moved only by `prefetch`
+- its *storage* state (`ShardState`, held by each `FlatPart` part, moved only by `prefetch`
   (SHARDED -> GATHERING), `ensure_unsharded` (-> UNSHARDED) and `reshard` (-> SHARDED)): SHARDED
   (only this rank's shard holds memory; the modules hold stand-ins), GATHERING (an all-gather
   into the unsharded buffer is in flight), UNSHARDED (the parameters are whole and registered in

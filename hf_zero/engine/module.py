@@ -27,7 +27,7 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def register_params(engine: ZeroEngine) -> None:
     """Record `engine` as the owner of its parameters and their stand-ins."""
     ref = weakref.ref(engine)
-    for unit in engine.units:
+    for unit in engine.parts:
         for p in unit.params:
             _OWNERS[p] = ref
         if unit.module_slots is not None:

@@ -30,7 +30,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
     """Rewrite `optimizer`'s groups onto this rank's shards (elementwise optimizers, [Note: optimizer shards]) or
     onto the whole parameters this rank owns (every other, [Note: whole-parameter step]), and wrap it."""
     by_param = {id(piece.param): piece for piece in engine.pieces}
-    where = {id(p): (unit, i) for unit in engine.units for i, p in enumerate(unit.params)}
+    where = {id(p): (unit, i) for unit in engine.parts for i, p in enumerate(unit.params)}
     params = [engine.compute_param(p) for group in optimizer.param_groups for p in group["params"]]
     whole = None
     if not is_elementwise(optimizer):
@@ -70,7 +70,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
         group_names.append(names)
     carry_configs(optimizer, moved, engine.compute_param)  # [Note: per-parameter optimizer configs]
     units = {id(unit): unit for unit, _ in (where[id(p)] for p in params)}
-    engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.units if id(u) in units)))
+    engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.parts if id(u) in units)))
     return ShardedOptimizer(optimizer, engine, group_names)
 
 
@@ -112,7 +112,7 @@ def check_optimizer(
         )
     model_params = {id(p) for p in model.parameters()}
     if engine is not None:  # the engine's own parameters too: the modules may hold their stand-ins now
-        model_params |= {id(p) for unit in engine.units for p in unit.params}
+        model_params |= {id(p) for unit in engine.parts for p in unit.params}
     for i, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
             if id(param) not in model_params:

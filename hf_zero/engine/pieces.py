@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .flat import FlatUnit
+from .flat import FlatPart
 
 OPTIMIZER_CHUNK_NUMEL = 1 << 22  # [Note: optimizer chunks]: at most 16 MiB of fp32 per optimizer tensor
 
@@ -44,8 +44,8 @@ class Piece:
     param: nn.Parameter
     start: int
     end: int
-    master: torch.Tensor  # 1D view of FlatUnit.sharded_master (0 elements when it is on disk: `engine.read_master`)
-    unit: FlatUnit
+    master: torch.Tensor  # 1D view of FlatPart.sharded_master (0 elements when it is on disk: `engine.read_master`)
+    unit: FlatPart
     local: tuple[int, int]  # the same range in the unit's shard coordinates
     bounds: tuple[tuple[int, int], ...]  # `chunk_bounds` of the piece, in `master` coordinates
     optim_params: tuple[torch.Tensor, ...]  # views of `master` at `bounds`: what the optimizer steps
@@ -69,7 +69,7 @@ class Piece:
             t.grad = None
 
 
-def pieces_of(unit: FlatUnit, on_disk: bool = False) -> list[Piece]:
+def pieces_of(unit: FlatPart, on_disk: bool = False) -> list[Piece]:
     """This rank's pieces of `unit`'s parameters ([Note: optimizer chunks]); `on_disk`: with empty tensors for
     the master and its chunks, pointed at a window's buffers while it steps ([Note: disk offload])."""
     lo, _ = unit.layout.shard_range(unit.shard_group.rank)

@@ -17,7 +17,7 @@ from ..config import ZeroConfig
 from .collectives import CommGroup, all_reduce_, comm_device
 
 if TYPE_CHECKING:
-    from .flat import FlatUnit
+    from .flat import FlatPart
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -59,7 +59,7 @@ class LossScaler:
             return output
         return output
 
-    def check_and_update(self, units: list[FlatUnit], world: CommGroup) -> bool:
+    def check_and_update(self, units: list[FlatPart], world: CommGroup) -> bool:
         """Whether the reduced gradients are finite on every rank; updates the scale either way."""
         shards = [unit.sharded_grad for unit in units if unit.has_trainable and not unit.grad_is_zero] or [
             torch.zeros(1)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .collectives import BulkCollectives, CommGroup, hybrid_groups
-from .flat import FlatUnit, GradReduction
-from .group import UnitGroup
+from .flat import FlatPart, GradReduction
+from .unit import Unit
 
 
 class PersistentParams:
@@ -34,16 +34,16 @@ class PersistentParams:
     persistent = True  # the parameters are whole on every rank at every moment
     gathers = False  # no forward or backward gathers (so nothing to prefetch, nothing to keep for backward)
 
-    def before_compute(self, unit: UnitGroup) -> None:
+    def before_compute(self, unit: Unit) -> None:
         pass
 
-    def after_forward(self, unit: UnitGroup) -> None:
+    def after_forward(self, unit: Unit) -> None:
         pass
 
-    def after_backward(self, unit: UnitGroup) -> None:
+    def after_backward(self, unit: Unit) -> None:
         pass
 
-    def release(self, units: list[FlatUnit] | list[UnitGroup]) -> None:
+    def release(self, units: list[FlatPart] | list[Unit]) -> None:
         """Free whatever of `units` is gathered: nothing is, at these stages."""
 
 
@@ -53,16 +53,16 @@ class ShardedParams:
     persistent = False
     gathers = True  # each use gathers: prefetch ahead, keep the last forward unit for its backward
 
-    def before_compute(self, unit: UnitGroup) -> None:
+    def before_compute(self, unit: Unit) -> None:
         unit.ensure_unsharded()
 
-    def after_forward(self, unit: UnitGroup) -> None:
+    def after_forward(self, unit: Unit) -> None:
         unit.reshard()
 
-    def after_backward(self, unit: UnitGroup) -> None:
+    def after_backward(self, unit: Unit) -> None:
         unit.reshard()
 
-    def release(self, units: list[FlatUnit] | list[UnitGroup]) -> None:
+    def release(self, units: list[FlatPart] | list[Unit]) -> None:
         """Free every gathered unit of `units` (pinned ones stay: [Note: unit lifecycle])."""
         for unit in units:
             unit.reshard()
@@ -77,15 +77,15 @@ class KeptGrads:
 
     keeps_unsharded = True
 
-    def after_issue(self, unit: UnitGroup) -> None:
+    def after_issue(self, unit: Unit) -> None:
         """A reduction of `unit`'s buffer was issued: the unit keeps the buffer."""
 
-    def after_reduction(self, unit: UnitGroup, reduction: GradReduction) -> None:
+    def after_reduction(self, unit: Unit, reduction: GradReduction) -> None:
         """The reduction landed in the shard: zero the buffer for the next backward."""
         if unit.unsharded_grad is not None:
             unit.unsharded_grad.zero_()
 
-    def drop(self, unit: FlatUnit) -> None:
+    def drop(self, unit: FlatPart) -> None:
         """`zero_grad`: the kept buffer stays (it is zeroed after each reduction)."""
 
 
@@ -94,15 +94,15 @@ class FreedGrads:
 
     keeps_unsharded = False
 
-    def after_issue(self, unit: UnitGroup) -> None:
+    def after_issue(self, unit: Unit) -> None:
         """The reduction holds the buffer until its wait; the unit lets go of it now."""
         unit.unsharded_grad = None
 
-    def after_reduction(self, unit: UnitGroup, reduction: GradReduction) -> None:
+    def after_reduction(self, unit: Unit, reduction: GradReduction) -> None:
         """The reduction landed in the shard: its buffers go back to the pool."""
         unit.release_reduced(reduction)
 
-    def drop(self, unit: FlatUnit) -> None:
+    def drop(self, unit: FlatPart) -> None:
         """`zero_grad`: any unsharded gradients left (an abandoned pass) go."""
         unit.unsharded_grad = None
 

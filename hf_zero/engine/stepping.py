@@ -20,7 +20,7 @@ import torch
 
 from .collectives import CommGroup, comm_device, max_scalar_
 from .disk import DiskOffload
-from .flat import FlatUnit
+from .flat import FlatPart
 from .hooks import UnitHooks
 from .pieces import Piece
 from .pool import mapped_temporaries, release_free_host_memory
@@ -31,7 +31,7 @@ from .whole import WholeStep
 class Sharded(Protocol):
     """What a round of optimizer steps reads of the engine it serves (`ZeroEngine` is one)."""
 
-    units: list[FlatUnit]
+    parts: list[FlatPart]
     pieces: list[Piece]
     hooks: UnitHooks
     scaler: LossScaler | None
@@ -51,7 +51,7 @@ class Attached:
 
     optimizer: torch.optim.Optimizer
     whole: WholeStep | None
-    units: tuple[FlatUnit, ...]
+    parts: tuple[FlatPart, ...]
 
 
 class OptimizerSteps:
@@ -111,7 +111,7 @@ class OptimizerSteps:
             )
         if self._verdict is None:
             ok = engine.has_grads and (
-                engine.scaler is None or engine.scaler.check_and_update(engine.units, engine.world)
+                engine.scaler is None or engine.scaler.check_and_update(engine.parts, engine.world)
             )
             self._verdict = self._used_anywhere() if ok else {}
         used = self._verdict
@@ -132,11 +132,11 @@ class OptimizerSteps:
             unit.gather_persistent(async_op=True)
             if engine.disk is not None and engine.disk.holds(unit)
             else unit.publish_master(async_op=True)
-            for unit in entry.units
+            for unit in entry.parts
         ]
         for pending in published:
             pending.wait()
-        if any(unit.master_device.type == "cpu" for unit in engine.units):
+        if any(unit.master_device.type == "cpu" for unit in engine.parts):
             release_free_host_memory()  # [Note: host heap]
         engine.release_gathered()  # no copy gathered before the step is used after it
         return True
@@ -146,7 +146,7 @@ class OptimizerSteps:
         `step` (schedule-free's `train()` / `eval()`), and drop every copy gathered before."""
         engine = self.engine
         engine.hooks.wait_reductions()
-        for pending in [unit.publish_master(async_op=True) for unit in engine.units]:
+        for pending in [unit.publish_master(async_op=True) for unit in engine.parts]:
             pending.wait()
         engine.release_gathered()
 
@@ -159,12 +159,12 @@ class OptimizerSteps:
         step, on which parameters got a gradient anywhere, and the others keep `.grad = None`."""
         engine = self.engine
         flags = torch.tensor(
-            [int(u) for unit in engine.units for u in unit.used], dtype=torch.int32, device=comm_device(engine.world)
+            [int(u) for unit in engine.parts for u in unit.used], dtype=torch.int32, device=comm_device(engine.world)
         )
         if engine.world.size > 1:
             max_scalar_(flags, engine.world)
         out, offset = {}, 0
-        for unit in engine.units:
+        for unit in engine.parts:
             out[id(unit)] = [bool(f) for f in flags[offset : offset + len(unit.params)].tolist()]
             offset += len(unit.params)
         return out

@@ -46,7 +46,7 @@ import torch
 
 from .collectives import CommGroup, all_to_all_uneven, broadcast_object, comm_device, raise_if_any_failed
 from .disk import MASTER, DiskOffload
-from .flat import FlatUnit
+from .flat import FlatPart
 
 # Elementwise optimizers: the flat path is exact for them. (module prefix, class name) pairs.
 ELEMENTWISE: set[tuple[str, str]] = {
@@ -127,7 +127,7 @@ class WholeStep:
 
     def __init__(
         self,
-        slots: list[tuple[FlatUnit, int]],
+        slots: list[tuple[FlatPart, int]],
         group: CommGroup,
         pieces: dict[tuple[int, int], Any],
         disk: DiskOffload | None = None,

@@ -40,7 +40,7 @@ class UnitSpec:
     backward_reads_params: bool = True  # False for a lone nn.Embedding (see `_backward_reads_params`)
     modules: tuple[nn.Module, ...] = ()  # every module of the unit; () means (module,)
     slots: tuple[tuple[tuple[nn.Module, str], ...], ...] = ()  # per parameter: every (module, attribute) holding it
-    frozen: bool = False  # the frozen part of a unit ([Note: frozen parameters] in group.py)
+    frozen: bool = False  # the frozen part of a unit ([Note: frozen parameters] in unit.py)
 
     @property
     def all_modules(self) -> tuple[nn.Module, ...]:

@@ -1,8 +1,8 @@
-"""`UnitGroup`: the flat parts of one unit, run by the hooks as one unit.
+"""`Unit`: the flat parts of one unit, run by the hooks as one unit.
 
 [Note: frozen parameters]
 A unit whose parameters are partly frozen (LoRA: every projection's base weight frozen, its
-adapter trainable) keeps them in two flat parts, each a `FlatUnit` sharded evenly over the ranks:
+adapter trainable) keeps them in two flat parts, each a `FlatPart` sharded evenly over the ranks:
 
 - the trainable part: as any unit (master shard in the master dtype, gradient shard, reductions,
   optimizer state);
@@ -10,7 +10,7 @@ adapter trainable) keeps them in two flat parts, each a `FlatUnit` sharded evenl
   mixed precision), with no gradient buffer, no gradient shard and no reduction. At stage 3 it
   costs `Ψ_frozen × bytes(compute dtype) / N` at rest; at stages 0-2 it is whole on every rank.
 
-The hooks see one `UnitGroup` per unit: its parts are gathered, freed and prefetched together
+The hooks see one `Unit` per unit: its parts are gathered, freed and prefetched together
 (one all-gather each) and only the trainable part's gradients are attached and reduced. A unit
 whose parameters are all trainable, or all frozen, is a group of one part.
 """
@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from .flat import FlatUnit, GradReduction
-from .units import UnitSpec
+from .flat import FlatPart, GradReduction
+from .wrap import UnitSpec
 
 
-class UnitGroup:
-    """The parts (`FlatUnit`s, trainable first) of one unit ([Note: frozen parameters])."""
+class Unit:
+    """The parts (`FlatPart`s, trainable first) of one unit ([Note: frozen parameters])."""
 
-    def __init__(self, parts: list[FlatUnit]) -> None:
+    def __init__(self, parts: list[FlatPart]) -> None:
         if not parts:
             raise RuntimeError("hf_zero: a unit group needs at least one part")
         self.parts = parts
-        self.trainable_part: FlatUnit | None = next((p for p in parts if p.has_trainable), None)
+        self.trainable_part: FlatPart | None = next((p for p in parts if p.has_trainable), None)
         self.params = tuple(p for part in parts for p in part.params)
 
     # ---- what the hooks read ----------------------------------------------------------------
@@ -88,7 +88,7 @@ class UnitGroup:
             p.reshard()
 
     # ---- gradients: the trainable part ------------------------------------------------------
-    def _grads(self) -> FlatUnit:
+    def _grads(self) -> FlatPart:
         return self.trainable_part or self.parts[0]
 
     @property
