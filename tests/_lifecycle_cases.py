@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -15,7 +16,7 @@ def _holds_memory(unit: Any) -> bool:
     """Whether a unit's parameters are whole or being gathered ([Note: unit lifecycle]): not SHARDED."""
     from hf_zero.engine.lifecycle import ShardState
 
-    return unit.state is not ShardState.SHARDED
+    return unit.shard_state is not ShardState.SHARDED
 
 
 def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: int = 1) -> dict[str, Any]:
@@ -33,9 +34,9 @@ def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: in
     opt.zero_grad()
     counts: list[int] = []
     for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda m, a: counts.append(sum(_holds_memory(u) for u in engine.parts)))
+        layer.register_forward_pre_hook(lambda m, a: counts.append(sum(_holds_memory(u) for u in engine.units)))
     loss = model(input_ids=batch, labels=batch).loss
-    after_forward = [u.spec.name for u in engine.parts if _holds_memory(u)]
+    after_forward = [u.spec.name for u in engine.units if _holds_memory(u)]
     gathered_in_backward: list[str] = []
     for unit in engine.parts:
         unit.gather = _counting(unit.gather, unit.spec.name, gathered_in_backward)
@@ -44,7 +45,7 @@ def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: in
         "counts": counts,
         "after_forward": after_forward,
         "gathered_in_backward": gathered_in_backward,
-        "after_backward": sum(_holds_memory(u) for u in engine.parts),
+        "after_backward": sum(_holds_memory(u) for u in engine.units),
         "unsharded_grads_after_backward": sum(u.unsharded_grad is not None for u in engine.parts),
         "n_units": len(engine.parts),
     }
@@ -111,7 +112,8 @@ def large_head_backward(vocab: int) -> dict[str, Any]:
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3, bucket_size_mb=0))
     engine = model.zero_engine
     units = {u.spec.name: u for u in engine.parts}
-    head, last_block = units["lm_head"], units["model.layers.2"]
+    head = units["lm_head"]
+    last_block = next(u for u in engine.units if u.spec.name == "model.layers.2")
     batch = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     model(input_ids=batch, labels=batch).loss.backward()
     opt.step()
@@ -155,8 +157,9 @@ def block_buffers_in_backward(layers: int = 5, checkpointing: bool = False, stre
     config = hf_zero.ZeroConfig(stage=3, prefetch=1, bucket_size_mb=0)
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
     if stream_ordered:  # the policy the engine picks for NCCL, here on gloo
-        model.zero_engine.hooks.gate_on_reductions = False
-    units = {u.spec.name: u for u in model.zero_engine.parts}
+        hooks = model.zero_engine.hooks
+        hooks.settings = dataclasses.replace(hooks.settings, gate_on_reductions=False)
+    units = {u.spec.name: u for u in model.zero_engine.units}
     blocks = [units[f"model.layers.{i}"] for i in range(layers)]
     batch = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     model(input_ids=batch, labels=batch).loss.backward()
@@ -167,7 +170,8 @@ def block_buffers_in_backward(layers: int = 5, checkpointing: bool = False, stre
     for unit in blocks:
         unit.reduce_grads = _tracking(unit.reduce_grads, lambda name=unit.spec.name: in_flight.add(name))
         unit.finish_reduction = _tracking(unit.finish_reduction, lambda name=unit.spec.name: in_flight.discard(name))
-        unit.gather = _logging_gathers(unit.gather, unit.spec.name, gathered)
+        unit.prefetch = _logging_gathers(unit, unit.prefetch, True, gathered)
+        unit.unshard = _logging_gathers(unit, unit.unshard, False, gathered)
     alive: list[int] = []
 
     def count(_: torch.Tensor) -> None:
@@ -194,10 +198,13 @@ def _tracking(fn: Any, after: Callable[[], None]) -> Any:
     return wrapper
 
 
-def _logging_gathers(fn: Any, name: str, log: list[tuple[str, bool]]) -> Any:
-    def wrapper(async_op: bool = False) -> Any:
-        log.append((name, async_op))
-        return fn(async_op=async_op)
+def _logging_gathers(unit: Any, fn: Any, ahead: bool, log: list[tuple[str, bool]]) -> Any:
+    """`fn` (the unit's prefetch or unshard), logging `(name, ahead)` when it issues a gather."""
+
+    def wrapper() -> Any:
+        if unit.needs_gather:
+            log.append((unit.spec.name, ahead))
+        return fn()
 
     return wrapper
 
@@ -210,10 +217,10 @@ def frozen_block_state_at_embedding_grad() -> dict[str, Any]:
         if name.startswith("model.layers.0."):
             p.requires_grad_(False)
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3, bucket_size_mb=0))
-    units = {u.spec.name: u for u in model.zero_engine.parts}
+    units = {u.spec.name: u for u in model.zero_engine.units}
     seen: list[str] = []
     model.model.embed_tokens.weight.register_post_accumulate_grad_hook(
-        lambda p: seen.append(units["model.layers.0"].state.value))
+        lambda p: seen.append(units["model.layers.0"].shard_state.value))
     batch = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     for _ in range(2):
         model(input_ids=batch, labels=batch).loss.backward()

@@ -44,7 +44,7 @@ class _Recorder:
         gradient shards, optimizer moments)."""
         ptrs: set[int] = set()
         for engine in self.engines:
-            for unit in getattr(engine, "units", ()):  # none yet while the engine is being built
+            for unit in getattr(engine, "parts", ()):  # none yet while the engine is being built
                 for _, t, placement in unit.storages():
                     if placement == "host" and t.untyped_storage().nbytes() > 0:
                         ptrs.add(t.untyped_storage().data_ptr())

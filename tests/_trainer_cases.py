@@ -193,7 +193,7 @@ class _AttemptStart(TrainerCallback):
         engine = model.zero_engine
         from hf_zero.engine.lifecycle import ShardState
 
-        self.attempts.append({"gathered": sum(u.state is not ShardState.SHARDED for u in engine.parts),
+        self.attempts.append({"gathered": sum(u.shard_state is not ShardState.SHARDED for u in engine.units),
                               "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.parts)})
 
     def on_train_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001

@@ -322,7 +322,8 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
     model, opt = hf_zero.initialize(model, opt, config)
     opts = opt if isinstance(opt, list) else [opt]  # several optimizers come back as the list they were given
     if sc.stream_ordered:
-        model.zero_engine.hooks.gate_on_reductions = False
+        hooks = model.zero_engine.hooks
+        hooks.settings = replace(hooks.settings, gate_on_reductions=False)
     gathers = _count_gathers(model)
     if sc.load_from is not None:
         meta = hf_zero.load_checkpoint(sc.load_from, model, opt)

@@ -1,58 +1,145 @@
-"""A unit's storage state ([Note: unit lifecycle]): the enum is the truth, and the verbs refuse the states they
-may not be called in, naming the rank and the unit. One process (a world of one), tiny LLaMA."""
+"""A unit's states ([Note: unit lifecycle]): the enum is the truth, and every verb refuses the states it may not
+be called in, naming the rank and the unit, and leaves the states as they were. One process (a world of one),
+tiny LLaMA."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 import hf_zero
-from hf_zero.engine.lifecycle import ShardState
+from hf_zero.engine.lifecycle import ShardState, TrainingState
+from hf_zero.engine.unit import Prefetch
 from tests._training import make_model
 
+IDLE, FORWARD, IN_BACKWARD, REDUCING = (
+    TrainingState.IDLE,
+    TrainingState.FORWARD,
+    TrainingState.IN_BACKWARD,
+    TrainingState.REDUCING,
+)
 
-def _unit(stage: int):  # noqa: ANN202
-    model, _ = hf_zero.initialize(make_model("llama"), None, hf_zero.ZeroConfig(stage=stage))
-    return model.zero_engine.parts[0]
+
+def _unit(stage: int) -> Any:
+    model, _ = hf_zero.initialize(make_model("llama"), None, hf_zero.ZeroConfig(stage=stage, bucket_size_mb=0))
+    return next(u for u in model.zero_engine.units if u.spec.name == "model.layers.0")
+
+
+# (verb, its arguments, a training state in which it is illegal)
+ILLEGAL = [
+    ("prefetch", (), FORWARD),
+    ("prefetch", (), IN_BACKWARD),
+    ("prefetch", (), REDUCING),
+    ("unshard", (), REDUCING),
+    ("reshard", (), FORWARD),
+    ("reshard", (), IN_BACKWARD),
+    ("begin_forward", (), FORWARD),
+    ("begin_forward", (), IN_BACKWARD),
+    ("begin_forward", (), REDUCING),
+    ("expect_signal", (), IDLE),
+    ("end_forward", (), IDLE),
+    ("end_forward", (), IN_BACKWARD),
+    ("end_forward", (), REDUCING),
+    ("begin_backward", (), FORWARD),
+    ("begin_backward", (), REDUCING),
+    ("signal", (), IDLE),
+    ("signal", (), FORWARD),
+    ("attach_grads", (), IDLE),
+    ("attach_grads", (), REDUCING),
+    ("mark_used", ("param",), IDLE),
+    ("mark_used", ("param",), REDUCING),
+    ("end_backward", (), IDLE),
+    ("end_backward", (), FORWARD),
+    ("collect_grads", (), IN_BACKWARD),
+    ("reduce_grads", (), IDLE),
+    ("reduce_grads", (), IN_BACKWARD),
+    ("finish_reduction", (None, 1.0), IDLE),
+    ("finish_reduction", (None, 1.0), IN_BACKWARD),
+    ("release_reduced", (None,), FORWARD),
+    ("end_pass", (), FORWARD),
+    ("end_pass", (), IN_BACKWARD),
+]
+
+
+@pytest.mark.parametrize("verb,args,state", ILLEGAL, ids=[f"{v}-{s.value}" for v, _, s in ILLEGAL])
+def test_each_verb_refuses_the_states_it_may_not_be_called_in(verb, args, state):
+    unit = _unit(3)
+    unit.unshard() if verb == "reshard" else None  # reshard of a gathered unit: the memory a running pass uses
+    unit.training_state = state
+    shard_before = unit.shard_state
+    args = tuple(unit.params[0] if a == "param" else a for a in args)
+    pattern = rf"\[rank 0\] hf_zero: {verb} on unit 'model\.layers\.0' in state {shard_before.value}/{state.value}"
+    with pytest.raises(RuntimeError, match=pattern):
+        getattr(unit, verb)(*args)
+    assert (unit.shard_state, unit.training_state) == (shard_before, state)
+
+
+def test_verbs_that_need_more_than_a_training_state():
+    """hold needs a gathered unit, unpin a pinned one, the prefetch targets are fixed once."""
+    unit = _unit(3)
+    with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: hold on unit 'model\.layers\.0' in state sharded"):
+        unit.hold()
+    with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: unpin on unit 'model\.layers\.0'.*not pinned"):
+        unit.unpin()
+    unit.plan_prefetch(Prefetch())
+    with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: plan_prefetch on unit 'model\.layers\.0'"):
+        unit.plan_prefetch(Prefetch())
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_a_persistent_unit_refuses_to_be_freed(stage):
-    """Stages 0-2 keep the parameters whole: reshard raises and frees nothing."""
+    """Stages 0-2 keep the parameters whole: reshard raises and frees nothing, and so do the raw moves of its
+    parts."""
     unit = _unit(stage)
-    with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: reshard on unit '[^']+' in state unsharded"):
+    with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: reshard on unit '[^']+' in state unsharded/idle"):
         unit.reshard()
-    assert unit.is_unsharded and unit.unsharded_param.untyped_storage().nbytes() > 0
+    part = unit.parts[0]
+    for raw in (part.free, part.gather):
+        with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: (free|gather) on a part of unit"):
+            raw()
+    assert unit.is_unsharded and part.unsharded_param.untyped_storage().nbytes() > 0
 
 
-def test_a_second_gather_into_whole_parameters_is_refused():
-    """Stage 3: the raw gather is legal only from SHARDED; on a gathered unit it raises (it would write into
-    parameters in use); the transitions stay legal and idempotent."""
+def test_the_transitions_are_idempotent_where_the_table_says():
+    """Stage 3: unshard of a whole unit and reshard of a sharded one do nothing; a pinned unit stays whole;
+    a prefetched unit is waited for, not gathered twice."""
     unit = _unit(3)
-    assert unit.state is ShardState.SHARDED
-    unit.ensure_unsharded()
-    with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: gather on unit '[^']+' in state unsharded"):
-        unit.gather()
-    unit.ensure_unsharded()  # again: nothing to do
+    assert unit.shard_state is ShardState.SHARDED
+    unit.prefetch()
+    assert unit.shard_state is ShardState.GATHERING
+    unit.prefetch()  # in flight already: nothing to do
+    unit.unshard()
+    assert unit.shard_state is ShardState.UNSHARDED
+    unit.unshard()
+    unit.pin()
+    unit.reshard()  # pinned: stays whole
+    assert unit.is_unsharded
+    unit.unpin()
     unit.reshard()
-    unit.reshard()  # again: nothing to do
-    assert unit.state is ShardState.SHARDED
+    unit.reshard()
+    assert unit.shard_state is ShardState.SHARDED
 
 
 def test_reading_a_units_state_never_consults_storage_sizes():
-    """`is_unsharded` reads the state: a sharded unit whose buffer is given bytes by hand still reads sharded,
-    and a gathered unit whose buffer is emptied by hand still reads gathered."""
+    """`is_unsharded` reads the state: a sharded unit whose buffers are given bytes by hand still reads sharded,
+    and a gathered unit whose buffers are emptied by hand still reads gathered."""
     unit = _unit(3)
-    storage = unit.unsharded_param.untyped_storage()
-    nbytes = unit.layout.padded_numel * unit.unsharded_param.element_size()
-    storage.resize_(nbytes)
+    storages = [p.unsharded_param.untyped_storage() for p in unit.parts]
+    sizes = [p.layout.padded_numel * p.unsharded_param.element_size() for p in unit.parts]
+    for storage, n in zip(storages, sizes):
+        storage.resize_(n)
     try:
-        assert not unit.is_unsharded
+        assert not unit.is_unsharded and unit.needs_gather
     finally:
+        for storage in storages:
+            storage.resize_(0)
+    unit.unshard()
+    for storage in storages:
         storage.resize_(0)
-    unit.ensure_unsharded()
-    storage.resize_(0)
     try:
-        assert unit.is_unsharded
+        assert unit.is_unsharded and not unit.needs_gather
     finally:
-        storage.resize_(nbytes)
+        for storage, n in zip(storages, sizes):
+            storage.resize_(n)
         unit.reshard()

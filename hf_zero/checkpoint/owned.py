@@ -121,11 +121,10 @@ def _itemsize(t: Tensor, dtype: torch.dtype) -> int:
 def folder_tensors(engine: ZeroEngine, dtype: torch.dtype) -> list[Tensor]:
     """The tensors of the model folder in `state_dict` order: each parameter once (tied names under the first),
     then the persistent buffers. A parameter every rank holds whole in `dtype` is taken as it is."""
-    whole = engine.plan.params.persistent
     tensors: list[Tensor] = []
     for unit in engine.parts:
         for index, slot in enumerate(unit.layout.slots):
-            if whole and unit.param_dtype == dtype:
+            if unit.persistent and unit.param_dtype == dtype:
                 value = unit.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, value=value))
             else:

@@ -28,7 +28,7 @@ from .collectives import (
 )
 from .disk import DiskOffload, OffloadFiles
 from .flat import FlatPart, grad_slab
-from .hooks import UnitHooks
+from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
 from .pieces import Piece, pieces_of
 from .pool import BufferPool, transient_nbytes
@@ -93,7 +93,7 @@ class ZeroEngine:
                 param_dtype=self.param_dtype,
                 master_dtype=self.param_dtype if spec.frozen else self.master_dtype,
                 reduce_dtype=self.reduce_dtype,
-                persistent_params=self.plan.params.persistent,
+                persistent_params=not self.plan.params.gathers,
                 source=source,
                 pool=self.pool,
                 host=torch.device("cpu") if offloaded else None,
@@ -114,15 +114,18 @@ class ZeroEngine:
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
         self.pool.clear()
         parts = iter(self.parts)
-        self.units = [Unit([next(parts) for _ in split]) for split in grouped]  # what the hooks run
-        self.hooks = UnitHooks(self.units, self.plan, self.pool, self.scaler.scale_outputs if self.scaler else None)
-        self.hooks.gate_on_reductions = not stream_ordered(self.plan.shard_group)
-        self.hooks.grad_divisor = self._grad_divisor
-        self.hooks.prefetch = config.prefetch
-        self.hooks.on_reduced = self._mark_has_grads
+        self.units = [Unit([next(parts) for _ in split], self.plan.params, self.plan.grads) for split in grouped]
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
+        settings = HookSettings(
+            prefetch=config.prefetch,
+            gate_on_reductions=not stream_ordered(self.plan.shard_group),
+            grad_divisor=self._grad_divisor,
+            on_reduced=self._mark_has_grads,
+            root_output_fn=self.scaler.scale_outputs if self.scaler else None,
+        )
+        self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
         self.pieces: list[Piece] = [  # this rank's
             piece for unit in self.parts for piece in pieces_of(unit, self.disk is not None and self.disk.holds(unit))
         ]
@@ -230,7 +233,8 @@ class ZeroEngine:
         so no copy of the parameters gathered before a change of the master weights is used after it."""
         self.hooks.wait_reductions()
         self.hooks.release_held()
-        self.plan.params.release(self.parts)
+        for unit in self.units:
+            unit.release()
 
     # ---- gathering --------------------------------------------------------------------------
     @torch.no_grad()

@@ -63,7 +63,6 @@ from .collectives import (
     reduce_scatter_into,
 )
 from .layout import FlatLayout
-from .lifecycle import ShardState
 from .pool import BufferPool, transient_nbytes
 from .quant import gather_int8, gather_workspace_numels, reduce_scatter_int8
 from .resting import ModuleSlots
@@ -138,10 +137,8 @@ class FlatPart:
         with torch.no_grad():
             source.fill(self.layout, spec.params, shard_group.rank, self.sharded_master)
         self.sharded_param = None
-        self._prefetched: Pending | None = None  # an issued, not yet waited, gather of this unit
-        self.pins = 0  # open `gathered_parameters` contexts holding the unit whole: reshard waits for them
-        # [Note: unit lifecycle] in lifecycle.py; moved only by prefetch / ensure_unsharded / reshard
-        self.state = ShardState.UNSHARDED
+        # Stages 0-2: the unsharded parameters are the only whole copy, never freed ([Note: unit lifecycle]).
+        self.persistent = persistent_params
         # [Note: parameters on disk] in disk.py: set by DiskOffload.adopt_master; fills a gather's source
         self.shard_reader: Callable[[], torch.Tensor] | None = None
         if not persistent_params:
@@ -164,7 +161,7 @@ class FlatPart:
         if persistent_params:
             self.publish_master().wait()  # every rank's shard into the unsharded parameters
         else:
-            self.reshard()
+            self.free()
 
         self._sharded_grad: torch.Tensor | None = (
             None  # 1D (shard_numel,), master dtype; held from the first reduction to zero_grad
@@ -222,53 +219,20 @@ class FlatPart:
         cast = self.layout.padded_numel * self.reduce_dtype.itemsize if self.reduce_dtype != self.param_dtype else 0
         return self.param_nbytes + cast
 
-    # ---- parameters -------------------------------------------------------------------------
-    @property
-    def is_unsharded(self) -> bool:
-        """Whether the parameters are whole and registered in the modules: the state says ([Note: unit
-        lifecycle]); the storage's byte count is not consulted."""
-        return self.state is ShardState.UNSHARDED
-
+    # ---- parameters: raw moves, run by the unit that owns this part ([Note: unit lifecycle]) -------------
     def _illegal(self, verb: str, why: str) -> RuntimeError:
         return RuntimeError(
-            f"[rank {self.shard_group.global_rank}] hf_zero: {verb} on unit '{self.spec.name}' in state "
-            f"{self.state.value}: {why}"
+            f"[rank {self.shard_group.global_rank}] hf_zero: {verb} on a part of unit '{self.spec.name}': {why}"
         )
 
-    @property
-    def needs_gather(self) -> bool:
-        """Whether making the parameters whole would issue a gather (none is done or in flight)."""
-        return self.sharded_param is not None and self.state is ShardState.SHARDED
-
-    def prefetch(self) -> None:
-        """SHARDED -> GATHERING: issue this unit's gather asynchronously (it overlaps the running unit's compute)."""
-        if self.needs_gather:
-            self._prefetched = self.gather(async_op=True)
-            self.state = ShardState.GATHERING
-
-    def ensure_unsharded(self) -> None:
-        """SHARDED / GATHERING -> UNSHARDED: make the parameters whole (wait for a prefetch, or gather
-        now) and register them in the modules."""
-        if self._prefetched is not None:
-            self._prefetched.wait()
-            self._prefetched = None
-        elif not self.is_unsharded:
-            self.gather().wait()
-        if self.module_slots is not None:
-            self.module_slots.bind(real=True)
-        self.state = ShardState.UNSHARDED
-
-    def gather(self, async_op: bool = False) -> Pending:
-        """The raw gather behind `prefetch` and `ensure_unsharded` (the transitions): allocate the unsharded
-        buffer and gather every rank's shard into it. Legal only from SHARDED: a second gather would write into
-        parameters in use."""
-        if self.sharded_param is None:
-            return Pending()  # parameters are persistent: nothing to gather
-        if self.state is not ShardState.SHARDED:
-            raise self._illegal("gather", "the parameters are already whole or being gathered")
+    def gather(self) -> Pending:
+        """Allocate the unsharded buffer and issue the gather of every rank's shard into it (asynchronous). The
+        owning `Unit` calls it only from SHARDED; a persistent part (stages 0-2) has nothing to gather and
+        refuses."""
+        if self.persistent or self.sharded_param is None:
+            raise self._illegal("gather", "stages 0-2 keep the parameters whole; there is nothing to gather")
         storage = self.unsharded_param.untyped_storage()
-        if storage.nbytes() == 0:
-            self.pool.fill(storage, self.layout.padded_numel * self.unsharded_param.element_size())
+        self.pool.fill(storage, self.layout.padded_numel * self.unsharded_param.element_size())
         source = self.sharded_param if self.shard_reader is None else self.shard_reader()
         if source.device != self.device:  # the shard lives on the host: stage it on the device for the gather
             source = torch.empty_like(source, device=self.device).copy_(source, non_blocking=True)
@@ -276,53 +240,46 @@ class FlatPart:
         if source.dtype != self.param_dtype:  # [Note: cast on gather]
             cast = source = self.pool.new_tensor(source.numel(), self.param_dtype, self.device).copy_(source)
         if self.weight_quant_block is not None:
-            blocks, scales = gather_workspace_numels(source.numel(), self.weight_quant_block, self.shard_group.size)
-            workspace = (
-                self.pool.new_tensor(blocks, torch.int8, self.device),
-                self.pool.new_tensor(scales, torch.float32, self.device),
-            )
-            pending = gather_int8(
-                self.unsharded_param,
-                source,
-                self.shard_group,
-                self.weight_quant_block,
-                async_op=True,
-                workspace=workspace,
-            )
-
-            def release_workspace() -> None:
-                for t in workspace:
-                    self.pool.release(t.untyped_storage())
-
-            pending.and_then(release_workspace)
+            pending = self._gather_int8(source, self.weight_quant_block)
         else:
             pending = all_gather_into(self.unsharded_param, source, self.shard_group, async_op=True)
         if cast is not None:
             pending.and_then(lambda: self.pool.release(cast.untyped_storage()))
-        if not async_op:
-            pending.wait()
         return pending
 
-    def reshard(self) -> None:
-        """-> SHARDED: free the unsharded buffer (stage 3; not while a `gathered_parameters` context pins the unit);
-        the modules then hold the parameters' stand-ins ([Note: resting parameters]). A persistent unit (stages
-        0-2, whose parameters are always whole) refuses: freeing it would lose the only whole copy."""
-        if self.sharded_param is None:
-            raise self._illegal("reshard", "stages 0-2 keep the parameters whole; nothing may free them")
-        if self.pins:
-            return
-        if self._prefetched is not None:  # never free memory a collective is still writing
-            self._prefetched.wait()
-            self._prefetched = None
+    def _gather_int8(self, source: torch.Tensor, block: int) -> Pending:
+        """[Note: block quantization] the gather as int8 blocks, its workspace from the pool."""
+        blocks, scales = gather_workspace_numels(source.numel(), block, self.shard_group.size)
+        workspace = (
+            self.pool.new_tensor(blocks, torch.int8, self.device),
+            self.pool.new_tensor(scales, torch.float32, self.device),
+        )
+        pending = gather_int8(self.unsharded_param, source, self.shard_group, block, async_op=True, workspace=workspace)
+
+        def release_workspace() -> None:
+            for t in workspace:
+                self.pool.release(t.untyped_storage())
+
+        return pending.and_then(release_workspace)
+
+    def bind(self, real: bool) -> None:
+        """Register the real parameters (gathered) or their stand-ins (freed) in the modules ([Note: resting
+        parameters])."""
         if self.module_slots is not None:
-            self.module_slots.bind(real=False)
+            self.module_slots.bind(real=real)
+
+    def free(self) -> None:
+        """Give the modules the stand-ins and the unsharded buffer back to the pool (stage 3). A persistent part
+        refuses: freeing it would lose the only whole copy of its parameters."""
+        if self.persistent:
+            raise self._illegal("free", "stages 0-2 keep the parameters whole; nothing may free them")
+        self.bind(real=False)
         self.pool.release(self.unsharded_param.untyped_storage())
-        self.state = ShardState.SHARDED if self.sharded_param is not None else ShardState.UNSHARDED
 
     def param_shard(self) -> torch.Tensor:
         """This rank's shard of the compute parameters: the gather source (stage 3), or this rank's
         chunk of the whole parameters (stages 0-2)."""
-        if self.sharded_param is not None:
+        if not self.persistent and self.sharded_param is not None:
             return self.sharded_param
         lo, hi = self.layout.shard_range(self.shard_group.rank)
         return self.unsharded_param[lo:hi]
@@ -342,7 +299,7 @@ class FlatPart:
     def gather_persistent(self, async_op: bool = False) -> Pending:
         """Stages 0-2: all-gather every rank's chunk of the parameters after they were updated (stage 3:
         nothing; the next use gathers)."""
-        if self.sharded_param is not None:
+        if not self.persistent:
             return Pending()
         return all_gather_into(self.unsharded_param, self.param_shard(), self.shard_group, async_op)
 

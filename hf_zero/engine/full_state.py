@@ -24,6 +24,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .collectives import broadcast_, raise_if_any_failed
 from .engine import StateDictOptions, ZeroEngine
 from .flat import FlatPart
+from .unit import Unit
 
 
 def state_dict(engine: ZeroEngine, options: StateDictOptions) -> dict[str, torch.Tensor]:
@@ -84,10 +85,10 @@ def gathered_parameters(
 ) -> Iterator[None]:
     """The context behind `hf_zero.gathered_parameters` (see its docstring and [Note: write-back])."""
     error: Exception | None = None
-    units: list[FlatPart] = []
+    units: list[Unit] = []
     try:
         wanted = {id(engine.compute_param(p)) for p in params}
-        units = [u for u in engine.parts if any(id(p) in wanted for p in u.params)]
+        units = [u for u in engine.units if any(id(p) in wanted for p in u.params)]
         unknown = len(wanted) - sum(1 for u in units for p in u.params if id(p) in wanted)
         if unknown:
             raise ValueError(
@@ -99,20 +100,21 @@ def gathered_parameters(
         error = e
     raise_if_any_failed(error, engine.world, "hf_zero.gathered_parameters")
     engine.hooks.wait_reductions()
+    gathered_here = [u for u in units if not u.is_unsharded]  # a unit already whole (a running forward) stays so
     for unit in units:
-        unit.ensure_unsharded()
-        unit.pins += 1
+        unit.pin()
     try:
         with torch.no_grad():
             yield
             if modifier_rank is not None:
-                for unit in units:
-                    _write_back(engine, unit, modifier_rank)
+                for part in (part for unit in units for part in unit.parts):
+                    _write_back(engine, part, modifier_rank)
     finally:
         for unit in units:
-            unit.pins -= 1
+            unit.unpin()
+        for unit in gathered_here:
             if not unit.pins:
-                engine.plan.params.release([unit])
+                unit.release()
 
 
 def _write_back(engine: ZeroEngine, unit: FlatPart, modifier_rank: int) -> None:
@@ -127,7 +129,7 @@ def _write_back(engine: ZeroEngine, unit: FlatPart, modifier_rank: int) -> None:
     before = master.to(unit.param_dtype)
     changed = (new != before) & ~(new.isnan() & before.isnan())
     master[changed] = new[changed].to(master.dtype)
-    if unit.sharded_param is not None or engine.disk is not None:
+    if not unit.persistent or engine.disk is not None:
         engine.write_master(unit, master)  # stage 3: the gather source follows the master
 
 

@@ -1,4 +1,4 @@
-"""Forward/backward hooks and the per-iteration backward state.
+"""Forward/backward hooks, and the state of the running pass (`Pass`).
 
 [Note: lifecycle]
 For each unit (the root included), in one training iteration ([Note: unit lifecycle] in
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
 
@@ -50,10 +51,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .flat import GradReduction
-from .lifecycle import Phase, TrainingState, UnitRun
+from .lifecycle import PassState, TrainingState
 from .pool import BufferPool
 from .stages import StagePlan
-from .unit import Unit
+from .unit import Prefetch, Unit
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
 
@@ -82,45 +83,49 @@ class _EndOfBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class UnitHooks:
-    """Registers the hooks of every unit and owns the state of the running backward pass."""
+@dataclass(frozen=True)
+class HookSettings:
+    """What the hooks are told at construction, and never again.
 
-    def __init__(
-        self,
-        units: list[Unit],
-        plan: StagePlan,
-        pool: BufferPool,
-        root_output_fn: Callable[[Any], Any] | None = None,
-    ):
-        self.units = units  # inner units in module order, the root last (each a group of parts, unit.py)
+    `prefetch`: units gathered ahead of the running one (stage 3). `gate_on_reductions`: [Note:
+    reduction-gated prefetch], the shard group's backend completes collectives on the host (gloo), not on a
+    device stream (`CommGroup.stream_ordered`). `grad_divisor`: what each reduced sum is divided by (the
+    data-parallel size, times the fp16 loss scale). `on_reduced`: told when fresh gradients reached the
+    shards. `root_output_fn`: rewrites the root's outputs (the fp16 loss scale), or None.
+    """
+
+    prefetch: int
+    gate_on_reductions: bool
+    grad_divisor: Callable[[], float]
+    on_reduced: Callable[[], None]
+    root_output_fn: Callable[[Any], Any] | None = None
+
+
+@dataclass
+class Pass:
+    """The running pass (a forward and its backward): what is in flight, forgotten when the pass ends."""
+
+    state: PassState = PassState.IDLE
+    pending: list[tuple[Unit, GradReduction]] = field(default_factory=list)  # issued reductions, not yet waited
+    finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
+    gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
+
+
+class UnitHooks:
+    """Registers the hooks of every unit and runs the pass: the units' verbs, in order, on every rank."""
+
+    def __init__(self, units: list[Unit], plan: StagePlan, pool: BufferPool, settings: HookSettings) -> None:
+        self.units = units  # inner units in module order, the root last
         self.root = units[-1]
         self.plan = plan
         self.pool = pool  # emptied at the end of every pass ([Note: buffer reuse])
+        self.settings = settings
         self.requires_grad_sync = True  # False inside no_sync(): keep unsharded grads, no reduction
-        self.grad_divisor: Callable[[], float] = lambda: float(plan.data_parallel_size)
-        self.on_reduced: Callable[[], None] = lambda: None  # told when fresh gradients reached the shards
-        self._root_output_fn = root_output_fn  # rewrites the root's outputs (the fp16 loss scale)
-        self.prefetch = 0  # units gathered ahead of the running one (stage 3)
-        # [Note: reduction-gated prefetch]: True on host-completed backends (gloo); False where collectives are
-        # ordered on a device stream (NCCL), set by the engine from the backend at initialize
-        self.gate_on_reductions = True
+        self.current = Pass()
         self._forward_order: list[Unit] = []  # inner units in the order the first forward ran them
-        self._next_forward: dict[int, list[Unit]] = {}  # id(unit) -> the units to prefetch as it starts
-        self._next_backward: dict[int, list[Unit]] = {}
-        self._pool_sizes: dict[tuple[int, bool], frozenset[int]] = {}  # (id(unit), forward) -> sizes to keep pooled
-        self._late_prefetch: set[int] = set()  # id(unit) whose backward prefetch waits for its post_backward
-        self._gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit's deferred prefetch
         self._order_known = False
-        self._held: Unit | None = None  # the last unit of the forward, kept gathered for the backward
         self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
         self._handles: list[RemovableHandle] = []
-        # Per iteration ([Note: unit lifecycle]):
-        self.state = TrainingState.IDLE
-        rank = plan.shard_group.global_rank
-        self._runs: dict[int, UnitRun] = {id(u): UnitRun(u.spec.name or "<root>", rank) for u in units}
-        self._pending: list[tuple[Unit, GradReduction]] = []  # issued, not yet waited
-        self._finished_since_wait: list[Unit] = []  # reduced during this backward pass
-        self._callback_queued = False
         self._register()
 
     # ---- registration -----------------------------------------------------------------------
@@ -150,19 +155,14 @@ class UnitHooks:
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         recompute = _in_backward()  # [Note: recomputation]
         if unit is self.root and not recompute:
-            if self.in_backward:
-                self.reset()  # a previous backward pass was interrupted by an exception
-            self.release_held()  # no backward used it: gather it afresh in this forward
-            if not self._order_known and self._forward_order:
-                self._learn_order()
-            self.state = TrainingState.FORWARD
-            for direct in self.direct:  # [Note: direct use]
-                self.plan.params.before_compute(direct)
+            self._begin_root_forward()
         elif not self._order_known and not recompute and unit is not self.root and unit not in self._forward_order:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
-        if self._gated is not None and self._forward_gathers(unit, recompute):
+        if not recompute:
+            unit.begin_forward()
+        if self.current.gated is not None and self._forward_gathers(unit, recompute):
             self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
-        self.plan.params.before_compute(unit)
+        unit.before_compute()
         if not recompute:
             self._prefetch_after(unit, forward=True)
         if unit.sparse_lookup:
@@ -171,14 +171,28 @@ class UnitHooks:
             return None
         args, kwargs, wrapped = self._carry_end_signal(unit, args, kwargs)
         if wrapped and not recompute:
-            self._runs[id(unit)].expected_signals += 1
+            unit.expect_signal()
         return (args, kwargs) if wrapped else None
+
+    def _begin_root_forward(self) -> None:
+        """The root's pre-forward: forget a pass an exception stopped, free a unit no backward used, learn the
+        order after the first forward, gather the units used directly."""
+        if self.current.state is not PassState.IDLE or any(
+            u.training_state is not TrainingState.IDLE for u in self.units
+        ):
+            self.reset()  # a previous forward or backward was interrupted by an exception
+        self.release_held()  # no backward used it: gather it afresh in this forward
+        if not self._order_known and self._forward_order:
+            self._learn_order()
+        self.current.state = PassState.FORWARD
+        for direct in self.direct:  # [Note: direct use]
+            direct.before_compute()
 
     def _member_pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         """A block of a bucketed unit other than its first, replayed alone inside backward: gather the unit
         (outside backward the first block's pre_forward has)."""
         if _in_backward():
-            self.plan.params.before_compute(unit)
+            unit.before_compute()
 
     def _member_post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         """A block of a bucketed unit other than its last, replayed inside backward: its outputs' gradients
@@ -204,37 +218,41 @@ class UnitHooks:
         return tuple(args), kwargs, True
 
     def _learn_order(self) -> None:
-        """[Note: prefetch] fix the forward order and what each unit prefetches: the next `prefetch`
+        """[Note: prefetch] fix the forward order and each unit's prefetch targets: the next `prefetch`
         units in forward order, and in reverse order during backward (skipping units whose
-        backward needs no parameters, see `UnitSpec.backward_reads_params`)."""
+        backward needs no parameters, see `UnitSpec.backward_reads_params`).
+
+        A backward prefetch that would hold more at once than the largest unit's parameters and
+        gradients (the floor of the peak) is issued after the unit's backward instead (`late`): with a
+        32000-word head, not gathering the last block during the head's backward saves a block.
+        The reduction in flight and the prefetch never coexist ([Note: reduction-gated prefetch])."""
         self._order_known = True
-        order = self._forward_order
+        order, ahead = self._forward_order, self.settings.prefetch
         backward = [u for u in reversed(order) if u.spec.backward_reads_params]
-        for i, unit in enumerate(order):
-            self._next_forward[id(unit)] = order[i + 1 : i + 1 + self.prefetch]
-        for i, unit in enumerate(backward):
-            self._next_backward[id(unit)] = backward[i + 1 : i + 1 + self.prefetch]
-        # A backward prefetch that would hold more at once than the largest unit's parameters and
-        # gradients (the floor of the peak) is issued after the unit's backward instead: with a
-        # 32000-word head, not gathering the last block during the head's backward saves a block.
-        # The reduction in flight and the prefetch never coexist ([Note: reduction-gated prefetch]).
         budget = max(u.param_nbytes + u.grad_nbytes for u in order)
         reverse = order[::-1]
-        for unit in backward:
-            i = reverse.index(unit)
-            in_flight = reverse[i - 1].grad_nbytes if i > 0 else 0  # the reduction of the unit before
-            ahead = sum(u.param_nbytes for u in self._next_backward[id(unit)])
-            if unit.param_nbytes + unit.grad_nbytes + max(in_flight, ahead) > budget:
-                self._late_prefetch.add(id(unit))
-        for forward, sequence in ((True, order), (False, order[::-1])):
-            for i, unit in enumerate(sequence):
-                coming = sequence[i + 1 : i + 2 + self.prefetch]
-                self._pool_sizes[(id(unit), forward)] = frozenset().union(*(u.buffer_nbytes for u in coming))
+        for unit in order:
+            i, j = order.index(unit), reverse.index(unit)
+            later = backward[backward.index(unit) + 1 :][:ahead] if unit in backward else []
+            in_flight = reverse[j - 1].grad_nbytes if j > 0 else 0  # the reduction of the unit before
+            late = unit in backward and (
+                unit.param_nbytes + unit.grad_nbytes + max(in_flight, sum(u.param_nbytes for u in later)) > budget
+            )
+            unit.plan_prefetch(
+                Prefetch(
+                    forward=tuple(order[i + 1 : i + 1 + ahead]),
+                    backward=tuple(later),
+                    late=late,
+                    pooled_after_forward=_sizes(order[i + 1 : i + 2 + ahead]),
+                    pooled_after_backward=_sizes(reverse[j + 1 : j + 2 + ahead]),
+                )
+            )
 
     def _trim_pool(self, unit: Unit, forward: bool) -> None:
         """[Note: buffer reuse] after `unit` freed its buffers, keep pooled only the sizes that the
         next units take."""
-        sizes = self._pool_sizes.get((id(unit), forward))
+        targets = unit.prefetch_targets
+        sizes = targets.pooled_after_forward if forward else targets.pooled_after_backward
         if sizes is not None:
             self.pool.retain(sizes)
         elif not self._order_known:  # the first iteration: which units follow is not known yet, keep nothing
@@ -258,18 +276,19 @@ class UnitHooks:
             if torch.is_grad_enabled():
                 self._hook_outputs(unit, output)
             return None
+        unit.end_forward()
         if self._keeps_for_backward(unit):
-            self._held = unit
+            unit.hold()
         else:
-            self.plan.params.after_forward(unit)
+            unit.after_forward()
         self._trim_pool(unit, forward=True)
         if unit is self.root:
             self.pool.clear()
-            self.state = TrainingState.IDLE
+            self.current.state = PassState.IDLE
         if not torch.is_grad_enabled():
             return None
-        if unit is self.root and self._root_output_fn is not None:
-            output = self._root_output_fn(output)
+        if unit is self.root and self.settings.root_output_fn is not None:
+            output = self.settings.root_output_fn(output)
         self._hook_outputs(unit, output)
         return output
 
@@ -281,26 +300,23 @@ class UnitHooks:
     # ---- backward ---------------------------------------------------------------------------
     @property
     def in_backward(self) -> bool:
-        return self._callback_queued
+        return self.current.state is PassState.BACKWARD
 
     def _on_output_grad(self, unit: Unit, grad: torch.Tensor) -> None:
         self._pre_backward(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
-        if not self._runs[id(unit)].begin_backward():
+        if not unit.begin_backward():
             return
-        self.state = TrainingState.BACKWARD
         self._open_gate()  # a deferred prefetch goes out before anything this unit issues
-        if not self._callback_queued:
+        if self.current.state is not PassState.BACKWARD:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            self._callback_queued = True
-        if self._held is unit:
-            self._held = None  # the backward has it now; after_backward frees it
+            self.current.state = PassState.BACKWARD
         if unit.spec.backward_reads_params:
-            self.plan.params.before_compute(unit)
-        if id(unit) not in self._late_prefetch:
-            if self.gate_on_reductions and self._pending and self._prefetches(unit, forward=False):
-                self._gated = unit  # [Note: reduction-gated prefetch]
+            unit.before_compute()
+        if not unit.prefetch_targets.late:
+            if self.settings.gate_on_reductions and self.current.pending and self._prefetches(unit, forward=False):
+                self.current.gated = unit  # [Note: reduction-gated prefetch]
             else:
                 self._prefetch_after(unit, forward=False)
         unit.attach_grads()
@@ -318,11 +334,11 @@ class UnitHooks:
         own = self.plan.params.gathers and unit.needs_gather
         return own or (not recompute and any(u.needs_gather for u in self._prefetches(unit, forward=True)))
 
-    def _prefetches(self, unit: Unit, forward: bool) -> list[Unit]:
+    def _prefetches(self, unit: Unit, forward: bool) -> tuple[Unit, ...]:
         """The units `_prefetch_after(unit, forward)` gathers."""
-        if not self.prefetch or not self.plan.params.gathers or not self._order_known:
-            return []
-        return (self._next_forward if forward else self._next_backward).get(id(unit), [])
+        if not self.plan.params.gathers:
+            return ()
+        return unit.prefetch_targets.forward if forward else unit.prefetch_targets.backward
 
     def _open_gate(self) -> None:
         """[Note: reduction-gated prefetch]
@@ -340,81 +356,73 @@ class UnitHooks:
         the communication stream behind the reduce-scatter, and neither the host nor the compute
         stream waits. Gathered units stay bounded by `prefetch`; one more gradient buffer (the
         reduction's input) can be alive."""
-        unit, self._gated = self._gated, None
+        unit, self.current.gated = self.current.gated, None
         if unit is None:
             return
-        while self._pending:
-            self._finish(*self._pending.pop(0))
+        while self.current.pending:
+            self._finish(*self.current.pending.pop(0))
         self._prefetch_after(unit, forward=False)
 
     def _on_grad_ready(self, unit: Unit, param: torch.Tensor) -> None:
-        run = self._runs[id(unit)]
-        if run.phase is Phase.REDUCING:
+        if unit.training_state is TrainingState.REDUCING:
             raise RuntimeError(
-                f"[rank {run.rank}] hf_zero: a gradient of unit '{run.name}' arrived after the gradient of the unit's "
-                "inputs, i.e. after its reduction ([Note: backward end]): one of its parameters is used outside the "
-                "unit's forward. Wrap the module that uses it in the same unit (ZeroConfig.wrap)."
+                f"[rank {unit.rank}] hf_zero: a gradient of unit '{unit.name}' arrived after the gradient of the "
+                "unit's inputs, i.e. after its reduction ([Note: backward end]): one of its parameters is used outside "
+                "the unit's forward. Wrap the module that uses it in the same unit (ZeroConfig.wrap)."
             )
         self._pre_backward(unit)  # a no-op, unless a gradient reached the unit without passing its outputs
         unit.mark_used(param)
-        if self._gated is not None and all(reduction.pending.done() for _, reduction in self._pending):
+        if self.current.gated is not None and all(r.pending.done() for _, r in self.current.pending):
             self._open_gate()
 
     def _on_end_signal(self, unit: Unit) -> None:
         """[Note: backward end] the gradient of the unit's inputs is complete."""
         self._pre_backward(unit)  # a no-op, unless no output of the unit got a gradient before
-        if self._runs[id(unit)].signal():
+        if unit.signal():
             self._post_backward(unit)
 
     def _post_backward(self, unit: Unit) -> None:
-        if not self._runs[id(unit)].end_backward():
+        if not unit.end_backward():
             return
         self._open_gate()  # before this unit's reduction is issued
         unit.collect_grads()
         if self.requires_grad_sync and unit.has_trainable:
-            free = not self.plan.grads.keeps_unsharded
-            self._pending.append((unit, unit.reduce_grads(async_op=True, buffer_is_free=free)))
-            self.plan.grads.after_issue(unit)  # stages 2-3: the reduction holds it until its wait
+            self.current.pending.append((unit, unit.reduce_grads(async_op=True)))
             # [Note: bounded reductions] finish older reductions as new ones are issued: each holds its
             # unit's unsharded gradients, so letting them pile up until the end of the backward pass
             # would keep every unit's full gradients alive at once (what stages 2-3 exist to avoid).
-            while len(self._pending) > MAX_PENDING_REDUCTIONS:
-                self._finish(*self._pending.pop(0))
-        self.plan.params.after_backward(unit)
+            while len(self.current.pending) > MAX_PENDING_REDUCTIONS:
+                self._finish(*self.current.pending.pop(0))
+        unit.after_backward()
         self._trim_pool(unit, forward=False)
-        if id(unit) in self._late_prefetch:
+        if unit.prefetch_targets.late:
             self._prefetch_after(unit, forward=False)
 
     def _finalize(self) -> None:
         for unit in reversed(self.units):
-            if self._runs[id(unit)].phase is Phase.IN_BACKWARD:
+            if unit.training_state is TrainingState.IN_BACKWARD:
                 self._post_backward(unit)
         self.wait_reductions()
-        self._clear()
+        for unit in self.units:
+            unit.end_pass()
+        self.current = Pass()
         self.pool.clear()
 
     def _finish(self, unit: Unit, reduction: GradReduction) -> None:
-        unit.finish_reduction(reduction, self.grad_divisor())
-        self.plan.grads.after_reduction(unit, reduction)
-        self._finished_since_wait.append(unit)
+        unit.finish_reduction(reduction, self.settings.grad_divisor())
+        self.current.finished.append(unit)
 
     def wait_reductions(self) -> None:
         """Wait for every issued reduction and add its mean into the gradient shards."""
-        while self._pending:
-            self._finish(*self._pending.pop(0))
-        if not self._finished_since_wait:
+        while self.current.pending:
+            self._finish(*self.current.pending.pop(0))
+        if not self.current.finished:
             return
-        first = self._finished_since_wait[0]
+        first = self.current.finished[0]
         if first.host is not None and first.device.type != "cpu":
             torch.accelerator.synchronize(first.device)  # the host may now read the shards copied asynchronously
-        self._finished_since_wait.clear()
-        self.on_reduced()
-
-    def _clear(self) -> None:
-        for run in self._runs.values():
-            run.reset()
-        self._callback_queued = False
-        self.state = TrainingState.IDLE
+        self.current.finished.clear()
+        self.settings.on_reduced()
 
     def use_directly(self, unit: Unit) -> None:
         """[Note: direct use]
@@ -430,26 +438,26 @@ class UnitHooks:
 
     def release_held(self) -> None:
         """Free the unit a forward kept gathered for its backward, when no backward will use it."""
-        held = self._held
-        if held is not None:
-            self._held = None
-            held.reshard()
+        for unit in self.units:
+            if unit.held:
+                unit.held = False
+                unit.release()
 
     def reset(self) -> None:
         """Forget an interrupted forward or backward pass: wait for issued work, free gathered units, detach grads."""
-        for _, reduction in self._pending:
+        for _, reduction in self.current.pending:
             reduction.pending.wait()
-        self._pending.clear()
-        self._finished_since_wait.clear()
-        self._gated = None
+        self.current = Pass()
         for unit in self.units:
-            unit.detach_grads()
-            self.plan.params.release([unit])
-        self._held = None
+            unit.abandon()
         if not self._order_known:  # a first forward that did not finish: learn the order from the next one
             self._forward_order.clear()
-        self._clear()
         self.pool.clear()
+
+
+def _sizes(units: list[Unit]) -> frozenset[int]:
+    """The pooled buffer sizes `units` take."""
+    return frozenset().union(*(u.buffer_nbytes for u in units))
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -1,31 +1,44 @@
-"""The states of a unit and of a training iteration, and the only moves between them.
+"""The states of a unit and of a training pass, and the verbs that may move them.
 
 [Note: unit lifecycle]
-Two states describe a unit at any time:
+A `Unit` (unit.py) owns two states and is the only code that moves them; each of its verbs begins
+by checking the states it may be called in, and an illegal call raises with the rank and the unit's
+name:
 
-- its *storage* state (`ShardState`, held by each `FlatPart` part, moved only by `prefetch`
-  (SHARDED -> GATHERING), `ensure_unsharded` (-> UNSHARDED) and `reshard` (-> SHARDED)): SHARDED
-  (only this rank's shard holds memory; the modules hold stand-ins), GATHERING (an all-gather
-  into the unsharded buffer is in flight), UNSHARDED (the parameters are whole and registered in
-  the modules). Units of stages 0-2 are always UNSHARDED, and their `reshard` raises. The state is
-  the truth: `is_unsharded` reads it, never the storage's byte count; the raw `gather` behind the
-  transitions raises unless the unit is SHARDED. Illegal calls raise with the rank and the unit;
-- its *backward* state in the current iteration (`Phase`, owned by `UnitHooks` in a `UnitRun`):
-  IDLE -> IN_BACKWARD (pre_backward: gathered, `.grad` views attached) -> REDUCING
-  (post_backward: its gradients handed to a reduction, or dropped for a frozen unit) -> IDLE (the
-  end of the backward pass). `UnitRun.begin_backward` and `end_backward` are the only moves and
-  refuse illegal ones with the rank in the message.
+- `ShardState`, where its parameters are: SHARDED (only this rank's shard holds memory; the modules
+  hold stand-ins), GATHERING (an all-gather into the unsharded buffer is in flight), UNSHARDED (whole
+  and registered in the modules). Units of stages 0-2 are always UNSHARDED.
+- `TrainingState`, where it is in the current pass: IDLE, FORWARD (between its pre- and post-forward),
+  IN_BACKWARD (its backward began: gathered, `.grad` views attached), REDUCING (its backward is through:
+  gradients handed to a reduction, or dropped for a frozen unit) until the pass ends.
+
+| verb             | acts in                       | nothing to do in      | raises in                          |
+|------------------|-------------------------------|-----------------------|------------------------------------|
+| prefetch         | SHARDED, training IDLE        | GATHERING, UNSHARDED  | training not IDLE                  |
+| unshard          | SHARDED, GATHERING            | UNSHARDED             | REDUCING                           |
+| reshard          | GATHERING, UNSHARDED          | SHARDED, pinned       | stages 0-2; FORWARD, IN_BACKWARD   |
+| begin_forward    | IDLE                          |                       | FORWARD, IN_BACKWARD, REDUCING     |
+| end_forward      | FORWARD                       |                       | IDLE, IN_BACKWARD, REDUCING        |
+| begin_backward   | IDLE                          | IN_BACKWARD           | FORWARD, REDUCING                  |
+| attach_grads     | IN_BACKWARD                   |                       | every other training state         |
+| end_backward     | IN_BACKWARD                   | REDUCING              | IDLE, FORWARD                      |
+| reduce_grads     | REDUCING                      |                       | every other training state         |
+| finish_reduction | REDUCING                      |                       | every other training state         |
+| end_pass         | IDLE, REDUCING                |                       | FORWARD, IN_BACKWARD               |
+
+`abandon` (an exception stopped the pass) moves any training state to IDLE, and is the only verb
+that may. The state is the truth: `is_unsharded` reads it, never the storage's byte count.
 
 A unit's backward ends on a unit-level signal that is the same on every rank: the gradient of its
 forward inputs ([Note: backward end] in hooks.py), never on which of its parameters got gradients
-(data-dependent: an expert that no token of this rank reached). Beside them, `TrainingState` says
-where the whole iteration is (IDLE, FORWARD, BACKWARD).
+(data-dependent: an expert that no token of this rank reached). Beside the units, the pass
+(`PassState`, owned by the hooks' `Pass`) says where the whole iteration is: IDLE, FORWARD (the
+root's forward runs), BACKWARD (a backward pass runs; its final callback is queued).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 
 class ShardState(enum.Enum):
@@ -34,53 +47,14 @@ class ShardState(enum.Enum):
     UNSHARDED = "unsharded"
 
 
-class Phase(enum.Enum):
+class TrainingState(enum.Enum):
     IDLE = "idle"
+    FORWARD = "forward"
     IN_BACKWARD = "in_backward"
     REDUCING = "reducing"
 
 
-class TrainingState(enum.Enum):
+class PassState(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-@dataclass
-class UnitRun:
-    """One unit's backward state in the current iteration ([Note: unit lifecycle])."""
-
-    name: str
-    rank: int
-    phase: Phase = Phase.IDLE
-    expected_signals: int = 0  # forwards run outside backward whose grad-requiring inputs carry the end signal
-    signals: int = 0  # end signals received in this backward
-
-    def begin_backward(self) -> bool:
-        """IDLE -> IN_BACKWARD; False (nothing to do) when the unit's backward already began."""
-        if self.phase is not Phase.IDLE:
-            return False
-        self.phase = Phase.IN_BACKWARD
-        return True
-
-    def end_backward(self) -> bool:
-        """IN_BACKWARD -> REDUCING; False when it already ended."""
-        if self.phase is Phase.REDUCING:
-            return False
-        if self.phase is not Phase.IN_BACKWARD:
-            raise RuntimeError(
-                f"[rank {self.rank}] hf_zero: unit '{self.name}' ends a backward it never began ({self.phase.value})"
-            )
-        self.phase = Phase.REDUCING
-        return True
-
-    def signal(self) -> bool:
-        """Count one end signal; True when the unit's backward is through: every forward that carried
-        the signal has delivered it (at least one, for a forward that only ran inside backward)."""
-        self.signals += 1
-        return self.signals >= max(self.expected_signals, 1)
-
-    def reset(self) -> None:
-        """The end of a backward pass: every unit back to IDLE, forward counts forgotten."""
-        self.phase = Phase.IDLE
-        self.expected_signals = self.signals = 0

@@ -1,4 +1,4 @@
-"""`Unit`: the flat parts of one unit, run by the hooks as one unit.
+"""`Unit`: the owner of one unit: its flat parts, its states and the only verbs that move them.
 
 [Note: frozen parameters]
 A unit whose parameters are partly frozen (LoRA: every projection's base weight frozen, its
@@ -12,31 +12,100 @@ adapter trainable) keeps them in two flat parts, each a `FlatPart` sharded evenl
 
 The hooks see one `Unit` per unit: its parts are gathered, freed and prefetched together
 (one all-gather each) and only the trainable part's gradients are attached and reduced. A unit
-whose parameters are all trainable, or all frozen, is a group of one part.
+whose parameters are all trainable, or all frozen, has one part.
+
+A `Unit` holds its `ShardState` and `TrainingState`, its end-of-backward counts, its prefetch targets,
+whether it is pinned (`gathered_parameters`) or held for its backward, and the stage's residencies; its
+verbs check the states they may be called in ([Note: unit lifecycle] in lifecycle.py has the table).
+The parts (`FlatPart`, flat.py) keep tensors and do the raw moves the verbs order.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
+from .collectives import Pending
 from .flat import FlatPart, GradReduction
+from .lifecycle import ShardState, TrainingState
+from .residency import GradResidency, ParamResidency
 from .wrap import UnitSpec
+
+_SHARD = ShardState
+_TRAIN = TrainingState
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """What a unit gathers ahead as it runs ([Note: prefetch] in hooks.py), fixed once the forward order is
+    known: the units to prefetch as its forward and its backward begin, whether the backward prefetch waits
+    for its post_backward (`late`), and the buffer sizes the pool keeps after its forward and its backward."""
+
+    forward: tuple[Unit, ...] = ()
+    backward: tuple[Unit, ...] = ()
+    late: bool = False
+    pooled_after_forward: frozenset[int] | None = None
+    pooled_after_backward: frozenset[int] | None = None
+
+
+@dataclass
+class _Signals:
+    """End-of-backward signals of the current pass ([Note: backward end] in hooks.py)."""
+
+    expected: int = 0  # forwards run outside backward whose grad-requiring inputs carry the signal
+    received: int = 0
 
 
 class Unit:
-    """The parts (`FlatPart`s, trainable first) of one unit ([Note: frozen parameters])."""
+    """One unit's parts and states, and the guarded verbs that move them ([Note: unit lifecycle])."""
 
-    def __init__(self, parts: list[FlatPart]) -> None:
+    def __init__(self, parts: list[FlatPart], params: ParamResidency, grads: GradResidency) -> None:
         if not parts:
-            raise RuntimeError("hf_zero: a unit group needs at least one part")
-        self.parts = parts
+            raise ValueError("hf_zero: a unit needs at least one part")
+        self.parts = tuple(parts)
         self.trainable_part: FlatPart | None = next((p for p in parts if p.has_trainable), None)
         self.params = tuple(p for part in parts for p in part.params)
+        self.name = parts[0].spec.name or "<root>"
+        self.rank = parts[0].shard_group.global_rank
+        self.residency = params
+        self.grad_residency = grads
+        self.persistent = parts[0].persistent  # stages 0-2: whole at every moment
+        self.shard_state = _SHARD.UNSHARDED if self.persistent else _SHARD.SHARDED
+        self.training_state = _TRAIN.IDLE
+        self.prefetch_targets = Prefetch()
+        self.pins = 0  # open `gathered_parameters` contexts holding the unit whole
+        self.held = False  # the last unit of a forward, kept gathered for its backward
+        self._gathers: list[Pending] = []  # issued, not yet waited, gathers of the parts
+        self._signals = _Signals()
+        self._planned = False
 
-    # ---- what the hooks read ----------------------------------------------------------------
+    # ---- checks -------------------------------------------------------------------------------------
+    def _illegal(self, verb: str, why: str) -> RuntimeError:
+        return RuntimeError(
+            f"[rank {self.rank}] hf_zero: {verb} on unit '{self.name}' in state "
+            f"{self.shard_state.value}/{self.training_state.value}: {why}"
+        )
+
+    def _require(self, verb: str, *allowed: TrainingState) -> None:
+        if self.training_state not in allowed:
+            raise self._illegal(verb, f"legal only in {'/'.join(s.value for s in allowed)}")
+
+    # ---- what the hooks read ------------------------------------------------------------------------
     @property
     def spec(self) -> UnitSpec:
         return self.parts[0].spec  # the parts share their modules and name
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the parameters are whole and registered in the modules: the state says; the storage's byte
+        count is never consulted."""
+        return self.shard_state is _SHARD.UNSHARDED
+
+    @property
+    def needs_gather(self) -> bool:
+        """Whether making the parameters whole would issue a gather (none is done or in flight)."""
+        return self.shard_state is _SHARD.SHARDED
 
     @property
     def sparse_lookup(self) -> bool:
@@ -55,14 +124,6 @@ class Unit:
         return self.parts[0].device
 
     @property
-    def needs_gather(self) -> bool:
-        return any(p.needs_gather for p in self.parts)
-
-    @property
-    def is_unsharded(self) -> bool:
-        return all(p.is_unsharded for p in self.parts)
-
-    @property
     def param_nbytes(self) -> int:
         return sum(p.param_nbytes for p in self.parts)
 
@@ -74,20 +135,141 @@ class Unit:
     def buffer_nbytes(self) -> frozenset[int]:
         return frozenset().union(*(p.buffer_nbytes for p in self.parts))
 
-    # ---- parameters: every part -------------------------------------------------------------
-    def prefetch(self) -> None:
-        for p in self.parts:
-            p.prefetch()
+    def plan_prefetch(self, targets: Prefetch) -> None:
+        """Fix the unit's prefetch targets, once (the forward order is learned once)."""
+        if self._planned:
+            raise self._illegal("plan_prefetch", "the prefetch targets are fixed once")
+        self.prefetch_targets, self._planned = targets, True
 
-    def ensure_unsharded(self) -> None:
+    # ---- parameters ---------------------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """SHARDED -> GATHERING: issue the parts' gathers (they overlap the running unit's compute)."""
+        self._require("prefetch", _TRAIN.IDLE)
+        if self.shard_state is _SHARD.SHARDED:
+            self._gathers = [p.gather() for p in self.parts]
+            self.shard_state = _SHARD.GATHERING
+
+    def unshard(self) -> None:
+        """SHARDED / GATHERING -> UNSHARDED: make the parameters whole (wait for a prefetch, or gather now) and
+        register them in the modules."""
+        self._require("unshard", _TRAIN.IDLE, _TRAIN.FORWARD, _TRAIN.IN_BACKWARD)
+        if self.shard_state is _SHARD.UNSHARDED:
+            return
+        if self.shard_state is _SHARD.SHARDED:
+            self._gathers = [p.gather() for p in self.parts]
+        self._wait_gathers()
         for p in self.parts:
-            p.ensure_unsharded()
+            p.bind(real=True)
+        self.shard_state = _SHARD.UNSHARDED
 
     def reshard(self) -> None:
+        """GATHERING / UNSHARDED -> SHARDED: free the parameters (the modules then hold stand-ins); nothing while
+        a `gathered_parameters` context pins the unit. Stages 0-2 refuse (the only whole copy), and so does a
+        unit whose forward or backward is running."""
+        if self.persistent:
+            raise self._illegal("reshard", "stages 0-2 keep the parameters whole; nothing may free them")
+        self._require("reshard", _TRAIN.IDLE, _TRAIN.REDUCING)
+        if self.shard_state is _SHARD.SHARDED or self.pins:
+            return
+        self._wait_gathers()  # never free memory a collective is still writing
         for p in self.parts:
-            p.reshard()
+            p.free()
+        self.shard_state = _SHARD.SHARDED
 
-    # ---- gradients: the trainable part ------------------------------------------------------
+    def _wait_gathers(self) -> None:
+        gathers, self._gathers = self._gathers, []
+        for pending in gathers:
+            pending.wait()
+
+    def before_compute(self) -> None:
+        """Make the parameters whole if the stage gathers them (stage 3)."""
+        self.residency.before_compute(self)
+
+    def after_forward(self) -> None:
+        """Free the parameters after the forward if the stage gathers them per use."""
+        self.residency.after_forward(self)
+
+    def after_backward(self) -> None:
+        """Free the parameters after the backward if the stage gathers them per use."""
+        self.residency.after_backward(self)
+
+    def release(self) -> None:
+        """Free the parameters if the stage gathers them and they are gathered."""
+        self.residency.release(self)
+
+    def pin(self) -> None:
+        """Gather and keep whole until `unpin` (`gathered_parameters`): `reshard` does nothing meanwhile."""
+        self.unshard()
+        self.pins += 1
+
+    def unpin(self) -> None:
+        if self.pins <= 0:
+            raise self._illegal("unpin", "the unit is not pinned")
+        self.pins -= 1
+
+    def hold(self) -> None:
+        """Keep the unit gathered from the end of its forward to its backward (it is the backward's first)."""
+        if not self.is_unsharded:
+            raise self._illegal("hold", "only a gathered unit can be kept for its backward")
+        self.held = True
+
+    # ---- the pass -----------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """IDLE -> FORWARD, at the unit's pre-forward (a recomputation inside backward moves nothing)."""
+        self._require("begin_forward", _TRAIN.IDLE)
+        self.training_state = _TRAIN.FORWARD
+
+    def expect_signal(self) -> None:
+        """This forward's inputs carry the end signal ([Note: backward end]): the backward waits for it too."""
+        self._require("expect_signal", _TRAIN.FORWARD)
+        self._signals.expected += 1
+
+    def end_forward(self) -> None:
+        """FORWARD -> IDLE, at the unit's post-forward."""
+        self._require("end_forward", _TRAIN.FORWARD)
+        self.training_state = _TRAIN.IDLE
+
+    def begin_backward(self) -> bool:
+        """IDLE -> IN_BACKWARD; False (nothing to do) when the unit's backward already began."""
+        if self.training_state is _TRAIN.IN_BACKWARD:
+            return False
+        self._require("begin_backward", _TRAIN.IDLE)
+        self.training_state = _TRAIN.IN_BACKWARD
+        self.held = False  # the backward has it now; after_backward frees it
+        return True
+
+    def signal(self) -> bool:
+        """Count one end signal; True when the unit's backward is through: every forward that carried the
+        signal has delivered it (at least one, for a forward that only ran inside backward)."""
+        self._require("signal", _TRAIN.IN_BACKWARD, _TRAIN.REDUCING)
+        self._signals.received += 1
+        return self._signals.received >= max(self._signals.expected, 1)
+
+    def end_backward(self) -> bool:
+        """IN_BACKWARD -> REDUCING; False when it already ended."""
+        if self.training_state is _TRAIN.REDUCING:
+            return False
+        self._require("end_backward", _TRAIN.IN_BACKWARD)
+        self.training_state = _TRAIN.REDUCING
+        return True
+
+    def end_pass(self) -> None:
+        """The end of a backward pass: back to IDLE, the pass's signal counts forgotten."""
+        self._require("end_pass", _TRAIN.IDLE, _TRAIN.REDUCING)
+        self.training_state = _TRAIN.IDLE
+        self._signals = _Signals()
+
+    def abandon(self) -> None:
+        """Forget a pass an exception stopped, from any state: back to IDLE, `.grad` views detached, the
+        parameters freed if the stage gathers them."""
+        self.training_state = _TRAIN.IDLE
+        self._signals = _Signals()
+        self.held = False
+        for p in self.parts:
+            p.detach_grads()
+        self.release()
+
+    # ---- gradients: the trainable part --------------------------------------------------------------
     def _grads(self) -> FlatPart:
         return self.trainable_part or self.parts[0]
 
@@ -100,27 +282,36 @@ class Unit:
         self._grads().unsharded_grad = value
 
     def attach_grads(self) -> None:
+        self._require("attach_grads", _TRAIN.IN_BACKWARD)
         if self.trainable_part is not None:
             self.trainable_part.attach_grads()
 
+    def mark_used(self, param: torch.Tensor) -> None:
+        self._require("mark_used", _TRAIN.IN_BACKWARD)
+        self._grads().mark_used(param)
+
     def collect_grads(self) -> None:
+        """Take the gradients out of the parameters' `.grad` (after the unit's backward)."""
+        self._require("collect_grads", _TRAIN.REDUCING)
         if self.trainable_part is not None:
             self.trainable_part.collect_grads()
 
-    def detach_grads(self) -> None:
-        for p in self.parts:
-            p.detach_grads()
-
-    def mark_used(self, param: torch.Tensor) -> None:
-        self._grads().mark_used(param)
-
-    def reduce_grads(self, async_op: bool = True, buffer_is_free: bool = False) -> GradReduction:
-        return self._grads().reduce_grads(async_op=async_op, buffer_is_free=buffer_is_free)
+    def reduce_grads(self, async_op: bool = True) -> GradReduction:
+        """Issue the reduction of the unit's gradients; the gradient residency then lets go of the buffer."""
+        self._require("reduce_grads", _TRAIN.REDUCING)
+        free = not self.grad_residency.keeps_unsharded
+        reduction = self._grads().reduce_grads(async_op=async_op, buffer_is_free=free)
+        self.grad_residency.after_issue(self)  # stages 2-3: the reduction holds it until its wait
+        return reduction
 
     def finish_reduction(self, reduction: GradReduction, divisor: float) -> None:
+        """Wait for a reduction, add its mean into the gradient shard, and let the residency settle."""
+        self._require("finish_reduction", _TRAIN.REDUCING)
         self._grads().finish_reduction(reduction, divisor)
+        self.grad_residency.after_reduction(self, reduction)
 
     def release_reduced(self, reduction: GradReduction) -> None:
+        self._require("release_reduced", _TRAIN.REDUCING)
         self._grads().release_reduced(reduction)
 
 
@@ -138,8 +329,6 @@ def split_frozen(spec: UnitSpec) -> list[UnitSpec]:
 
 
 def _subset(spec: UnitSpec, indices: list[int], frozen: bool) -> UnitSpec:
-    from dataclasses import replace
-
     return replace(
         spec,
         params=tuple(spec.params[i] for i in indices),

@@ -1,0 +1,150 @@
+"""Where a part's tensors live: the compute device, and the host for what ZeRO-Offload moves there.
+
+[Note: placement]
+Each flat part is told its `Placement` once, at construction, and asks it instead of testing devices:
+
+| tensor                                   | no offload | `offload_optimizer` | + `offload_params` |
+|------------------------------------------|------------|---------------------|--------------------|
+| unsharded parameters and gradients       | device     | device              | device             |
+| master shard, gradient shard, optimizer  | device     | host                | host               |
+| stage-3 gather source (compute dtype)    | device     | device              | host               |
+
+Host buffers are pinned when the compute device is an accelerator (their copies are asynchronous), and
+a pinned gradient shard keeps its memory across steps (pinning again each step is slow). Frozen parts are
+never offloaded: they have no master, gradient or optimizer state to move. The compute device itself is
+chosen once per engine (`compute_device`): the model's, or, for a model on the host, the rank's
+accelerator when the backend communicates on one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..launch import accelerator_device, launch_env
+from .collectives import CommGroup, bound_device, broadcast_, comm_device
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one part's tensors live ([Note: placement]).
+
+    Example:
+
+    ```python
+    >>> p = Placement(torch.device("cuda", 0), host=torch.device("cpu"))
+    >>> p.master_device, p.gather_source_device
+    (device(type='cpu'), device(type='cuda', index=0))
+    ```
+    """
+
+    device: torch.device  # the compute device: whole parameters, unsharded gradients, collectives' buffers
+    host: torch.device | None = None  # where offloaded state lives (ZeRO-Offload), or None
+    offload_params: bool = False  # stage 3: the gather source lives on the host too
+
+    @property
+    def offloaded(self) -> bool:
+        return self.host is not None
+
+    @property
+    def master_device(self) -> torch.device:
+        """Where the master shard, its gradient shard and the optimizer state live."""
+        return self.host or self.device
+
+    @property
+    def gather_source_device(self) -> torch.device:
+        """Where the stage-3 compute-dtype shard that gathers read from lives."""
+        return self.host if self.offload_params and self.host is not None else self.device
+
+    @property
+    def pins_host(self) -> bool:
+        """Whether host buffers are pinned: the compute device is an accelerator."""
+        return self.device.type != "cpu"
+
+    def alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D buffer on `device`, pinned when it is host memory beside an accelerator."""
+        return torch.empty(numel, dtype=dtype, device=device, pin_memory=device.type == "cpu" and self.pins_host)
+
+    @property
+    def keeps_grad_shard_memory(self) -> bool:
+        """Whether the gradient shard keeps its memory across `zero_grad`: a pinned host shard does."""
+        return self.offloaded and self.pins_host
+
+    def label(self, tensor: torch.Tensor, offloaded: bool) -> str:
+        """Where accounting files `tensor`: `"host"` for offloaded state (even on a CPU-only machine), else its
+        device."""
+        return "host" if offloaded else str(tensor.device)
+
+
+def compute_device(model: nn.Module, world: CommGroup, has_source: bool = False) -> torch.device:
+    """The device the sharded model computes on: its parameters' one device, or for a model on the host the
+    rank's accelerator when the backend communicates on one (made current). Raises `ValueError` for meta
+    parameters without a source and for parameters on several devices."""
+    devices = {p.device for p in model.parameters()}
+    if has_source:
+        devices.discard(torch.device("meta"))  # values come from the source, not from these tensors
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "hf_zero.initialize got a model with parameters on the meta device. Materialize the weights "
+            "first (e.g. load them with from_pretrained) before initialize."
+        )
+    if len(devices) > 1:
+        raise ValueError(
+            f"hf_zero.initialize needs the model's parameters on one device; found {sorted(map(str, devices))}. "
+            "Load the model without a multi-device device_map."
+        )
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    if device.type != "cpu":
+        return device
+    comm = comm_device(world)
+    return comm if comm.type == "cpu" else _rank_accelerator(comm.type, world)
+
+
+def _rank_accelerator(kind: str, world: CommGroup) -> torch.device:
+    """The GPU of this rank (see `accelerator_device`), made the current device so that every later
+    collective and allocation uses it."""
+    module = getattr(torch, kind)
+    chosen = accelerator_device(
+        kind,
+        bound=bound_device(world),
+        local_rank=launch_env().local_rank,
+        count=module.device_count(),
+        current=module.current_device(),
+        world_size=world.size,
+    )
+    module.set_device(chosen)
+    return chosen
+
+
+def single_dtype(model: nn.Module) -> torch.dtype:
+    """The one floating-point dtype of the model's parameters; `ValueError` for several, or an integer one."""
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"hf_zero needs the model's parameters in one dtype; found {sorted(map(str, dtypes))}. "
+            "Cast the model with model.to(dtype), or set ZeroConfig(mixed_precision=...)."
+        )
+    if dtypes and not next(iter(dtypes)).is_floating_point:
+        raise ValueError(f"hf_zero can only shard floating-point parameters; found {dtypes}.")
+    return next(iter(dtypes)) if dtypes else torch.float32
+
+
+def validate_model(model: nn.Module, world: CommGroup, has_source: bool = False) -> None:
+    """Raise `ValueError` for a model the engine cannot shard (meta weights with no source, mixed devices or dtypes)."""
+    compute_device(model, world, has_source)
+    single_dtype(model)
+
+
+def move_buffers(model: nn.Module, device: torch.device, sync_from: CommGroup | None) -> None:
+    """Buffers are small and replicated: move them to the compute device and agree on rank 0's."""
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            if buf.device != device:
+                buf = buf.to(device)
+                module._buffers[name] = buf
+            if sync_from is not None:
+                broadcast_(buf, sync_from)

@@ -1,0 +1,110 @@
+"""Where a unit's parameters and unsharded gradients live between uses: the two choices a stage makes.
+
+Each is an object a `Unit` holds and asks (`stages.py` picks them once per engine), never a flag its
+callers test:
+
+- `PersistentParams` (stages 0-2): the parameters are whole on every rank at every moment; nothing to
+  gather, prefetch, keep for a backward or free. `ShardedParams` (stage 3): a unit is gathered just
+  before its forward and its backward, and freed after each.
+- `KeptGrads` (stages 0-1): the unsharded gradient buffer lives across backwards, zeroed after each
+  reduction. `FreedGrads` (stages 2-3): it lives from the unit's backward to the end of its reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .flat import FlatPart, GradReduction
+
+
+class _Resident(Protocol):
+    """What a residency moves: a `Unit` (its guarded verbs)."""
+
+    unsharded_grad: torch.Tensor | None
+
+    def unshard(self) -> None: ...
+
+    def reshard(self) -> None: ...
+
+    def release_reduced(self, reduction: GradReduction) -> None: ...
+
+
+class PersistentParams:
+    """Stages 0-2: every unit's unsharded parameters stay allocated; nothing to gather or free."""
+
+    gathers = False  # no forward or backward gathers (so nothing to prefetch, nothing to keep for backward)
+
+    def before_compute(self, unit: _Resident) -> None:
+        """Nothing to gather."""
+
+    def after_forward(self, unit: _Resident) -> None:
+        """Nothing to free."""
+
+    def after_backward(self, unit: _Resident) -> None:
+        """Nothing to free."""
+
+    def release(self, unit: _Resident) -> None:
+        """Free `unit` if it is gathered: never, at these stages."""
+
+
+class ShardedParams:
+    """Stage 3: a unit is gathered just before its forward and its backward, and freed after each."""
+
+    gathers = True  # each use gathers: prefetch ahead, keep the last forward unit for its backward
+
+    def before_compute(self, unit: _Resident) -> None:
+        unit.unshard()
+
+    def after_forward(self, unit: _Resident) -> None:
+        unit.reshard()
+
+    def after_backward(self, unit: _Resident) -> None:
+        unit.reshard()
+
+    def release(self, unit: _Resident) -> None:
+        """Free `unit` if it is gathered (a pinned one stays: [Note: unit lifecycle])."""
+        unit.reshard()
+
+
+ParamResidency = PersistentParams | ShardedParams
+
+
+class KeptGrads:
+    """Stages 0-1: a unit's unsharded gradient buffer lives across backwards; each reduction reads it and it is
+    zeroed for the next accumulation (reused, never reallocated)."""
+
+    keeps_unsharded = True
+
+    def after_issue(self, unit: _Resident) -> None:
+        """A reduction of `unit`'s buffer was issued: the unit keeps the buffer."""
+
+    def after_reduction(self, unit: _Resident, reduction: GradReduction) -> None:
+        """The reduction landed in the shard: zero the buffer for the next backward."""
+        if unit.unsharded_grad is not None:
+            unit.unsharded_grad.zero_()
+
+    def drop(self, part: FlatPart) -> None:
+        """`zero_grad`: the kept buffer stays (it is zeroed after each reduction)."""
+
+
+class FreedGrads:
+    """Stages 2-3: a unit's unsharded gradients live from its backward to the end of their reduction."""
+
+    keeps_unsharded = False
+
+    def after_issue(self, unit: _Resident) -> None:
+        """The reduction holds the buffer until its wait; the unit lets go of it now."""
+        unit.unsharded_grad = None
+
+    def after_reduction(self, unit: _Resident, reduction: GradReduction) -> None:
+        """The reduction landed in the shard: its buffers go back to the pool."""
+        unit.release_reduced(reduction)
+
+    def drop(self, part: FlatPart) -> None:
+        """`zero_grad`: any unsharded gradients left (an abandoned pass) go."""
+        part.unsharded_grad = None
+
+
+GradResidency = KeptGrads | FreedGrads
