@@ -4,7 +4,7 @@ to a collective, and checks that none of it is host memory the engine offloaded.
 On CUDA + NCCL a collective only takes tensors on the rank's GPU; with `offload_optimizer` /
 `offload_params` the master shards, gradient shards and optimizer moments live on the host, and every
 collective that reads or writes them must go through a device copy ([Note: staging] in
-hf_zero/engine/collectives.py). On a CPU-only machine the communication device *is* the host, so the
+hf_zero/engine/collectives/ops.py). On a CPU-only machine the communication device *is* the host, so the
 engine copies nothing, and a host tensor does reach the collectives (the negative control below sees
 it). `force_staging` makes the communication device differ from the host (`cpu:0`, to which `.to()`
 copies), so the engine takes the path it takes under NCCL, and the recorder checks every call.
@@ -85,19 +85,22 @@ def recorded_offload_run(sc: Scenario, force_staging: bool) -> dict[str, Any]:
     if probe.to(_FORCED_COMM).data_ptr() == probe.data_ptr():
         raise RuntimeError("this torch does not copy on .to('cpu:0'): the forced staging would not stage")
     recorder = _Recorder(dist)
-    saved = {name: getattr(collectives, name) for name in ("dist", "_all_gather_single", "_reduce_scatter_single", "comm_device")}
+    ops, agree = collectives.ops, collectives.agree  # the modules that issue collectives
+    saved = [(m, name, getattr(m, name)) for m in (ops, agree) for name in ("dist", "comm_device")]
+    saved += [(ops, name, getattr(ops, name)) for name in ("_all_gather_single", "_reduce_scatter_single")]
     init = ZeroEngine.__init__
 
     def registering_init(engine: ZeroEngine, *args: Any, **kwargs: Any) -> None:
         recorder.engines.append(engine)
         init(engine, *args, **kwargs)
 
-    collectives.dist = recorder
-    collectives._all_gather_single = recorder.wrap("all_gather", saved["_all_gather_single"], 2)
-    collectives._reduce_scatter_single = recorder.wrap("reduce_scatter", saved["_reduce_scatter_single"], 2)
+    ops.dist = agree.dist = recorder
+    ops._all_gather_single = recorder.wrap("all_gather", ops._all_gather_single, 2)
+    ops._reduce_scatter_single = recorder.wrap("reduce_scatter", ops._reduce_scatter_single, 2)
     if force_staging:
-        real_comm_device = saved["comm_device"]
-        collectives.comm_device = lambda group: _FORCED_COMM if group.pg is not None else real_comm_device(group)
+        real_comm_device = ops.comm_device
+        forced = lambda group: _FORCED_COMM if group.pg is not None else real_comm_device(group)  # noqa: E731
+        ops.comm_device = agree.comm_device = forced
     ZeroEngine.__init__ = registering_init
     try:
         result = sharded_run(sc)
@@ -109,8 +112,8 @@ def recorded_offload_run(sc: Scenario, force_staging: bool) -> dict[str, Any]:
                           if where == "host" and t.untyped_storage().nbytes() > 0)  # not a freed gradient shard
         collectives.broadcast_(host_shard, engine.world)
     finally:
-        for name, value in saved.items():
-            setattr(collectives, name, value)
+        for module, name, value in saved:
+            setattr(module, name, value)
         ZeroEngine.__init__ = init
     result.pop("memory")
     result.update(calls=recorder.calls, host_calls=run_host_calls, control_host_calls=recorder.host_calls,

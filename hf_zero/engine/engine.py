@@ -24,7 +24,6 @@ from .collectives import (
     comm_device,
     max_scalar_,
     raise_if_any_failed,
-    stream_ordered,
 )
 from .disk import DiskOffload, OffloadFiles
 from .flat import FlatPart, grad_slab
@@ -120,7 +119,7 @@ class ZeroEngine:
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
         settings = HookSettings(
             prefetch=config.prefetch,
-            gate_on_reductions=not stream_ordered(self.plan.shard_group),
+            gate_on_reductions=not self.plan.shard_group.stream_ordered,
             grad_divisor=self._grad_divisor,
             on_reduced=self._mark_has_grads,
             root_output_fn=self.scaler.scale_outputs if self.scaler else None,
