@@ -13,11 +13,12 @@ from torch import nn
 from .checkpoint.pretrained import SafetensorsSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
-from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine, validate_model
+from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine
 from .engine.full_state import gathered_parameters as _gathered
 from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded
 from .engine.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
+from .engine.placement import validate_model
 from .engine.wrap import UnitSpec, units_for
 from .model import attach, unshard_and_detach, use_sharder
 

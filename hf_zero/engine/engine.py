@@ -13,14 +13,11 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig
-from ..launch import accelerator_device, launch_env
 from .accounting import ModelStateMemory
 from .collectives import (
     CommGroup,
     all_gather_into,
     all_reduce_,
-    bound_device,
-    broadcast_,
     comm_device,
     max_scalar_,
     raise_if_any_failed,
@@ -30,6 +27,7 @@ from .flat import FlatPart, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
 from .pieces import Piece, pieces_of
+from .placement import Placement, compute_device, move_buffers, single_dtype
 from .pool import BufferPool, transient_nbytes
 from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
@@ -62,51 +60,30 @@ class ZeroEngine:
         world: CommGroup,
         source: ShardSource | None = None,
     ) -> None:
+        """Shard `model` in one pass: the stage's plan, where and in which dtypes it computes, its flat parts
+        (which take their shards from `source`), the units that own them, the hooks that run them, and the
+        optimizer pieces over this rank's shards."""
         self.model = model
         self.config = config
         self.world = world
         self.plan: StagePlan = plan_for_stage(
             config.stage, world, config.shard_group_size, config.group_timeout_s, config.collectives
         )
-        self.device = _compute_device(model, world, source is not None)
-        model_dtype = _single_dtype(model)
-        self.model_dtype = model_dtype  # the dtype the model had before sharding: what save_pretrained writes
-        self.param_dtype = config.param_dtype or model_dtype
-        self.master_dtype = torch.float32 if config.param_dtype is not None else model_dtype
+        self.device = compute_device(model, world, source is not None)
+        self.model_dtype = single_dtype(model)  # the dtype the model had before sharding: what save_pretrained writes
+        self.param_dtype = config.param_dtype or self.model_dtype
+        self.master_dtype = torch.float32 if config.param_dtype is not None else self.model_dtype
         self.reduce_dtype = config.resolved_reduce_dtype or self.param_dtype
         sync_from = world if config.sync_module_states and world.size > 1 else None
-        _move_buffers(model, self.device, sync_from)
-        source = source or LiveParams(sync_from)
+        move_buffers(model, self.device, sync_from)
         grouped = [split_frozen(spec) for spec in specs]  # [Note: frozen parameters] in unit.py
-        specs = [part for parts in grouped for part in parts]
-        self.pool = _pool_for(specs, world, self.plan, config, self.param_dtype, self.reduce_dtype)
-        self.disk = _disk_for(specs, config, world, self.plan, self.device, self.master_dtype)
-        self.parts: list[FlatPart] = []
-        for spec in specs:
-            offloaded = config.offload_optimizer and not spec.frozen
-            unit = FlatPart(
-                spec,
-                shard_group=self.plan.shard_group,
-                replicate_group=self.plan.replicate_group,
-                device=self.device,
-                param_dtype=self.param_dtype,
-                master_dtype=self.param_dtype if spec.frozen else self.master_dtype,
-                reduce_dtype=self.reduce_dtype,
-                persistent_params=not self.plan.params.gathers,
-                source=source,
-                pool=self.pool,
-                host=torch.device("cpu") if offloaded else None,
-                offload_params=config.offload_params,
-                weight_quant_block=config.quantization_block if config.quantized_weights else None,
-                grad_quant_block=config.quantization_block if config.quantized_gradients else None,
-                master_on_disk=self.disk is not None and offloaded,
-            )
-            if self.disk is not None and offloaded:
-                self.disk.adopt_master(unit)  # [Note: disk offload]: one unit's master in memory at a time
-            self.parts.append(unit)
+        parts_specs = [part for parts in grouped for part in parts]
+        self.pool = _pool_for(parts_specs, world, self.plan, config, self.param_dtype, self.reduce_dtype)
+        self.disk = _disk_for(parts_specs, config, world, self.plan, self.device, self.master_dtype)
+        self.parts = [self._part(spec, source or LiveParams(sync_from)) for spec in parts_specs]
         # Parameters built on the meta device were replaced by views (see FlatPart._bind_params).
         self.replaced: dict[int, nn.Parameter] = {
-            id(old): new for unit in self.parts for old, new in zip(unit.spec.params, unit.params) if old is not new
+            id(old): new for part in self.parts for old, new in zip(part.spec.params, part.params) if old is not new
         }
         _swap_parameters(model, self.replaced)
         grad_slab(self.parts)
@@ -125,19 +102,37 @@ class ZeroEngine:
             root_output_fn=self.scaler.scale_outputs if self.scaler else None,
         )
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
-        self.pieces: list[Piece] = [  # this rank's
-            piece for unit in self.parts for piece in pieces_of(unit, self.disk is not None and self.disk.holds(unit))
-        ]
+        on_disk = self.disk.holds if self.disk is not None else (lambda part: False)
+        self.pieces: list[Piece] = [piece for part in self.parts for piece in pieces_of(part, on_disk(part))]
         if self.disk is not None:
             self.disk.build_windows(self.pieces)
-        self._names = {id(p): n for unit in self.parts for p, n in zip(unit.params, unit.spec.param_names)}
-        # Stand-ins ([Note: resting parameters]) and meta originals, mapped to the engine's parameters.
-        self._real: dict[int, nn.Parameter] = dict(self.replaced)
-        for unit in self.parts:
-            if unit.module_slots is not None:
-                for stand_in, p, n in zip(unit.module_slots.resting, unit.params, unit.spec.param_names):
-                    self._real[id(stand_in)] = p
-                    self._names[id(stand_in)] = n
+        self._names, self._real = _name_index(self.parts, self.replaced)
+
+    def _part(self, spec: UnitSpec, source: ShardSource) -> FlatPart:
+        """The flat part of `spec`, its shard taken from `source`; frozen parts stay on the device and keep their
+        shard in the compute dtype ([Note: frozen parameters], [Note: placement])."""
+        config = self.config
+        offloaded = config.offload_optimizer and not spec.frozen
+        host = torch.device("cpu") if offloaded else None
+        block = config.quantization_block
+        part = FlatPart(
+            spec,
+            shard_group=self.plan.shard_group,
+            replicate_group=self.plan.replicate_group,
+            placement=Placement(self.device, host, config.offload_params and offloaded),
+            param_dtype=self.param_dtype,
+            master_dtype=self.param_dtype if spec.frozen else self.master_dtype,
+            reduce_dtype=self.reduce_dtype,
+            persistent_params=not self.plan.params.gathers,
+            source=source,
+            pool=self.pool,
+            weight_quant_block=block if config.quantized_weights else None,
+            grad_quant_block=block if config.quantized_gradients else None,
+            master_on_disk=self.disk is not None and offloaded,
+        )
+        if self.disk is not None and offloaded:
+            self.disk.adopt_master(part)  # [Note: disk offload]: one part's master in memory at a time
+        return part
 
     def name_of(self, param: torch.Tensor) -> str:
         """The first qualified name of one of the model's parameters (or of its stand-in)."""
@@ -417,69 +412,16 @@ def _disk_for(
     return DiskOffload(files, device)
 
 
-def validate_model(model: nn.Module, world: CommGroup, has_source: bool = False) -> None:
-    """Raise `ValueError` for a model the engine cannot shard (meta weights with no source, mixed devices or dtypes)."""
-    _compute_device(model, world, has_source)
-    _single_dtype(model)
-
-
-def _compute_device(model: nn.Module, world: CommGroup, has_source: bool = False) -> torch.device:
-    devices = {p.device for p in model.parameters()}
-    if has_source:
-        devices.discard(torch.device("meta"))  # values come from the source, not from these tensors
-    if any(d.type == "meta" for d in devices):
-        raise ValueError(
-            "hf_zero.initialize got a model with parameters on the meta device. Materialize the weights "
-            "first (e.g. load them with from_pretrained) before initialize."
-        )
-    if len(devices) > 1:
-        raise ValueError(
-            f"hf_zero.initialize needs the model's parameters on one device; found {sorted(map(str, devices))}. "
-            "Load the model without a multi-device device_map."
-        )
-    device = next(iter(devices)) if devices else torch.device("cpu")
-    if device.type != "cpu":
-        return device
-    comm = comm_device(world)
-    return comm if comm.type == "cpu" else _rank_accelerator(comm.type, world)
-
-
-def _rank_accelerator(kind: str, world: CommGroup) -> torch.device:
-    """The GPU of this rank (see `accelerator_device`), made the current device so that every later
-    collective and allocation uses it."""
-    module = getattr(torch, kind)
-    chosen = accelerator_device(
-        kind,
-        bound=bound_device(world),
-        local_rank=launch_env().local_rank,
-        count=module.device_count(),
-        current=module.current_device(),
-        world_size=world.size,
-    )
-    module.set_device(chosen)
-    return chosen
-
-
-def _single_dtype(model: nn.Module) -> torch.dtype:
-    dtypes = {p.dtype for p in model.parameters()}
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"hf_zero needs the model's parameters in one dtype; found {sorted(map(str, dtypes))}. "
-            "Cast the model with model.to(dtype), or set ZeroConfig(mixed_precision=...)."
-        )
-    if dtypes and not next(iter(dtypes)).is_floating_point:
-        raise ValueError(f"hf_zero can only shard floating-point parameters; found {dtypes}.")
-    return next(iter(dtypes)) if dtypes else torch.float32
-
-
-def _move_buffers(model: nn.Module, device: torch.device, sync_from: CommGroup | None) -> None:
-    """Buffers are small and replicated: move them to the compute device and agree on rank 0's."""
-    for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is None:
-                continue
-            if buf.device != device:
-                buf = buf.to(device)
-                module._buffers[name] = buf
-            if sync_from is not None:
-                broadcast_(buf, sync_from)
+def _name_index(
+    parts: list[FlatPart], replaced: dict[int, nn.Parameter]
+) -> tuple[dict[int, str], dict[int, nn.Parameter]]:
+    """`id(tensor) -> name` of every engine parameter and stand-in ([Note: resting parameters]), and
+    `id(tensor) -> engine parameter` for stand-ins and replaced meta originals."""
+    names = {id(p): n for part in parts for p, n in zip(part.params, part.spec.param_names)}
+    real: dict[int, nn.Parameter] = dict(replaced)
+    for part in parts:
+        if part.module_slots is not None:
+            for stand_in, p, n in zip(part.module_slots.resting, part.params, part.spec.param_names):
+                real[id(stand_in)] = p
+                names[id(stand_in)] = n
+    return names, real

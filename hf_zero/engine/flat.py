@@ -63,6 +63,7 @@ from .collectives import (
     reduce_scatter_into,
 )
 from .layout import FlatLayout
+from .placement import Placement
 from .pool import BufferPool, transient_nbytes
 from .quant import gather_int8, gather_workspace_numels, reduce_scatter_int8
 from .resting import ModuleSlots
@@ -96,15 +97,13 @@ class FlatPart:
         *,
         shard_group: CommGroup,
         replicate_group: CommGroup,
-        device: torch.device,
+        placement: Placement,
         param_dtype: torch.dtype,
         master_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         persistent_params: bool,
         source: ShardSource,
         pool: BufferPool,
-        host: torch.device | None = None,
-        offload_params: bool = False,
         weight_quant_block: int | None = None,
         grad_quant_block: int | None = None,
         master_on_disk: bool = False,
@@ -114,12 +113,11 @@ class FlatPart:
         self.weight_quant_block = weight_quant_block
         self.grad_quant_block = grad_quant_block
         self.pool = pool  # [Note: buffer reuse] memory of freed gathered parameters and gradients
-        self.host = host  # where offloaded state lives (ZeRO-Offload), or None
-        self.offload_params = offload_params
-        self.master_device = host or device  # where the master shard, its gradient and the optimizer live
+        self.placement = placement  # [Note: placement] in placement.py
+        self.master_device = placement.master_device  # where the master shard, its gradient and the optimizer live
         self.shard_group = shard_group
         self.replicate_group = replicate_group
-        self.device = device
+        self.device = placement.device
         self.param_dtype = param_dtype
         self.master_dtype = master_dtype
         self.reduce_dtype = reduce_dtype
@@ -129,11 +127,11 @@ class FlatPart:
         self.unsharded_param: torch.Tensor  # 1D (padded_numel,), param dtype; storage freed when resharded
         self.sharded_param: torch.Tensor | None  # 1D (shard_numel,); stage 3 gather source ([Note: cast on gather])
         self.sharded_master: torch.Tensor  # 1D (shard_numel,), master dtype; what the optimizer updates
-        self.unsharded_param = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=device)
-        if persistent_params and param_dtype == master_dtype and host is None:
+        self.unsharded_param = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=self.device)
+        if persistent_params and param_dtype == master_dtype and not placement.offloaded:
             self.sharded_master = self.unsharded_param[lo:hi]  # fp32 stages 0-2: the master is the parameter
         else:
-            self.sharded_master = self._alloc(self.layout.shard_numel, master_dtype, self.master_device)
+            self.sharded_master = placement.alloc(self.layout.shard_numel, master_dtype, self.master_device)
         with torch.no_grad():
             source.fill(self.layout, spec.params, shard_group.rank, self.sharded_master)
         self.sharded_param = None
@@ -142,18 +140,18 @@ class FlatPart:
         # [Note: parameters on disk] in disk.py: set by DiskOffload.adopt_master; fills a gather's source
         self.shard_reader: Callable[[], torch.Tensor] | None = None
         if not persistent_params:
-            shard_device = host if offload_params and host is not None else device
-            if master_on_disk and offload_params:
+            shard_device = placement.gather_source_device
+            if master_on_disk and placement.offload_params:
                 self.sharded_param = self.sharded_master  # a stand-in: each gather reads the files
             elif (
                 self.sharded_master.device == shard_device
-                and (param_dtype == master_dtype or host is None)
+                and (param_dtype == master_dtype or not placement.offloaded)
                 and not master_on_disk
             ):
                 # [Note: cast on gather] the master, in memory on the compute device, is the gather source
                 self.sharded_param = self.sharded_master
             else:
-                self.sharded_param = self._alloc(self.layout.shard_numel, param_dtype, shard_device)
+                self.sharded_param = placement.alloc(self.layout.shard_numel, param_dtype, shard_device)
                 self.sharded_param.copy_(self.sharded_master)
         self.params = self._bind_params(spec.params)
         # [Note: resting parameters] in resting.py: what the modules hold while the unit is resharded
@@ -176,11 +174,6 @@ class FlatPart:
     def mark_used(self, param: torch.Tensor) -> None:
         """Record that `param` received a gradient ([Note: unused parameters] in engine.py)."""
         self.used[self._index[id(param)]] = True
-
-    def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A 1D buffer; host buffers are pinned when the compute device is an accelerator (async copies)."""
-        pin = device.type == "cpu" and self.device.type != "cpu"
-        return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
 
     def _bind_params(self, originals: tuple[nn.Parameter, ...]) -> tuple[nn.Parameter, ...]:
         """Make each parameter a view of `unsharded_param`: in place (`.data`) for materialized
@@ -317,7 +310,7 @@ class FlatPart:
         """The gradient shard's memory, allocated on first use and again after `zero_grad` released
         it; its values are meaningless while `grad_is_zero`."""
         if self._sharded_grad is None:
-            self._sharded_grad = self._alloc(self.layout.shard_numel, self.master_dtype, self.master_device)
+            self._sharded_grad = self.placement.alloc(self.layout.shard_numel, self.master_dtype, self.master_device)
             self._grad_storage_nbytes = self._sharded_grad.untyped_storage().nbytes()
         storage = self._sharded_grad.untyped_storage()
         if storage.nbytes() == 0:
@@ -444,7 +437,7 @@ class FlatPart:
     def _reduces_into_shard(self) -> bool:
         """Whether a reduction can write straight into the (empty) gradient shard: no sum to add to, no
         cast and no host copy after it."""
-        return self.grad_is_zero and self.reduce_dtype == self.master_dtype and self.host is None
+        return self.grad_is_zero and self.reduce_dtype == self.master_dtype and not self.placement.offloaded
 
     def _reduce_rows(self, async_op: bool) -> GradReduction | None:
         """A lookup's reduction as a row exchange, or None after densifying when the ranks agree that the
@@ -504,7 +497,7 @@ class FlatPart:
     def releases_grad_memory(self) -> bool:
         """Whether `zero_grad` frees the gradient shard's memory: not for a pinned host shard
         (offload from an accelerator), as pinning memory again each step is slow."""
-        return not (self.host is not None and self.device.type != "cpu")
+        return not self.placement.keeps_grad_shard_memory
 
     def use_grad_slab(self, slab: torch.Tensor) -> None:
         """Keep the gradient shard in `slab`, a 1D view of `shard_numel` elements of one buffer shared
@@ -529,16 +522,14 @@ class FlatPart:
         tensors (even on a CPU-only machine) and the device otherwise. Views and aliases are
         deduplicated by the caller, in this order."""
 
-        def where(t: torch.Tensor, offloaded: bool) -> str:
-            return "host" if offloaded else str(t.device)
-
+        where, offloaded = self.placement.label, self.placement.offloaded
         held = [("parameters", self.unsharded_param, where(self.unsharded_param, False))]
         if self.sharded_param is not None:
-            held.append(("parameters", self.sharded_param, where(self.sharded_param, self.offload_params)))
-        for g, offloaded in ((self._sharded_grad, self.host is not None), (self.unsharded_grad, False)):
+            held.append(("parameters", self.sharded_param, where(self.sharded_param, self.placement.offload_params)))
+        for g, on_host in ((self._sharded_grad, offloaded), (self.unsharded_grad, False)):
             if g is not None:
-                held.append(("gradients", g, where(g, offloaded)))
-        held.append(("optimizer_states", self.sharded_master, where(self.sharded_master, self.host is not None)))
+                held.append(("gradients", g, where(g, on_host)))
+        held.append(("optimizer_states", self.sharded_master, where(self.sharded_master, offloaded)))
         return held
 
 
@@ -549,7 +540,7 @@ def grad_slab(units: list[FlatPart]) -> None:
     if not trainable or not all(u.releases_grad_memory for u in trainable):
         return  # pinned host shards stay per unit, allocated on first use
     first = trainable[0]
-    slab = first._alloc(sum(u.layout.shard_numel for u in trainable), first.master_dtype, first.master_device)
+    slab = first.placement.alloc(sum(u.layout.shard_numel for u in trainable), first.master_dtype, first.master_device)
     offset = 0
     for unit in trainable:
         unit.use_grad_slab(slab[offset : offset + unit.layout.shard_numel])

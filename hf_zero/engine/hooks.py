@@ -419,7 +419,7 @@ class UnitHooks:
         if not self.current.finished:
             return
         first = self.current.finished[0]
-        if first.host is not None and first.device.type != "cpu":
+        if first.placement.offloaded and first.placement.pins_host:
             torch.accelerator.synchronize(first.device)  # the host may now read the shards copied asynchronously
         self.current.finished.clear()
         self.settings.on_reduced()

@@ -29,6 +29,7 @@ import torch
 from .collectives import Pending
 from .flat import FlatPart, GradReduction
 from .lifecycle import ShardState, TrainingState
+from .placement import Placement
 from .residency import GradResidency, ParamResidency
 from .wrap import UnitSpec
 
@@ -116,8 +117,8 @@ class Unit:
         return self.trainable_part is not None
 
     @property
-    def host(self) -> torch.device | None:
-        return self._grads().host
+    def placement(self) -> Placement:
+        return self._grads().placement
 
     @property
     def device(self) -> torch.device:
