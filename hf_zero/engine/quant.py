@@ -1,5 +1,5 @@
 """Quantized collectives: int8 with per-block scales for stage 3's weight gathers and for gradient
-reductions (DeepSpeed's ZeRO++ qwZ and qgZ), built on the collectives of `collectives.py`.
+reductions (DeepSpeed's ZeRO++ qwZ and qgZ), built on the collectives of `collectives/ops.py`.
 
 [Note: block quantization]
 A 1D tensor is cut into blocks of `block` elements (the last one zero-padded); each block keeps
