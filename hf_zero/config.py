@@ -274,6 +274,14 @@ class ZeroConfig:
     )
 
     def __post_init__(self) -> None:
+        """Check every field (`TypeError` / `ValueError` naming the field and what it takes), then the fields
+        that only make sense together."""
+        self._check_choices()
+        self._check_numbers()
+        self._check_combinations()
+
+    def _check_choices(self) -> None:
+        """The fields that take one of a few values, and the flags."""
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3 ({_STAGE_HELP}); got {self.stage!r}.")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
@@ -295,21 +303,40 @@ class ZeroConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ZeroConfig.{name} must be a bool; got {getattr(self, name)!r}.")
+        if self.collectives not in ("auto", "native", "composed"):
+            raise ValueError(
+                f"ZeroConfig.collectives must be 'auto', 'native' or 'composed'; got {self.collectives!r}."
+            )
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)) or not os.fspath(self.offload_dir):
+                raise TypeError(f"ZeroConfig.offload_dir must be a folder path (str); got {self.offload_dir!r}.")
+            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
+
+    def _check_combinations(self) -> None:
+        """The fields that need others: offload, hybrid sharding and quantization by stage."""
         if self.offload_params and (self.stage != 3 or not self.offload_optimizer):
             raise ValueError(
                 "ZeroConfig.offload_params needs stage=3 and offload_optimizer=True: parameters are only sharded at "
                 "stage 3, and their master copy is updated where the optimizer runs. Set stage=3, "
                 "offload_optimizer=True (or drop offload_params)."
             )
-        if self.offload_dir is not None:
-            if not isinstance(self.offload_dir, (str, os.PathLike)) or not os.fspath(self.offload_dir):
-                raise TypeError(f"ZeroConfig.offload_dir must be a folder path (str); got {self.offload_dir!r}.")
-            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
-            if not self.offload_optimizer:
-                raise ValueError(
-                    "ZeroConfig.offload_dir needs offload_optimizer=True: the optimizer step runs on the host, "
-                    "streaming its state from the files. Set offload_optimizer=True (or drop offload_dir)."
-                )
+        if self.offload_dir is not None and not self.offload_optimizer:
+            raise ValueError(
+                "ZeroConfig.offload_dir needs offload_optimizer=True: the optimizer step runs on the host, "
+                "streaming its state from the files. Set offload_optimizer=True (or drop offload_dir)."
+            )
+        if self.shard_group_size is not None and self.stage == 0:
+            raise ValueError("ZeroConfig.shard_group_size needs stage 1, 2 or 3: stage 0 shards nothing.")
+        if self.quantized_weights and self.stage != 3:
+            raise ValueError("ZeroConfig.quantized_weights needs stage=3: only stage 3 gathers parameters every step.")
+        if self.quantized_gradients and self.stage < 2:
+            raise ValueError(
+                "ZeroConfig.quantized_gradients needs stage 2 or 3 (a reduce-scatter of every gradient); "
+                "stages 0-1 all-reduce them."
+            )
+
+    def _check_numbers(self) -> None:
+        """The counts, sizes and scales, each in its range."""
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"ZeroConfig.prefetch must be an int >= 0 (units gathered ahead); got {self.prefetch!r}.")
         if (
@@ -329,19 +356,6 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.shard_group_size must be None or a positive int (e.g. the GPUs per node); "
                 f"got {self.shard_group_size!r}."
-            )
-        if self.shard_group_size is not None and self.stage == 0:
-            raise ValueError("ZeroConfig.shard_group_size needs stage 1, 2 or 3: stage 0 shards nothing.")
-        if self.collectives not in ("auto", "native", "composed"):
-            raise ValueError(
-                f"ZeroConfig.collectives must be 'auto', 'native' or 'composed'; got {self.collectives!r}."
-            )
-        if self.quantized_weights and self.stage != 3:
-            raise ValueError("ZeroConfig.quantized_weights needs stage=3: only stage 3 gathers parameters every step.")
-        if self.quantized_gradients and self.stage < 2:
-            raise ValueError(
-                "ZeroConfig.quantized_gradients needs stage 2 or 3 (a reduce-scatter of every gradient); "
-                "stages 0-1 all-reduce them."
             )
         if (
             isinstance(self.quantization_block, bool)

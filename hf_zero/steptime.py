@@ -165,73 +165,19 @@ def predict(shape: ModelShape, job: Job, hw: Hardware) -> StepTime:
     compute_s = (model_flops + recompute) / (hw.peak_flops * hw.compute_efficiency)
     forward_s = compute_s * model_flops / 3 / (model_flops + recompute)
     backward_s = compute_s - forward_s
-
-    def bandwidth(ranks: int) -> float:
-        return (
-            hw.intra_node_bandwidth
-            if ranks <= hw.devices_per_node
-            else min(hw.intra_node_bandwidth, hw.inter_node_bandwidth)
-        )
-
-    p = shape.params
-    qbytes = 1 + 4 / job.quantization_block
-    gather_bytes = qbytes if job.quantized_weights else job.param_bytes
+    comm = _Communication(hw)
+    _add_collectives(comm, shape, job, hw, n, g)
     units = shape.layers + 1
-    fwd = bwd = tail = 0.0  # seconds of communication beside the forward, the backward, after the step
-    moved, collectives = 0.0, 0
-
-    def add(where: str, nbytes: float, ranks: int, bw: float, all_reduce: bool = False, count: int = 1) -> None:
-        nonlocal fwd, bwd, tail, moved, collectives
-        b, s = _ring(nbytes, ranks, bw, all_reduce)
-        if b:
-            moved += b
-            collectives += count
-            s += count * hw.latency_s
-            if where == "fwd":
-                fwd += s
-            elif where == "bwd":
-                bwd += s
-            else:
-                tail += s
-
-    def reduce(nbytes_elems: float, count: int) -> None:
-        bw = bandwidth(g) * (hw.reduce_bandwidth / hw.intra_node_bandwidth if hw.reduce_bandwidth else 1.0)
-        if job.quantized_gradients and job.stage >= 2:
-            add("bwd", nbytes_elems * qbytes, g, bw, count=count)  # all-to-all: (g-1)/g moves
-        else:
-            add("bwd", nbytes_elems * job.reduce_bytes, g, bw, count=count)
-        if g < n:  # hybrid: the shard's gradients across replicas
-            add(
-                "bwd",
-                nbytes_elems / g * job.reduce_bytes,
-                n // g,
-                hw.inter_node_bandwidth,
-                all_reduce=True,
-                count=count,
-            )
-
-    if job.stage == 0:
-        add("bwd", p * job.reduce_bytes, n, bandwidth(n), all_reduce=True, count=units)
-    elif job.stage in (1, 2):
-        for _ in range(job.accum if job.stage == 2 else 1):
-            reduce(p, units)
-        add("tail", p * job.param_bytes, g, bandwidth(g), count=units)
-    else:
-        backward_gathered = p - shape.embedding_params - (0 if shape.tied else shape.head_params)
-        for _ in range(job.accum):
-            add("fwd", p * gather_bytes, g, bandwidth(g), count=units)
-            add("bwd", backward_gathered * gather_bytes, g, bandwidth(g), count=units)
-            reduce(p, units)
-    comm_s = fwd + bwd + tail
-    first_last = (fwd + bwd) / max(1, units)  # the first gather and the last reduction wait for nothing
-    hidden_exposed = max(0.0, fwd - forward_s) + max(0.0, bwd - backward_s) + first_last + tail
+    comm_s = comm.fwd + comm.bwd + comm.tail
+    first_last = (comm.fwd + comm.bwd) / max(1, units)  # the first gather and the last reduction wait for nothing
+    hidden_exposed = max(0.0, comm.fwd - forward_s) + max(0.0, comm.bwd - backward_s) + first_last + comm.tail
     exposed = hw.overlap * min(comm_s, hidden_exposed) + (1 - hw.overlap) * comm_s
-    elements = p if job.stage == 0 else p / g
+    elements = shape.params if job.stage == 0 else shape.params / g
     optimizer_s = 32 * elements / hw.optimizer_bytes_per_s
     step_s = compute_s + exposed + optimizer_s
     return StepTime(
         compute_s=compute_s,
-        comm_bytes=moved,
+        comm_bytes=comm.moved,
         comm_s=comm_s,
         exposed_comm_s=exposed,
         optimizer_s=optimizer_s,
@@ -239,6 +185,66 @@ def predict(shape: ModelShape, job: Job, hw: Hardware) -> StepTime:
         tokens_per_s_per_device=tokens / step_s,
         mfu=model_flops / (step_s * hw.peak_flops),
     )
+
+
+class _Communication:
+    """Seconds of communication beside the forward, the backward and after the step, and the bytes moved."""
+
+    def __init__(self, hw: Hardware) -> None:
+        self.hw = hw
+        self.fwd = self.bwd = self.tail = 0.0
+        self.moved = 0.0
+        self.collectives = 0
+
+    def bandwidth(self, ranks: int) -> float:
+        hw = self.hw
+        if ranks <= hw.devices_per_node:
+            return hw.intra_node_bandwidth
+        return min(hw.intra_node_bandwidth, hw.inter_node_bandwidth)
+
+    def add(self, where: str, nbytes: float, ranks: int, bw: float, all_reduce: bool = False, count: int = 1) -> None:
+        b, s = _ring(nbytes, ranks, bw, all_reduce)
+        if not b:
+            return
+        self.moved += b
+        self.collectives += count
+        s += count * self.hw.latency_s
+        if where == "fwd":
+            self.fwd += s
+        elif where == "bwd":
+            self.bwd += s
+        else:
+            self.tail += s
+
+
+def _add_collectives(comm: _Communication, shape: ModelShape, job: Job, hw: Hardware, n: int, g: int) -> None:
+    """The collectives of one step at `job.stage`, over `n` ranks sharded in groups of `g`."""
+    p = shape.params
+    qbytes = 1 + 4 / job.quantization_block
+    gather_bytes = qbytes if job.quantized_weights else job.param_bytes
+    units = shape.layers + 1
+
+    def reduce(elements: float, count: int) -> None:
+        bw = comm.bandwidth(g) * (hw.reduce_bandwidth / hw.intra_node_bandwidth if hw.reduce_bandwidth else 1.0)
+        if job.quantized_gradients and job.stage >= 2:
+            comm.add("bwd", elements * qbytes, g, bw, count=count)  # all-to-all: (g-1)/g moves
+        else:
+            comm.add("bwd", elements * job.reduce_bytes, g, bw, count=count)
+        if g < n:  # hybrid: the shard's gradients across replicas
+            comm.add("bwd", elements / g * job.reduce_bytes, n // g, hw.inter_node_bandwidth, True, count)
+
+    if job.stage == 0:
+        comm.add("bwd", p * job.reduce_bytes, n, comm.bandwidth(n), all_reduce=True, count=units)
+    elif job.stage in (1, 2):
+        for _ in range(job.accum if job.stage == 2 else 1):
+            reduce(p, units)
+        comm.add("tail", p * job.param_bytes, g, comm.bandwidth(g), count=units)
+    else:
+        backward_gathered = p - shape.embedding_params - (0 if shape.tied else shape.head_params)
+        for _ in range(job.accum):
+            comm.add("fwd", p * gather_bytes, g, comm.bandwidth(g), count=units)
+            comm.add("bwd", backward_gathered * gather_bytes, g, comm.bandwidth(g), count=units)
+            reduce(p, units)
 
 
 def format_predictions(shape: ModelShape, job: Job, hw: Hardware, world_sizes: list[int]) -> str:
