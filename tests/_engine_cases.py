@@ -137,7 +137,7 @@ def lookup_gradient_rows(stage: int, tokens_per_rank: int, bypass_rank: int | No
         flat.all_gather_rows, flat.reduce_scatter_into = gather, scatter
     lo, hi = unit.layout.shard_range(unit.shard_group.rank)
     padded = torch.cat([expected, expected.new_zeros(unit.layout.padded_numel - expected.numel())])
-    got = unit.sharded_grad
+    got = unit.grads.shard
     return {
         "paths": paths,
         "max_abs_err": float((got - padded[lo:hi]).abs().max()),

@@ -46,7 +46,7 @@ def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: in
         "after_forward": after_forward,
         "gathered_in_backward": gathered_in_backward,
         "after_backward": sum(_holds_memory(u) for u in engine.units),
-        "unsharded_grads_after_backward": sum(u.unsharded_grad is not None for u in engine.parts),
+        "unsharded_grads_after_backward": sum(u.grads.unsharded is not None for u in engine.parts),
         "n_units": len(engine.parts),
     }
 
@@ -123,19 +123,19 @@ def large_head_backward(vocab: int) -> dict[str, Any]:
     out = model(input_ids=batch, labels=batch)
     out.logits.register_hook(lambda g: seen.update(block_whole_in_head_backward=_holds_memory(last_block)))
     model.lm_head.weight.register_hook(lambda g: seen.update(autograd_grad=g.data_ptr()))
-    reduce = head.reduce_grads
+    reduce = head.grads.reduce
 
     def reduce_and_record(*args: Any, **kwargs: Any) -> Any:
-        seen["reduced"] = head.unsharded_grad.data_ptr()
+        seen["reduced"] = head.grads.unsharded.data_ptr()
         return reduce(*args, **kwargs)
 
-    head.reduce_grads = reduce_and_record
+    head.grads.reduce = reduce_and_record
     out.loss.backward()
     return {
         "pooled_at_head": seen["pooled_at_head"],
         "block_whole_in_head_backward": seen["block_whole_in_head_backward"],
         "adopted": seen["reduced"] == seen["autograd_grad"],
-        "adopts": head.adopts_grads,
+        "adopts": head.grads.adopts,
     }
 
 

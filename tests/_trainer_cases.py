@@ -133,10 +133,10 @@ class _WindowMemory(TrainerCallback):
         memory = engine.memory()
         self.samples.append({
             "gradients": sum(memory.gradients.values()),
-            "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.parts),
+            "unsharded_grads": sum(u.grads.unsharded is not None for u in engine.parts),
             "shard_bytes": sum(u.layout.shard_numel * 4 for u in engine.parts if u.has_trainable),
-            "held_unsharded_bytes": sum(u.unsharded_grad.untyped_storage().nbytes() for u in engine.parts
-                                        if u.unsharded_grad is not None),
+            "held_unsharded_bytes": sum(u.grads.unsharded.untyped_storage().nbytes() for u in engine.parts
+                                        if u.grads.unsharded is not None),
             "dense_trainable_units": sum(u.has_trainable and not u.sparse_lookup for u in engine.parts),
         })
 
@@ -194,7 +194,7 @@ class _AttemptStart(TrainerCallback):
         from hf_zero.engine.lifecycle import ShardState
 
         self.attempts.append({"gathered": sum(u.shard_state is not ShardState.SHARDED for u in engine.units),
-                              "unsharded_grads": sum(u.unsharded_grad is not None for u in engine.parts)})
+                              "unsharded_grads": sum(u.grads.unsharded is not None for u in engine.parts)})
 
     def on_train_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001
         self.order = len(model.zero_engine.hooks._forward_order)

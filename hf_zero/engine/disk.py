@@ -477,7 +477,7 @@ class DiskOffload:
 
 def _grad_of(chunk: Chunk, used: dict[int, list[bool]]) -> torch.Tensor | None:
     piece = chunk.piece
-    if piece.unit.grad_is_zero or not used[id(piece.unit)][piece.slot_index]:
+    if piece.unit.grads.is_zero or not used[id(piece.unit)][piece.slot_index]:
         return None
     return piece.grad[chunk.a : chunk.b]
 

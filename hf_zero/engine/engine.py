@@ -23,7 +23,8 @@ from .collectives import (
     raise_if_any_failed,
 )
 from .disk import DiskOffload, OffloadFiles
-from .flat import FlatPart, grad_slab
+from .flat import FlatPart
+from .grads import grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
 from .pieces import Piece, pieces_of
@@ -86,7 +87,7 @@ class ZeroEngine:
             id(old): new for part in self.parts for old, new in zip(part.spec.params, part.params) if old is not new
         }
         _swap_parameters(model, self.replaced)
-        grad_slab(self.parts)
+        grad_slab([part.grads for part in self.parts])
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
         self.pool.clear()
         parts = iter(self.parts)
@@ -190,7 +191,7 @@ class ZeroEngine:
             self.hooks.reset()
         self.hooks.wait_reductions()
         for unit in self.parts:
-            unit.zero_grad()
+            unit.grads.zero()
             self.plan.grads.drop(unit)
         for piece in self.pieces:
             piece.unbind_grads()
@@ -201,7 +202,7 @@ class ZeroEngine:
         """Clip the sharded gradients by their global norm; returns the norm of the unsharded gradients."""
         self.hooks.wait_reductions()
         norm_type = float(norm_type)
-        shards = [unit.sharded_grad for unit in self.parts if unit.has_trainable and not unit.grad_is_zero]
+        shards = [part.grads.shard for part in self.parts if part.has_trainable and not part.grads.is_zero]
         group = self.plan.shard_group
         if not shards:  # nothing trainable: the norm is zero on every rank
             shards = [torch.zeros(1, device=self.device)]

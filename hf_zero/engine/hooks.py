@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .flat import GradReduction
+from .grads import GradReduction
 from .lifecycle import PassState, TrainingState
 from .pool import BufferPool
 from .stages import StagePlan

@@ -6,7 +6,7 @@ The user builds any elementwise `torch.optim.Optimizer` (AdamW, Adam, SGD, ...) 
 keeps that optimizer object and replaces each group's `params` by the pieces of those
 parameters that fall into this rank's shard: 1D views of the units' `sharded_master` (in
 chunks of bounded size, [Note: optimizer chunks] in engine.py), whose `.grad` are the matching
-views of `sharded_grad`. So the optimizer updates the master shards in
+views of the gradient shards (`FlatGrads.shard`). So the optimizer updates the master shards in
 place, with every group's hyperparameters intact, and its state is created for the shards only.
 That is exact for elementwise optimizers only; every other optimizer steps on whole parameters,
 each on the rank that owns it ([Note: whole-parameter step] in whole.py).

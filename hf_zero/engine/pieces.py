@@ -54,13 +54,13 @@ class Piece:
     @property
     def grad(self) -> torch.Tensor:
         """1D view of the unit's `sharded_grad` (allocating it on first use)."""
-        return self.unit.sharded_grad[self.local[0] : self.local[1]]
+        return self.unit.grads.shard[self.local[0] : self.local[1]]
 
     def bind_grads(self, used: bool) -> None:
         """Point each optimizer chunk's `.grad` at its part of the gradient shard, or None when the unit
         got no reduction since `zero_grad` ([Note: gradient shard lifetime]) or the parameter got no
         gradient on any rank (`used`, [Note: unused parameters])."""
-        grad = None if self.unit.grad_is_zero or not used else self.grad
+        grad = None if self.unit.grads.is_zero or not used else self.grad
         for t, (a, b) in zip(self.optim_params, self.bounds):
             t.grad = None if grad is None else grad[a:b]
 

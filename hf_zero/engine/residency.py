@@ -16,7 +16,8 @@ from typing import Protocol
 
 import torch
 
-from .flat import FlatPart, GradReduction
+from .flat import FlatPart
+from .grads import GradReduction
 
 
 class _Resident(Protocol):
@@ -104,7 +105,7 @@ class FreedGrads:
 
     def drop(self, part: FlatPart) -> None:
         """`zero_grad`: any unsharded gradients left (an abandoned pass) go."""
-        part.unsharded_grad = None
+        part.grads.unsharded = None
 
 
 GradResidency = KeptGrads | FreedGrads

@@ -61,7 +61,7 @@ class LossScaler:
 
     def check_and_update(self, units: list[FlatPart], world: CommGroup) -> bool:
         """Whether the reduced gradients are finite on every rank; updates the scale either way."""
-        shards = [unit.sharded_grad for unit in units if unit.has_trainable and not unit.grad_is_zero] or [
+        shards = [unit.grads.shard for unit in units if unit.has_trainable and not unit.grads.is_zero] or [
             torch.zeros(1)
         ]
         local = torch.stack([(~torch.isfinite(g)).any().cpu() for g in shards]).any().float()

@@ -159,7 +159,9 @@ class OptimizerSteps:
         step, on which parameters got a gradient anywhere, and the others keep `.grad = None`."""
         engine = self.engine
         flags = torch.tensor(
-            [int(u) for unit in engine.parts for u in unit.used], dtype=torch.int32, device=comm_device(engine.world)
+            [int(u) for unit in engine.parts for u in unit.grads.used],
+            dtype=torch.int32,
+            device=comm_device(engine.world),
         )
         if engine.world.size > 1:
             max_scalar_(flags, engine.world)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .collectives import Pending
-from .flat import FlatPart, GradReduction
+from .flat import FlatPart
+from .grads import GradReduction
 from .lifecycle import ShardState, TrainingState
 from .placement import Placement
 from .residency import GradResidency, ParamResidency
@@ -267,7 +268,7 @@ class Unit:
         self._signals = _Signals()
         self.held = False
         for p in self.parts:
-            p.detach_grads()
+            p.grads.detach()
         self.release()
 
     # ---- gradients: the trainable part --------------------------------------------------------------
@@ -276,44 +277,44 @@ class Unit:
 
     @property
     def unsharded_grad(self) -> torch.Tensor | None:
-        return self._grads().unsharded_grad
+        return self._grads().grads.unsharded
 
     @unsharded_grad.setter
     def unsharded_grad(self, value: torch.Tensor | None) -> None:
-        self._grads().unsharded_grad = value
+        self._grads().grads.unsharded = value
 
     def attach_grads(self) -> None:
         self._require("attach_grads", _TRAIN.IN_BACKWARD)
         if self.trainable_part is not None:
-            self.trainable_part.attach_grads()
+            self.trainable_part.grads.attach()
 
     def mark_used(self, param: torch.Tensor) -> None:
         self._require("mark_used", _TRAIN.IN_BACKWARD)
-        self._grads().mark_used(param)
+        self._grads().grads.mark_used(param)
 
     def collect_grads(self) -> None:
         """Take the gradients out of the parameters' `.grad` (after the unit's backward)."""
         self._require("collect_grads", _TRAIN.REDUCING)
         if self.trainable_part is not None:
-            self.trainable_part.collect_grads()
+            self.trainable_part.grads.collect()
 
     def reduce_grads(self, async_op: bool = True) -> GradReduction:
         """Issue the reduction of the unit's gradients; the gradient residency then lets go of the buffer."""
         self._require("reduce_grads", _TRAIN.REDUCING)
         free = not self.grad_residency.keeps_unsharded
-        reduction = self._grads().reduce_grads(async_op=async_op, buffer_is_free=free)
+        reduction = self._grads().grads.reduce(async_op=async_op, buffer_is_free=free)
         self.grad_residency.after_issue(self)  # stages 2-3: the reduction holds it until its wait
         return reduction
 
     def finish_reduction(self, reduction: GradReduction, divisor: float) -> None:
         """Wait for a reduction, add its mean into the gradient shard, and let the residency settle."""
         self._require("finish_reduction", _TRAIN.REDUCING)
-        self._grads().finish_reduction(reduction, divisor)
+        self._grads().grads.finish(reduction, divisor)
         self.grad_residency.after_reduction(self, reduction)
 
     def release_reduced(self, reduction: GradReduction) -> None:
         self._require("release_reduced", _TRAIN.REDUCING)
-        self._grads().release_reduced(reduction)
+        self._grads().grads.release_reduced(reduction)
 
 
 def split_frozen(spec: UnitSpec) -> list[UnitSpec]:

@@ -173,7 +173,7 @@ class WholeStep:
     def step(self, optimizer: torch.optim.Optimizer, used: dict[int, list[bool]]) -> None:
         """Step every parameter that got a gradient on some rank (`used`: per unit, per slot; [Note: unused
         parameters]), each on its owner, round by round ([Note: group state on the whole path])."""
-        stepped = [used[id(unit)][s] and not unit.grad_is_zero for unit, s in self.slots]
+        stepped = [used[id(unit)][s] and not unit.grads.is_zero for unit, s in self.slots]
         before = [_group_state(g) for g in optimizer.param_groups]
         after: list[dict[str, Any]] | None = None
         coupled: list[str] = []
@@ -275,7 +275,7 @@ class WholeStep:
         for index in round_params:
             if index is not None:
                 unit = self.slots[index][0]
-                return unit.master_dtype if what == "master" else unit.sharded_grad.dtype
+                return unit.master_dtype if what == "master" else unit.grads.shard.dtype
         return torch.float32
 
     def _send_back(self, round_params: list[int | None], mine: int | None) -> None:
