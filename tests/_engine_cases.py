@@ -104,7 +104,7 @@ def lookup_gradient_rows(stage: int, tokens_per_rank: int, bypass_rank: int | No
     embedding output with `F.embedding` on the weight directly (a dense gradient on that rank)."""
     import torch.nn.functional as F
 
-    from hf_zero.engine import flat
+    from hf_zero.engine import grads  # where a part's reductions are issued
 
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = make_model("llama")
@@ -118,11 +118,11 @@ def lookup_gradient_rows(stage: int, tokens_per_rank: int, bypass_rank: int | No
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
     unit = next(u for u in model.zero_engine.parts if u.spec.name == "model.embed_tokens")
     paths: list[str] = []
-    inside: list[bool] = []  # whether the embedding unit's reduce_grads is running
-    gather, scatter, reduce = flat.all_gather_rows, flat.reduce_scatter_into, unit.reduce_grads
-    flat.all_gather_rows = lambda *a, **k: (paths.append("rows"), gather(*a, **k))[1]
-    flat.reduce_scatter_into = lambda *a, **k: (paths.append("dense") if inside else None, scatter(*a, **k))[1]
-    unit.reduce_grads = lambda *a, **k: (inside.append(True), reduce(*a, **k), inside.clear())[1]
+    inside: list[bool] = []  # whether the embedding part's reduction is being issued
+    gather, scatter, reduce = grads.all_gather_rows, grads.reduce_scatter_into, unit.grads.reduce
+    grads.all_gather_rows = lambda *a, **k: (paths.append("rows"), gather(*a, **k))[1]
+    grads.reduce_scatter_into = lambda *a, **k: (paths.append("dense") if inside else None, scatter(*a, **k))[1]
+    unit.grads.reduce = lambda *a, **k: (inside.append(True), reduce(*a, **k), inside.clear())[1]
     try:
         batch = batches[rank]
         if rank == bypass_rank:
@@ -134,7 +134,7 @@ def lookup_gradient_rows(stage: int, tokens_per_rank: int, bypass_rank: int | No
         loss.backward()
         opt.clip_grad_norm_(float("inf"))  # waits for every reduction
     finally:
-        flat.all_gather_rows, flat.reduce_scatter_into = gather, scatter
+        grads.all_gather_rows, grads.reduce_scatter_into = gather, scatter
     lo, hi = unit.layout.shard_range(unit.shard_group.rank)
     padded = torch.cat([expected, expected.new_zeros(unit.layout.padded_numel - expected.numel())])
     got = unit.grads.shard
