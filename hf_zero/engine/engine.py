@@ -124,7 +124,7 @@ class ZeroEngine:
             param_dtype=self.param_dtype,
             master_dtype=self.param_dtype if spec.frozen else self.master_dtype,
             reduce_dtype=self.reduce_dtype,
-            persistent_params=not self.plan.params.gathers,
+            persistent_params=self.plan.params.keeps_whole,
             source=source,
             pool=self.pool,
             weight_quant_block=block if config.quantized_weights else None,
@@ -151,7 +151,7 @@ class ZeroEngine:
     def generation_needs_sync(self) -> bool:
         """Whether every rank must run every forward of `generate` (stage 3, several ranks): each
         forward gathers parameters, so a rank that stopped early would leave the others waiting."""
-        return self.plan.params.gathers and self.world.size > 1
+        return self.plan.params.uses_gather and self.world.size > 1
 
     @property
     def writes_shards(self) -> bool:

@@ -266,7 +266,7 @@ class UnitHooks:
             and self._order_known
             and unit is self._forward_order[-1]
             and unit.spec.backward_reads_params
-            and self.plan.params.gathers
+            and self.plan.params.keeps_last_unit_for_backward
         )
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -331,12 +331,12 @@ class UnitHooks:
     def _forward_gathers(self, unit: Unit, recompute: bool) -> bool:
         """Whether `unit`'s forward issues a gather (its own, or, outside backward, a prefetch); the
         same on every rank."""
-        own = self.plan.params.gathers and unit.needs_gather
+        own = self.plan.params.uses_gather and unit.needs_gather
         return own or (not recompute and any(u.needs_gather for u in self._prefetches(unit, forward=True)))
 
     def _prefetches(self, unit: Unit, forward: bool) -> tuple[Unit, ...]:
         """The units `_prefetch_after(unit, forward)` gathers."""
-        if not self.plan.params.gathers:
+        if not self.plan.params.prefetches:
             return ()
         return unit.prefetch_targets.forward if forward else unit.prefetch_targets.backward
 

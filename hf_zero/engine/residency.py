@@ -35,7 +35,10 @@ class _Resident(Protocol):
 class PersistentParams:
     """Stages 0-2: every unit's unsharded parameters stay allocated; nothing to gather or free."""
 
-    gathers = False  # no forward or backward gathers (so nothing to prefetch, nothing to keep for backward)
+    keeps_whole = True  # the parameters are whole on every rank at every moment (the parts never free them)
+    uses_gather = False  # a forward issues no gather, so ranks may run different numbers of forwards (generate)
+    prefetches = False  # nothing to gather ahead
+    keeps_last_unit_for_backward = False  # nothing to keep: nothing is freed after the forward
 
     def before_compute(self, unit: _Resident) -> None:
         """Nothing to gather."""
@@ -53,7 +56,10 @@ class PersistentParams:
 class ShardedParams:
     """Stage 3: a unit is gathered just before its forward and its backward, and freed after each."""
 
-    gathers = True  # each use gathers: prefetch ahead, keep the last forward unit for its backward
+    keeps_whole = False
+    uses_gather = True  # every forward gathers: all ranks must run the same forwards
+    prefetches = True  # gather the next units while one computes ([Note: prefetch] in hooks.py)
+    keeps_last_unit_for_backward = True  # the forward's last unit is the backward's first: not freed between
 
     def before_compute(self, unit: _Resident) -> None:
         unit.unshard()

@@ -58,7 +58,7 @@ def plan_for_stage(
 
     ```python
     >>> plan = plan_for_stage(3, CommGroup.world())
-    >>> plan.params.gathers, plan.grads.keeps_unsharded
+    >>> plan.params.uses_gather, plan.grads.keeps_unsharded
     (True, False)
     ```
     """
