@@ -26,7 +26,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 from trl import SFTConfig, SFTTrainer
 
 import hf_zero
-from process_exit import exit_without_teardown
 
 
 @dataclass
@@ -76,4 +75,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown()  # see examples/process_exit.py (a gloo teardown race in torch 2.13)

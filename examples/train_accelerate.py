@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator, get_scheduler, set_seed
 
 import hf_zero
-from process_exit import exit_without_teardown
 from clm_data import load_corpus
 
 
@@ -163,4 +162,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown()  # see examples/process_exit.py (a gloo teardown race in torch 2.13)

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, default_data_collator, set_seed
 
 import hf_zero
-from process_exit import exit_without_teardown
 from clm_data import load_corpus
 
 
@@ -104,4 +103,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown()  # see examples/process_exit.py (a gloo teardown race in torch 2.13)

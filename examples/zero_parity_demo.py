@@ -21,7 +21,6 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_zero
-from process_exit import exit_without_teardown
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -130,4 +129,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown()  # see examples/process_exit.py (a gloo teardown race in torch 2.13)

@@ -16,9 +16,6 @@ from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 import hf_zero  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from process_exit import exit_without_teardown  # noqa: E402
-
 
 @dataclass
 class ZeroDPOConfig(hf_zero.ZeroArgumentsMixin, DPOConfig):
@@ -57,4 +54,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown()  # see examples/process_exit.py (a gloo teardown race in torch 2.13)

@@ -89,3 +89,30 @@ def test_trainer_resumes_from_the_last_complete_checkpoint(pools, tmp_path):
     manifest = json.loads((out / "checkpoint-6" / "hf_zero" / "hf_zero_manifest.json").read_text())
     assert manifest["user"] == {"global_step": 6}
     np.testing.assert_array_equal(resumed["state"]["lm_head.weight"].numpy(), straight["state"]["lm_head.weight"].numpy())
+
+
+def _run_user_scripts(tmp_path: Path, count: int, extra: list[str]) -> list[tuple[int, str]]:
+    """Run tests/_exit_script.py `count` times under torchrun (2 gloo ranks), two launches at a time; each
+    launch's exit code and the tail of its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    results: list[tuple[int, str]] = []
+    for first in range(0, count, 2):
+        running = []
+        for i in range(first, min(first + 2, count)):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(ROOT / "tests" / "_exit_script.py"), str(tmp_path / f"ckpt{i}"), *extra]
+            running.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+        for proc in running:
+            out, _ = proc.communicate(timeout=300)
+            results.append((proc.returncode, out[-1500:]))
+    return results
+
+
+def test_a_user_script_exits_0_every_time(tmp_path):
+    """[Note: clean exit]: train, save, load, destroy_process_group(), return: 20 launches on 2 gloo ranks (two
+    launches at a time, so the machine is busy as a shared node is), every exit code 0; and 2 more that return
+    without destroying the process group."""
+    results = _run_user_scripts(tmp_path, 20, [])
+    results += _run_user_scripts(tmp_path / "kept", 2, ["--keep-group"])
+    failed = [(code, tail) for code, tail in results if code != 0]
+    assert not failed, f"{len(failed)} of {len(results)} launches exited non-zero; first:\n{failed[0][1]}"

@@ -34,6 +34,7 @@ from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
 from .stepping import OptimizerSteps
+from .teardown import track
 from .unit import Unit, split_frozen
 from .wrap import UnitSpec
 
@@ -108,6 +109,7 @@ class ZeroEngine:
         if self.disk is not None:
             self.disk.build_windows(self.pieces)
         self._names, self._real = _name_index(self.parts, self.replaced)
+        track(self)  # [Note: clean exit] in teardown.py
 
     def _part(self, spec: UnitSpec, source: ShardSource) -> FlatPart:
         """The flat part of `spec`, its shard taken from `source`; frozen parts stay on the device and keep their
@@ -134,6 +136,21 @@ class ZeroEngine:
         if self.disk is not None and offloaded:
             self.disk.adopt_master(part)  # [Note: disk offload]: one part's master in memory at a time
         return part
+
+    @property
+    def uses_host_backend(self) -> bool:
+        """Whether any of the engine's groups runs on a host backend (gloo): its collectives complete on worker
+        threads ([Note: clean exit])."""
+        groups = (self.world, self.plan.shard_group, self.plan.replicate_group)
+        return any(g.size > 1 and g.comm_kind == "cpu" for g in groups)
+
+    def finish_in_flight(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s` each) for every collective this engine issued and has not waited for, and
+        drop its transient buffers; local, issues nothing ([Note: clean exit]). True when all finished."""
+        ok = self.hooks.settle(timeout_s)
+        ok = all([unit.settle(timeout_s) for unit in self.units]) and ok
+        self.pool.clear()
+        return ok
 
     def name_of(self, param: torch.Tensor) -> str:
         """The first qualified name of one of the model's parameters (or of its stand-in)."""

@@ -27,7 +27,8 @@ name:
 | end_pass         | IDLE, REDUCING                |                       | FORWARD, IN_BACKWARD               |
 
 `abandon` (an exception stopped the pass) moves any training state to IDLE, and is the only verb
-that may. The state is the truth: `is_unsharded` reads it, never the storage's byte count.
+that may; `settle` (the process is leaving: [Note: clean exit] in teardown.py) waits for gathers in flight
+in any state and moves nothing. The state is the truth: `is_unsharded` reads it, never the storage's byte count.
 
 A unit's backward ends on a unit-level signal that is the same on every rank: the gradient of its
 forward inputs ([Note: backward end] in hooks.py), never on which of its parameters got gradients

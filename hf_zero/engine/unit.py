@@ -183,6 +183,11 @@ class Unit:
         for pending in gathers:
             pending.wait()
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) for gathers in flight, leaving the states as they are: legal in every state
+        ([Note: clean exit] in teardown.py). True when they all finished."""
+        return all([pending.settle(timeout_s) for pending in self._gathers])
+
     def before_compute(self) -> None:
         """Make the parameters whole if the stage gathers them (stage 3)."""
         self.residency.before_compute(self)

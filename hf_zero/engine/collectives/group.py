@@ -122,6 +122,17 @@ class Pending:
         self.then = step if first is None else (lambda: (first(), step()))
         return self
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` for the issued collectives, without the completion steps (a pass being
+        abandoned, the process leaving); True when they all finished. Never raises."""
+        ok = True
+        for w in self.works:
+            try:
+                w.wait(datetime.timedelta(seconds=timeout_s))
+            except Exception:  # noqa: BLE001 - timed out or failed: reported as False
+                ok = False
+        return ok
+
     def done(self) -> bool:
         """Whether every issued collective has completed (a query: it neither blocks nor syncs)."""
         return all(w.is_completed() for w in self.works)
