@@ -16,7 +16,14 @@ from .api import (
     model_state_memory,
     state_dict_options,
 )
-from .checkpoint import consolidate, last_complete_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
+from .checkpoint import (
+    AsyncSave,
+    consolidate,
+    last_complete_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_pretrained,
+)
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
 from .engine.whole import register_elementwise
@@ -45,6 +52,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AsyncSave",
     "ModelStateMemory",
     "ShardedOptimizer",
     "ZeroAccelerator",

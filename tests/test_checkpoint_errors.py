@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests import _async_save_cases as async_save_cases
 from tests import _checkpoint_cases as checkpoint_cases
 from tests._training import Scenario, sharded_run
 
@@ -91,3 +94,29 @@ def test_saving_over_an_existing_checkpoint_replaces_it(pools, saved, tmp_path):
     manifest = json.loads((ckpt / "hf_zero_manifest.json").read_text())
     assert manifest["stage"] == 2 and manifest["user"] == {"step": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing left aside
+
+
+@pytest.mark.parametrize("stage,budget", [(3, None), (2, 6000)], ids=["stage3", "stage2-bf16-budget"])
+def test_async_save_writes_the_checkpoint_a_sync_save_writes(pools, tmp_path, stage, budget):
+    """[Note: asynchronous save]: an asynchronous save, with training steps taken while it writes, gives the
+    checkpoint a synchronous save of the same state gives, file for file (every checksum); with a snapshot budget
+    (part of the state written from the training tensors before the call returns) too; a second asynchronous
+    save starts after the first is committed."""
+    results = pools(2).values(async_save_cases.async_equals_sync, str(tmp_path), stage, budget)
+    r = results[0]
+    assert r["sync"] == r["async"] and len(r["sync"]) > 3
+    assert r["sync4"] == r["async4"] and r["sync4"] != r["sync"]
+    assert all(x["writing_when_returned"] for x in results)  # the writes were still going when training went on
+    assert all(x["first_done_before_second"] for x in results)
+    assert r["leftovers"] == []
+
+
+def test_async_save_failure_raises_on_every_rank_at_wait(pools, tmp_path):
+    """A background write that fails on rank 1 (disk full): the call returned, `wait` raises on both ranks (the
+    failing rank's OSError; the other names it), and the previous checkpoint is intact with nothing left over."""
+    results = pools(2).values(async_save_cases.async_save_with_fault, str(tmp_path), 1, errno.ENOSPC)
+    assert all(r["returned"] for r in results)
+    assert results[1]["error_type"] == "OSError" and os.strerror(errno.ENOSPC) in results[1]["error"]
+    assert results[0]["error_type"] == "OSError" and "failed on rank(s) [1]" in results[0]["error"]
+    assert all(r["intact"] for r in results)
+    assert results[0]["leftovers"] == ["ckpt"]

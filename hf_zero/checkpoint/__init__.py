@@ -1,8 +1,16 @@
 """Sharded safetensors checkpoints: save without gathering, load at any world size, consolidate."""
 
+from .background import AsyncSave
 from .consolidate import consolidate, save_pretrained
 from .format import last_complete_checkpoint
 from .load import load_checkpoint
 from .save import save_checkpoint
 
-__all__ = ["consolidate", "last_complete_checkpoint", "load_checkpoint", "save_checkpoint", "save_pretrained"]
+__all__ = [
+    "AsyncSave",
+    "consolidate",
+    "last_complete_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "save_pretrained",
+]

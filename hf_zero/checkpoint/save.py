@@ -20,6 +20,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer, sharded_list
 from ..engine.pieces import Piece
+from .background import AsyncSave, FileJob, checkpoint_group, finish_previous, remember, snapshot
 from .format import (
     BUFFERS_FILE,
     FORMAT_VERSION,
@@ -50,8 +52,6 @@ from .format import (
     model_file,
     optim_file,
     save_hf_files,
-    save_safetensors,
-    sha256_of,
     write_bytes_atomically,
     write_file_atomically,
 )
@@ -66,7 +66,9 @@ def save_checkpoint(
     *,
     tokenizer: Any = None,
     metadata: dict[str, Any] | None = None,
-) -> Path:
+    async_save: bool = False,
+    snapshot_budget_bytes: int | None = None,
+) -> Path | AsyncSave:
     """Save a sharded training checkpoint: each rank writes its own shards, nothing is gathered.
 
     A collective: every rank must call it. The checkpoint resumes on any number of ranks and any
@@ -83,9 +85,14 @@ def save_checkpoint(
         tokenizer (*optional*): saved with its `save_pretrained`, for consolidation.
         metadata (`dict`, *optional*): JSON-serializable values stored in the manifest
             (e.g. `{"step": 1000}`) and returned by `load_checkpoint`.
+        async_save (`bool`, *optional*, defaults to `False`): return as soon as the state is snapshotted to host
+            memory and write in the background ([Note: asynchronous save] in `background.py`); the next save
+            waits for this one.
+        snapshot_budget_bytes (`int`, *optional*): with `async_save`, the most host memory the snapshot takes;
+            the rest is written from the training tensors before the call returns. `None`: no bound.
 
     Returns:
-        `Path`: the checkpoint directory.
+        `Path`: the checkpoint directory; with `async_save`, an `AsyncSave` whose `wait()` returns it.
 
     Raises:
         OSError: a rank could not write (disk full, read-only folder), on that rank;
@@ -103,31 +110,79 @@ def save_checkpoint(
     with agreement(world, "hf_zero.save_checkpoint"):  # arguments may differ between ranks: agree first
         optimizers = sharded_list(optimizer, "save_checkpoint")
         _check_json(metadata)
+        _check_async(async_save, snapshot_budget_bytes)
+    finish_previous(engine)  # [Note: asynchronous save] the next save starts after the previous one
     engine.hooks.wait_reductions()
     token = broadcast_object(uuid.uuid4().hex[:12], world)
     staging = target.parent / f".{target.name}.incomplete-{token}"
 
-    record: dict[str, Any] = {}
+    record: dict[str, Any] = {"files": {}}
+    jobs: list[FileJob] = []
+    consumed = None
     error: BaseException | None = None
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        record = _write_rank_files(staging, model, engine, optimizers)
+        jobs, record = _rank_jobs(model, engine, optimizers)
+        if async_save:
+            jobs, consumed = snapshot(jobs, snapshot_budget_bytes, pin=engine.device.type != "cpu")
+        else:
+            _write_jobs(staging, jobs, record)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         error = e
-    _raise_if_failed(error, world, staging, "write its shards to", target)
-
+    _raise_if_failed(error, world, staging, "snapshot its shards for" if async_save else "write its shards to", target)
     records = gather_objects(record, world)
-    with agreement(world, f"hf_zero.save_checkpoint (commit of {target}; nothing was replaced)"):
+    manifest = None
+    with agreement(world, f"hf_zero.save_checkpoint (of {target}; nothing was replaced)"):
         if world.rank == 0:
             try:
                 manifest = _manifest(model, engine, optimizers, records, metadata)
                 save_hf_files(model, tokenizer, staging)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+    if not async_save:
+        _commit(world, staging, target, token, manifest)
+        return target
+    group = checkpoint_group(world)
+
+    def write_and_commit() -> None:
+        files: dict[str, Any] = {"files": {}}
+        failure: BaseException | None = None
+        try:
+            _write_jobs(staging, jobs, files)
+        except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
+            failure = e
+        _raise_if_failed(failure, group, staging, "write its shards to", target)
+        merged = {k: v for rec in gather_objects(files, group) for k, v in rec["files"].items()}
+        done = None if manifest is None else replace(manifest, files={k: FileEntry(**v) for k, v in merged.items()})
+        _commit(group, staging, target, token, done)
+
+    handle = AsyncSave(target, write_and_commit)
+    remember(engine, handle)
+    if consumed is not None:
+        consumed.wait()  # the entries beyond the snapshot budget are read from the training tensors: wait for them
+    return handle
+
+
+def _commit(world: CommGroup, staging: Path, target: Path, token: str, manifest: Manifest | None) -> None:
+    """Rank 0 writes the manifest (last) and swaps the staging folder into place; every rank agrees on it."""
+    with agreement(world, f"hf_zero.save_checkpoint (commit of {target}; nothing was replaced)"):
+        if world.rank == 0:
+            try:
+                if manifest is None:
+                    raise RuntimeError(f"[rank {world.global_rank}] hf_zero: no manifest to commit {target} with")
                 write_bytes_atomically(staging / MANIFEST, manifest.to_json().encode())
                 _swap_into_place(staging, target, token)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-    return target
+
+
+def _check_async(async_save: object, budget: object) -> None:
+    if not isinstance(async_save, bool):
+        raise TypeError(f"save_checkpoint's async_save must be a bool; got {async_save!r}.")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"save_checkpoint's snapshot_budget_bytes must be None or an int >= 0; got {budget!r}.")
 
 
 def _raise_if_failed(error: BaseException | None, world: CommGroup, staging: Path, what: str, target: Path) -> None:
@@ -143,28 +198,28 @@ def _raise_if_failed(error: BaseException | None, world: CommGroup, staging: Pat
     raise_if_any_failed(error, world, "hf_zero.save_checkpoint")
 
 
-def _write_rank_files(
-    staging: Path, model: nn.Module, engine: ZeroEngine, optimizers: list[ShardedOptimizer]
-) -> dict[str, Any]:
+def _rank_jobs(
+    model: nn.Module, engine: ZeroEngine, optimizers: list[ShardedOptimizer]
+) -> tuple[list[FileJob], dict[str, Any]]:
+    """The files this rank writes (their entries reading the state where it lives: [Note: streamed save]) and
+    its record for the manifest (slices, state kinds, owners; `files` is filled as they are written)."""
     record: dict[str, Any] = {"files": {}, "slices": {}, "state": {}}
+    jobs: list[FileJob] = []
     if engine.world.rank == 0:
-        buffers = engine.module_state(with_params=False)
+        buffers = {
+            k: v.detach().to("cpu", copy=True).contiguous() for k, v in engine.module_state(with_params=False).items()
+        }
         if buffers:
-            _write_safetensors(
-                staging,
-                BUFFERS_FILE,
-                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in buffers.items()},
-                {},
-                record,
-            )
+            entries = [Entry(k, v.dtype, tuple(v.shape), host_pieces(v)) for k, v in buffers.items()]
+            jobs.append(FileJob(BUFFERS_FILE, entries, {}))
     if not engine.writes_shards:
-        return record  # a replica (stage 0 or hybrid): the shard-group rank 0 replica writes
+        return jobs, record  # a replica (stage 0 or hybrid): the shard-group rank 0 replica writes
     rank, size = engine.plan.shard_group.rank, engine.plan.shard_group.size
     mfile = model_file(rank, size)
     slices = {p.name: [p.start, p.end] for p in engine.pieces}
     masters = [Entry(p.name, p.unit.master_dtype, (p.end - p.start,), _master_pieces(engine, p)) for p in engine.pieces]
     header = {"kind": "model", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank, "slices": slices}
-    _write_streamed(staging, mfile, masters, header, record)
+    jobs.append(FileJob(mfile, masters, header))
     record["slices"] = {name: [mfile, s, e] for name, (s, e) in slices.items()}
     if optimizers:
         state_entries: list[Entry] = []
@@ -186,9 +241,15 @@ def _write_rank_files(
             "slices": slices,
             "state": kinds,
         }
-        _write_streamed(staging, optim_file(rank, size), state_entries, header, record)
+        jobs.append(FileJob(optim_file(rank, size), state_entries, header))
         record["state"] = kinds
-    return record
+    return jobs, record
+
+
+def _write_jobs(staging: Path, jobs: list[FileJob], record: dict[str, Any]) -> None:
+    """Write each file (atomically, checksummed) into `staging`; `record["files"]` gets its size and digest."""
+    for job in jobs:
+        _write_streamed(staging, job.name, job.entries, job.header, record)
 
 
 def _master_pieces(engine: ZeroEngine, piece: Piece) -> Callable[[], Iterable[torch.Tensor]]:
@@ -249,19 +310,9 @@ def _write_streamed(
 ) -> None:
     final = staging / name
     digest: list[str] = []
-    write_file_atomically(
-        final, lambda tmp: digest.append(write_streamed(tmp, entries, {"hf_zero": json.dumps(header)}))
-    )
-    record["files"][name] = {"bytes": final.stat().st_size, "sha256": digest[0]}
-
-
-def _write_safetensors(
-    staging: Path, name: str, tensors: dict[str, torch.Tensor], header: dict[str, Any], record: dict[str, Any]
-) -> None:
-    final = staging / name
     metadata = {"hf_zero": json.dumps(header)} if header else None
-    write_file_atomically(final, lambda tmp: save_safetensors(tmp, tensors, metadata))
-    record["files"][name] = {"bytes": final.stat().st_size, "sha256": sha256_of(final)}
+    write_file_atomically(final, lambda tmp: digest.append(write_streamed(tmp, entries, metadata)))
+    record["files"][name] = {"bytes": final.stat().st_size, "sha256": digest[0]}
 
 
 def _manifest(

@@ -1,0 +1,165 @@
+"""Asynchronous saves: the shards are snapshotted at the call and written while training goes on.
+
+[Note: asynchronous save]
+`save_checkpoint(..., async_save=True)` returns an `AsyncSave` handle as soon as the state is safe from
+the training that follows:
+
+1. At the call (every rank, in step): the previous asynchronous save is waited for (its error, if it
+   failed, raises here), the reductions in flight land, and every tensor the rank writes is copied to
+   host memory (pinned when the compute device is an accelerator): the *snapshot*. With
+   `snapshot_budget_bytes`, at most that many bytes are copied (the last entries of the rank's files);
+   the entries before them are written straight from the training tensors while the call waits, so the
+   host memory a save adds is bounded by the budget (plus one piece in transit: [Note: streamed save]).
+   The manifest is built here too (learning rates, loss scale, metadata as they are at the call).
+2. In a background thread per rank: the rank's files are written and checksummed into the staging folder;
+   the ranks agree on success and rank 0 writes the manifest and swaps the folder into place, exactly as a
+   synchronous save ([Note: atomic save]). These collectives run on a process group of their own (gloo,
+   made once at the first asynchronous save), never on the training's, so they cannot interleave with the
+   training's collectives.
+3. `wait()` joins the thread and raises the save's error on every rank (the ranks agreed on it in step 2);
+   `done()` asks without blocking. A crash during the background write leaves the previous checkpoint whole.
+
+The result is the checkpoint a synchronous save at the call would have written, byte for byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..engine.collectives import CommGroup
+from .stream import Entry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FileJob:
+    """One file a rank writes: its name, its entries in order, and the header stored in its metadata."""
+
+    name: str
+    entries: list[Entry]
+    header: dict[str, object]
+
+
+class AsyncSave:
+    """The handle of an asynchronous `save_checkpoint` ([Note: asynchronous save]).
+
+    Example:
+
+    ```python
+    >>> handle = hf_zero.save_checkpoint("ckpt/step-1000", model, optimizer, async_save=True)
+    >>> ...  # training goes on
+    >>> handle.wait()  # the checkpoint is committed (or its error raises, on every rank)
+    PosixPath('ckpt/step-1000')
+    ```
+    """
+
+    def __init__(self, target: Path, work: Callable[[], None]) -> None:
+        self.target = target
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="hf_zero-save", daemon=False)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - handed to wait() on this rank
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed); never blocks."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until the save is committed and return its directory; raise its error if it failed (every rank
+        raises: the ranks agreed on the outcome)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.target
+
+
+def snapshot(jobs: list[FileJob], budget_bytes: int | None, pin: bool) -> tuple[list[FileJob], threading.Event]:
+    """`jobs` with the entries that fit in `budget_bytes` (all of them for None), counted from the last, copied to
+    host memory now; the entries before them stay live. The event is set once the writer has consumed every
+    live entry (at once when there is none): the caller waits for it before training goes on."""
+    flat = [(j, e) for j, job in enumerate(jobs) for e, _ in enumerate(job.entries)]
+    room = budget_bytes if budget_bytes is not None else None
+    copied: set[tuple[int, int]] = set()
+    for j, e in reversed(flat):
+        n = jobs[j].entries[e].nbytes
+        if room is not None and n > room:
+            break
+        copied.add((j, e))
+        room = None if room is None else room - n
+    live = [key for key in flat if key not in copied]
+    consumed = threading.Event()
+    if not live:
+        consumed.set()
+    out = []
+    for j, job in enumerate(jobs):
+        entries = []
+        for e, entry in enumerate(job.entries):
+            if (j, e) in copied:
+                entries.append(replace(entry, pieces=_frozen(entry.pieces(), pin)))
+            elif (j, e) == live[-1]:
+                entries.append(replace(entry, pieces=_signalling(entry.pieces, consumed)))
+            else:
+                entries.append(entry)
+        out.append(replace(job, entries=entries))
+    return out, consumed
+
+
+def _frozen(pieces: Iterable[torch.Tensor], pin: bool) -> Callable[[], Iterator[torch.Tensor]]:
+    """Host copies of `pieces` made now (the source may be training memory, or a reused read buffer)."""
+    copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p) for p in pieces]
+    return lambda: iter(copies)
+
+
+def _signalling(
+    pieces: Callable[[], Iterable[torch.Tensor]], event: threading.Event
+) -> Callable[[], Iterator[torch.Tensor]]:
+    def gen() -> Iterator[torch.Tensor]:
+        try:
+            yield from pieces()
+        finally:
+            event.set()
+
+    return gen
+
+
+_groups: dict[tuple[int, ...], CommGroup] = {}
+
+
+def checkpoint_group(world: CommGroup) -> CommGroup:
+    """The process group asynchronous saves agree on (gloo, made once per set of ranks; a collective the first
+    time: every rank of `world` calls it in step)."""
+    if world.size == 1:
+        return CommGroup.single()
+    ranks = tuple(world.global_rank_of(r) for r in range(world.size))
+    group = _groups.get(ranks)
+    if group is None:
+        pg = dist.new_group(list(ranks), backend="gloo")
+        group = _groups[ranks] = CommGroup.of(pg, world.rank, world.size)
+    return group
+
+
+_pending: dict[int, AsyncSave] = {}  # id(engine) -> its save in the background
+
+
+def finish_previous(engine: object) -> None:
+    """Wait for `engine`'s previous asynchronous save (the next save starts after it); its error raises here."""
+    previous = _pending.pop(id(engine), None)
+    if previous is not None:
+        previous.wait()
+
+
+def remember(engine: object, handle: AsyncSave) -> None:
+    _pending[id(engine)] = handle
