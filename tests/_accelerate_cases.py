@@ -11,7 +11,7 @@ from tests._trainer_cases import TokenDataset
 from tests._training import make_model, make_optimizer
 
 
-def _fresh_accelerator(use_zero: bool, stage: int, accum: int) -> Any:
+def _fresh_accelerator(use_zero: bool, stage: int, accum: int, async_save: bool = False) -> Any:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -20,7 +20,8 @@ def _fresh_accelerator(use_zero: bool, stage: int, accum: int) -> Any:
     AcceleratorState._reset_state(True)  # each test builds its own accelerator in these long-lived workers
     GradientState._reset_state()
     if use_zero:
-        return hf_zero.ZeroAccelerator(zero_plugin=hf_zero.ZeroPlugin(zero_stage=stage), gradient_accumulation_steps=accum)
+        plugin = hf_zero.ZeroPlugin(zero_stage=stage, zero_async_save=async_save)
+        return hf_zero.ZeroAccelerator(zero_plugin=plugin, gradient_accumulation_steps=accum)
     return Accelerator(cpu=True, gradient_accumulation_steps=accum)
 
 
@@ -37,10 +38,11 @@ def _optimizers(model: torch.nn.Module, two: bool) -> list[torch.optim.Optimizer
 
 def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at: int | None = None,
          save_dir: str | None = None, load_dir: str | None = None, resume_step: int = 0,
-         seed: int = 0, train: bool = True, two_optimizers: bool = False) -> dict[str, Any]:
+         seed: int = 0, train: bool = True, two_optimizers: bool = False, async_save: bool = False) -> dict[str, Any]:
     """Train `steps` optimizer steps; optionally save_state after `save_at` steps or load_state first.
-    `two_optimizers`: two optimizers over disjoint parameters (`_optimizers`), each with its scheduler."""
-    accelerator = _fresh_accelerator(use_zero, stage, accum)
+    `two_optimizers`: two optimizers over disjoint parameters (`_optimizers`), each with its scheduler; `async_save`:
+    the plugin's zero_async_save (the save returns at once; the loop waits for it before returning)."""
+    accelerator = _fresh_accelerator(use_zero, stage, accum, async_save)
     model = make_model("llama", seed=seed)
     optimizers = _optimizers(model, two_optimizers)
     world = accelerator.num_processes
@@ -70,6 +72,8 @@ def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at
             done += 1
             if save_at is not None and done == save_at:
                 accelerator.save_state(save_dir)
+                if async_save:
+                    accelerator.wait_for_checkpoints()
                 break
     state = accelerator.get_state_dict(model)
     return {

@@ -24,14 +24,16 @@ def test_accelerate_loop_matches_ddp(pools, stage, two_optimizers):
         assert rel_err(zero["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
-@pytest.mark.parametrize("two_optimizers", [False, True])
-def test_save_state_and_load_state_resume(pools, tmp_path, two_optimizers):
+@pytest.mark.parametrize("two_optimizers,async_save", [(False, False), (True, False), (False, True)],
+                         ids=["one", "two-optimizers", "async-save"])
+def test_save_state_and_load_state_resume(pools, tmp_path, two_optimizers, async_save):
     """save_state after 2 of 4 steps; load_state into a model with another init and finish: the
     remaining losses, the lr and the final weights equal the uninterrupted run's, bit for bit (with two
-    optimizers too: both states in one sharded checkpoint)."""
+    optimizers too: both states in one sharded checkpoint; with the plugin's zero_async_save, written in the
+    background and waited for with wait_for_checkpoints)."""
     two = {"two_optimizers": two_optimizers}
     straight = pools(2).values(ac.loop, True, 3, **two)[0]
-    pools(2).values(ac.loop, True, 3, save_at=2, save_dir=str(tmp_path / "state"), **two)
+    pools(2).values(ac.loop, True, 3, save_at=2, save_dir=str(tmp_path / "state"), async_save=async_save, **two)
     assert (tmp_path / "state" / "hf_zero" / "hf_zero_manifest.json").is_file()
     assert not list((tmp_path / "state").glob("optimizer*.bin"))  # the optimizer is sharded, not Accelerate's
     resumed = pools(2).values(ac.loop, True, 3, load_dir=str(tmp_path / "state"), resume_step=2, seed=1, **two)[0]

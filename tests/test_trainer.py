@@ -413,3 +413,25 @@ def test_resume_with_nothing_to_resume_from_says_what_the_stock_trainer_says(tmp
     with pytest.raises(ValueError, match=r"^No valid checkpoint found in output directory \(.*empty\)$"):
         trainer.train(resume_from_checkpoint=True)
 
+
+
+def test_async_save_in_the_trainer_resumes_exactly(pools, tmp_path):
+    """`--zero_async_save` ([Note: asynchronous save]): a run stopped right after checkpoint-2 (written in the
+    background; train() returns once it is committed) resumes to the losses and weights of an uninterrupted run
+    bit for bit; `--save_total_limit 1` with it is refused (it would delete the last complete checkpoint)."""
+    base = tc.Job(kind="falcon", stage=3, world=2, global_batch=8, save_steps=2)
+    straight = pools(2).values(tc.run, replace(base, out_dir=str(tmp_path / "straight")))[0]
+    background = (("zero_async_save", True),)
+    run = tmp_path / "run"
+    interrupted = pools(2).values(tc.run, replace(base, out_dir=str(run), stop_after=2, zero_args=background))[0]
+    assert "checkpoint-2" in interrupted["checkpoints"]
+    assert (run / "checkpoint-2" / "hf_zero" / "hf_zero_manifest.json").is_file()
+    resumed = pools(2).values(tc.run, replace(base, out_dir=str(run), seed=1, zero_args=background,
+                                              resume_from=str(run / "checkpoint-2")))[0]
+    assert resumed["losses"] == straight["losses"]
+    for name, value in straight["state"].items():
+        np.testing.assert_array_equal(resumed["state"][name].numpy(), value.numpy(), err_msg=name)
+    import hf_zero
+
+    with pytest.raises(ValueError, match="--zero_async_save with --save_total_limit 1"):
+        hf_zero.ZeroTrainingArguments(output_dir=str(tmp_path), zero_async_save=True, save_total_limit=1, use_cpu=True)

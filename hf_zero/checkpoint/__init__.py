@@ -1,6 +1,6 @@
 """Sharded safetensors checkpoints: save without gathering, load at any world size, consolidate."""
 
-from .background import AsyncSave
+from .background import AsyncSave, wait_for_saves
 from .consolidate import consolidate, save_pretrained
 from .format import last_complete_checkpoint
 from .load import load_checkpoint
@@ -13,4 +13,5 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "save_pretrained",
+    "wait_for_saves",
 ]

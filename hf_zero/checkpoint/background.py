@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..engine.collectives import CommGroup
+from ..engine.module import get_engine
 from .stream import Entry
 
 logger = logging.getLogger(__name__)
@@ -163,3 +165,23 @@ def finish_previous(engine: object) -> None:
 
 def remember(engine: object, handle: AsyncSave) -> None:
     _pending[id(engine)] = handle
+
+
+def pending_save(engine: object) -> AsyncSave | None:
+    """`engine`'s asynchronous save still being written, or None."""
+    handle = _pending.get(id(engine))
+    return handle if handle is not None and not handle.done() else None
+
+
+def wait_for_saves(model: nn.Module) -> None:
+    """Wait until the asynchronous save of a sharded model ([Note: asynchronous save]) is committed; its error
+    raises here, on every rank. Nothing to do when none is being written.
+
+    Example:
+
+    ```python
+    >>> hf_zero.save_checkpoint("ckpt", model, optimizer, async_save=True)
+    >>> hf_zero.wait_for_saves(model)
+    ```
+    """
+    finish_previous(get_engine(model))

@@ -22,6 +22,7 @@ from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer, sharded_list
 from ..engine.pieces import Piece
+from .background import finish_previous
 from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files, optim_file_for
 from .owned_state import (
     PARAM,
@@ -73,6 +74,7 @@ def load_checkpoint(
     ```
     """
     engine = get_engine(model)
+    finish_previous(engine)  # [Note: asynchronous save]: a checkpoint being written is read once committed
     directory = Path(path)
     manifest: Manifest | None = None
     error: BaseException | None = None

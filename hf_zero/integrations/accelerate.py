@@ -34,11 +34,11 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from ..api import full_state_dict, initialize
-from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
 from ..config import ZeroConfig
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
-from .settings import field_specs, launch_env, to_zero_config
+from .settings import field_specs, launch_env, save_specs, to_zero_config
 
 CHECKPOINT_SUBDIR = "hf_zero"
 
@@ -67,7 +67,7 @@ class _ZeroPlugin:
 
 ZeroPlugin = make_dataclass(
     "ZeroPlugin",
-    field_specs(cli=False),
+    field_specs(cli=False) + save_specs(),
     bases=(_ZeroPlugin,),
     frozen=True,
     kw_only=True,
@@ -209,8 +209,26 @@ class ZeroAccelerator(Accelerator):
             self._zero_model,
             self._optimizer_arg(),
             metadata={"step": self.step},
+            async_save=bool(getattr(self.zero_plugin, "zero_async_save", False)),
         )
         return directory
+
+    def wait_for_checkpoints(self) -> None:
+        """Wait until an asynchronous `save_state` ([Note: asynchronous save]) is committed; its error raises here.
+
+        Example:
+
+        ```python
+        >>> accelerator.save_state("ckpt")      # with ZeroPlugin(zero_async_save=True): returns at once
+        >>> accelerator.wait_for_checkpoints()  # ckpt/hf_zero is complete
+        ```
+        """
+        if self._zero_model is not None:
+            wait_for_saves(self._zero_model)
+
+    def end_training(self) -> None:
+        self.wait_for_checkpoints()
+        super().end_training()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         if self._zero_model is None:

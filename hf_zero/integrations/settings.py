@@ -22,7 +22,7 @@ from typing import Any, Literal
 from ..config import ZeroConfig
 from ..launch import LaunchEnv, launch_env
 
-__all__ = ["LaunchEnv", "PREFIX", "exposed_fields", "field_specs", "launch_env", "to_zero_config"]
+__all__ = ["LaunchEnv", "PREFIX", "exposed_fields", "field_specs", "launch_env", "save_specs", "to_zero_config"]
 
 PREFIX = "zero_"
 
@@ -48,6 +48,17 @@ def field_specs(*, cli: bool) -> list[tuple[str, Any, Any]]:
             metadata["choices"] = choices
         specs.append((PREFIX + f.name, kind, dataclasses.field(default=f.default, metadata=metadata)))
     return specs
+
+
+def save_specs() -> list[tuple[str, Any, Any]]:
+    """The checkpointing settings both integrations add beside the engine's (`zero_async_save`), made anew for
+    each `make_dataclass` that takes them."""
+    help_text = (
+        "Write the sharded checkpoints in the background: each save returns once the shards are snapshotted to "
+        "host memory, training goes on while they are written, and the next save (or the end of training) waits "
+        "for it ([Note: asynchronous save]). A checkpoint is never half-written either way."
+    )
+    return [("zero_async_save", bool, dataclasses.field(default=False, metadata={"help": help_text}))]
 
 
 def _choices(kind: Any) -> list[Any] | None:

@@ -36,7 +36,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 from ..api import attach_optimizer, gathered_parameters, initialize
-from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
@@ -191,6 +191,7 @@ class ZeroTrainerMixin(_TrainerBase):
                 self._sharded_optimizer(),
                 tokenizer=self.processing_class,
                 metadata={"global_step": self.state.global_step},
+                async_save=bool(getattr(self.args, "zero_async_save", False)),
             )
         if getattr(self.model, "peft_config", None) is not None:  # a PEFT model: its adapter, as the stock Trainer
             if not periodic or self.args.zero_save_model_weights:
@@ -239,7 +240,10 @@ class ZeroTrainerMixin(_TrainerBase):
                 # the stock Trainer's words (scripts search for them); "complete": an interrupted save is skipped
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
             resume_from_checkpoint = str(last)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        if is_sharded(self.model):
+            wait_for_saves(self._zero_model())  # [Note: asynchronous save]: the last checkpoint is committed
+        return result
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)):

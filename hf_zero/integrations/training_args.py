@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainingArguments
 
 from ..config import ZeroConfig
-from .settings import field_specs, launch_env, to_zero_config
+from .settings import field_specs, launch_env, save_specs, to_zero_config
 
 
 class _ZeroArguments:
@@ -43,9 +43,11 @@ class _ZeroArguments:
         deepspeed: dict[str, Any] | str | None
         fsdp: Any
         optim: Any
+        save_total_limit: int | None
         zero_shard_group_size: int | None  # the fields the mixin adds
         zero_hybrid_shard: bool
         zero_save_model_weights: bool
+        zero_async_save: bool
 
     @property
     def place_model_on_device(self) -> bool:
@@ -69,6 +71,11 @@ class _ZeroArguments:
             raise ValueError(
                 "hf_zero cannot be combined with FSDP (--fsdp or ACCELERATE_USE_FSDP): both shard the model. Drop "
                 "--fsdp and use --zero_stage 3 for full sharding."
+            )
+        if self.zero_async_save and self.save_total_limit == 1:
+            raise ValueError(
+                "--zero_async_save with --save_total_limit 1 would delete the last complete checkpoint while the new "
+                "one is still being written. Use --save_total_limit 2 (or none)."
             )
         optim = str(getattr(self.optim, "value", self.optim))
         if optim in ("lomo", "adalomo"):
@@ -114,6 +121,7 @@ _ZeroArgumentsMixin = make_dataclass(
     "ZeroArgumentsMixin",
     [
         *field_specs(cli=True),
+        *save_specs(),
         (
             "zero_hybrid_shard",
             bool,
