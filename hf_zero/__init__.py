@@ -23,6 +23,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
     save_pretrained,
+    wait_for_saves,
 )
 from .config import ZeroConfig
 from .engine import ModelStateMemory, ShardedOptimizer
@@ -39,6 +40,7 @@ _LAZY = {
     "ZeroArgumentsMixin": "training_args",
     "ZeroAccelerator": "accelerate",
     "ZeroPlugin": "accelerate",
+    "PREEMPTED_EXIT_CODE": "preemption",
 }
 
 
@@ -54,6 +56,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AsyncSave",
     "ModelStateMemory",
+    "PREEMPTED_EXIT_CODE",
     "ShardedOptimizer",
     "ZeroAccelerator",
     "ZeroArgumentsMixin",
@@ -75,4 +78,5 @@ __all__ = [
     "register_elementwise",
     "save_pretrained",
     "state_dict_options",
+    "wait_for_saves",
 ]

@@ -116,3 +116,60 @@ def test_a_user_script_exits_0_every_time(tmp_path):
     results += _run_user_scripts(tmp_path / "kept", 2, ["--keep-group"])
     failed = [(code, tail) for code, tail in results if code != 0]
     assert not failed, f"{len(failed)} of {len(results)} launches exited non-zero; first:\n{failed[0][1]}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_job(out: Path, mode: str, max_steps: int) -> list[subprocess.Popen]:
+    """The two ranks of a ZeroTrainer job (tests/_preempt_run.py), launched as torchrun would set them up."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        cmd = [sys.executable, str(ROOT / "tests" / "_preempt_run.py"), str(out), mode, str(max_steps)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], out: Path) -> list[dict]:
+    for p in procs:
+        p.communicate(timeout=300)
+    return [dict(json.loads((out / f"status-{r}.json").read_text()), exit=p.returncode) for r, p in enumerate(procs)]
+
+
+def test_sigterm_to_one_rank_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path):
+    """[Note: preemption]: SIGTERM to rank 1 alone, mid-training, under --zero_save_on_preemption: both ranks stop
+    at the same step with a complete checkpoint-N and exit 75 (hf_zero.PREEMPTED_EXIT_CODE); the job requeued
+    with train(resume_from_checkpoint=True) logs the losses of an uninterrupted run, bit for bit."""
+    straight = _finish(_start_job(tmp_path / "straight", "straight", 8), tmp_path / "straight")
+    assert [s["exit"] for s in straight] == [0, 0] and len(straight[0]["losses"]) == 8
+
+    run = tmp_path / "run"
+    procs = _start_job(run, "preempt", 8)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait for step 2 to be done on rank 0, then preempt rank 1 only
+        progress = run / "progress-0"
+        if progress.is_file() and progress.read_text().strip() and int(progress.read_text()) >= 2:
+            break
+        time.sleep(0.05)
+    procs[1].send_signal(15)
+    stopped = _finish(procs, run)
+    assert [s["exit"] for s in stopped] == [hf_zero.PREEMPTED_EXIT_CODE] * 2, stopped
+    step = stopped[0]["step"]
+    assert stopped[1]["step"] == step and 2 <= step < 8
+    checkpoint = run / f"checkpoint-{step}"
+    assert (checkpoint / "hf_zero" / "hf_zero_manifest.json").is_file() and (checkpoint / "trainer_state.json").is_file()
+    assert hf_zero.last_complete_checkpoint(run, r"checkpoint-(\d+)", subdir="hf_zero") == checkpoint
+
+    resumed = _finish(_start_job(run, "resume", 8), run)
+    assert [s["exit"] for s in resumed] == [0, 0]
+    assert resumed[0]["losses"] == straight[0]["losses"]

@@ -40,6 +40,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
+from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback
 from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
 
 CHECKPOINT_SUBDIR = "hf_zero"
@@ -240,9 +241,19 @@ class ZeroTrainerMixin(_TrainerBase):
                 # the stock Trainer's words (scripts search for them); "complete": an interrupted save is skipped
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
             resume_from_checkpoint = str(last)
-        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        preemption = PreemptionCallback() if getattr(self.args, "zero_save_on_preemption", False) else None
+        if preemption is not None:
+            self.add_callback(preemption)
+        try:
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if preemption is not None:
+                preemption.restore()
+                self.remove_callback(preemption)
         if is_sharded(self.model):
             wait_for_saves(self._zero_model())  # [Note: asynchronous save]: the last checkpoint is committed
+        if preemption is not None and preemption.preempted_at is not None:
+            raise SystemExit(PREEMPTED_EXIT_CODE)  # [Note: preemption]: checkpoint-N is complete; requeue
         return result
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:

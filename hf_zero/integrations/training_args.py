@@ -48,6 +48,7 @@ class _ZeroArguments:
         zero_hybrid_shard: bool
         zero_save_model_weights: bool
         zero_async_save: bool
+        zero_save_on_preemption: bool
 
     @property
     def place_model_on_device(self) -> bool:
@@ -122,6 +123,18 @@ _ZeroArgumentsMixin = make_dataclass(
     [
         *field_specs(cli=True),
         *save_specs(),
+        (
+            "zero_save_on_preemption",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "On SIGTERM or SIGUSR1 (a scheduler preempting the job), every rank finishes its step, "
+                    "they agree, checkpoint-N of that step is saved, and the process exits with code 75 "
+                    "(EX_TEMPFAIL); train(resume_from_checkpoint=True) continues from it ([Note: preemption])."
+                },
+            ),
+        ),
         (
             "zero_hybrid_shard",
             bool,

@@ -1,0 +1,77 @@
+"""Preemption: a scheduler's SIGTERM (or SIGUSR1) becomes a complete checkpoint and a documented exit.
+
+[Note: preemption]
+SLURM and Kubernetes preempt a job by sending SIGTERM (SLURM's `--signal` can send SIGUSR1 ahead of it) and
+killing it after a grace period. With `--zero_save_on_preemption`, `ZeroTrainer.train` installs handlers for
+both signals that only record that one arrived. At the end of every optimizer step the ranks agree (one
+small all-reduce of that record: a signal that reached only some ranks counts for all, and every rank
+decides at the same step); once any rank has one, the Trainer saves `checkpoint-N` of that step (the
+sharded state, trainer state, scheduler and RNG, as a periodic save) and stops. `train` then waits until the
+checkpoint is committed and raises `SystemExit(PREEMPTED_EXIT_CODE)`: the process exits with 75
+(`EX_TEMPFAIL`, "try again"), so a launcher can requeue it, and `train(resume_from_checkpoint=True)` in the
+requeued job continues from that step exactly. The previous handlers are restored when training ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..engine.collectives import CommGroup, max_ints
+
+logger = logging.getLogger(__name__)
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the job may be retried
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionCallback(TrainerCallback):
+    """Turns SIGTERM / SIGUSR1 into a checkpoint at a step every rank agrees on ([Note: preemption]).
+
+    Example:
+
+    ```python
+    >>> args = hf_zero.ZeroTrainingArguments(output_dir="out", zero_stage=3, zero_save_on_preemption=True)
+    >>> hf_zero.ZeroTrainer(model=model, args=args, train_dataset=data).train()  # SystemExit(75) on SIGTERM
+    ```
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # the signal this rank got, if any
+        self.preempted_at: int | None = None  # the step every rank stopped at
+        self._previous: dict[int, Any] = {}
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("--zero_save_on_preemption needs train() on the main thread (signal handlers).")
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._record)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        (anyone,) = max_ints([int(self.received is not None)], CommGroup.world())
+        if anyone and self.preempted_at is None:
+            self.preempted_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+            logger.warning(
+                "hf_zero: preemption signal received (on this rank: %s); saving checkpoint-%d and stopping",
+                self.received,
+                state.global_step,
+            )
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        """Put the signal handlers that were there before training back."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
