@@ -80,3 +80,37 @@ def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at
         "losses": losses, "norms": norms, "world": world, "lr": [s.get_last_lr() for s in schedulers],
         "state": {k: v.detach().clone() for k, v in state.items()} if accelerator.is_main_process else None,
     }
+
+
+def preemption_stops_together(save_dir: str, signal_rank: int, signal_step: int) -> dict[str, Any]:
+    """ZeroPlugin(zero_save_on_preemption=True): rank `signal_rank` gets SIGUSR1 during step `signal_step`; the
+    loop asks `accelerator.preempted()` after each step and, once it says so, saves and stops. Returns the step
+    this rank stopped at and whether the SIGUSR1 handler was put back by end_training."""
+    import os
+    import signal
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    import hf_zero
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    before = signal.getsignal(signal.SIGUSR1)
+    plugin = hf_zero.ZeroPlugin(zero_stage=3, zero_save_on_preemption=True)
+    accelerator = hf_zero.ZeroAccelerator(zero_plugin=plugin)
+    model = make_model("llama")
+    model, opt = accelerator.prepare(model, make_optimizer(model, 1e-3))
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(accelerator.process_index))
+    stopped = None
+    for step in range(1, 7):
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        opt.step()
+        opt.zero_grad()
+        if step == signal_step and accelerator.process_index == signal_rank:
+            os.kill(os.getpid(), signal.SIGUSR1)  # the scheduler's signal, to this rank only
+        if accelerator.preempted():
+            stopped = step
+            accelerator.save_state(save_dir)
+            break
+    accelerator.end_training()
+    return {"stopped": stopped, "handler_restored": signal.getsignal(signal.SIGUSR1) == before}

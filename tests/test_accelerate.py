@@ -53,3 +53,12 @@ def test_load_state_on_another_world_size(pools, tmp_path, resume_world):
     assert loaded["world"] == resume_world and loaded["lr"] == saved["lr"]
     for name, value in saved["state"].items():
         np.testing.assert_array_equal(loaded["state"][name].numpy(), value.numpy())
+
+
+def test_preemption_stops_every_rank_at_the_same_step(pools, tmp_path):
+    """[Note: preemption] with Accelerate: SIGUSR1 reaches rank 1 alone during step 2; `accelerator.preempted()`
+    is True on both ranks at step 2, the state saved there is complete, and end_training restores the handler."""
+    results = pools(2).values(ac.preemption_stops_together, str(tmp_path / "state"), 1, 2)
+    assert [r["stopped"] for r in results] == [2, 2]
+    assert (tmp_path / "state" / "hf_zero" / "hf_zero_manifest.json").is_file()
+    assert all(r["handler_restored"] for r in results)

@@ -38,6 +38,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait
 from ..config import ZeroConfig
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
+from .preemption import SignalRecorder
 from .settings import field_specs, launch_env, save_specs, to_zero_config
 
 CHECKPOINT_SUBDIR = "hf_zero"
@@ -124,6 +125,10 @@ class ZeroAccelerator(Accelerator):
             kwargs["cpu"] = True
         self.zero_plugin = zero_plugin or ZeroPlugin()
         self.zero_config = self.zero_plugin.to_zero_config(str(requested).lower())
+        self._signals: SignalRecorder | None = None
+        if getattr(self.zero_plugin, "zero_save_on_preemption", False):  # [Note: preemption]
+            self._signals = SignalRecorder()
+            self._signals.install()
         super().__init__(*args, mixed_precision="no", **kwargs)
         self._zero_model: nn.Module | None = None
         self._zero_optimizers: list[
@@ -228,7 +233,27 @@ class ZeroAccelerator(Accelerator):
 
     def end_training(self) -> None:
         self.wait_for_checkpoints()
+        if self._signals is not None:
+            self._signals.restore()
         super().end_training()
+
+    def preempted(self) -> bool:
+        """With `ZeroPlugin(zero_save_on_preemption=True)`: whether any rank got SIGTERM or SIGUSR1 ([Note:
+        preemption]). A collective (one small all-reduce): call it on every rank at the same point of each step,
+        so every rank stops at the same step. False without the setting (and no collective).
+
+        Example:
+
+        ```python
+        >>> for batch in loader:
+        ...     ...  # forward, backward, step
+        ...     if accelerator.preempted():
+        ...         accelerator.save_state("ckpt")
+        ...         accelerator.end_training()
+        ...         raise SystemExit(hf_zero.PREEMPTED_EXIT_CODE)
+        ```
+        """
+        return self._signals is not None and self._signals.agreed()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         if self._zero_model is None:

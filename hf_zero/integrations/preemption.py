@@ -30,6 +30,47 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the j
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+class SignalRecorder:
+    """Records SIGTERM / SIGUSR1 instead of dying on them, and tells the ranks, together, whether any got one
+    ([Note: preemption]).
+
+    Example:
+
+    ```python
+    >>> recorder = SignalRecorder()
+    >>> recorder.install()
+    >>> if recorder.agreed():  # a collective: every rank calls it at the same point of its loop
+    ...     ...  # save, then exit with PREEMPTED_EXIT_CODE
+    >>> recorder.restore()
+    ```
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # the signal this rank got, if any
+        self._previous: dict[int, Any] = {}
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("hf_zero's preemption handling needs the main thread (signal handlers live there).")
+        for sig in SIGNALS:
+            if sig not in self._previous:
+                self._previous[sig] = signal.signal(sig, self._record)
+
+    def agreed(self) -> bool:
+        """Whether any rank got a signal (one small all-reduce; every rank gets the same answer)."""
+        (anyone,) = max_ints([int(self.received is not None)], CommGroup.world())
+        return bool(anyone)
+
+    def restore(self) -> None:
+        """Put the signal handlers that were there before `install` back."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
 class PreemptionCallback(TrainerCallback):
     """Turns SIGTERM / SIGUSR1 into a checkpoint at a step every rank agrees on ([Note: preemption]).
 
@@ -42,28 +83,20 @@ class PreemptionCallback(TrainerCallback):
     """
 
     def __init__(self) -> None:
-        self.received: int | None = None  # the signal this rank got, if any
+        self.signals = SignalRecorder()
         self.preempted_at: int | None = None  # the step every rank stopped at
-        self._previous: dict[int, Any] = {}
-
-    def _record(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("--zero_save_on_preemption needs train() on the main thread (signal handlers).")
-        for sig in SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._record)
+        self.signals.install()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        (anyone,) = max_ints([int(self.received is not None)], CommGroup.world())
-        if anyone and self.preempted_at is None:
+        if self.preempted_at is None and self.signals.agreed():
             self.preempted_at = state.global_step
             control.should_save = True
             control.should_training_stop = True
             logger.warning(
                 "hf_zero: preemption signal received (on this rank: %s); saving checkpoint-%d and stopping",
-                self.received,
+                self.signals.received,
                 state.global_step,
             )
 
@@ -71,7 +104,4 @@ class PreemptionCallback(TrainerCallback):
         self.restore()
 
     def restore(self) -> None:
-        """Put the signal handlers that were there before training back."""
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
+        self.signals.restore()

@@ -51,14 +51,22 @@ def field_specs(*, cli: bool) -> list[tuple[str, Any, Any]]:
 
 
 def save_specs() -> list[tuple[str, Any, Any]]:
-    """The checkpointing settings both integrations add beside the engine's (`zero_async_save`), made anew for
-    each `make_dataclass` that takes them."""
+    """The checkpointing settings both integrations add beside the engine's (`zero_async_save`,
+    `zero_save_on_preemption`), made anew for each `make_dataclass` that takes them."""
     help_text = (
         "Write the sharded checkpoints in the background: each save returns once the shards are snapshotted to "
         "host memory, training goes on while they are written, and the next save (or the end of training) waits "
         "for it ([Note: asynchronous save]). A checkpoint is never half-written either way."
     )
-    return [("zero_async_save", bool, dataclasses.field(default=False, metadata={"help": help_text}))]
+    preemption_help = (
+        "On SIGTERM or SIGUSR1 (a scheduler preempting the job), every rank finishes its step, they agree, a "
+        "checkpoint of that step is saved, and the process exits with code 75 (EX_TEMPFAIL); resuming continues "
+        "from it ([Note: preemption]). With Accelerate, ask `accelerator.preempted()` once per step."
+    )
+    return [
+        ("zero_async_save", bool, dataclasses.field(default=False, metadata={"help": help_text})),
+        ("zero_save_on_preemption", bool, dataclasses.field(default=False, metadata={"help": preemption_help})),
+    ]
 
 
 def _choices(kind: Any) -> list[Any] | None:

@@ -124,18 +124,6 @@ _ZeroArgumentsMixin = make_dataclass(
         *field_specs(cli=True),
         *save_specs(),
         (
-            "zero_save_on_preemption",
-            bool,
-            field(
-                default=False,
-                metadata={
-                    "help": "On SIGTERM or SIGUSR1 (a scheduler preempting the job), every rank finishes its step, "
-                    "they agree, checkpoint-N of that step is saved, and the process exits with code 75 "
-                    "(EX_TEMPFAIL); train(resume_from_checkpoint=True) continues from it ([Note: preemption])."
-                },
-            ),
-        ),
-        (
             "zero_hybrid_shard",
             bool,
             field(
