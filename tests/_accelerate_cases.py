@@ -112,5 +112,10 @@ def preemption_stops_together(save_dir: str, signal_rank: int, signal_step: int)
             stopped = step
             accelerator.save_state(save_dir)
             break
-    accelerator.end_training()
+    state = accelerator.state
+    destroy, state.destroy_process_group = state.destroy_process_group, lambda *a, **k: None  # the pool keeps it
+    try:
+        accelerator.end_training()
+    finally:
+        state.destroy_process_group = destroy
     return {"stopped": stopped, "handler_restored": signal.getsignal(signal.SIGUSR1) == before}
