@@ -4,14 +4,15 @@
 A save writes no copy of the state. The header is computed from the shapes alone, then each
 tensor's bytes are written in order from where they are: a host tensor's own memory (no copy), a
 device tensor copied to the host `PIECE_NUMEL` elements at a time, offloaded state read from its
-file into one reused buffer. The SHA-256 the manifest records is computed on the way. Memory during
-a save is the training memory plus one piece (`safetensors.torch.save_file` would build every
-tensor's bytes in memory first). The files are ordinary safetensors files (any reader loads them).
+file into one reused buffer; they pass through the file's aligned write buffer to the disk
+([Note: direct writes] in direct.py). The SHA-256 the manifest records is computed on the way. Memory
+during a save is the training memory plus one piece and the write buffer (`safetensors.torch.save_file`
+would build every tensor's bytes in memory first). The files are ordinary safetensors files (any reader
+loads them).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.disk import host_bytes
+from .direct import DirectSink
 
 PIECE_NUMEL = 1 << 22  # elements copied to the host at a time (16 MiB of fp32)
 
@@ -104,18 +105,13 @@ def write_streamed(path: Path, entries: list[Entry], metadata: dict[str, str] | 
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in (len(raw).to_bytes(8, "little"), raw):
-            f.write(chunk)
-            digest.update(chunk)
+    with DirectSink(path) as sink:  # [Note: direct writes]
+        sink.write_bytes(len(raw).to_bytes(8, "little") + raw)
         for e in entries:
             written = 0
             for piece in e.pieces():
-                view = host_bytes(piece)
-                f.write(view)
-                digest.update(view)
-                written += len(view)
+                sink.write_tensor(piece)
+                written += piece.numel() * piece.element_size()
             if written != e.nbytes:
                 raise RuntimeError(f"hf_zero: {e.name} gave {written} bytes for a tensor of {e.nbytes}")
-    return digest.hexdigest()
+    return sink.hexdigest()
