@@ -117,7 +117,10 @@ def compare(args: argparse.Namespace) -> dict:
     calls = _median([s for s, v in zip(a["step_s"][warm:], a["saving"][warm:]) if v])
     s = rank0["sync"]
     stall = _median([t for t, v in zip(s["step_s"][warm:], s["saving"][warm:]) if v])
+    overlapped = [round(s / plain, 3) for s, o in zip(a["step_s"][warm:], a["overlapping"][warm:]) if o]
+    stalls = [round(t / plain, 3) for t, v in zip(s["step_s"][warm:], s["saving"][warm:]) if v]
     return {"preset": args.preset, "steps": args.steps, "save_every": args.save_every,
+            "overlapping_step_ratios": overlapped, "sync_save_step_ratios": stalls,
             "median_step_s_without_saves": plain, "median_step_s_overlapping_async_save": overlap,
             "median_step_s_with_async_save_call": calls, "median_step_s_with_sync_save": stall,
             "overlap_ratio": overlap / plain, "async_call_ratio": calls / plain, "sync_ratio": stall / plain}
