@@ -7,11 +7,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from tests._async_save_cases import recording_snapshots
 from tests._trainer_cases import TokenDataset
 from tests._training import make_model, make_optimizer
 
 
-def _fresh_accelerator(use_zero: bool, stage: int, accum: int, async_save: bool = False) -> Any:
+def _fresh_accelerator(use_zero: bool, stage: int, accum: int, async_save: bool = False,
+                       budget: str | None = None) -> Any:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -20,7 +22,7 @@ def _fresh_accelerator(use_zero: bool, stage: int, accum: int, async_save: bool 
     AcceleratorState._reset_state(True)  # each test builds its own accelerator in these long-lived workers
     GradientState._reset_state()
     if use_zero:
-        plugin = hf_zero.ZeroPlugin(zero_stage=stage, zero_async_save=async_save)
+        plugin = hf_zero.ZeroPlugin(zero_stage=stage, zero_async_save=async_save, zero_snapshot_budget=budget)
         return hf_zero.ZeroAccelerator(zero_plugin=plugin, gradient_accumulation_steps=accum)
     return Accelerator(cpu=True, gradient_accumulation_steps=accum)
 
@@ -38,11 +40,13 @@ def _optimizers(model: torch.nn.Module, two: bool) -> list[torch.optim.Optimizer
 
 def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at: int | None = None,
          save_dir: str | None = None, load_dir: str | None = None, resume_step: int = 0,
-         seed: int = 0, train: bool = True, two_optimizers: bool = False, async_save: bool = False) -> dict[str, Any]:
+         seed: int = 0, train: bool = True, two_optimizers: bool = False, async_save: bool = False,
+         snapshot_budget: str | None = None) -> dict[str, Any]:
     """Train `steps` optimizer steps; optionally save_state after `save_at` steps or load_state first.
     `two_optimizers`: two optimizers over disjoint parameters (`_optimizers`), each with its scheduler; `async_save`:
-    the plugin's zero_async_save (the save returns at once; the loop waits for it before returning)."""
-    accelerator = _fresh_accelerator(use_zero, stage, accum, async_save)
+    the plugin's zero_async_save (the save returns at once; the loop waits for it before returning), with
+    `snapshot_budget` as its zero_snapshot_budget; the snapshots taken are in the result (`snapshots`)."""
+    accelerator = _fresh_accelerator(use_zero, stage, accum, async_save, snapshot_budget)
     model = make_model("llama", seed=seed)
     optimizers = _optimizers(model, two_optimizers)
     world = accelerator.num_processes
@@ -57,6 +61,7 @@ def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at
         start = resume_step
         loader = accelerator.skip_first_batches(loader, start * accum)
     losses, norms, done = [], [], start
+    snapshots: list[dict[str, Any]] = []
     for batch in loader if train else []:
         with accelerator.accumulate(model):
             out = model(input_ids=batch["input_ids"], labels=batch["labels"])
@@ -71,13 +76,15 @@ def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at
         if accelerator.sync_gradients:
             done += 1
             if save_at is not None and done == save_at:
-                accelerator.save_state(save_dir)
+                with recording_snapshots() as snapshots:
+                    accelerator.save_state(save_dir)
                 if async_save:
                     accelerator.wait_for_checkpoints()
                 break
     state = accelerator.get_state_dict(model)
     return {
         "losses": losses, "norms": norms, "world": world, "lr": [s.get_last_lr() for s in schedulers],
+        "snapshots": snapshots,
         "state": {k: v.detach().clone() for k, v in state.items()} if accelerator.is_main_process else None,
     }
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,35 @@ def _train(model: Any, opt: Any, steps: int) -> None:
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
+
+
+@contextlib.contextmanager
+def recording_snapshots() -> Iterator[list[dict[str, Any]]]:
+    """Record each asynchronous save's snapshot on this rank (budget asked, bytes copied, bytes streamed)."""
+    import hf_zero.checkpoint.save as save_module
+
+    original = save_module.snapshot
+    seen: list[dict[str, Any]] = []
+
+    def spy(jobs, budget_bytes, pin):  # noqa: ANN001, ANN202
+        taken = original(jobs, budget_bytes, pin)
+        seen.append({"budget": budget_bytes, "host_bytes": taken.host_bytes, "live_bytes": taken.live_bytes})
+        return taken
+
+    save_module.snapshot = spy
+    try:
+        yield seen
+    finally:
+        save_module.snapshot = original
+
+
+def trainer_run_recording_snapshots(job: Any) -> dict[str, Any]:
+    """`tests._trainer_cases.run(job)` with this rank's snapshots in the result (`snapshots`)."""
+    from tests import _trainer_cases
+
+    with recording_snapshots() as seen:
+        out = _trainer_cases.run(job)
+    return {**out, "snapshots": seen}
 
 
 def _slow_writes(delay_s: float) -> Any:

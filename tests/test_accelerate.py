@@ -30,10 +30,16 @@ def test_save_state_and_load_state_resume(pools, tmp_path, two_optimizers, async
     """save_state after 2 of 4 steps; load_state into a model with another init and finish: the
     remaining losses, the lr and the final weights equal the uninterrupted run's, bit for bit (with two
     optimizers too: both states in one sharded checkpoint; with the plugin's zero_async_save, written in the
-    background and waited for with wait_for_checkpoints)."""
+    background and waited for with wait_for_checkpoints, its zero_snapshot_budget bounding the host copy)."""
     two = {"two_optimizers": two_optimizers}
     straight = pools(2).values(ac.loop, True, 3, **two)[0]
-    pools(2).values(ac.loop, True, 3, save_at=2, save_dir=str(tmp_path / "state"), async_save=async_save, **two)
+    budget = "4KB" if async_save else None  # zero_snapshot_budget: most of the state is streamed at the call
+    saved = pools(2).values(ac.loop, True, 3, save_at=2, save_dir=str(tmp_path / "state"), async_save=async_save,
+                            snapshot_budget=budget, **two)
+    for rank in saved:
+        assert len(rank["snapshots"]) == (1 if async_save else 0)
+        for taken in rank["snapshots"]:  # the plugin's budget bounds the host copy; the rest was streamed
+            assert taken["budget"] == 4000 and taken["host_bytes"] <= 4000 and taken["live_bytes"] > 4000
     assert (tmp_path / "state" / "hf_zero" / "hf_zero_manifest.json").is_file()
     assert not list((tmp_path / "state").glob("optimizer*.bin"))  # the optimizer is sharded, not Accelerate's
     resumed = pools(2).values(ac.loop, True, 3, load_dir=str(tmp_path / "state"), resume_step=2, seed=1, **two)[0]

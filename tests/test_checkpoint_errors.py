@@ -120,3 +120,38 @@ def test_async_save_failure_raises_on_every_rank_at_wait(pools, tmp_path):
     assert results[0]["error_type"] == "OSError" and "failed on rank(s) [1]" in results[0]["error"]
     assert all(r["intact"] for r in results)
     assert results[0]["leftovers"] == ["ckpt"]
+
+
+def test_chained_background_saves_run_one_after_another_and_pass_on_a_failure(tmp_path):
+    """`chain` ([Note: asynchronous save]): a save started while another is written begins once it has finished
+    (they share one save group), and a failure of the first is raised by the second's wait (on every rank alike:
+    the ranks agreed on the first's outcome)."""
+    import threading
+    import time
+
+    from hf_zero.checkpoint import background
+
+    owner = object()  # stands for an engine: the saves are keyed by it
+    order: list[str] = []
+    release = threading.Event()
+
+    def first() -> None:
+        release.wait(10)
+        order.append("first")
+
+    background.remember(owner, background.AsyncSave(tmp_path / "a", first))
+    second = background.chain(owner, tmp_path / "b", lambda: order.append("second"))
+    time.sleep(0.2)
+    assert order == [] and not second.done()  # the second waits for the first
+    release.set()
+    assert second.wait() == tmp_path / "b" and order == ["first", "second"]
+    assert background.pending_save(owner) is None
+
+    def broken() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    background.remember(owner, background.AsyncSave(tmp_path / "c", broken))
+    third = background.chain(owner, tmp_path / "d", lambda: order.append("third"))
+    with pytest.raises(OSError, match="No space left"):
+        background.finish_previous(owner)  # what the next save (or train()'s end) does
+    assert order == ["first", "second"] and third.done()  # the chained work never ran

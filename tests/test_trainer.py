@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import _async_save_cases as async_save_cases
 from tests import _trainer_cases as tc
 from tests._training import make_tokenizer, rel_err
 
@@ -417,15 +418,27 @@ def test_resume_with_nothing_to_resume_from_says_what_the_stock_trainer_says(tmp
 
 def test_async_save_in_the_trainer_resumes_exactly(pools, tmp_path):
     """`--zero_async_save` ([Note: asynchronous save]): a run stopped right after checkpoint-2 (written in the
-    background; train() returns once it is committed) resumes to the losses and weights of an uninterrupted run
-    bit for bit; `--save_total_limit 1` with it is refused (it would delete the last complete checkpoint)."""
+    background, its snapshot bounded by `--zero_snapshot_budget`; train() returns once it is committed) resumes to
+    the losses and weights of an uninterrupted run bit for bit; `--save_total_limit 1` with it is refused (it would
+    delete the last complete checkpoint), and so is a budget without `--zero_async_save` or one that is no size."""
     base = tc.Job(kind="falcon", stage=3, world=2, global_batch=8, save_steps=2)
     straight = pools(2).values(tc.run, replace(base, out_dir=str(tmp_path / "straight")))[0]
-    background = (("zero_async_save", True),)
+    background = (("zero_async_save", True), ("zero_snapshot_budget", "3KB"))
     run = tmp_path / "run"
-    interrupted = pools(2).values(tc.run, replace(base, out_dir=str(run), stop_after=2, zero_args=background))[0]
+    job = replace(base, out_dir=str(run), stop_after=2, zero_args=background)
+    ranks = pools(2).values(async_save_cases.trainer_run_recording_snapshots, job)
+    interrupted = ranks[0]
+    for rank in ranks:  # one async save (checkpoint-2); the budget bounded its host copy, the rest was streamed
+        (taken,) = rank["snapshots"]
+        assert taken["budget"] == 3000 and taken["host_bytes"] <= 3000 and taken["live_bytes"] > 3000
     assert "checkpoint-2" in interrupted["checkpoints"]
     assert (run / "checkpoint-2" / "hf_zero" / "hf_zero_manifest.json").is_file()
+    # the checkpoint's model weights, written in the background too, are the synchronous run's byte for byte
+    weights = sorted(p.name for p in (tmp_path / "straight" / "checkpoint-2").glob("model*.safetensors*"))
+    assert weights and weights == sorted(p.name for p in (run / "checkpoint-2").glob("model*.safetensors*"))
+    for name in weights:
+        sync_bytes = (tmp_path / "straight" / "checkpoint-2" / name).read_bytes()
+        assert (run / "checkpoint-2" / name).read_bytes() == sync_bytes, name
     resumed = pools(2).values(tc.run, replace(base, out_dir=str(run), seed=1, zero_args=background,
                                               resume_from=str(run / "checkpoint-2")))[0]
     assert resumed["losses"] == straight["losses"]
@@ -435,3 +448,7 @@ def test_async_save_in_the_trainer_resumes_exactly(pools, tmp_path):
 
     with pytest.raises(ValueError, match="--zero_async_save with --save_total_limit 1"):
         hf_zero.ZeroTrainingArguments(output_dir=str(tmp_path), zero_async_save=True, save_total_limit=1, use_cpu=True)
+    with pytest.raises(ValueError, match="zero_snapshot_budget='1GB' bounds an asynchronous save's snapshot"):
+        hf_zero.ZeroTrainingArguments(output_dir=str(tmp_path), zero_snapshot_budget="1GB", use_cpu=True)
+    with pytest.raises(ValueError, match="zero_snapshot_budget must look like '5GB'"):
+        hf_zero.ZeroPlugin(zero_async_save=True, zero_snapshot_budget="lots")

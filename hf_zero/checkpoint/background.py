@@ -64,15 +64,17 @@ class AsyncSave:
     ```
     """
 
-    def __init__(self, target: Path, work: Callable[[], None]) -> None:
+    def __init__(self, target: Path, work: Callable[[], object], after: AsyncSave | None = None) -> None:
         self.target = target
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work,), name="hf_zero-save", daemon=False)
+        self._thread = threading.Thread(target=self._run, args=(work, after), name="hf_zero-save", daemon=False)
         self._thread.start()
 
-    def _run(self, work: Callable[[], None]) -> None:
+    def _run(self, work: Callable[[], object], after: AsyncSave | None) -> None:
         _yield_cpu()
         try:
+            if after is not None:  # one save at a time on the save group; its failure is this one's (every rank's)
+                after.wait()
             work()
         except BaseException as e:  # noqa: BLE001 - handed to wait() on this rank
             self._error = e
@@ -100,10 +102,21 @@ def _yield_cpu() -> None:
         pass
 
 
-def snapshot(jobs: list[FileJob], budget_bytes: int | None, pin: bool) -> tuple[list[FileJob], threading.Event]:
+@dataclass(frozen=True)
+class Snapshot:
+    """The files of an asynchronous save as its writer takes them: `jobs`, whose entries that fit in the budget
+    are host copies (`host_bytes` in all) and the rest live; `consumed` is set once the writer has read every live
+    entry (at once when there is none): the caller waits for it before training goes on."""
+
+    jobs: list[FileJob]
+    consumed: threading.Event
+    host_bytes: int
+    live_bytes: int
+
+
+def snapshot(jobs: list[FileJob], budget_bytes: int | None, pin: bool) -> Snapshot:
     """`jobs` with the entries that fit in `budget_bytes` (all of them for None), counted from the last, copied to
-    host memory now; the entries before them stay live. The event is set once the writer has consumed every
-    live entry (at once when there is none): the caller waits for it before training goes on."""
+    host memory now; the entries before them stay live."""
     flat = [(j, e) for j, job in enumerate(jobs) for e, _ in enumerate(job.entries)]
     room = budget_bytes if budget_bytes is not None else None
     copied: set[tuple[int, int]] = set()
@@ -122,16 +135,17 @@ def snapshot(jobs: list[FileJob], budget_bytes: int | None, pin: bool) -> tuple[
         entries = []
         for e, entry in enumerate(job.entries):
             if (j, e) in copied:
-                entries.append(replace(entry, pieces=_frozen(entry.pieces(), pin)))
+                entries.append(replace(entry, pieces=frozen(entry.pieces(), pin)))
             elif (j, e) == live[-1]:
                 entries.append(replace(entry, pieces=_signalling(entry.pieces, consumed)))
             else:
                 entries.append(entry)
         out.append(replace(job, entries=entries))
-    return out, consumed
+    held = sum(jobs[j].entries[e].nbytes for j, e in copied)
+    return Snapshot(out, consumed, held, sum(jobs[j].entries[e].nbytes for j, e in live))
 
 
-def _frozen(pieces: Iterable[torch.Tensor], pin: bool) -> Callable[[], Iterator[torch.Tensor]]:
+def frozen(pieces: Iterable[torch.Tensor], pin: bool) -> Callable[[], Iterator[torch.Tensor]]:
     """Host copies of `pieces` made now (the source may be training memory, or a reused read buffer)."""
     copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p) for p in pieces]
     return lambda: iter(copies)
@@ -177,6 +191,14 @@ def finish_previous(engine: object) -> None:
 
 def remember(engine: object, handle: AsyncSave) -> None:
     _pending[id(engine)] = handle
+
+
+def chain(engine: object, target: Path, work: Callable[[], object]) -> AsyncSave:
+    """Start `work` in the background once `engine`'s save in flight (if any) has finished, and make it the one
+    the next save waits for: its `wait()` raises the earlier save's error too."""
+    handle = AsyncSave(target, work, after=_pending.get(id(engine)))
+    remember(engine, handle)
+    return handle
 
 
 def pending_save(engine: object) -> AsyncSave | None:

@@ -20,8 +20,9 @@ from torch import nn
 from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import agreement, broadcast_object
 from ..engine.module import get_engine
+from .background import AsyncSave, chain, checkpoint_group
 from .format import BUFFERS_FILE, HF_FILES, Manifest, check_files, save_hf_files, set_config_dtype
-from .owned import write_owned
+from .owned import snapshot_owned, write_owned
 from .reader import FileCache, read_pieces
 from .writer import HFShardWriter, parse_size
 
@@ -185,6 +186,45 @@ def save_pretrained(
                 writer.abort()
                 raise
     return broadcast_object(files, engine.world)
+
+
+def save_pretrained_async(
+    model: nn.Module,
+    output_dir: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+) -> AsyncSave:
+    """`save_pretrained(..., parallel=True)` written in the background ([Note: asynchronous save]).
+
+    A collective. At the call the tensors each rank owns are exchanged ([Note: owned tensors]) and copied to host
+    memory (its share of the model in `dtype`: 2 bytes per parameter / N in bf16), and rank 0 writes the side
+    files; the weight files are written, renamed and indexed by the save thread once the engine's previous
+    asynchronous save is committed. The next save (and `hf_zero.wait_for_saves`) waits for it.
+
+    Returns:
+        `AsyncSave`: `wait()` returns `output_dir` once every weight file is in place.
+
+    Example:
+
+    ```python
+    >>> handle = hf_zero.checkpoint.consolidate.save_pretrained_async(model, "out/checkpoint-500", dtype="bf16")
+    >>> handle.wait()
+    ```
+    """
+    engine = get_engine(model)
+    with agreement(engine.world, "hf_zero.save_pretrained"):
+        out_dtype = parse_dtype(dtype) or engine.master_dtype
+        max_bytes = parse_size(max_shard_size)
+    target = Path(output_dir)
+    work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.device.type != "cpu")
+    with agreement(engine.world, f"hf_zero.save_pretrained ({output_dir})"):
+        if engine.world.rank == 0:
+            target.mkdir(parents=True, exist_ok=True)
+            save_hf_files(model, tokenizer, target, out_dtype)
+    group = checkpoint_group(engine.world)
+    return chain(engine, target, lambda: work(group))
 
 
 class _NoBar:

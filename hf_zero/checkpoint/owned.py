@@ -24,17 +24,18 @@ import functools
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from ..engine.collectives import all_to_all_uneven, comm_device, gather_objects, raise_if_any_failed
+from ..engine.collectives import CommGroup, all_to_all_uneven, comm_device, gather_objects, raise_if_any_failed
 from ..engine.disk import MASTER
 from ..engine.engine import ZeroEngine
 from ..engine.flat import FlatPart
 from ..engine.pieces import Piece
 from ..engine.whole import deal
+from .background import frozen
 from .format import fsync_file, write_bytes_atomically
 from .stream import PIECE_NUMEL, Entry, host_pieces, write_streamed
 from .writer import INDEX_FILE, WEIGHT_FILE
@@ -272,42 +273,97 @@ def write_owned(
     """Write the model's tensors into `directory` as [Note: owned tensors] says; a collective. Returns every
     file written (on every rank). The side files (config, tokenizer) are the caller's. `on_round(done, total)`
     is called after each round (a progress bar)."""
+    plan, names, exchange, files = _prepare(engine, dtype, max_bytes, on_round)
+    written, error = _write_files(directory, files, engine.world.rank)  # pulls the rounds as it writes
+    exchange.drain()
+    return _publish(directory, plan, names, written, error or exchange.error, engine.world)
+
+
+def snapshot_owned(
+    engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_bytes: int, pin: bool
+) -> Callable[[CommGroup], list[str]]:
+    """[Note: owned tensors] in two halves, for an asynchronous save ([Note: asynchronous save]): every round is
+    run now (a collective) and this rank's tensors copied to host memory (pinned for an accelerator); the
+    returned work writes, renames and indexes the files, agreeing on the group it is given (the save thread's)."""
+    plan, names, exchange, files = _prepare(engine, dtype, max_bytes, None)
+    copies: list[tuple[str, list[Entry]]] = []
+    error: Exception | None = None
+    try:
+        for name, entries in files:
+            copies.append((name, [replace(e, pieces=frozen(e.pieces(), pin)) for e in entries]))
+    except Exception as e:  # noqa: BLE001 - agreed on below, after serving the other ranks' rounds
+        error = e
+    exchange.drain()
+    raise_if_any_failed(error or exchange.error, engine.world, f"hf_zero.save_pretrained ({directory})")
+    rank = engine.world.rank
+
+    def work(group: CommGroup) -> list[str]:
+        written, failure = _write_files(directory, copies, rank)
+        return _publish(directory, plan, names, written, failure, group)
+
+    return work
+
+
+def _prepare(
+    engine: ZeroEngine, dtype: torch.dtype, max_bytes: int, on_round: Callable[[int, int], None] | None
+) -> tuple[OwnerPlan, list[list[str]], Exchange, list[tuple[str, list[Entry]]]]:
+    """The plan, every rank's file names, the exchange, and this rank's files: their entries pull the rounds."""
     engine.hooks.wait_reductions()
     plan = OwnerPlan.deal(folder_tensors(engine, dtype), dtype, engine.world.size, max_bytes)
     names = plan.file_names()
     rank = engine.world.rank
     exchange = Exchange(engine, plan, on_round)
+    files: list[tuple[str, list[Entry]]] = []
+    k = 0
+    for name, group in zip(names[rank], plan.files[rank]):
+        entries = []
+        for i in group:
+            t = plan.tensors[i]
+            out = dtype if t.value is None or t.value.is_floating_point() else t.value.dtype
+            entries.append(Entry(t.name, out, t.shape, functools.partial(exchange.windows, k)))
+            k += 1
+        files.append((name, entries))
+    return plan, names, exchange, files
+
+
+def _write_files(
+    directory: Path, files: list[tuple[str, list[Entry]]], rank: int
+) -> tuple[list[Path], Exception | None]:
+    """Each file under a temporary name, flushed; the temporary paths written and the first error (the caller
+    agrees on it: a rank that failed still serves the others' rounds)."""
     written: list[Path] = []
-    error: Exception | None = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        k = 0
-        for name, group in zip(names[rank], plan.files[rank]):
-            entries = []
-            for i in group:
-                t = plan.tensors[i]
-                out = dtype if t.value is None or t.value.is_floating_point() else t.value.dtype
-                entries.append(Entry(t.name, out, t.shape, functools.partial(exchange.windows, k)))
-                k += 1
+        for name, entries in files:
             tmp = directory / f".{name}.partial"
             written.append(tmp)
             write_streamed(tmp, entries, {"format": "pt", "hf_zero_rank": str(rank)})
             fsync_file(tmp)
-    except Exception as e:  # noqa: BLE001 - agreed on below; this rank keeps serving the others first
-        error = e
-    exchange.drain()
-    error = error or exchange.error
+    except Exception as e:  # noqa: BLE001 - agreed on by the caller
+        return written, e
+    return written, None
+
+
+def _publish(
+    directory: Path,
+    plan: OwnerPlan,
+    names: list[list[str]],
+    written: list[Path],
+    error: Exception | None,
+    group: CommGroup,
+) -> list[str]:
+    """Agree that every file was written, rename them into place, and (rank 0) drop stale weight files and write
+    the index last; on any rank's failure every rank removes its temporary files and raises."""
     if error is not None:
         for tmp in written:
             with contextlib.suppress(OSError):  # what could not be written may not be a file
                 tmp.unlink(missing_ok=True)
-    raise_if_any_failed(error, engine.world, f"hf_zero.save_pretrained ({directory})")
-
-    for tmp, name in zip(written, names[rank]):
+    raise_if_any_failed(error, group, f"hf_zero.save_pretrained ({directory})")
+    for tmp, name in zip(written, names[group.rank]):
         os.replace(tmp, directory / name)
     all_names = [n for mine in names for n in mine]
     error = None
-    if rank == 0:
+    if group.rank == 0:
         try:
             for old in directory.iterdir():
                 if (WEIGHT_FILE.match(old.name) and old.name not in all_names) or old.name == INDEX_FILE:
@@ -316,7 +372,7 @@ def write_owned(
                 write_bytes_atomically(directory / INDEX_FILE, _index(plan, names))
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = e
-    raise_if_any_failed(error, engine.world, f"hf_zero.save_pretrained ({directory})")
+    raise_if_any_failed(error, group, f"hf_zero.save_pretrained ({directory})")
     return all_names
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -41,7 +42,7 @@ from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer, sharded_list
 from ..engine.pieces import Piece
-from .background import AsyncSave, FileJob, checkpoint_group, finish_previous, remember, snapshot
+from .background import AsyncSave, FileJob, Snapshot, checkpoint_group, finish_previous, remember, snapshot
 from .format import (
     BUFFERS_FILE,
     FORMAT_VERSION,
@@ -57,6 +58,8 @@ from .format import (
 )
 from .owned_state import owned_entries
 from .stream import Entry, host_pieces, write_streamed
+
+logger = logging.getLogger(__name__)
 
 
 def save_checkpoint(
@@ -118,13 +121,14 @@ def save_checkpoint(
 
     record: dict[str, Any] = {"files": {}}
     jobs: list[FileJob] = []
-    consumed = None
+    taken: Snapshot | None = None
     error: BaseException | None = None
     try:
         staging.mkdir(parents=True, exist_ok=True)
         jobs, record = _rank_jobs(model, engine, optimizers)
         if async_save:
-            jobs, consumed = snapshot(jobs, snapshot_budget_bytes, pin=engine.device.type != "cpu")
+            taken = snapshot(jobs, snapshot_budget_bytes, pin=engine.device.type != "cpu")
+            jobs = taken.jobs
         else:
             _write_jobs(staging, jobs, record)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
@@ -159,8 +163,16 @@ def save_checkpoint(
 
     handle = AsyncSave(target, write_and_commit)
     remember(engine, handle)
-    if consumed is not None:
-        consumed.wait()  # the entries beyond the snapshot budget are read from the training tensors: wait for them
+    if taken is not None:
+        taken.consumed.wait()  # the entries beyond the snapshot budget are read from the training tensors: wait
+        logger.info(
+            "hf_zero: asynchronous save of %s: %.1f MB snapshotted to host memory, %.1f MB written at the call "
+            "(rank %d)",
+            target,
+            taken.host_bytes / 1e6,
+            taken.live_bytes / 1e6,
+            world.global_rank,
+        )
     return handle
 
 

@@ -39,7 +39,7 @@ from ..config import ZeroConfig
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
 from .preemption import SignalRecorder
-from .settings import field_specs, launch_env, save_specs, to_zero_config
+from .settings import field_specs, launch_env, save_specs, snapshot_budget, to_zero_config
 
 CHECKPOINT_SUBDIR = "hf_zero"
 
@@ -60,6 +60,7 @@ class _ZeroPlugin:
 
     def __post_init__(self) -> None:
         self.to_zero_config("no")  # validates every field, with ZeroConfig's messages
+        snapshot_budget(self)
 
     def to_zero_config(self, mixed_precision: str) -> ZeroConfig:
         """The `ZeroConfig` for this plugin and Accelerate's precision setting."""
@@ -215,6 +216,7 @@ class ZeroAccelerator(Accelerator):
             self._optimizer_arg(),
             metadata={"step": self.step},
             async_save=bool(getattr(self.zero_plugin, "zero_async_save", False)),
+            snapshot_budget_bytes=snapshot_budget(self.zero_plugin),
         )
         return directory
 

@@ -19,10 +19,20 @@ import dataclasses
 import typing
 from typing import Any, Literal
 
+from ..checkpoint.writer import parse_size
 from ..config import ZeroConfig
 from ..launch import LaunchEnv, launch_env
 
-__all__ = ["LaunchEnv", "PREFIX", "exposed_fields", "field_specs", "launch_env", "save_specs", "to_zero_config"]
+__all__ = [
+    "LaunchEnv",
+    "PREFIX",
+    "exposed_fields",
+    "field_specs",
+    "launch_env",
+    "save_specs",
+    "snapshot_budget",
+    "to_zero_config",
+]
 
 PREFIX = "zero_"
 
@@ -52,7 +62,7 @@ def field_specs(*, cli: bool) -> list[tuple[str, Any, Any]]:
 
 def save_specs() -> list[tuple[str, Any, Any]]:
     """The checkpointing settings both integrations add beside the engine's (`zero_async_save`,
-    `zero_save_on_preemption`), made anew for each `make_dataclass` that takes them."""
+    `zero_snapshot_budget`, `zero_save_on_preemption`), made anew for each `make_dataclass` that takes them."""
     help_text = (
         "Write the sharded checkpoints in the background: each save returns once the shards are snapshotted to "
         "host memory, training goes on while they are written, and the next save (or the end of training) waits "
@@ -63,10 +73,37 @@ def save_specs() -> list[tuple[str, Any, Any]]:
         "checkpoint of that step is saved, and the process exits with code 75 (EX_TEMPFAIL); resuming continues "
         "from it ([Note: preemption]). With Accelerate, ask `accelerator.preempted()` once per step."
     )
+    budget_help = (
+        "With zero_async_save, the most host memory (per rank) a save's snapshot takes, as '8GB', '512MiB' or a "
+        "number of bytes; the state beyond it is written from the training tensors before the save returns. "
+        "Unset: the whole of the rank's share is snapshotted."
+    )
     return [
         ("zero_async_save", bool, dataclasses.field(default=False, metadata={"help": help_text})),
+        ("zero_snapshot_budget", str | None, dataclasses.field(default=None, metadata={"help": budget_help})),
         ("zero_save_on_preemption", bool, dataclasses.field(default=False, metadata={"help": preemption_help})),
     ]
+
+
+def snapshot_budget(settings: object) -> int | None:
+    """The snapshot budget in bytes `settings` (a `ZeroTrainingArguments` or `ZeroPlugin`) ask for, checked.
+
+    Example:
+
+    ```python
+    >>> snapshot_budget(ZeroPlugin(zero_async_save=True, zero_snapshot_budget="2GB"))
+    2000000000
+    ```
+    """
+    value = getattr(settings, "zero_snapshot_budget", None)
+    if value is None:
+        return None
+    if not getattr(settings, "zero_async_save", False):
+        raise ValueError(
+            f"zero_snapshot_budget={value!r} bounds an asynchronous save's snapshot, but zero_async_save is off. "
+            "Turn it on (--zero_async_save / ZeroPlugin(zero_async_save=True)) or drop the budget."
+        )
+    return parse_size(value, "zero_snapshot_budget")
 
 
 def _choices(kind: Any) -> list[Any] | None:

@@ -37,10 +37,12 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 
 from ..api import attach_optimizer, gathered_parameters, initialize
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
+from ..checkpoint.consolidate import save_pretrained_async
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback
+from .settings import snapshot_budget
 from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
 
 CHECKPOINT_SUBDIR = "hf_zero"
@@ -193,6 +195,7 @@ class ZeroTrainerMixin(_TrainerBase):
                 tokenizer=self.processing_class,
                 metadata={"global_step": self.state.global_step},
                 async_save=bool(getattr(self.args, "zero_async_save", False)),
+                snapshot_budget_bytes=snapshot_budget(self.args),
             )
         if getattr(self.model, "peft_config", None) is not None:  # a PEFT model: its adapter, as the stock Trainer
             if not periodic or self.args.zero_save_model_weights:
@@ -202,6 +205,13 @@ class ZeroTrainerMixin(_TrainerBase):
         elif periodic and not self.args.zero_save_model_weights:  # the folder without its weights
             if self.args.should_save:
                 save_hf_files(self._zero_model(), self.processing_class, Path(output_dir))
+        elif periodic and getattr(self.args, "zero_async_save", False):  # as below, written in the background
+            save_pretrained_async(
+                self._zero_model(),
+                output_dir,
+                tokenizer=self.processing_class,
+                dtype=get_engine(self._zero_model()).param_dtype,
+            )
         elif periodic:  # every rank writes its share, in the dtype training computes in
             save_pretrained(
                 self._zero_model(),

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainingArguments
 
 from ..config import ZeroConfig
-from .settings import field_specs, launch_env, save_specs, to_zero_config
+from .settings import field_specs, launch_env, save_specs, snapshot_budget, to_zero_config
 
 
 class _ZeroArguments:
@@ -48,6 +48,7 @@ class _ZeroArguments:
         zero_hybrid_shard: bool
         zero_save_model_weights: bool
         zero_async_save: bool
+        zero_snapshot_budget: str | None
         zero_save_on_preemption: bool
 
     @property
@@ -58,6 +59,7 @@ class _ZeroArguments:
         # Everything is checked before super().__post_init__(), which starts torch.distributed: a
         # mistake raises the same error on every rank and nothing waits in a collective.
         self._refuse_incompatible()
+        snapshot_budget(self)
         self.to_zero_config()
         super().__post_init__()  # type: ignore[misc]  # TrainingArguments, after this mixin in the MRO, has it
 
