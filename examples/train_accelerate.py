@@ -7,9 +7,10 @@
 The loop is the DDP loop of any Accelerate script; the one hf_zero line is
 `ZeroAccelerator(zero_plugin=ZeroPlugin(zero_stage=...), ...)` in place of `Accelerator(...)`.
 Every `--checkpointing_steps` it saves `<output_dir>/step_N` with `accelerator.save_state` (the
-model and optimizer as hf_zero shards); `--resume_from_checkpoint latest` (or a path) continues
-from there. At the end it writes `<output_dir>/final`, a `from_pretrained` directory, and
-`<output_dir>/log.jsonl` with the loss of every step.
+model and optimizer as hf_zero shards; with `--zero_async_save` written in the background while
+training goes on); `--resume_from_checkpoint latest` (or a path) continues from there. At the end
+it writes `<output_dir>/final`, a `from_pretrained` directory, and `<output_dir>/log.jsonl` with
+the loss of every step.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num_warmup_steps", type=int, default=0)
     p.add_argument("--checkpointing_steps", type=int, default=None, help="save_state every N optimizer steps")
     p.add_argument("--resume_from_checkpoint", default=None, help="a step_N directory, or 'latest'")
+    p.add_argument("--zero_async_save", action="store_true",
+                   help="write each checkpoint's shards in the background: training goes on once they are copied to "
+                        "host memory")
+    p.add_argument("--zero_snapshot_budget", default=None,
+                   help="with --zero_async_save, the most host memory a checkpoint's copy takes per rank ('8GB')")
     p.add_argument("--seed", type=int, default=42)
     args = p.parse_args()
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_train_steps", "block_size"):
@@ -82,7 +88,8 @@ def main() -> None:
     args = parse_args()
     wrap = "auto" if args.zero_wrap == "auto" else tuple(w.strip() for w in args.zero_wrap.split(","))
     accelerator = hf_zero.ZeroAccelerator(
-        zero_plugin=hf_zero.ZeroPlugin(zero_stage=args.zero_stage, zero_wrap=wrap),
+        zero_plugin=hf_zero.ZeroPlugin(zero_stage=args.zero_stage, zero_wrap=wrap, zero_async_save=args.zero_async_save,
+                                       zero_snapshot_budget=args.zero_snapshot_budget),
         gradient_accumulation_steps=args.gradient_accumulation_steps,
     )
     set_seed(args.seed)
@@ -156,6 +163,7 @@ def main() -> None:
     if accelerator.is_main_process:
         tokenizer.save_pretrained(final_dir)
         log.close()
+    accelerator.wait_for_checkpoints()  # with --zero_async_save: the last step_N is committed
     accelerator.print(f"held-out perplexity: {perplexity_before:.2f} before -> {perplexity_after:.2f} after "
                       f"{step} steps; model saved to {final_dir}")
 
