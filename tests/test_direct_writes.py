@@ -117,3 +117,35 @@ def test_sink_error_names_a_bad_buffer_size_and_a_failed_write_leaves_the_descri
     with pytest.raises(OSError) as closed:
         os.fstat(fd)  # no descriptor leaked
     assert closed.value.errno == errno.EBADF
+
+
+def test_hf_shard_writer_files_load_with_safetensors_for_every_dtype_it_names(tmp_path):
+    """The `from_pretrained` layout (`HFShardWriter`, the rank-0 consolidation path) is written by the same direct
+    writer: each shard loads with safetensors' own reader, every dtype equal, the index naming every tensor."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from hf_zero.checkpoint.writer import HFShardWriter
+
+    tensors = {
+        "w": torch.randn(300),
+        "ids": torch.arange(300, dtype=torch.int64).reshape(3, 100),
+        "half": torch.ones(5, dtype=torch.bfloat16),
+        "fp8": torch.randn(8).to(torch.float8_e4m3fn),
+        "u16": torch.tensor([1, 65535], dtype=torch.uint16),
+        "c": torch.randn(4, dtype=torch.complex64),
+        "flag": torch.tensor([True, False]),
+    }
+    writer = HFShardWriter(tmp_path, max_shard_size="1KB")
+    for name, value in tensors.items():
+        writer.add(name, value)
+    files = writer.close()
+    assert len(files) > 1
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    back: dict[str, torch.Tensor] = {}
+    for name in files:
+        back.update(load_file(str(tmp_path / name)))
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype and back[name].view(torch.uint8).equal(value.view(torch.uint8)), name

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from ..dtypes import dtype_name
@@ -155,12 +154,6 @@ def fsync_file(path: Path) -> None:
 def write_bytes_atomically(path: Path, data: bytes) -> None:
     """Write `data` to `path` atomically ([Note: atomic files])."""
     write_file_atomically(path, lambda tmp: tmp.write_bytes(data))
-
-
-def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> None:
-    """A safetensors file at `path`, flushed to disk (the caller names it: temporary or final)."""
-    save_file(tensors, str(path), metadata=metadata)
-    fsync_file(path)
 
 
 def save_hf_files(model: nn.Module, tokenizer: Any, directory: Path, dtype: torch.dtype | None = None) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .format import save_safetensors, write_bytes_atomically
+from .format import fsync_file, write_bytes_atomically
+from .stream import Entry, host_pieces, write_streamed
 
 _UNITS = {
     "": 1,
@@ -95,7 +96,9 @@ class HFShardWriter:
         if not self._open:
             return
         path = self.output_dir / f".hf_zero-shard-{len(self._written):05d}.partial"
-        save_safetensors(path, self._open, {"format": "pt"})
+        entries = [Entry(name, t.dtype, tuple(t.shape), host_pieces(t)) for name, t in self._open.items()]
+        write_streamed(path, entries, {"format": "pt"})  # [Note: direct writes]
+        fsync_file(path)
         self._written.append((path, list(self._open)))
         self._open, self._open_bytes = {}, 0
 
