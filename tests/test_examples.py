@@ -16,12 +16,18 @@ ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file
               str(ROOT / "accelerate_configs" / "cpu_2proc.yaml"), "--num_cpu_threads_per_process", "1"]
 
 
-def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: int = 600, baseline: bool = False) -> subprocess.CompletedProcess:
+    """Run `cmd` (an `accelerate launch`) and require exit code 0. A `baseline` run (stock DDP, no hf_zero in the
+    process) may instead abort *at exit* (SIGABRT, torch's own gloo teardown race, pytorch/pytorch#179291, which
+    hf_zero contains only in processes that use it: [Note: clean exit]); its outputs are checked by the caller."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-6000:]}"
+    torch_exit_abort = baseline and "Signal 6 (SIGABRT)" in done.stderr
+    assert done.returncode == 0 or torch_exit_abort, (
+        f"{' '.join(cmd)}\n--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-6000:]}"
+    )
     return done
 
 
@@ -136,7 +142,7 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(assets, 
               "--adam_epsilon", "1e-6", "--bf16", "false"]  # fp32 (TRL's configs default to bf16)
     zero, stock = tmp_path / "zero", tmp_path / "stock"
     _run(ACCELERATE + common + ["--output_dir", str(zero), "--zero_stage", "3"])
-    _run(ACCELERATE + common + ["--output_dir", str(stock), "--use_stock_trainer"])
+    _run(ACCELERATE + common + ["--output_dir", str(stock), "--use_stock_trainer"], baseline=True)
     got, want = json.loads((zero / "losses.json").read_text()), json.loads((stock / "losses.json").read_text())
     assert len(got) == 4
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
@@ -159,7 +165,7 @@ def test_dpo_at_stage_3_matches_stock_dpo_trainer_under_ddp(assets, tmp_path, st
     zero, stock = tmp_path / "zero", tmp_path / "stock"
     flags = ["--sync_ref_model"] if sync else []
     _run(ACCELERATE + ["tests/_dpo_run.py", str(assets / "base"), str(zero), str(stage), *flags])
-    _run(ACCELERATE + ["tests/_dpo_run.py", str(assets / "base"), str(stock), "stock", *flags])
+    _run(ACCELERATE + ["tests/_dpo_run.py", str(assets / "base"), str(stock), "stock", *flags], baseline=True)
     got, want = json.loads((zero / "losses.json").read_text()), json.loads((stock / "losses.json").read_text())
     assert len(got) == 3 and got[0] == pytest.approx(0.6931, abs=1e-3)  # DPO starts at log 2 (policy = reference)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
