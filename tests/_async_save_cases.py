@@ -37,10 +37,15 @@ def _train(model: Any, opt: Any, steps: int) -> None:
 
 @contextlib.contextmanager
 def recording_snapshots() -> Iterator[list[dict[str, Any]]]:
-    """Record each asynchronous save's snapshot on this rank (budget asked, bytes copied, bytes streamed)."""
+    """Record each asynchronous save's snapshot on this rank: of the sharded state (budget asked, bytes copied,
+    bytes streamed) and of model weights written in the background (`{"weights": directory}`)."""
+    import importlib
+
     import hf_zero.checkpoint.save as save_module
 
-    original = save_module.snapshot
+    consolidate_module = importlib.import_module("hf_zero.checkpoint.consolidate")  # the package's name is a function
+
+    original, original_owned = save_module.snapshot, consolidate_module.snapshot_owned
     seen: list[dict[str, Any]] = []
 
     def spy(jobs, budget_bytes, pin):  # noqa: ANN001, ANN202
@@ -48,11 +53,15 @@ def recording_snapshots() -> Iterator[list[dict[str, Any]]]:
         seen.append({"budget": budget_bytes, "host_bytes": taken.host_bytes, "live_bytes": taken.live_bytes})
         return taken
 
-    save_module.snapshot = spy
+    def spy_owned(engine, directory, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append({"weights": str(directory)})
+        return original_owned(engine, directory, *args, **kwargs)
+
+    save_module.snapshot, consolidate_module.snapshot_owned = spy, spy_owned
     try:
         yield seen
     finally:
-        save_module.snapshot = original
+        save_module.snapshot, consolidate_module.snapshot_owned = original, original_owned
 
 
 def trainer_run_recording_snapshots(job: Any) -> dict[str, Any]:

@@ -428,9 +428,10 @@ def test_async_save_in_the_trainer_resumes_exactly(pools, tmp_path):
     job = replace(base, out_dir=str(run), stop_after=2, zero_args=background)
     ranks = pools(2).values(async_save_cases.trainer_run_recording_snapshots, job)
     interrupted = ranks[0]
-    for rank in ranks:  # one async save (checkpoint-2); the budget bounded its host copy, the rest was streamed
-        (taken,) = rank["snapshots"]
+    for rank in ranks:  # checkpoint-2: its sharded state (the budget bounding the host copy, the rest streamed)
+        taken, weights = rank["snapshots"]  # and its model weights, both snapshotted for the save thread
         assert taken["budget"] == 3000 and taken["host_bytes"] <= 3000 and taken["live_bytes"] > 3000
+        assert weights == {"weights": str(run / "checkpoint-2")}
     assert "checkpoint-2" in interrupted["checkpoints"]
     assert (run / "checkpoint-2" / "hf_zero" / "hf_zero_manifest.json").is_file()
     # the checkpoint's model weights, written in the background too, are the synchronous run's byte for byte

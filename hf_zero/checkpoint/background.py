@@ -20,6 +20,10 @@ the training that follows:
    `done()` asks without blocking. A crash during the background write leaves the previous checkpoint whole.
 
 The result is the checkpoint a synchronous save at the call would have written, byte for byte.
+
+One save at a time runs on the save group: `chain` starts a save once the one in flight has finished, and its
+`wait()` raises that one's failure. The Trainer chains a checkpoint's model weights after its sharded state
+(`save_pretrained_async` in consolidate.py: the owned tensors are exchanged and copied at the call).
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def save_specs() -> list[tuple[str, Any, Any]]:
     """The checkpointing settings both integrations add beside the engine's (`zero_async_save`,
     `zero_snapshot_budget`, `zero_save_on_preemption`), made anew for each `make_dataclass` that takes them."""
     help_text = (
-        "Write the sharded checkpoints in the background: each save returns once the shards are snapshotted to "
+        "Write the checkpoints in the background (the sharded state and, with the Trainer, checkpoint-N's model "
+        "weights): each save returns once they are snapshotted to "
         "host memory, training goes on while they are written, and the next save (or the end of training) waits "
         "for it ([Note: asynchronous save]). A checkpoint is never half-written either way."
     )
