@@ -139,7 +139,7 @@ def test_chained_background_saves_run_one_after_another_and_pass_on_a_failure(tm
         release.wait(10)
         order.append("first")
 
-    background.remember(owner, background.AsyncSave(tmp_path / "a", first))
+    background.chain(owner, tmp_path / "a", first)
     second = background.chain(owner, tmp_path / "b", lambda: order.append("second"))
     time.sleep(0.2)
     assert order == [] and not second.done()  # the second waits for the first
@@ -150,7 +150,7 @@ def test_chained_background_saves_run_one_after_another_and_pass_on_a_failure(tm
     def broken() -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    background.remember(owner, background.AsyncSave(tmp_path / "c", broken))
+    background.chain(owner, tmp_path / "c", broken)
     third = background.chain(owner, tmp_path / "d", lambda: order.append("third"))
     with pytest.raises(OSError, match="No space left"):
         background.finish_previous(owner)  # what the next save (or train()'s end) does

@@ -193,15 +193,10 @@ def finish_previous(engine: object) -> None:
         previous.wait()
 
 
-def remember(engine: object, handle: AsyncSave) -> None:
-    _pending[id(engine)] = handle
-
-
 def chain(engine: object, target: Path, work: Callable[[], object]) -> AsyncSave:
     """Start `work` in the background once `engine`'s save in flight (if any) has finished, and make it the one
     the next save waits for: its `wait()` raises the earlier save's error too."""
-    handle = AsyncSave(target, work, after=_pending.get(id(engine)))
-    remember(engine, handle)
+    handle = _pending[id(engine)] = AsyncSave(target, work, after=_pending.get(id(engine)))
     return handle
 
 

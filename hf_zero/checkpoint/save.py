@@ -42,7 +42,7 @@ from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer, sharded_list
 from ..engine.pieces import Piece
-from .background import AsyncSave, FileJob, Snapshot, checkpoint_group, finish_previous, remember, snapshot
+from .background import AsyncSave, FileJob, Snapshot, chain, checkpoint_group, finish_previous, snapshot
 from .format import (
     BUFFERS_FILE,
     FORMAT_VERSION,
@@ -161,8 +161,7 @@ def save_checkpoint(
         done = None if manifest is None else replace(manifest, files={k: FileEntry(**v) for k, v in merged.items()})
         _commit(group, staging, target, token, done)
 
-    handle = AsyncSave(target, write_and_commit)
-    remember(engine, handle)
+    handle = chain(engine, target, write_and_commit)  # the previous one is finished: it starts at once
     if taken is not None:
         taken.consumed.wait()  # the entries beyond the snapshot budget are read from the training tensors: wait
         logger.info(
