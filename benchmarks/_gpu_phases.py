@@ -1,0 +1,307 @@
+"""The correctness phases of the GPU check, each run under `torch.distributed.run` by `gpu_check.py`.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/_gpu_phases.py single --device cuda
+    python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/_gpu_phases.py multi --device cuda
+    python -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/_gpu_phases.py trainer --device cuda
+
+- `single`: a world of one over NCCL: stages 1-3 x fp32/bf16 against plain single-process PyTorch
+  training (fp32: losses, clip norms and weights within 1e-5 relative; bf16 tracks fp32 within 2e-2),
+  ZeRO-Offload (pinned host masters), `offload_dir`, an asynchronous save (pinned snapshot) loaded at
+  another stage, and its consolidation loaded with `from_pretrained` on the device.
+- `multi`: two processes sharing the one GPU (gloo between them, CUDA compute: host-staged collectives)
+  at stages 1-3 against single-process training of the whole batch.
+- `trainer`: `ZeroTrainer` with `zero_stage=3` and bf16 for a few steps with checkpoints; a second run
+  resumes from the middle one and must end where the uninterrupted run ended; the final model loads
+  with `from_pretrained`.
+
+On the CPU (`--device cpu`, the rehearsal) the same code runs over gloo. Results: `<out>/<phase>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _gpu_common import (
+    SIZES,
+    Cases,
+    Sizes,
+    adamw,
+    corpus,
+    init_group,
+    llama,
+    norm_diff,
+    rel_diff,
+    require,
+    weights_diff,
+)
+
+import hf_zero
+
+FP32_TOL = 1e-5  # losses, clip norms and weights against single-process fp32 training
+BF16_TOL = 2e-2  # bf16 compute (fp32 master, optimizer and reduction) against fp32 training
+
+
+def train_reference(sizes: Sizes, data: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """Plain PyTorch: the whole global batch per micro-step, accumulation, clipping at 1.0, AdamW."""
+    model = llama(sizes).to(device)
+    optimizer = adamw(model)
+    losses, norms = [], []
+    for step in range(sizes.steps):
+        micro = []
+        for a in range(sizes.accum):
+            rows = data[step, a].to(device)
+            loss = model(input_ids=rows, labels=rows).loss
+            (loss / sizes.accum).backward()
+            micro.append(loss.detach().float())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(torch.stack(micro).mean()))
+    return {"losses": losses, "norms": norms, "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+
+
+def train_zero(model: torch.nn.Module, optimizer: Any, sizes: Sizes, data: torch.Tensor, device: torch.device,
+               steps: range | None = None) -> dict[str, Any]:
+    """The same training on a sharded model: each rank its slice of every micro-batch, `no_sync` on all but the
+    last micro-batch, the sharded optimizer's clipping; losses averaged over the ranks."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows_of = slice(rank * sizes.micro, (rank + 1) * sizes.micro)
+    losses, norms = [], []
+    for step in steps or range(sizes.steps):
+        micro = []
+        for a in range(sizes.accum):
+            rows = data[step, a, rows_of].to(device)
+            sync = contextlib.nullcontext() if a == sizes.accum - 1 else model.no_sync()
+            with sync:
+                loss = model(input_ids=rows, labels=rows).loss
+                (loss / sizes.accum).backward()
+            micro.append(loss.detach().float())
+        norms.append(float(optimizer.clip_grad_norm_(1.0)))
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = torch.stack(micro).mean().to(_comm_device())
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    return {"losses": losses, "norms": norms}
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def compare(got: dict[str, Any], state: dict[str, torch.Tensor], ref: dict[str, Any], tol: float) -> dict[str, Any]:
+    """Losses, clip norms and weights of a sharded run against the reference, within `tol` relative (a bf16 run:
+    its losses); the run must also have trained (its loss fell by more than twice the tolerance)."""
+    figures = {
+        "loss_rel": max(rel_diff(a, b) for a, b in zip(got["losses"], ref["losses"])),
+        "norm_rel": max(rel_diff(a, b) for a, b in zip(got["norms"], ref["norms"])),
+        "weights_rel": weights_diff(state, ref["state"]),
+        "losses": [round(x, 5) for x in got["losses"]],
+    }
+    require(figures["loss_rel"] <= tol, f"losses differ by {figures['loss_rel']:.2e} relative (allowed {tol:.0e})")
+    if tol == FP32_TOL:  # bf16 is held to its losses, as the test suite does; its norms and weights are reported
+        require(figures["norm_rel"] <= tol, f"clip norms differ by {figures['norm_rel']:.2e} relative")
+        require(figures["weights_rel"] <= tol, f"weights differ by {figures['weights_rel']:.2e} relative")
+    fell = (got["losses"][0] - got["losses"][-1]) / got["losses"][0]
+    require(fell > 2 * tol, f"the loss did not fall ({got['losses']})")
+    return figures
+
+
+def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: dict[str, Any],
+                 on_device: bool = False, **config: Any) -> dict[str, Any]:
+    """Train a fresh model sharded with `config` and compare it with `ref` (bf16 at the looser tolerance)."""
+    model = llama(sizes)
+    if on_device:
+        model = model.to(device)
+    model, optimizer = hf_zero.initialize(model, adamw(model), hf_zero.ZeroConfig(**config))
+    got = train_zero(model, optimizer, sizes, data, device)
+    state = hf_zero.full_state_dict(model, rank0_only=False)
+    figures = compare(got, state, ref, BF16_TOL if config.get("mixed_precision") == "bf16" else FP32_TOL)
+    figures["device"] = str(next(model.parameters()).device)
+    require(figures["device"].split(":")[0] == device.type, f"trained on {figures['device']}, not {device}")
+    if config.get("offload_optimizer") and device.type == "cuda":
+        engine = model.zero_engine
+        host = [p.sharded_master for p in engine.parts if p.has_trainable and p.master_device.type == "cpu"]
+        require(bool(host), "no master shard on the host under offload_optimizer")
+        if not config.get("offload_dir"):
+            require(all(t.is_pinned() for t in host), "an offloaded master shard is not in pinned memory")
+        figures["host_masters"] = len(host)
+    hf_zero.wait_for_saves(model)
+    return figures
+
+
+def phase_single(args: argparse.Namespace, device: torch.device, cases: Cases) -> None:
+    sizes = SIZES[args.size]
+    data = corpus(sizes, world=1)
+    ref = train_reference(sizes, data, device)
+    for stage in (1, 2, 3):
+        for precision in ("no", "bf16"):
+            name = f"ZeRO-{stage} {'bf16' if precision == 'bf16' else 'fp32'} vs PyTorch"
+            cases.run(name, lambda s=stage, p=precision: sharded_case(sizes, data, device, ref, stage=s,
+                                                                       mixed_precision=p))
+    cases.run("ZeRO-3 offload_optimizer+offload_params (pinned host)", lambda: sharded_case(
+        sizes, data, device, ref, stage=3, offload_optimizer=True, offload_params=True))
+    with tempfile.TemporaryDirectory(prefix="hf_zero_gpu_check_") as tmp:
+        cases.run("ZeRO-3 offload_dir (master and Adam on disk)", lambda: sharded_case(
+            sizes, data, device, ref, stage=3, offload_optimizer=True, offload_dir=str(Path(tmp) / "offload")))
+        cases.run("async save at ZeRO-3 bf16, load at ZeRO-1, consolidate, from_pretrained",
+                  lambda: save_load_case(sizes, data, device, Path(tmp)))
+
+
+def save_load_case(sizes: Sizes, data: torch.Tensor, device: torch.device, tmp: Path) -> dict[str, Any]:
+    """Train 2 steps at ZeRO-3 in bf16, save in the background while step 3 runs, load the checkpoint into a
+    ZeRO-1 model (another stage, another init): the same master weights and the same step-4 loss; then
+    consolidate it and load it with `from_pretrained` on the device: the same weights and the same loss."""
+    config = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16")
+    model = llama(sizes)
+    model, optimizer = hf_zero.initialize(model, adamw(model), config)
+    train_zero(model, optimizer, sizes, data, device, steps=range(2))
+    saved = {k: v.clone() for k, v in hf_zero.full_state_dict(model, rank0_only=False).items()}
+    handle = hf_zero.save_checkpoint(tmp / "ckpt", model, optimizer, async_save=True, metadata={"step": 2})
+    train_zero(model, optimizer, sizes, data, device, steps=range(2, 3))  # writes the tensors being saved
+    handle.wait()
+    after = train_zero(model, optimizer, sizes, data, device, steps=range(3, 4))
+
+    other = llama(sizes, seed=7)
+    other, other_opt = hf_zero.initialize(other, adamw(other), hf_zero.ZeroConfig(stage=1, mixed_precision="bf16"))
+    meta = hf_zero.load_checkpoint(tmp / "ckpt", other, other_opt)
+    loaded = hf_zero.full_state_dict(other, rank0_only=False)
+    require(meta.get("step") == 2, f"metadata {meta}")
+    load_diff = weights_diff(loaded, saved)
+    require(load_diff == 0.0, f"loaded masters differ from the saved ones by {load_diff:.2e}")
+    resumed = train_zero(other, other_opt, sizes, data, device, steps=range(2, 4))
+    step4 = rel_diff(resumed["losses"][-1], after["losses"][-1])
+    require(step4 <= BF16_TOL / 10, f"step-4 loss after load differs by {step4:.2e}")
+
+    if dist.get_rank() == 0:
+        hf_zero.consolidate(tmp / "ckpt", tmp / "hf", progress=False)
+    dist.barrier()
+    from transformers import AutoModelForCausalLM
+
+    pretrained = AutoModelForCausalLM.from_pretrained(tmp / "hf", dtype=torch.float32).to(device)
+    pre_diff = weights_diff({k: v for k, v in pretrained.state_dict().items()}, saved)
+    require(pre_diff == 0.0, f"from_pretrained weights differ from the saved masters by {pre_diff:.2e}")
+    reference = llama(sizes).to(device)
+    reference.load_state_dict(saved)
+    rows = data[0, 0].to(device)
+    with torch.no_grad():
+        a, b = pretrained(input_ids=rows, labels=rows).loss, reference(input_ids=rows, labels=rows).loss
+    require(float(a) == float(b), f"from_pretrained loss {float(a)} != {float(b)}")
+    return {"load_weights_rel": load_diff, "step4_loss_rel": step4, "from_pretrained_device": str(a.device),
+            "files": sorted(p.name for p in (tmp / "hf").iterdir())}
+
+
+def phase_multi(args: argparse.Namespace, device: torch.device, cases: Cases) -> None:
+    sizes = SIZES[args.size]
+    data = corpus(sizes, world=dist.get_world_size())
+    ref = train_reference(sizes, data, device)
+    for stage in (1, 2, 3):
+        cases.run(f"ZeRO-{stage} fp32, {dist.get_world_size()} ranks on one device vs PyTorch",
+                  lambda s=stage: sharded_case(sizes, data, device, ref, on_device=True, stage=s))
+    cases.run(f"ZeRO-3 bf16, {dist.get_world_size()} ranks on one device vs PyTorch fp32",
+              lambda: sharded_case(sizes, data, device, ref, on_device=True, stage=3, mixed_precision="bf16"))
+
+
+def phase_trainer(args: argparse.Namespace, device: torch.device, cases: Cases) -> None:
+    out = Path(tempfile.mkdtemp(prefix="hf_zero_gpu_trainer_"))
+    try:
+        cases.run("ZeroTrainer ZeRO-3 bf16: train, checkpoint, resume, from_pretrained",
+                  lambda: trainer_case(SIZES[args.size], device, out))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _trainer_run(sizes: Sizes, device: torch.device, out: Path, resume: str | None, seed: int) -> Any:
+    from transformers import TrainerCallback
+
+    class Losses(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: dict[int, float] = {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
+            if logs and "loss" in logs:
+                self.losses[state.global_step] = float(logs["loss"])
+
+    rows = corpus(sizes, world=1).reshape(-1, sizes.seq)
+    arguments = hf_zero.ZeroTrainingArguments(
+        output_dir=str(out), zero_stage=3, bf16=True, per_device_train_batch_size=sizes.micro,
+        gradient_accumulation_steps=sizes.accum, max_steps=4, save_steps=2, logging_steps=1, learning_rate=1e-3,
+        seed=0, data_seed=0, report_to="none", disable_tqdm=True, use_cpu=device.type == "cpu",
+        dataloader_num_workers=0,
+    )
+    losses = Losses()
+    trainer = hf_zero.ZeroTrainer(model=llama(sizes, seed=seed), args=arguments, train_dataset=_Rows(rows),
+                                  callbacks=[losses])
+    trainer.train(resume_from_checkpoint=resume)
+    state = {k: v.clone() for k, v in hf_zero.full_state_dict(trainer.model, rank0_only=False).items()}
+    return trainer, losses.losses, state
+
+
+def trainer_case(sizes: Sizes, device: torch.device, out: Path) -> dict[str, Any]:
+    first, losses, state = _trainer_run(sizes, device, out / "run", resume=None, seed=0)
+    trained_on = str(next(first.model.parameters()).device)
+    require(trained_on.split(":")[0] == device.type, f"the Trainer trained on {trained_on}")
+    require(sorted(losses) == [1, 2, 3, 4], f"logged steps {sorted(losses)}")
+    first.save_model(str(out / "final"))
+    _, resumed, resumed_state = _trainer_run(sizes, device, out / "resumed", str(out / "run" / "checkpoint-2"), 5)
+    loss_rel = max(rel_diff(resumed[s], losses[s]) for s in (3, 4))
+    weights = weights_diff(resumed_state, state)
+    require(loss_rel <= FP32_TOL, f"resumed losses {resumed} vs uninterrupted {losses}")
+    require(weights <= FP32_TOL, f"resumed weights differ by {weights:.2e}")
+    from transformers import AutoModelForCausalLM
+
+    pretrained = AutoModelForCausalLM.from_pretrained(out / "final").to(device)
+    final = max(norm_diff(v.float(), state[k].float()) for k, v in pretrained.state_dict().items() if k in state)
+    require(final <= 1e-2, f"from_pretrained weights differ from the trained model by {final:.2e}")
+    return {"trained_on": trained_on, "losses": [round(losses[s], 5) for s in sorted(losses)],
+            "resume_loss_rel": loss_rel, "resume_weights_rel": weights, "from_pretrained_rel": final,
+            "pretrained_dtype": str(next(pretrained.parameters()).dtype)}
+
+
+PHASES = {"single": phase_single, "multi": phase_multi, "trainer": phase_trainer}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=sorted(PHASES))
+    ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
+    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.phase == "trainer":  # the Trainer makes (or not) its own process group, as it does for users
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else \
+            torch.device("cpu")
+        cases = Cases(args.phase, out)
+        PHASES[args.phase](args, device, cases)
+    else:
+        device = init_group(args.device, backend="gloo" if args.phase == "multi" else None)
+        cases = Cases(args.phase, out)
+        PHASES[args.phase](args, device, cases)
+        dist.barrier()
+    return 1 if cases.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
