@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf_zero-installed
 
-.PHONY: install demo parity-demo test lint gpu-check clean
+.PHONY: install demo parity-demo test lint gpu-check gpu-rehearse gpu-wheels compat clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -52,14 +52,37 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check
 	$(BIN)/mypy
 
-# The CUDA + NCCL path on a machine with NVIDIA GPUs: installs the CUDA build of the pinned torch in .venv-cuda,
-# runs the parity demo under torchrun on every GPU, the device-agnostic tests (parity, checkpoints, Trainer,
-# bf16/fp16) on CUDA + NCCL and the benchmark beside DDP/FSDP2/DeepSpeed; report in outputs/gpu_check/report.md.
-# Without a GPU it says so and exits 0. Another CUDA build: make gpu-check CUDA_TORCH_SPEC="torch==2.13.0 --index-url ..."
-CUDA_TORCH_SPEC ?= torch==2.13.0
-
+# The CUDA + NCCL path on the one GPU a session is lent (docs/performance.md, "The GPU check"): runs with the
+# python3 there whose torch sees CUDA, hf_zero from this tree, nothing from a network (wheels from .whl/); six
+# phases in about 6 minutes; report.md / report.json in $$OUT (the device tool's) or outputs/gpu_check.
+# Without a GPU it says so and exits 0. gpu-rehearse runs the same phases here on the CPU, from no index.
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py --venv .venv-cuda --torch "$(CUDA_TORCH_SPEC)"
+	$(PYTHON) benchmarks/gpu_check.py
+
+gpu-rehearse: $(STAMP)
+	PIP_NO_INDEX=1 $(BIN)/python benchmarks/gpu_check.py --rehearse --out outputs/gpu_rehearsal
+
+# The pure-Python wheels the lent machine lacks (benchmarks/gpu_wheels.txt), for its Python 3.12, into .whl/.
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl -r benchmarks/gpu_wheels.txt
+	du -sh .whl
+
+# The core tests on the lent GPU machine's stack (torch 2.11, transformers 5.17, accelerate 1.15, safetensors
+# 0.8), in a venv of their own on the CPU; results in benchmarks/results/compat.md. CI runs today's pins only.
+COMPAT_VENV ?= .venv-compat
+COMPAT_PINS ?= torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 safetensors==0.8.0
+COMPAT_TESTS ?= tests/test_parity.py tests/test_checkpoint.py tests/test_trainer.py tests/test_accelerate.py \
+	tests/test_consolidate.py tests/test_offload.py tests/test_precision_and_lifecycle.py tests/test_gpu_check.py
+
+compat:
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q $(COMPAT_PINS) "pytest>=8" "pytest-timeout>=2.3" "datasets>=3.0" \
+		"peft>=0.21"
+	$(COMPAT_VENV)/bin/python -m pip install -q --no-deps -e .
+	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(COMPAT_VENV)/bin/python -m pytest -q -rfEs $(COMPAT_TESTS)
 
 clean:
-	rm -rf $(VENV) .venv-cuda outputs .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) .whl outputs .pytest_cache
