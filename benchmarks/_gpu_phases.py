@@ -48,6 +48,7 @@ import hf_zero
 
 FP32_TOL = 1e-5  # losses, clip norms and weights against single-process fp32 training
 BF16_TOL = 2e-2  # bf16 compute (fp32 master, optimizer and reduction) against fp32 training
+RESUME_TOL = 1e-3  # a resumed bf16 run against the uninterrupted one on a GPU (nondeterministic attention backward)
 
 
 def train_reference(sizes: Sizes, data: torch.Tensor, device: torch.device) -> dict[str, Any]:
@@ -195,8 +196,10 @@ def save_load_case(sizes: Sizes, data: torch.Tensor, device: torch.device, tmp: 
     rows = data[0, 0].to(device)
     with torch.no_grad():
         a, b = pretrained(input_ids=rows, labels=rows).loss, reference(input_ids=rows, labels=rows).loss
-    require(float(a) == float(b), f"from_pretrained loss {float(a)} != {float(b)}")
-    return {"load_weights_rel": load_diff, "step4_loss_rel": step4, "from_pretrained_device": str(a.device),
+    loss_rel = rel_diff(float(a), float(b))  # the same weights and kernels; 1e-6 leaves room for atomics on a GPU
+    require(loss_rel <= 1e-6, f"from_pretrained loss {float(a)} != {float(b)}")
+    return {"load_weights_rel": load_diff, "step4_loss_rel": step4, "from_pretrained_loss_rel": loss_rel,
+            "from_pretrained_device": str(a.device),
             "files": sorted(p.name for p in (tmp / "hf").iterdir())}
 
 
@@ -266,8 +269,12 @@ def trainer_case(sizes: Sizes, device: torch.device, out: Path) -> dict[str, Any
     _, resumed, resumed_state = _trainer_run(sizes, device, out / "resumed", str(out / "run" / "checkpoint-2"), 5)
     loss_rel = max(rel_diff(resumed[s], losses[s]) for s in (3, 4))
     weights = weights_diff(resumed_state, state)
-    require(loss_rel <= FP32_TOL, f"resumed losses {resumed} vs uninterrupted {losses}")
-    require(weights <= FP32_TOL, f"resumed weights differ by {weights:.2e}")
+    # On the CPU the resumed run is bit for bit the uninterrupted one. On a GPU, bf16 attention's backward
+    # (flash / memory-efficient kernels) accumulates with atomics, so two runs of the same steps may differ in
+    # the last bits: the figures are reported, held to RESUME_TOL there.
+    tol = 0.0 if device.type == "cpu" else RESUME_TOL
+    require(loss_rel <= tol, f"resumed losses {resumed} vs uninterrupted {losses}")
+    require(weights <= tol, f"resumed weights differ by {weights:.2e}")
     from transformers import AutoModelForCausalLM
 
     pretrained = AutoModelForCausalLM.from_pretrained(out / "final").to(device)

@@ -290,7 +290,9 @@ def main() -> int:
     paths = [str(ROOT)] + ([str(site)] if python_version(python) == WHEELS_PYTHON else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PIP_NO_INDEX": "1",
-           "PIP_DISABLE_PIP_VERSION_CHECK": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+           # host threads per process: the rehearsal's 2 cores are shared by 2 ranks; the GPU machine has 16
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.rehearse else "4")}
     env.pop("ACCELERATE_USE_CPU", None)
     device = "cpu" if args.rehearse else "cuda"
     for name, cmd in phase_commands(python, device, size, out, site, wheels):

@@ -33,9 +33,16 @@ def gathered_units_during_training(stage: int, checkpointing: bool, prefetch: in
     opt.step()
     opt.zero_grad()
     counts: list[int] = []
+    forward = [True]  # the forward pass only: a checkpointed block's recomputation in backward calls its hooks too
+
+    def count(module: Any, args: Any) -> None:
+        if forward[0]:
+            counts.append(sum(_holds_memory(u) for u in engine.units))
+
     for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda m, a: counts.append(sum(_holds_memory(u) for u in engine.units)))
+        layer.register_forward_pre_hook(count)
     loss = model(input_ids=batch, labels=batch).loss
+    forward[0] = False
     after_forward = [u.spec.name for u in engine.units if _holds_memory(u)]
     gathered_in_backward: list[str] = []
     for unit in engine.parts:
