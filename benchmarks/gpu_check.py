@@ -74,6 +74,11 @@ import transformers, accelerate, safetensors, hf_zero
 import hf_zero.integrations.trainer, hf_zero.integrations.accelerate
 info.update(transformers=transformers.__version__, accelerate=accelerate.__version__,
             safetensors=safetensors.__version__, hf_zero=hf_zero.__version__, hf_zero_from=hf_zero.__file__)
+try:  # only the example phase needs it (from .whl/ on the lent machine)
+    import datasets
+    info["datasets"] = datasets.__version__
+except Exception as e:  # noqa: BLE001 - reported, not fatal here
+    info["datasets"] = f"not importable: {type(e).__name__}: {e}"
 print("ENV " + json.dumps(info))
 want_cuda, root = sys.argv[1] == "cuda", sys.argv[2]
 if want_cuda and not torch.cuda.is_available():
@@ -139,7 +144,8 @@ def render(record: dict) -> str:
              f"- device: {env.get('gpu', 'cpu')} ({env.get('gpu_memory_GiB', '-')} GiB), CUDA {env.get('cuda')}, "
              f"NCCL {env.get('nccl', '-')}",
              f"- python {env.get('python')} ({record['python']}); torch {env.get('torch')}, transformers "
-             f"{env.get('transformers')}, accelerate {env.get('accelerate')}, safetensors {env.get('safetensors')}",
+             f"{env.get('transformers')}, accelerate {env.get('accelerate')}, safetensors {env.get('safetensors')}, "
+             f"datasets {env.get('datasets')}",
              f"- hf_zero {env.get('hf_zero')} from {env.get('hf_zero_from')}; wheels from .whl/: "
              f"{', '.join(record['wheels']) or 'none'}",
              f"- total {record['total_s']} s of a {record['budget_s']} s budget", "",
