@@ -8,11 +8,12 @@ its figures and, when it failed, the error's tail. A failing case does not stop 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,17 @@ def write_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(value, indent=1))
     tmp.replace(path)
+
+
+def phase_arguments(doc: str, sizes: Iterable[str], phases: Iterable[str] = ()) -> tuple[argparse.Namespace, Path]:
+    """The command line every phase script takes (`[phase] --device --size --out`), and its out folder, made."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if phases:
+        ap.add_argument("phase", choices=sorted(phases))
+    ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
+    ap.add_argument("--size", choices=sorted(sizes), default="full")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return args, out

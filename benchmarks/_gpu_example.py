@@ -13,7 +13,6 @@ Results: `<out>/example.json`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -22,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _gpu_common import Cases, norm_diff, require
+from _gpu_common import Cases, norm_diff, phase_arguments, require
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,13 +80,7 @@ def consolidate_and_load(device: str, size: str, work: Path, env: dict[str, str]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
-    ap.add_argument("--size", choices=sorted(STEPS), default="full")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = phase_arguments(__doc__, STEPS)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
         env.pop(var, None)

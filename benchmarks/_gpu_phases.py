@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import shutil
 import tempfile
@@ -39,6 +38,7 @@ from _gpu_common import (
     init_group,
     llama,
     norm_diff,
+    phase_arguments,
     rel_diff,
     require,
     weights_diff,
@@ -289,14 +289,7 @@ PHASES = {"single": phase_single, "multi": phase_multi, "trainer": phase_trainer
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=sorted(PHASES))
-    ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
-    ap.add_argument("--size", choices=sorted(SIZES), default="full")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = phase_arguments(__doc__, SIZES, PHASES)
     if args.phase == "trainer":  # the Trainer makes (or not) its own process group, as it does for users
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else \
             torch.device("cpu")

@@ -15,18 +15,16 @@ rounding). Results: `<out>/speed.json`.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _gpu_common import Cases, init_group, require
+from _gpu_common import Cases, init_group, phase_arguments, require
 
 import hf_zero
 
@@ -161,13 +159,7 @@ def peak_tflops(device: torch.device) -> tuple[str, float | None]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
-    ap.add_argument("--size", choices=sorted(SPEED_SIZES), default="full")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = phase_arguments(__doc__, SPEED_SIZES)
     device = init_group(args.device)
     sizes = SPEED_SIZES[args.size]
     gpu, peak = peak_tflops(device)

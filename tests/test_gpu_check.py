@@ -37,7 +37,8 @@ def _wheel(folder: Path, name: str = "hfzero_probe", version: str = "1.0") -> Pa
     dist = f"{name}-{version}.dist-info"
     files = {f"{name}.py": b"VALUE = 42\n",
              f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: hf_zero-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: hf_zero-tests\nRoot-Is-Purelib: true\n"
+                              b"Tag: py3-none-any\n"}
     record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
               f"{len(data)}" for path, data in files.items()] + [f"{dist}/RECORD,,"]
     files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
