@@ -56,6 +56,12 @@ class ZeroConfig:
             Broadcast rank 0's parameters and buffers to every rank at `initialize`, as DDP
             does, so that ranks seeded differently still train one model. Costs one broadcast
             of the model.
+        broadcast_buffers (`bool`, *optional*, defaults to `True`):
+            Broadcast rank 0's buffers (BatchNorm's running statistics) to every rank before each
+            training forward (grad mode on, outside `no_sync`), as DDP does by default, so every
+            rank evaluates and saves rank 0's statistics. `False` keeps each rank's own, as FSDP
+            does. Costs one broadcast per dtype of the model's buffers per forward, none for a
+            model without buffers.
         offload_optimizer (`bool`, *optional*, defaults to `False`):
             ZeRO-Offload: keep the fp32 master shards, the gradient shards and the optimizer
             state in host (CPU) memory and run the optimizer step there. Device memory for model
@@ -189,6 +195,12 @@ class ZeroConfig:
     sync_module_states: bool = field(
         default=True, metadata={"help": "Broadcast rank 0's weights to every rank when sharding (as DDP does)."}
     )
+    broadcast_buffers: bool = field(
+        default=True,
+        metadata={
+            "help": "Broadcast rank 0's buffers before each training forward (DDP's default); False: each rank's."
+        },
+    )
     offload_optimizer: bool = field(
         default=False,
         metadata={
@@ -295,6 +307,7 @@ class ZeroConfig:
         object.__setattr__(self, "wrap", _normalize_wrap(self.wrap))
         for name in (
             "sync_module_states",
+            "broadcast_buffers",
             "offload_optimizer",
             "offload_params",
             "no_sync_keeps_grads",

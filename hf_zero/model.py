@@ -65,8 +65,9 @@ class ZeroModel:
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the sharded gradients (and any unsharded ones held by `no_sync`)."""
-        self.zero_engine.zero_grad()
+        """Zero the sharded gradients (and any unsharded ones held by `no_sync`); `set_to_none=False`: parameters that
+        had a gradient step on a zero one, as torch's optimizers do."""
+        self.zero_engine.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their global norm over all shards; returns that norm."""

@@ -354,7 +354,7 @@ def test_optimizer_chunks_step_and_checkpoint_like_whole_pieces(pools, tmp_path,
 # A value other than the default for every ZeroConfig field (as the command line would spell it).
 _NON_DEFAULT = {
     "stage": ("1", 1), "reduce_dtype": ("bf16", "bf16"), "wrap": ("LlamaDecoderLayer,LlamaMLP", ("LlamaDecoderLayer", "LlamaMLP")),
-    "sync_module_states": (None, False), "offload_optimizer": (None, True),
+    "sync_module_states": (None, False), "broadcast_buffers": (None, False), "offload_optimizer": (None, True),
     "prefetch": ("2", 2), "bucket_size_mb": ("7.5", 7.5), "shard_group_size": ("1", 1), "collectives": ("native", "native"),
     "group_timeout_s": ("30", 30.0), "no_sync_keeps_grads": (None, True), "initial_loss_scale": ("1024", 1024.0),
     "loss_scale_window": ("10", 10), "quantization_block": ("64", 64),

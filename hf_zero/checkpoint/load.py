@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -189,13 +189,29 @@ def _check_optimizer_matches(manifest: Manifest, optimizers: list[ShardedOptimiz
 
 
 def _load_buffers(model: nn.Module, manifest: Manifest, cache: FileCache) -> None:
+    """The saved buffers, through the model's own loading: a `load_state_dict` its class overrides (one that
+    resizes a buffer whose shape changes during training, as the stock Trainer's resume calls it), else
+    `nn.Module.load_state_dict` (every module's `_load_from_state_dict` override), with the buffers only."""
     if not manifest.buffers:
         return
     handle = cache.get(BUFFERS_FILE)
     live = dict(model.named_buffers())
-    for name in manifest.buffers:
-        if name in live:
-            live[name].copy_(handle.get_tensor(name))
+    saved = {name: handle.get_tensor(name) for name in manifest.buffers if name in live}
+    load = _own_load_state_dict(type(model))
+    with torch.no_grad():
+        load(model, saved, strict=False)
+
+
+def _own_load_state_dict(cls: type) -> Callable[..., Any]:
+    """The `load_state_dict` the model's own class defines (below hf_zero's mixin), or `nn.Module`'s."""
+    from ..model import ZeroModel
+
+    for klass in cls.__mro__:
+        if klass in (cls, ZeroModel, nn.Module) or not issubclass(klass, nn.Module):
+            continue
+        if "load_state_dict" in vars(klass):
+            return cast(Callable[..., Any], vars(klass)["load_state_dict"])
+    return nn.Module.load_state_dict
 
 
 def _load_optimizer(

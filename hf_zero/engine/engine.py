@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from .collectives import (
     CommGroup,
     all_gather_into,
     all_reduce_,
+    broadcast_tensors,
     comm_device,
     max_scalar_,
     raise_if_any_failed,
@@ -35,6 +36,7 @@ from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
 from .stepping import OptimizerSteps
 from .teardown import track
+from .torch_clip import register
 from .unit import Unit, split_frozen
 from .wrap import UnitSpec
 
@@ -69,7 +71,12 @@ class ZeroEngine:
         self.config = config
         self.world = world
         self.plan: StagePlan = plan_for_stage(
-            config.stage, world, config.shard_group_size, config.group_timeout_s, config.collectives
+            config.stage,
+            world,
+            config.shard_group_size,
+            config.group_timeout_s,
+            config.collectives,
+            offload_params=config.offload_params,
         )
         self.device = compute_device(model, world, source is not None)
         self.model_dtype = single_dtype(model)  # the dtype the model had before sharding: what save_pretrained writes
@@ -94,6 +101,7 @@ class ZeroEngine:
         parts = iter(self.parts)
         self.units = [Unit([next(parts) for _ in split], self.plan.params, self.plan.grads) for split in grouped]
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
+        self.in_no_sync = False  # inside no_sync(): DDP broadcasts no buffers there
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
         settings = HookSettings(
@@ -102,6 +110,8 @@ class ZeroEngine:
             grad_divisor=self._grad_divisor,
             on_reduced=self._mark_has_grads,
             root_output_fn=self.scaler.scale_outputs if self.scaler else None,
+            world=world,
+            on_root_forward=self._before_forward,
         )
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
         on_disk = self.disk.holds if self.disk is not None else (lambda part: False)
@@ -109,7 +119,9 @@ class ZeroEngine:
         if self.disk is not None:
             self.disk.build_windows(self.pieces)
         self._names, self._real = _name_index(self.parts, self.replaced)
+        self._frozen_parts = [part for part in self.parts if part.spec.frozen]
         track(self)  # [Note: clean exit] in teardown.py
+        register(self)  # [Note: torch clipping] in torch_clip.py
 
     def _part(self, spec: UnitSpec, source: ShardSource) -> FlatPart:
         """The flat part of `spec`, its shard taken from `source`; frozen parts stay on the device and keep their
@@ -194,16 +206,55 @@ class ZeroEngine:
     def no_sync(self) -> Iterator[None]:
         """The backward passes run inside accumulate without reduction where that costs no memory
         ([Note: accumulation]); see `ZeroModel.no_sync`."""
-        previous = self.hooks.requires_grad_sync
+        previous = self.hooks.requires_grad_sync, self.in_no_sync
         self.hooks.requires_grad_sync = not self.defers_reduction_in_no_sync
+        self.in_no_sync = True
         try:
             yield
         finally:
-            self.hooks.requires_grad_sync = previous
+            self.hooks.requires_grad_sync, self.in_no_sync = previous
 
-    def zero_grad(self, *, abandon_pass: bool = False) -> None:
+    def _before_forward(self) -> None:
+        """As each forward of the model begins (not a recomputation): refuse parameters unfrozen after `initialize`,
+        and broadcast the buffers ([Note: buffer broadcast])."""
+        if not torch.is_grad_enabled():
+            return
+        self._refuse_unfrozen()
+        if self.config.broadcast_buffers and self.world.size > 1 and not self.in_no_sync:
+            self._broadcast_buffers()
+
+    def _refuse_unfrozen(self) -> None:
+        """[Note: requires_grad after initialize]
+        Which parameters can train is fixed at `initialize`: a parameter frozen then lives in a frozen part (its
+        only copy in the compute dtype, no master, no gradient buffer, no optimizer state: [Note: frozen
+        parameters] in unit.py). Freezing a trainable one later is followed (its gradient is `None` while it
+        is frozen, as in torch); unfreezing a frozen one is refused at the next forward, on every rank (the
+        same parameters on each), before it could silently not train."""
+        for part in self._frozen_parts:
+            for name, p in zip(part.spec.param_names, part.params):
+                if p.requires_grad:
+                    raise ValueError(
+                        f"hf_zero: parameter '{name}' was frozen (requires_grad=False) when hf_zero.initialize ran and "
+                        "now requires grad: hf_zero gives gradient, master and optimizer state only to the parameters "
+                        "trainable at initialize, so it would never train. For progressive unfreezing, leave it "
+                        "trainable at initialize (build the optimizer over it too) and freeze it with "
+                        "requires_grad_(False) right after: hf_zero follows freezing and unfreezing from then on."
+                    )
+
+    def _broadcast_buffers(self) -> None:
+        """[Note: buffer broadcast]
+        DDP's default (`broadcast_buffers=True`): before each forward with grad mode on and outside `no_sync`,
+        rank 0's buffers overwrite every rank's, one broadcast per dtype. So BatchNorm's running statistics,
+        which each rank updates from its own batch, are rank 0's on every rank after each training forward's
+        start, and evaluation and checkpoints agree with DDP's. `ZeroConfig(broadcast_buffers=False)` keeps
+        each rank's own (FSDP's behaviour)."""
+        broadcast_tensors([b for b in self.model.buffers() if b.numel()], self.world)
+
+    def zero_grad(self, *, abandon_pass: bool = False, set_to_none: bool = True) -> None:
         """Drop every gradient; `abandon_pass`: first forget a forward or backward that an exception stopped (its
-        gathered units freed, its reductions waited for), e.g. after an out-of-memory error the caller survived."""
+        gathered units freed, its reductions waited for), e.g. after an out-of-memory error the caller survived.
+        `set_to_none=False`: the next step gives a zero gradient to every parameter that had one ([Note: zero
+        gradients kept] in stepping.py)."""
         if abandon_pass:
             self.hooks.reset()
         self.hooks.wait_reductions()
@@ -214,12 +265,37 @@ class ZeroEngine:
             piece.unbind_grads()
         self.has_grads = False
         self.steps.on_zero_grad()
+        self.steps.keep_zeros(set_to_none)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the sharded gradients by their global norm; returns the norm of the unsharded gradients."""
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether `param` is one of this engine's parameters or stand-ins."""
+        return id(param) in self._names
+
+    def _grad_shards(self, params: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The gradient shards this rank holds (views of the pieces of `params` only, when given): what clipping
+        reads and scales. Units no reduction reached since `zero_grad` hold none."""
         self.hooks.wait_reductions()
+        reduced = [part for part in self.parts if part.has_trainable and not part.grads.is_zero]
+        if params is None:
+            return [part.grads.shard for part in reduced]
+        chosen = {id(self.compute_param(p)) for p in params if p.requires_grad}
+        every = {id(p) for part in self.parts for p in part.params if p.requires_grad}
+        if every <= chosen:
+            return [part.grads.shard for part in reduced]
+        return [piece.grad for piece in self.pieces if id(piece.param) in chosen and not piece.unit.grads.is_zero]
+
+    def clip_grad_value_(self, clip_value: float, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Clamp the gradient shards (of `params` only, when given) to `[-clip_value, clip_value]`, in place."""
+        for g in self._grad_shards(params):
+            g.clamp_(-float(clip_value), float(clip_value))
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, params: Iterable[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Clip the sharded gradients (of `params` only, when given: [Note: torch clipping]) by their global norm;
+        returns the norm of the unsharded gradients. A collective."""
         norm_type = float(norm_type)
-        shards = [part.grads.shard for part in self.parts if part.has_trainable and not part.grads.is_zero]
+        shards = self._grad_shards(params)
         group = self.plan.shard_group
         if not shards:  # nothing trainable: the norm is zero on every rank
             shards = [torch.zeros(1, device=self.device)]
@@ -243,6 +319,7 @@ class ZeroEngine:
         so no copy of the parameters gathered before a change of the master weights is used after it."""
         self.hooks.wait_reductions()
         self.hooks.release_held()
+        self.hooks.drop_graph_pins()  # [Note: double backward]: a step invalidates the graph they served
         for unit in self.units:
             unit.release()
 

@@ -211,11 +211,8 @@ class FlatGrads:
             rows = self._reduce_rows(async_op)
             if rows is not None:
                 return rows
-        if self.unsharded is None:
-            raise RuntimeError(
-                f"[rank {self.shard_group.global_rank}] hf_zero: unit '{self.name}' reduces gradients "
-                "it never allocated"
-            )
+        if self.unsharded is None:  # no parameter required grad in this backward (frozen for a step): zeros
+            self.unsharded = self._dense(None)
         source = buffer = self.unsharded
         block = self.quant_block
         quantized = block is not None and self.shard_group.size > 1  # from the buffer as is: no cast

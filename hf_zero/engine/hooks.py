@@ -41,7 +41,7 @@ root's pre_forward calls it when it finds one.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -50,10 +50,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .collectives import CommGroup, max_ints
 from .grads import GradReduction
 from .lifecycle import PassState, TrainingState
 from .pool import BufferPool
 from .stages import StagePlan
+from .tree import flatten, tensors
 from .unit import Prefetch, Unit
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
@@ -91,7 +93,8 @@ class HookSettings:
     reduction-gated prefetch], the shard group's backend completes collectives on the host (gloo), not on a
     device stream (`CommGroup.stream_ordered`). `grad_divisor`: what each reduced sum is divided by (the
     data-parallel size, times the fp16 loss scale). `on_reduced`: told when fresh gradients reached the
-    shards. `root_output_fn`: rewrites the root's outputs (the fp16 loss scale), or None.
+    shards. `root_output_fn`: rewrites the root's outputs (the fp16 loss scale), or None. `world`: the group whose
+    ranks must agree on which units ran ([Note: units run on some ranks]), or None to skip that check.
     """
 
     prefetch: int
@@ -99,6 +102,8 @@ class HookSettings:
     grad_divisor: Callable[[], float]
     on_reduced: Callable[[], None]
     root_output_fn: Callable[[Any], Any] | None = None
+    world: CommGroup | None = None
+    on_root_forward: Callable[[], None] | None = None  # told as the root's forward begins (outside backward)
 
 
 @dataclass
@@ -109,6 +114,10 @@ class Pass:
     pending: list[tuple[Unit, GradReduction]] = field(default_factory=list)  # issued reductions, not yet waited
     finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
     gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
+    ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
+    ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
+    deferred: bool = False  # every post_backward waits for the final callback, in unit order
+    create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own
 
 
 class UnitHooks:
@@ -125,6 +134,7 @@ class UnitHooks:
         self._forward_order: list[Unit] = []  # inner units in the order the first forward ran them
         self._order_known = False
         self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
+        self.graph_pins: list[Unit] = []  # [Note: double backward] units pinned for a graph a backward built
         self._handles: list[RemovableHandle] = []
         self._register()
 
@@ -160,6 +170,8 @@ class UnitHooks:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
         if not recompute:
             unit.begin_forward()
+            if unit is not self.root and torch.is_grad_enabled():
+                self.current.ran[id(unit)] = unit
         if self.current.gated is not None and self._forward_gathers(unit, recompute):
             self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
         unit.before_compute()
@@ -185,6 +197,8 @@ class UnitHooks:
         if not self._order_known and self._forward_order:
             self._learn_order()
         self.current.state = PassState.FORWARD
+        if self.settings.on_root_forward is not None:
+            self.settings.on_root_forward()
         for direct in self.direct:  # [Note: direct use]
             direct.before_compute()
 
@@ -203,18 +217,14 @@ class UnitHooks:
     def _carry_end_signal(self, unit: Unit, args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
         """Pass the unit's top-level tensor inputs that require grad through `_EndOfBackward`
         ([Note: backward end]); returns the new args and kwargs and whether any was wrapped."""
-        positions = [("a", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        positions += [("k", k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        leaves, rebuild = flatten((args, kwargs))  # [Note: containers] in tree.py
+        positions = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not positions:
             return args, kwargs, False
-        tensors = [args[i] if kind == "a" else kwargs[i] for kind, i in positions]
-        carried = _EndOfBackward.apply(self, unit, *tensors)
-        args, kwargs = list(args), dict(kwargs)
-        for (kind, i), t in zip(positions, carried):
-            if kind == "a":
-                args[i] = t
-            else:
-                kwargs[i] = t
+        carried = _EndOfBackward.apply(self, unit, *(leaves[i] for i in positions))
+        for i, t in zip(positions, carried):
+            leaves[i] = t
+        args, kwargs = rebuild(leaves)
         return tuple(args), kwargs, True
 
     def _learn_order(self) -> None:
@@ -287,13 +297,15 @@ class UnitHooks:
             self.current.state = PassState.IDLE
         if not torch.is_grad_enabled():
             return None
+        if unit is self.root:
+            self._agree_on_units()
         if unit is self.root and self.settings.root_output_fn is not None:
             output = self.settings.root_output_fn(output)
         self._hook_outputs(unit, output)
         return output
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
-        for t in _tensors(output):
+        for t in tensors(output):  # [Note: containers] in tree.py
             if t.requires_grad:
                 t.register_hook(partial(self._on_output_grad, unit))
 
@@ -312,8 +324,12 @@ class UnitHooks:
         if self.current.state is not PassState.BACKWARD:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self.current.state = PassState.BACKWARD
+            self._begin_backward_pass()
         if unit.spec.backward_reads_params:
             unit.before_compute()
+            if self.current.create_graph and self.plan.params.uses_gather and unit not in self.graph_pins:
+                unit.pin()  # [Note: double backward]
+                self.graph_pins.append(unit)
         if not unit.prefetch_targets.late:
             if self.settings.gate_on_reductions and self.current.pending and self._prefetches(unit, forward=False):
                 self.current.gated = unit  # [Note: reduction-gated prefetch]
@@ -378,7 +394,7 @@ class UnitHooks:
     def _on_end_signal(self, unit: Unit) -> None:
         """[Note: backward end] the gradient of the unit's inputs is complete."""
         self._pre_backward(unit)  # a no-op, unless no output of the unit got a gradient before
-        if unit.signal():
+        if unit.signal() and not self.current.deferred:
             self._post_backward(unit)
 
     def _post_backward(self, unit: Unit) -> None:
@@ -399,12 +415,17 @@ class UnitHooks:
             self._prefetch_after(unit, forward=False)
 
     def _finalize(self) -> None:
+        anywhere = self.current.ran_anywhere or []
         for unit in reversed(self.units):
+            if unit.training_state is TrainingState.IDLE and unit in anywhere:
+                unit.begin_backward()  # [Note: units run on some ranks]: it ran on another rank; reduce zeros
             if unit.training_state is TrainingState.IN_BACKWARD:
                 self._post_backward(unit)
         self.wait_reductions()
         for unit in self.units:
             unit.end_pass()
+        if not self.current.create_graph:
+            self.drop_graph_pins()  # [Note: double backward]: the graph the pins served was consumed
         self.current = Pass()
         self.pool.clear()
 
@@ -454,28 +475,72 @@ class UnitHooks:
         for _, reduction in self.current.pending:
             reduction.pending.wait()
         self.current = Pass()
+        self.drop_graph_pins()
         for unit in self.units:
             unit.abandon()
         if not self._order_known:  # a first forward that did not finish: learn the order from the next one
             self._forward_order.clear()
         self.pool.clear()
 
+    # ---- passes off the plan --------------------------------------------------------------------
+    def _begin_backward_pass(self) -> None:
+        """The first pre_backward of a backward pass.
+
+        [Note: double backward]
+        A backward run with `create_graph=True` (`torch.autograd.grad(..., create_graph=True)` for a gradient
+        penalty) builds a graph that reads the parameters again when a later backward goes through it. At
+        stage 3 its units are pinned as its backward gathers them, and stay whole until the final callback of
+        the next backward pass that builds no graph (or an optimizer step, after which torch refuses that
+        graph anyway); that pass, which runs the second-order terms in no fixed order, reduces every unit in
+        its final callback, in unit order.
+        """
+        self.current.create_graph = torch.is_grad_enabled()
+        if self.graph_pins and not self.current.create_graph:
+            self.current.deferred = True
+        if self.current.ran_anywhere is not None:
+            self.current.deferred = True
+
+    def _agree_on_units(self) -> None:
+        """[Note: units run on some ranks]
+        A unit may run its forward on some ranks and not others in a step (LayerDrop drawn per rank, an
+        expert no token of a rank reached, a branch on the data). Its reduction would then be issued on some
+        ranks only and the collectives would pair up wrongly or hang. After every forward with grad mode on,
+        one small all-reduce tells each rank which units ran anywhere since the last backward. Where they
+        differ: at stages 0-2 the backward defers every reduction to its final callback, in unit order, a
+        rank that did not run a unit reducing zeros for it: exact, as DDP with `find_unused_parameters=True`.
+        At stage 3 the forward's gathers already depend on which units ran, so it is refused, on every rank,
+        naming the units."""
+        world = self.settings.world
+        if world is None or world.size == 1:
+            return
+        inner = self.units[:-1]
+        flags = [int(id(u) in self.current.ran) for u in inner]
+        seen = max_ints(flags + [1 - f for f in flags], world)
+        mixed = [u for u, ran, skipped in zip(inner, seen[: len(inner)], seen[len(inner) :]) if ran and skipped]
+        if not mixed:
+            return
+        if self.plan.params.uses_gather:
+            self.reset()
+            raise ValueError(
+                f"hf_zero: units {[u.name for u in mixed]} ran their forward on some ranks and not on others in this "
+                "step. At ZeRO stage 3 every rank must run the same units (each forward gathers their parameters "
+                "with the other ranks). Make the choice the same on every rank (draw LayerDrop or routing from a "
+                "seed shared by all ranks), run the skipped unit on zero-sized input, or use ZeroConfig(stage=2)."
+            )
+        self.current.ran_anywhere = [u for u, ran in zip(inner, seen[: len(inner)]) if ran]
+
+    def drop_graph_pins(self) -> None:
+        """[Note: double backward] unpin the units a create_graph backward kept whole, and free them."""
+        pins, self.graph_pins = self.graph_pins, []
+        for unit in pins:
+            unit.unpin()
+            if unit.training_state in (TrainingState.IDLE, TrainingState.REDUCING):
+                unit.release()
+
 
 def _sizes(units: list[Unit]) -> frozenset[int]:
     """The pooled buffer sizes `units` take."""
     return frozenset().union(*(u.buffer_nbytes for u in units))
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) forward output: tensors, tuples, lists, dicts and ModelOutputs."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
 
 
 def _weakly(method: weakref.WeakMethod[Callable[..., Any]], unit: weakref.ref[Unit], *args: Any) -> None:

@@ -14,7 +14,7 @@ name:
 
 | verb             | acts in                       | nothing to do in      | raises in                          |
 |------------------|-------------------------------|-----------------------|------------------------------------|
-| prefetch         | SHARDED, training IDLE        | GATHERING, UNSHARDED  | training not IDLE                  |
+| prefetch         | SHARDED, training IDLE        | otherwise (in use)    |                                    |
 | unshard          | SHARDED, GATHERING            | UNSHARDED             | REDUCING                           |
 | reshard          | GATHERING, UNSHARDED          | SHARDED, pinned       | stages 0-2; FORWARD, IN_BACKWARD   |
 | begin_forward    | IDLE                          |                       | FORWARD, IN_BACKWARD, REDUCING     |

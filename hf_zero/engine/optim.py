@@ -208,6 +208,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     _is_accelerate_prepared = True  # Accelerate must not wrap it again
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands its scale to step(), which refuses it
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, group_names: list[list[str]]) -> None:
         self.optimizer = optimizer
@@ -244,6 +245,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads of step(); ours returns the closure's loss
         """Update this rank's shards and gather the new parameters. Skipped (returns early) when no
         gradient was reduced since `zero_grad`, or when an fp16 overflow was found."""
+        _refuse_grad_scaler(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -312,7 +314,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Zero the sharded (and any held unsharded) gradients of the model (with several optimizers: once each of
         them has called it, [Note: several optimizers])."""
         self._check_attached("zero_grad")
-        self._engine.steps.zero_grad_of(self.optimizer)
+        self._engine.steps.zero_grad_of(self.optimizer, set_to_none=set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every rank's shards; returns that norm (equal to the unsharded one).
@@ -332,6 +334,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._refuse_on_disk("load_state_dict")
         self.optimizer.load_state_dict(state_dict)
+        # torch's load_state_dict replaces the inner optimizer's `param_groups` and `state` objects: follow them, so
+        # a later change of a group's learning rate (by hand or by a scheduler holding this optimizer) reaches them.
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
 
     def _refuse_on_disk(self, what: str) -> None:
         if self._engine.disk is not None:
@@ -340,6 +346,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "state lives in the offload files ([Note: disk offload]); use hf_zero.save_checkpoint / "
                 "hf_zero.load_checkpoint, which stream it from and to the files."
             )
+
+
+def _refuse_grad_scaler(optimizer: ShardedOptimizer) -> None:
+    """`torch.amp.GradScaler.step` sets `grad_scale` / `found_inf` on an optimizer that handles scaling itself
+    (`_step_supports_amp_scaling`); ours refuses: the scaler would look for infinities in this rank's shards only,
+    so ranks could disagree on skipping a step, and hf_zero's own fp16 scaling is exact."""
+    if "grad_scale" in optimizer.__dict__ or "found_inf" in optimizer.__dict__:
+        raise ValueError(
+            "hf_zero: torch.amp.GradScaler cannot drive a sharded optimizer: each rank holds a shard of the "
+            "gradients, so the scaler's overflow check would see a part of them, and ranks could disagree on "
+            "skipping a step. Drop the GradScaler (call loss.backward() and optimizer.step() directly) and set "
+            "ZeroConfig(mixed_precision='fp16'), whose loss scaling checks every shard on every rank; or use "
+            "bf16, which needs no loss scaling."
+        )
 
 
 def sharded_list(optimizer: Any, caller: str) -> list[ShardedOptimizer]:

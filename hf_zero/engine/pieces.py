@@ -59,8 +59,9 @@ class Piece:
     def bind_grads(self, used: bool) -> None:
         """Point each optimizer chunk's `.grad` at its part of the gradient shard, or None when the unit
         got no reduction since `zero_grad` ([Note: gradient shard lifetime]) or the parameter got no
-        gradient on any rank (`used`, [Note: unused parameters])."""
-        grad = None if self.unit.grads.is_zero or not used else self.grad
+        gradient on any rank (`used`, [Note: unused parameters]); zeros for a parameter `used` whose unit got no
+        reduction ([Note: zero gradients kept] in stepping.py)."""
+        grad = self.grad if used else None
         for t, (a, b) in zip(self.optim_params, self.bounds):
             t.grad = None if grad is None else grad[a:b]
 

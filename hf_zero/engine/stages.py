@@ -46,18 +46,20 @@ def plan_for_stage(
     shard_group_size: int | None = None,
     timeout_s: float = 600.0,
     collectives: BulkCollectives = "auto",
+    offload_params: bool = False,
 ) -> StagePlan:
     """The `StagePlan` of `stage` over the process group `world`.
 
     With `shard_group_size`, stages 1-3 shard within groups of that many consecutive ranks and
     replicate across groups (hybrid sharding); the world size must be a multiple of it.
     `collectives` says how the shard group's all-gathers and reduce-scatters travel
-    (see `CommGroup.using`).
+    (see `CommGroup.using`). `offload_params`: stage 3 keeps the parameters on the host between uses, so it
+    gathers even over a shard group of one.
 
     Example:
 
     ```python
-    >>> plan = plan_for_stage(3, CommGroup.world())
+    >>> plan = plan_for_stage(3, CommGroup.world())  # two ranks or more
     >>> plan.params.uses_gather, plan.grads.keeps_unsharded
     (True, False)
     ```
@@ -68,10 +70,14 @@ def plan_for_stage(
     shard, replicate = world, single
     if shard_group_size is not None and shard_group_size != world.size:
         shard, replicate = hybrid_groups(world, shard_group_size, timeout_s)
+    # [Note: a shard group of one] stage 3 over a group of one has nothing to shard: every "gather" would copy
+    # the whole unit from its only shard. Its parameters stay whole and readable between steps, as with the
+    # stock Trainer (unless offload_params keeps them on the host: then each use copies them to the device).
+    gathers = stage == 3 and (shard.size > 1 or offload_params)
     return StagePlan(
         stage,
         shard.using(collectives),
         replicate,
-        ShardedParams() if stage == 3 else PersistentParams(),
+        ShardedParams() if gathers else PersistentParams(),
         KeptGrads() if stage == 1 else FreedGrads(),
     )

@@ -39,7 +39,7 @@ class Sharded(Protocol):
     world: CommGroup
     has_grads: bool
 
-    def zero_grad(self, *, abandon_pass: bool = False) -> None: ...
+    def zero_grad(self, *, abandon_pass: bool = False, set_to_none: bool = True) -> None: ...
 
     def release_gathered(self) -> None: ...
 
@@ -63,6 +63,7 @@ class OptimizerSteps:
         self.attached: list[Attached] = []
         self._verdict: dict[int, list[bool]] | None = None  # this round: the used parameters; {}: skip the round
         self._zero_requests: set[int] = set()  # optimizers that called zero_grad this round
+        self._kept: dict[int, list[bool]] = {}  # [Note: zero gradients kept]: per part, parameters whose grad is 0
         self._partial_zero = False  # new gradients arrived while only some of them had
 
     def on_reduced(self) -> None:
@@ -75,12 +76,22 @@ class OptimizerSteps:
         self._verdict = None
         self._zero_requests, self._partial_zero = set(), False
 
-    def zero_grad_of(self, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad_of(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """`optimizer.zero_grad()`: with one attached optimizer, drop the gradients; with several, once each of
         them has asked since the last drop (the others still step on them)."""
         self._zero_requests.add(id(optimizer))
         if {id(a.optimizer) for a in self.attached} <= self._zero_requests:
-            self.engine.zero_grad()
+            self.engine.zero_grad(set_to_none=set_to_none)
+
+    def keep_zeros(self, set_to_none: bool) -> None:
+        """[Note: zero gradients kept]
+        `zero_grad(set_to_none=False)` leaves every parameter that has a gradient with a zero one, and torch's
+        optimizers step a zero gradient (AdamW's moments and weight decay still move the weight); only `None`
+        is skipped. The engine drops its gradient shards either way; this remembers which parameters had a
+        gradient at a step since the last `set_to_none=True`, and the next step gives them zeros where no rank's
+        backward reached them."""
+        if set_to_none:
+            self._kept = {}
 
     def attach(self, entry: Attached) -> None:
         """Add an optimizer to the ones that step this model ([Note: several optimizers])."""
@@ -110,10 +121,13 @@ class OptimizerSteps:
                 "zero_grad() on every optimizer before the next backward."
             )
         if self._verdict is None:
-            ok = engine.has_grads and (
+            ok = (engine.has_grads or bool(self._kept)) and (
                 engine.scaler is None or engine.scaler.check_and_update(engine.parts, engine.world)
             )
             self._verdict = self._used_anywhere() if ok else {}
+            for key, flags in self._verdict.items():  # [Note: zero gradients kept]
+                kept = self._kept.get(key, [False] * len(flags))
+                self._kept[key] = flags[:] = [a or b for a, b in zip(flags, kept)]
         used = self._verdict
         if not used:
             return False

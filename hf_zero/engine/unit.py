@@ -145,9 +145,10 @@ class Unit:
 
     # ---- parameters ---------------------------------------------------------------------------------
     def prefetch(self) -> None:
-        """SHARDED -> GATHERING: issue the parts' gathers (they overlap the running unit's compute)."""
-        self._require("prefetch", _TRAIN.IDLE)
-        if self.shard_state is _SHARD.SHARDED:
+        """SHARDED -> GATHERING: issue the parts' gathers (they overlap the running unit's compute). Nothing to do
+        for a unit whose forward or backward runs now (a pass off the plan: a unit reused, two forwards before a
+        backward): it is gathered, or gathers when it needs to."""
+        if self.shard_state is _SHARD.SHARDED and self.training_state is _TRAIN.IDLE:
             self._gathers = [p.gather() for p in self.parts]
             self.shard_state = _SHARD.GATHERING
 

@@ -245,6 +245,26 @@ def broadcast_(tensor: torch.Tensor, group: CommGroup, src_group_rank: int = 0) 
         tensor.copy_(staged)
 
 
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: CommGroup, src_group_rank: int = 0) -> None:
+    """Overwrite each of `tensors` on every rank with the copy of the group's rank `src_group_rank`: one broadcast
+    per (dtype, device) of them, through a flat staging buffer (none for a single tensor)."""
+    if group.size == 1 or not tensors:
+        return
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_kind.values():
+        if len(same) == 1 and same[0].is_contiguous():
+            broadcast_(same[0], group, src_group_rank)
+            continue
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        broadcast_(flat, group, src_group_rank)
+        offset = 0
+        for t in same:
+            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def sum_scalars(values: Sequence[torch.Tensor], group: CommGroup) -> torch.Tensor:
     """Stack scalars and sum them over the group in one collective (stays on device, no sync)."""
     t = torch.stack([v.reshape(()) for v in values]) if len(values) > 1 else values[0].reshape(1).clone()

@@ -1,0 +1,622 @@
+"""Peer scenarios: PyTorch idioms that DDP trains correctly, replayed under hf_zero on every rank of a pool.
+
+Each scenario is a training loop written the way a user writes it for DDP (the situations PyTorch's own
+FSDP2 and DDP test suites exercise: `test/distributed/_composable/fsdp/test_fully_shard_*.py`,
+`test/distributed/test_c10d_common.py`, `test_c10d_gloo.py`). It runs twice on each rank, in the same
+process, from the same initial weights and data:
+
+- under **plain data parallelism** (`PlainDP`): a full replica per rank; before every forward the buffers
+  are broadcast from rank 0 and after every backward the gradients averaged over the ranks, a gradient a
+  rank lacks counting as zero and a parameter no rank reached keeping `.grad = None` (DDP's defaults,
+  `broadcast_buffers=True`, with `find_unused_parameters=True`);
+- under **hf_zero** at a stage, the same code on the sharded model and optimizer (`Idle`: no extra calls).
+
+`run_scenario` returns what each run produced (losses, returned norms, the final weights and buffers), or
+the error the hf_zero run raised; the test compares them. A scenario's `Loop` object gets `dp` (its
+data-parallel hooks), `rank` and `batch(step)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hf_zero
+
+D_IN, D, D_OUT = 6, 12, 3
+
+
+class Block(nn.Module):
+    """The unit of every scenario model (`ZeroConfig(wrap=["Block"])`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+@dataclasses.dataclass
+class Carried:
+    """A block output inside a plain dataclass (no pytree registration)."""
+
+    hidden: torch.Tensor
+    scale: float = 1.0
+
+
+class DataclassBlock(Block):
+    def forward(self, x: Any) -> Carried:  # type: ignore[override]
+        x = x.hidden if isinstance(x, Carried) else x
+        return Carried(super().forward(x))
+
+
+class Net(nn.Module):
+    """Input projection, `n` blocks, an optional BatchNorm, a head, and a spare head (used by some scenarios)."""
+
+    def __init__(self, n: int = 3, batchnorm: bool = False, block: type[Block] = Block) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.blocks = nn.ModuleList(block() for _ in range(n))
+        self.bn = nn.BatchNorm1d(D) if batchnorm else None
+        self.head = nn.Linear(D, D_OUT)
+        self.spare = nn.Linear(D, D_OUT)
+
+    def forward(
+        self, x: torch.Tensor, spare: bool = False, reuse: int = 1, skip: tuple[int, ...] = ()
+    ) -> torch.Tensor:
+        """`spare`: add the spare head; `reuse`: apply block 0 that many times; `skip`: blocks not run."""
+        h: Any = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            for _ in range(reuse if i == 0 else 1):
+                if i not in skip:
+                    h = block(h)
+        h = h.hidden if isinstance(h, Carried) else h
+        h = self.bn(h) if self.bn is not None else h
+        out = self.head(h)
+        return out + self.spare(h) if spare else out
+
+
+class PlainDP:
+    """The reference: DDP's semantics by hand (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def before_forward(self) -> None:
+        if torch.is_grad_enabled():  # DDP syncs buffers in forwards that will have a backward
+            for b in self.model.buffers():
+                dist.broadcast(b, 0)
+
+    def after_backward(self) -> None:
+        world = dist.get_world_size()
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            has = torch.tensor([int(p.grad is not None)])
+            dist.all_reduce(has, op=dist.ReduceOp.MAX)
+            if not has.item():
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+class Idle:
+    """hf_zero's side: the engine does what PlainDP does by hand."""
+
+    def before_forward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class Loop:
+    model: nn.Module
+    opt: Any
+    dp: PlainDP | Idle
+    rank: int
+    stage: int
+    sharded: bool
+    record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def batch(self, step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + self.rank)
+        return torch.randn(n, D_IN, generator=g), torch.randn(n, D_OUT, generator=g)
+
+    def loss(self, step: int, **kwargs: Any) -> torch.Tensor:
+        x, y = self.batch(step)
+        self.dp.before_forward()
+        return nn.functional.mse_loss(self.model(x, **kwargs), y)
+
+    def note(self, key: str, value: float | torch.Tensor) -> None:
+        self.record.setdefault(key, []).append(float(value.detach()) if isinstance(value, torch.Tensor) else value)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self.dp.after_backward()
+
+
+Scenario = Callable[[Loop], None]
+SCENARIOS: dict[str, tuple[dict[str, Any], Scenario]] = {}
+
+
+def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
+    """Register a scenario; `build`: the model's constructor arguments and `freeze` (names frozen before
+    initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay)."""
+
+    def register(fn: Scenario) -> Scenario:
+        SCENARIOS[fn.__name__] = (build, fn)
+        return fn
+
+    return register
+
+
+def _steps(loop: Loop, n: int = 3, **kwargs: Any) -> None:
+    for step in range(n):
+        loss = loop.loss(step, **kwargs)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+# ---- the scenarios ------------------------------------------------------------------------------------
+@scenario()
+def baseline(loop: Loop) -> None:
+    """The plain loop, with accumulation over two micro-batches (the first under no_sync with DDP's idiom) and
+    the optimizer's own clipping."""
+    for step in range(3):
+        for micro in range(2):
+            loss = loop.loss(10 * step + micro) / 2
+            loop.note("loss", loss)
+            if micro == 0 and loop.sharded:
+                with loop.model.no_sync():
+                    loss.backward()
+            else:
+                loop.backward(loss) if micro == 1 else loss.backward()
+        if loop.sharded:
+            loop.note("norm", loop.opt.clip_grad_norm_(0.05))
+        else:
+            loop.note("norm", torch.nn.utils.clip_grad_norm_(loop.model.parameters(), 0.05))
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def torch_clip_grad_norm(loop: Loop) -> None:
+    """`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`: the unchanged line of a DDP loop."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.note("norm", torch.nn.utils.clip_grad_norm_(loop.model.parameters(), 0.05))
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def torch_clip_grad_norm_inf(loop: Loop) -> None:
+    """The max-norm variant, called through `torch.nn.utils.clip_grad.clip_grad_norm_`."""
+    from torch.nn.utils.clip_grad import clip_grad_norm_
+
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.backward(loss)
+        loop.note("norm", clip_grad_norm_(list(loop.model.parameters()), 0.01, norm_type=float("inf")))
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def torch_clip_grad_norm_subset(loop: Loop) -> None:
+    """`clip_grad_norm_` over some parameters only (the head's), the others left as they are."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.backward(loss)
+        loop.note("norm", torch.nn.utils.clip_grad_norm_(loop.model.head.parameters(), 0.01))
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def torch_two_step_clipping(loop: Loop) -> None:
+    """torch's two-step API: `get_total_norm` of the `.grad`s, then `clip_grads_with_norm_`."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.backward(loss)
+        params = list(loop.model.parameters())
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        loop.note("norm", norm)
+        torch.nn.utils.clip_grads_with_norm_(params, 0.05, norm)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def torch_clip_bound_early(loop: Loop) -> None:
+    """`from torch.nn.utils import clip_grad_norm_` above `import hf_zero`: torch's own function object."""
+    from hf_zero.engine import torch_clip
+
+    early = torch_clip._original.get("clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.backward(loss)
+        loop.note("norm", early(loop.model.parameters(), 0.05))
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def torch_clip_grad_value(loop: Loop) -> None:
+    """`torch.nn.utils.clip_grad_value_(model.parameters(), clip)`."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.backward(loss)
+        torch.nn.utils.clip_grad_value_(loop.model.parameters(), 0.002)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def zero_grad_keeps_zeros(loop: Loop) -> None:
+    """`zero_grad(set_to_none=False)` with a head used only in the first step: torch keeps its zero gradient,
+    so AdamW's momentum and weight decay still move it in the later steps."""
+    for step in range(3):
+        loss = loop.loss(step, spare=step == 0)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad(set_to_none=False)
+
+
+@scenario()
+def model_zero_grad(loop: Loop) -> None:
+    """`model.zero_grad()` instead of the optimizer's."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.model.zero_grad()
+
+
+@scenario(freeze=("blocks.0.",))
+def unfreeze_later(loop: Loop) -> None:
+    """Progressive unfreezing: block 0 frozen at set-up, made trainable after the first step."""
+    for step in range(3):
+        if step == 1:
+            for p in loop.model.blocks[0].parameters():
+                p.requires_grad_(True)
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def unfreeze_after_freezing(loop: Loop) -> None:
+    """Progressive unfreezing as hf_zero asks for it: trainable at set-up, frozen right after, unfrozen later."""
+    for p in loop.model.blocks[0].parameters():
+        p.requires_grad_(False)
+    for step in range(3):
+        if step == 1:
+            for p in loop.model.blocks[0].parameters():
+                p.requires_grad_(True)
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def freeze_unit_for_a_step(loop: Loop) -> None:
+    """Every parameter of block 1 frozen for the second step, then trainable again."""
+    for step in range(3):
+        for p in loop.model.blocks[1].parameters():
+            p.requires_grad_(step != 1)
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def optimizer_state_round_trip(loop: Loop) -> None:
+    """`opt.load_state_dict(opt.state_dict())` mid-run, then a scheduler and a hand-set learning rate."""
+    sched = torch.optim.lr_scheduler.LambdaLR(loop.opt, lambda s: 1.0 / (1 + s))
+    for step in range(4):
+        if step == 1:
+            loop.opt.load_state_dict(loop.opt.state_dict())
+        if step == 3:
+            for group in loop.opt.param_groups:
+                group["lr"] = 0.05
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        sched.step()
+        loop.opt.zero_grad()
+
+
+@scenario(batchnorm=True)
+def batchnorm_buffers(loop: Loop) -> None:
+    """BatchNorm's running statistics: DDP broadcasts rank 0's buffers before every forward; then an eval pass."""
+    _steps(loop)
+    loop.model.eval()
+    with torch.no_grad():
+        x, y = loop.batch(99)
+        loop.dp.before_forward()
+        loop.note("eval", nn.functional.mse_loss(loop.model(x), y))
+    loop.model.train()
+
+
+@scenario()
+def unit_reused(loop: Loop) -> None:
+    """One block applied twice in a forward (weight sharing in a loop)."""
+    _steps(loop, reuse=2)
+
+
+@scenario()
+def two_forwards_one_backward(loop: Loop) -> None:
+    """Two forwards, the sum of their losses backpropagated once (contrastive pairs, multi-crop)."""
+    for step in range(3):
+        loss = loop.loss(step) + loop.loss(step + 50)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def two_backwards_one_step(loop: Loop) -> None:
+    """Two forward/backward pairs accumulated into one step without no_sync (each backward reduces)."""
+    for step in range(3):
+        for micro in range(2):
+            loss = loop.loss(10 * step + micro)
+            loop.note("loss", loss)
+            loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def forward_without_backward(loop: Loop) -> None:
+    """A forward with grad enabled whose graph is dropped (a metric, a skipped NaN step) between steps."""
+    for step in range(3):
+        probe = loop.loss(step + 70)
+        loop.note("probe", probe)
+        del probe
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def eval_between_steps(loop: Loop) -> None:
+    """`model.eval()` and a no-grad forward between training steps, then `model.train()`."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+        loop.model.eval()
+        with torch.no_grad():
+            loop.note("eval", loop.loss(step + 80))
+        loop.model.train()
+
+
+@scenario()
+def eval_forward_with_grad(loop: Loop) -> None:
+    """An eval-mode forward with grad enabled, between the training forward and its backward."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.model.eval()
+        loop.note("eval", loop.loss(step + 80).detach())
+        loop.model.train()
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario(block=DataclassBlock)
+def dataclass_outputs(loop: Loop) -> None:
+    """Blocks that return their hidden state inside a plain dataclass."""
+    _steps(loop)
+
+
+@scenario()
+def input_gradient(loop: Loop) -> None:
+    """An input that requires grad (an adversarial perturbation): its gradient and the step."""
+    for step in range(3):
+        x, y = loop.batch(step)
+        x.requires_grad_(True)
+        loop.dp.before_forward()
+        loss = nn.functional.mse_loss(loop.model(x), y)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.note("input_grad", x.grad.abs().sum())
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def gradient_penalty(loop: Loop) -> None:
+    """`torch.autograd.grad(..., create_graph=True)` on the input, then a backward through the penalty."""
+    for step in range(3):
+        x, y = loop.batch(step)
+        x.requires_grad_(True)
+        loop.dp.before_forward()
+        out = loop.model(x)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = nn.functional.mse_loss(out, y) + 0.1 * gx.pow(2).mean()
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def grad_scaler(loop: Loop) -> None:
+    """`torch.amp.GradScaler` around the loss and the step (the fp16 idiom)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        scaler.scale(loss).backward()
+        loop.dp.after_backward()
+        scaler.step(loop.opt)
+        scaler.update()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def unit_skipped_on_one_rank(loop: Loop) -> None:
+    """Rank 1 skips block 1 in the second step (LayerDrop with a per-rank draw)."""
+    for step in range(3):
+        loss = loop.loss(step, skip=(1,) if step == 1 and loop.rank == 1 else ())
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def unused_parameter(loop: Loop) -> None:
+    """A parameter no forward uses (`spare`): DDP with find_unused_parameters leaves it untouched."""
+    _steps(loop)
+
+
+@scenario()
+def param_grad_hook(loop: Loop) -> None:
+    """A gradient hook on a parameter (`p.register_hook`), scaling the head's weight gradient."""
+    loop.model.head.weight.register_hook(lambda g: g * 3.0)
+    _steps(loop)
+
+
+@scenario()
+def state_dict_round_trip(loop: Loop) -> None:
+    """`model.load_state_dict(model.state_dict())` between steps."""
+    for step in range(3):
+        if step == 1:
+            loop.model.load_state_dict({k: v.clone() for k, v in loop.model.state_dict().items()})
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def read_params_between_steps(loop: Loop) -> None:
+    """A parameter read inside `hf_zero.gathered_parameters` (stage 3) or directly: a weight norm per step."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+        if loop.sharded:
+            with hf_zero.gathered_parameters(loop.model):
+                loop.note("weight", loop.model.head.weight.norm())
+        else:
+            loop.note("weight", loop.model.head.weight.norm())
+
+
+# ---- the runner ---------------------------------------------------------------------------------------
+def _build(build: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(0)
+    model = Net(
+        n=build.get("n", 3), batchnorm=build.get("batchnorm", False), block=build.get("block", Block)
+    )
+    for name, p in model.named_parameters():
+        if any(name.startswith(f) for f in build.get("freeze", ())):
+            p.requires_grad_(False)
+    return model
+
+
+def _optimizer(model: nn.Module, build: dict[str, Any]) -> torch.optim.Optimizer:
+    if build.get("sgd"):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def run_scenario(name: str, stage: int, **config: Any) -> dict[str, Any]:
+    """Run scenario `name` under PlainDP and under hf_zero at `stage` on this rank; return both records, the final
+    weights and buffers of each, or the hf_zero run's error ("Type: message")."""
+    build, fn = SCENARIOS[name]
+    rank = dist.get_rank()
+    ref = _build(build)
+    ref_loop = Loop(ref, _optimizer(ref, build), PlainDP(ref), rank, stage, sharded=False)
+    fn(ref_loop)
+    reference = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+    model = _build(build)
+    config = {"wrap": (build.get("block", Block).__name__,), "bucket_size_mb": 0, **config}
+    zcfg = hf_zero.ZeroConfig(stage=stage, **config)
+    try:
+        model, opt = hf_zero.initialize(model, _optimizer(model, build), zcfg)
+        loop = Loop(model, opt, Idle(), rank, stage, sharded=True)
+        fn(loop)
+        state = hf_zero.full_state_dict(model, rank0_only=False)
+    except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
+        return {"error": f"{type(e).__name__}: {e}", "reference": ref_loop.record}
+    return {
+        "error": None,
+        "reference": ref_loop.record,
+        "record": loop.record,
+        "weights": {k: float((state[k] - v).abs().max() / (v.abs().max() + 1e-12)) for k, v in reference.items()},
+        "missing": sorted(set(reference) - set(state)),
+    }
+
+
+# ---- a buffer whose shape changes, resumed through the model's own load_state_dict --------------------
+class GrowingMemory(Net):
+    """A model with a persistent buffer that grows every step (a memory bank), and a `load_state_dict` override
+    that resizes it to the saved shape before loading (what the stock Trainer's resume calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("memory", torch.zeros(1, D))
+
+    def remember(self, h: torch.Tensor) -> None:
+        self.memory = torch.cat([self.memory, h.detach().mean(0, keepdim=True)])
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if "memory" in state_dict:
+            self.memory = torch.zeros_like(state_dict["memory"])
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def resume_growing_buffer(stage: int, path: str) -> dict[str, Any]:
+    """Train 2 steps (the buffer grows to 3 rows), save a checkpoint, load it into a fresh sharded model: the
+    buffer comes back with its saved shape and values, through the model's override."""
+    model = GrowingMemory()
+    model, opt = hf_zero.initialize(model, _optimizer(model, {}), hf_zero.ZeroConfig(stage=stage, wrap=("Block",)))
+    loop = Loop(model, opt, Idle(), dist.get_rank(), stage, sharded=True)
+    for step in range(2):
+        loss = loop.loss(step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.remember(torch.full((1, D), float(step + 1)))
+    hf_zero.save_checkpoint(path, model, opt)
+    fresh = GrowingMemory()
+    fresh, fresh_opt = hf_zero.initialize(fresh, _optimizer(fresh, {}), hf_zero.ZeroConfig(stage=stage, wrap=("Block",)))
+    hf_zero.load_checkpoint(path, fresh, fresh_opt)
+    return {"saved": model.memory.tolist(), "loaded": fresh.memory.tolist()}
