@@ -497,6 +497,48 @@ def unit_skipped_on_one_rank(loop: Loop) -> None:
         loop.opt.zero_grad()
 
 
+@scenario(tie=True)
+def weight_shared_by_two_units(loop: Loop) -> None:
+    """One parameter used by two blocks (`blocks[2].lin.weight = blocks[0].lin.weight`), as FSDP2's shared-parameter
+    tests do."""
+    _steps(loop)
+
+
+@scenario()
+def submodule_forward_backward(loop: Loop) -> None:
+    """A loss on one block called directly (an auxiliary objective), besides the model's own."""
+    for step in range(3):
+        loss = loop.loss(step)
+        x, _ = loop.batch(step + 40)
+        aux = loop.model.blocks[1](x.repeat(1, 2)).pow(2).mean()
+        loop.note("aux", aux)
+        loop.backward(loss + 0.1 * aux)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario(wrap=("Block", "Linear"))
+def nested_units(loop: Loop) -> None:
+    """Units inside units: every block and, inside each, its Linear (FSDP2's nested `fully_shard`)."""
+    _steps(loop)
+
+
+@scenario()
+def empty_batch_on_one_rank(loop: Loop) -> None:
+    """Rank 1's second batch is empty (the tail of an uneven dataset): every unit still runs on every rank."""
+    for step in range(3):
+        x, y = loop.batch(step)
+        if step == 1 and loop.rank == 1:
+            x, y = x[:0], y[:0]
+        loop.dp.before_forward()
+        out = loop.model(x)
+        loss = ((out - y) ** 2).sum() / 4  # a sum over the local batch: an empty batch contributes 0
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
 @scenario()
 def unused_parameter(loop: Loop) -> None:
     """A parameter no forward uses (`spare`): DDP with find_unused_parameters leaves it untouched."""
@@ -544,6 +586,8 @@ def _build(build: dict[str, Any]) -> nn.Module:
     model = Net(
         n=build.get("n", 3), batchnorm=build.get("batchnorm", False), block=build.get("block", Block)
     )
+    if build.get("tie"):
+        model.blocks[2].lin.weight = model.blocks[0].lin.weight
     for name, p in model.named_parameters():
         if any(name.startswith(f) for f in build.get("freeze", ())):
             p.requires_grad_(False)
@@ -567,7 +611,7 @@ def run_scenario(name: str, stage: int, **config: Any) -> dict[str, Any]:
     reference = {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
     model = _build(build)
-    config = {"wrap": (build.get("block", Block).__name__,), "bucket_size_mb": 0, **config}
+    config = {"wrap": build.get("wrap", (build.get("block", Block).__name__,)), "bucket_size_mb": 0, **config}
     zcfg = hf_zero.ZeroConfig(stage=stage, **config)
     try:
         model, opt = hf_zero.initialize(model, _optimizer(model, build), zcfg)
