@@ -3,6 +3,7 @@ stock Trainer (in one process), returning the logged losses, the eval loss and t
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -335,3 +336,21 @@ def auto_batch_then_resume(job: Job, zero: bool = True) -> dict[str, Any]:
             "steps": second.state.global_step,
             "losses": [h["loss"] for h in second.state.log_history if "loss" in h],
             "state": {k: v.detach().cpu().clone() for k, v in state.items()} if args.process_index == 0 else None}
+
+
+def read_weights_after_training(out_dir: str, zero: bool) -> dict[str, Any]:
+    """The upstream Trainer tests' pattern: train the two-scalar model, then read `trainer.model.a` directly (one
+    process; ZeroTrainer at `--zero_stage 3`)."""
+    import hf_zero
+
+    job = Job(kind="scalars", stage=3, world=1, out_dir=out_dir, steps=4, global_batch=4, micro_bs=2)
+    args_cls = functools.partial(hf_zero.ZeroTrainingArguments, zero_stage=3) if zero else TrainingArguments
+    trainer_cls = hf_zero.ZeroTrainer if zero else Trainer
+    trainer = trainer_cls(
+        model=scalar_model(0),
+        args=args_cls(**_common(job)),
+        train_dataset=PointsDataset(16, seed=1, dim=1),
+        eval_dataset=PointsDataset(4, seed=2, dim=1),
+    )
+    trainer.train()
+    return {"a": float(trainer.model.a), "b": float(trainer.model.b), "grad": trainer.model.a.grad is None}

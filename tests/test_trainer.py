@@ -453,3 +453,12 @@ def test_async_save_in_the_trainer_resumes_exactly(pools, tmp_path):
         hf_zero.ZeroTrainingArguments(output_dir=str(tmp_path), zero_snapshot_budget="1GB", use_cpu=True)
     with pytest.raises(ValueError, match="zero_snapshot_budget must look like '5GB'"):
         hf_zero.ZeroPlugin(zero_async_save=True, zero_snapshot_budget="lots")
+
+
+def test_weights_read_directly_after_training_at_world_size_one_stage_3(pools, tmp_path):
+    """At world size 1 (a shard group of one) stage 3 has nothing to shard: `trainer.model.a` reads as with the stock
+    Trainer after training (transformers' own Trainer tests do this), with the same values."""
+    zero = pools(1).values(tc.read_weights_after_training, str(tmp_path / "zero"), True)[0]
+    stock = pools(1).values(tc.read_weights_after_training, str(tmp_path / "stock"), False)[0]
+    assert zero["a"] == pytest.approx(stock["a"], rel=TOL) and zero["b"] == pytest.approx(stock["b"], rel=TOL)
+    assert zero["a"] != pytest.approx(0.5, rel=1e-3)  # it trained
