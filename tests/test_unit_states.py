@@ -22,15 +22,36 @@ IDLE, FORWARD, IN_BACKWARD, REDUCING = (
 
 
 def _unit(stage: int) -> Any:
-    model, _ = hf_zero.initialize(make_model("llama"), None, hf_zero.ZeroConfig(stage=stage, bucket_size_mb=0))
+    """Layer 0's unit of a tiny LLaMA in a world of one. Stage 3 over a shard group of one keeps the parameters whole
+    ([Note: a shard group of one]) unless they rest on the host: offload_params makes it gather and free them."""
+    offload = {"offload_optimizer": True, "offload_params": True} if stage == 3 else {}
+    config = hf_zero.ZeroConfig(stage=stage, bucket_size_mb=0, **offload)
+    model, _ = hf_zero.initialize(make_model("llama"), None, config)
     return next(u for u in model.zero_engine.units if u.spec.name == "model.layers.0")
+
+
+@pytest.mark.parametrize("state", [FORWARD, IN_BACKWARD, REDUCING])
+def test_a_prefetch_of_a_unit_in_use_does_nothing(state):
+    """A pass off the plan (a unit reused, two forwards before a backward) may ask to prefetch a unit whose forward or
+    backward runs: nothing is issued and no state moves."""
+    unit = _unit(3)
+    unit.training_state = state
+    unit.prefetch()
+    assert (unit.shard_state, unit.training_state) == (ShardState.SHARDED, state)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_shard_group_of_one_keeps_stage_3_parameters_whole(stage):
+    """Stage 3 in a world of one gathers nothing: the unit is whole at rest, as at stages 1-2."""
+    model, _ = hf_zero.initialize(make_model("llama"), None, hf_zero.ZeroConfig(stage=stage))
+    engine = model.zero_engine
+    assert not engine.plan.params.uses_gather
+    assert all(u.is_unsharded for u in engine.units)
+    float(model.model.layers[0].mlp.up_proj.weight.detach().sum())  # readable between steps
 
 
 # (verb, its arguments, a training state in which it is illegal)
 ILLEGAL = [
-    ("prefetch", (), FORWARD),
-    ("prefetch", (), IN_BACKWARD),
-    ("prefetch", (), REDUCING),
     ("unshard", (), REDUCING),
     ("reshard", (), FORWARD),
     ("reshard", (), IN_BACKWARD),
