@@ -19,6 +19,23 @@ from tests._training import Scenario, freeze, make_model, sharded_run, with_lora
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _cli(argv: list[str]) -> subprocess.CompletedProcess:
+    """`hf-zero <argv>` run in this process (the same `main` the console script calls, without a new interpreter's
+    imports): its exit code, stdout and stderr."""
+    import contextlib
+    import io
+
+    from hf_zero.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(argv, code or 0, out.getvalue(), err.getvalue())
+
+
 @pytest.mark.parametrize(
     "sc",
     [
@@ -128,10 +145,10 @@ FALCON_40B = {"model_type": "falcon", "hidden_size": 8192, "num_hidden_layers": 
 def test_cli_prints_the_table_for_big_configs(tmp_path, name, config):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(path), "--world-size", "16", "--nodes", "2",
+    cmd = ["estimate", "--model", str(path), "--world-size", "16", "--nodes", "2",
            "--seq-len", "4096", "--micro-batch", "1", "--gradient-checkpointing", "--dtype", "bf16",
            "--device-memory", "80GB"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = _cli(cmd)
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 13  # stages 0-3 x offload settings
@@ -150,10 +167,10 @@ def test_cli_estimates_adafactor_on_whole_parameters(tmp_path):
     transit among the buffers, and no disk rows (offload_dir does not take the whole-parameter path)."""
     path = tmp_path / "llama-70b.json"
     path.write_text(json.dumps(LLAMA_70B))
-    base = [sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(path), "--world-size", "16"]
+    base = ["estimate", "--model", str(path), "--world-size", "16"]
     tables = {}
     for optimizer in ("adamw", "adafactor"):
-        done = subprocess.run(base + ["--optimizer", optimizer], capture_output=True, text=True, timeout=120)
+        done = _cli(base + ["--optimizer", optimizer])
         assert done.returncode == 0, done.stderr
         tables[optimizer] = {tuple(c.strip() for c in line.split("|")[1:3]): [float(c) for c in line.split("|")[3:-1]]
                              for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()}
@@ -172,9 +189,9 @@ def test_llama_70b_on_one_node_fits_with_disk_offload_only(tmp_path):
     the gradient shards (4 bytes per parameter) and the disk 12 bytes per parameter, and it fits."""
     path = tmp_path / "llama-70b.json"
     path.write_text(json.dumps(LLAMA_70B))
-    cmd = [sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(path), "--world-size", "8", "--seq-len", "4096",
+    cmd = ["estimate", "--model", str(path), "--world-size", "8", "--seq-len", "4096",
            "--gradient-checkpointing", "--device-memory", "80GB", "--host-memory", "1TB", "--disk", "4TB"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = _cli(cmd)
     assert done.returncode == 0, done.stderr
     params = float(done.stdout.split(": ")[1].split("B parameters")[0]) * 1e9
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
@@ -194,14 +211,12 @@ def test_llama_70b_on_one_node_fits_with_disk_offload_only(tmp_path):
 
 def test_cli_estimate_errors(tmp_path):
     done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(tmp_path / "x.json"),
-                           "--world-size", "8"], capture_output=True, text=True, timeout=60)
+                           "--world-size", "8"], capture_output=True, text=True, timeout=60)  # the entry point itself
     assert done.returncode == 2 and "no such config.json or model directory" in done.stderr
     (tmp_path / "c.json").write_text(json.dumps(LLAMA_70B))
-    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(tmp_path / "c.json"),
-                           "--world-size", "9", "--nodes", "2"], capture_output=True, text=True, timeout=120)
+    done = _cli(["estimate", "--model", str(tmp_path / "c.json"), "--world-size", "9", "--nodes", "2"])
     assert done.returncode == 2 and "must be a positive multiple of --nodes" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(tmp_path / "c.json"),
-                           "--world-size", "8", "--device-memory", "eighty"], capture_output=True, text=True, timeout=120)
+    done = _cli(["estimate", "--model", str(tmp_path / "c.json"), "--world-size", "8", "--device-memory", "eighty"])
     assert done.returncode == 2 and "--device-memory must look like '5GB'" in done.stderr
 
 
@@ -212,8 +227,8 @@ def test_cli_estimate_learns_the_frozen_trainable_split(tmp_path, flags):
     part's 16 bytes per parameter / N (frozen weights carry no master, gradient or optimizer state)."""
     path = tmp_path / "llama-70b.json"
     path.write_text(json.dumps(LLAMA_70B))
-    cmd = [sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(path), "--world-size", "16", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    cmd = ["estimate", "--model", str(path), "--world-size", "16", *flags]
+    done = _cli(cmd)
     assert done.returncode == 0, done.stderr
     header = done.stdout.splitlines()[0]
     params = float(header.split(": ")[1].split("B parameters")[0]) * 1e9
