@@ -120,6 +120,9 @@ class ZeroEngine:
             self.disk.build_windows(self.pieces)
         self._names, self._real = _name_index(self.parts, self.replaced)
         self._frozen_parts = [part for part in self.parts if part.spec.frozen]
+        self._persistent_buffers = [  # (module, name) of what state_dict holds besides parameters
+            (m, name) for m in model.modules() for name in m._buffers if name not in m._non_persistent_buffers_set
+        ]
         track(self)  # [Note: clean exit] in teardown.py
         register(self)  # [Note: torch clipping] in torch_clip.py
 
@@ -247,8 +250,11 @@ class ZeroEngine:
         rank 0's buffers overwrite every rank's, one broadcast per dtype. So BatchNorm's running statistics,
         which each rank updates from its own batch, are rank 0's on every rank after each training forward's
         start, and evaluation and checkpoints agree with DDP's. `ZeroConfig(broadcast_buffers=False)` keeps
-        each rank's own (FSDP's behaviour)."""
-        broadcast_tensors([b for b in self.model.buffers() if b.numel()], self.world)
+        each rank's own (FSDP's behaviour). Unlike DDP, only the persistent buffers (those `state_dict` holds)
+        travel: non-persistent ones are constants the model derives the same way on every rank (rotary
+        frequencies, position ids), and a LLaMA or Falcon has no other, so it pays no broadcast."""
+        buffers = [m._buffers.get(name) for m, name in self._persistent_buffers]
+        broadcast_tensors([b for b in buffers if b is not None and b.numel()], self.world)
 
     def zero_grad(self, *, abandon_pass: bool = False, set_to_none: bool = True) -> None:
         """Drop every gradient; `abandon_pass`: first forget a forward or backward that an exception stopped (its

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .collectives import CommGroup, max_ints
+from .collectives import CommGroup, gather_flags
 from .grads import GradReduction
 from .lifecycle import PassState, TrainingState
 from .pool import BufferPool
@@ -514,9 +514,9 @@ class UnitHooks:
         if world is None or world.size == 1:
             return
         inner = self.units[:-1]
-        flags = [int(id(u) in self.current.ran) for u in inner]
-        seen = max_ints(flags + [1 - f for f in flags], world)
-        mixed = [u for u, ran, skipped in zip(inner, seen[: len(inner)], seen[len(inner) :]) if ran and skipped]
+        ran_on = gather_flags([id(u) in self.current.ran for u in inner], world)  # per rank, per unit
+        anywhere = [any(column) for column in zip(*ran_on)]
+        mixed = [u for u, column in zip(inner, zip(*ran_on)) if any(column) and not all(column)]
         if not mixed:
             return
         if self.plan.params.uses_gather:
@@ -527,7 +527,7 @@ class UnitHooks:
                 "with the other ranks). Make the choice the same on every rank (draw LayerDrop or routing from a "
                 "seed shared by all ranks), run the skipped unit on zero-sized input, or use ZeroConfig(stage=2)."
             )
-        self.current.ran_anywhere = [u for u, ran in zip(inner, seen[: len(inner)]) if ran]
+        self.current.ran_anywhere = [u for u, ran in zip(inner, anywhere) if ran]
 
     def drop_graph_pins(self) -> None:
         """[Note: double backward] unpin the units a create_graph backward kept whole, and free them."""

@@ -220,6 +220,17 @@ def max_ints(values: Sequence[int], group: CommGroup) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def gather_flags(flags: Sequence[bool], group: CommGroup) -> list[list[bool]]:
+    """Every rank's `flags` (the same length on each), indexed by group rank: one all-gather of bytes (cheaper than
+    an all-reduce on gloo), and a host sync."""
+    mine = torch.tensor([int(f) for f in flags], dtype=torch.uint8, device=comm_device(group))
+    if group.size == 1:
+        return [[bool(f) for f in flags]]
+    out = torch.empty(group.size * mine.numel(), dtype=torch.uint8, device=mine.device)
+    dist.all_gather_into_tensor(out, mine, group=group.pg)
+    return [[bool(v) for v in row] for row in out.view(group.size, -1).tolist()]
+
+
 def all_reduce_(
     tensor: torch.Tensor, group: CommGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
 ) -> Pending:
