@@ -18,6 +18,7 @@ data-parallel hooks), `rank` and `batch(step)`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -537,6 +538,35 @@ def empty_batch_on_one_rank(loop: Loop) -> None:
         loop.backward(loss)
         loop.opt.step()
         loop.opt.zero_grad()
+
+
+def _accumulate(loop: Loop, skips: Callable[[int, int], tuple[int, ...]]) -> None:
+    """Two micro-batches per step, the first under no_sync (DDP's idiom); `skips(step, micro)`: blocks not run."""
+    for step in range(3):
+        for micro in range(2):
+            loss = loop.loss(10 * step + micro, skip=skips(step, micro)) / 2
+            loop.note("loss", loss)
+            if micro == 0:
+                context = loop.model.no_sync() if loop.sharded else contextlib.nullcontext()
+                with context:
+                    loss.backward()
+            else:
+                loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def accumulation_unit_only_in_first_micro_batch(loop: Loop) -> None:
+    """Block 1 runs in the first micro-batch (under no_sync) and in no rank's second: its accumulated gradient must
+    still be reduced by the synchronising one."""
+    _accumulate(loop, lambda step, micro: (1,) if micro == 1 else ())
+
+
+@scenario()
+def accumulation_unit_skipped_on_one_rank(loop: Loop) -> None:
+    """Rank 1 skips block 1 in the first micro-batch (under no_sync) of each step."""
+    _accumulate(loop, lambda step, micro: (1,) if micro == 0 and loop.rank == 1 else ())
 
 
 @scenario()

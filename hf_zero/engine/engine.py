@@ -201,8 +201,11 @@ class ZeroEngine:
 
     @property
     def defers_reduction_in_no_sync(self) -> bool:
-        """[Note: accumulation] whether `no_sync()` skips the reduction: stages 0-1 (the unsharded
-        gradient buffer exists anyway), or stages 2-3 with `ZeroConfig.no_sync_keeps_grads`."""
+        """[Note: accumulation]
+        Whether `no_sync()` skips the reduction: stages 0-1 (the unsharded gradient buffer exists anyway), or
+        stages 2-3 with `ZeroConfig.no_sync_keeps_grads`. The backward that synchronises then reduces every
+        unit's accumulated buffer, also of the units it did not run itself (a block that ran only in an earlier
+        micro-batch: its gradient is in the buffer, as DDP keeps it in `.grad`), in its final callback."""
         return self.plan.grads.keeps_unsharded or self.config.no_sync_keeps_grads
 
     @contextlib.contextmanager

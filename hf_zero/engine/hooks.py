@@ -130,6 +130,7 @@ class UnitHooks:
         self.pool = pool  # emptied at the end of every pass ([Note: buffer reuse])
         self.settings = settings
         self.requires_grad_sync = True  # False inside no_sync(): keep unsharded grads, no reduction
+        self.unsynced = False  # [Note: accumulation] a pass since the last reduction skipped its reductions
         self.current = Pass()
         self._forward_order: list[Unit] = []  # inner units in the order the first forward ran them
         self._order_known = False
@@ -174,6 +175,8 @@ class UnitHooks:
                 self.current.ran[id(unit)] = unit
         if self.current.gated is not None and self._forward_gathers(unit, recompute):
             self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
+        if not recompute and self._gathers_off_plan(unit):
+            self._agree_on_gather(unit)
         unit.before_compute()
         if not recompute:
             self._prefetch_after(unit, forward=True)
@@ -416,11 +419,15 @@ class UnitHooks:
 
     def _finalize(self) -> None:
         anywhere = self.current.ran_anywhere or []
+        catch_up = self.requires_grad_sync and self.unsynced
         for unit in reversed(self.units):
-            if unit.training_state is TrainingState.IDLE and unit in anywhere:
-                unit.begin_backward()  # [Note: units run on some ranks]: it ran on another rank; reduce zeros
+            if unit.training_state is TrainingState.IDLE and (unit in anywhere or (catch_up and unit.has_trainable)):
+                # [Note: units run on some ranks]: it ran on another rank, reduce zeros; [Note: accumulation]: it ran
+                # in a micro-batch under no_sync only, reduce what it accumulated
+                unit.begin_backward()
             if unit.training_state is TrainingState.IN_BACKWARD:
                 self._post_backward(unit)
+        self.unsynced = not self.requires_grad_sync
         self.wait_reductions()
         for unit in self.units:
             unit.end_pass()
@@ -528,6 +535,38 @@ class UnitHooks:
                 "seed shared by all ranks), run the skipped unit on zero-sized input, or use ZeroConfig(stage=2)."
             )
         self.current.ran_anywhere = [u for u, ran in zip(inner, anywhere) if ran]
+
+    def _gathers_off_plan(self, unit: Unit) -> bool:
+        """Whether `unit`'s forward gather is issued on demand with no plan to pair it on every rank: the first
+        forward (the order is being learned) or no prefetch, at stage 3, over several ranks."""
+        world = self.settings.world
+        return (
+            self.plan.params.uses_gather
+            and unit.needs_gather
+            and world is not None
+            and world.size > 1
+            and not (self._order_known and self.settings.prefetch > 0)
+        )
+
+    def _agree_on_gather(self, unit: Unit) -> None:
+        """[Note: units run on some ranks] at stage 3 before a gather no plan pairs: every rank says which unit it
+        gathers (a few bytes), so a unit one rank skips is refused here, naming it, instead of its gather meeting
+        another unit's (wrong weights, or a hang)."""
+        world = cast(CommGroup, self.settings.world)
+        index = self.units.index(unit)
+        bits = [bool(index >> b & 1) for b in range(max(1, len(self.units).bit_length()))]
+        rows = gather_flags(bits, world)
+        indices = [sum(int(bit) << b for b, bit in enumerate(row)) for row in rows]
+        if len(set(indices)) > 1:
+            names = sorted({self.units[i].name for i in indices})
+            self.reset()
+            raise ValueError(
+                f"hf_zero: the ranks gather different units ({names}) at the same point of a forward: a unit ran "
+                "its forward on some ranks and not on others. At ZeRO stage 3 every rank must run the same units (each "
+                "forward gathers their parameters with the other ranks). Make the choice the same on every rank "
+                "(draw LayerDrop or routing from a seed shared by all ranks), run the skipped unit on zero-sized "
+                "input, or use ZeroConfig(stage=2)."
+            )
 
     def drop_graph_pins(self) -> None:
         """[Note: double backward] unpin the units a create_graph backward kept whole, and free them."""
