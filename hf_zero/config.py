@@ -89,7 +89,9 @@ class ZeroConfig:
             Stage 3: how many units' all-gathers are issued ahead of the running unit (in forward
             order, and in reverse order during backward; the order is learned from the first
             forward), so communication overlaps computation. Each adds one gathered unit to the
-            device memory peak; 0 gathers each unit only when it is needed. A backward prefetch
+            device memory peak; 0 gathers each unit only when it is needed (each forward gather is
+            then preceded by a few-byte check that every rank gathers the same unit, as in the
+            first forward: [Note: units run on some ranks]). A backward prefetch
             that would hold more at once than the largest unit's parameters and gradients (e.g.
             the last block during the head's backward) is issued when the unit's backward ends.
         bucket_size_mb (`float`, *optional*, defaults to 25):

@@ -56,3 +56,16 @@ def test_resume_calls_the_models_own_load_state_dict_for_its_buffers(pools, tmp_
     for r in pools(2).values(peer.resume_growing_buffer, stage, str(tmp_path / "ckpt")):
         assert len(r["saved"]) == 3, r
         assert r["loaded"] == r["saved"], r
+
+
+@pytest.mark.parametrize("name", ["baseline", "two_forwards_one_backward", "unit_skipped_on_one_rank"])
+def test_stage_3_without_prefetch(pools, name):
+    """`prefetch=0`: every gather is issued on demand, checked before it is issued; exact where the ranks run the
+    same units, refused naming the units where one rank skips one."""
+    for r in pools(2).values(peer.run_scenario, name, 3, prefetch=0):
+        if name == "unit_skipped_on_one_rank":
+            assert r["error"] is not None and "gather different units (['blocks.1', 'blocks.2'])" in r["error"], r
+            continue
+        assert r["error"] is None, r["error"]
+        assert _worst(r["reference"], r["record"]) <= TOL
+        assert max(r["weights"].values()) <= TOL
