@@ -59,9 +59,14 @@ def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
 def compare(stock: dict[str, tuple[str, str]], zero: dict[str, tuple[str, str]]) -> dict[str, object]:
     """What passes with the stock classes, what of that passes with hf_zero's, and each difference."""
     passing = sorted(n for n, (o, _) in stock.items() if o == "passed")
-    lost = {n: zero.get(n, ("missing", ""))[1] or zero.get(n, ("missing", ""))[0] for n in passing
-            if zero.get(n, ("missing", ""))[0] != "passed"}
-    network = sorted(n for n, (o, m) in stock.items() if o == "failed" and ("hub" in m.lower() or "offline" in m.lower()))
+    lost = {}
+    for name in passing:
+        outcome, message = zero.get(name, ("missing", ""))
+        if outcome != "passed":
+            lost[name] = message or outcome
+    network = sorted(
+        n for n, (o, m) in stock.items() if o == "failed" and ("hub" in m.lower() or "offline" in m.lower())
+    )
     return {
         "stock_passed": len(passing),
         "zero_passed_of_those": len(passing) - len(lost),
