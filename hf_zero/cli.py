@@ -1,6 +1,8 @@
 """The `hf-zero` command.
 
 hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]
+hf-zero leftovers RUN_DIR [--remove]
+hf-zero preemptible OUTPUT_DIR -- LAUNCH COMMAND...
 hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L] [--micro-batch B]
                  [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB] [--host-memory 1TB]
                  [--disk 4TB]
@@ -29,6 +31,62 @@ def _consolidate(args: argparse.Namespace) -> int:
     )
     print(f"wrote {len(files)} weight file(s) to {args.output}: {', '.join(files)}")
     return 0
+
+
+def _leftovers(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .checkpoint import leftovers
+
+    root = Path(args.run_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"no such run folder: {root}")
+    found = leftovers.under(root)
+    for path in found:
+        print(f"{path}{'/' if path.is_dir() else ''}")
+    if args.remove:
+        freed = leftovers.remove(found)
+        print(f"removed {len(found)} leftover(s) of killed saves, {freed / 2**20:.1f} MiB")
+    else:
+        print(f"{len(found)} leftover(s) of killed saves" + (" (--remove deletes them)" if found else ""))
+    return 0
+
+
+def _preemptible(args: argparse.Namespace) -> int:
+    """[Note: preemption marker] run the launch command; 75 if the job left the marker, else its own exit code."""
+    import json
+    from pathlib import Path
+
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if not command:
+        raise ValueError("give the launch command after --, e.g. hf-zero preemptible out -- accelerate launch train.py")
+    marker = Path(args.output_dir) / "hf_zero_preempted.json"
+    marker.unlink(missing_ok=True)  # a stale one, from a launch before
+    code = _run_forwarding_signals(command)
+    if marker.is_file():
+        record = json.loads(marker.read_text())
+        print(
+            f"hf-zero preemptible: preempted, {record['checkpoint']} is complete; exit {record['exit_code']} "
+            f"(the launcher exited {code}): requeue the job",
+            file=sys.stderr,
+        )
+        return int(record["exit_code"])
+    return code
+
+
+def _run_forwarding_signals(command: list[str]) -> int:
+    """Run `command`; SIGTERM, SIGUSR1 and SIGINT sent to this process go to it (this process keeps waiting)."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(command)
+    forwarded = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signum)) for sig in forwarded}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -171,6 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the checkpoint files")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_consolidate)
+    left = sub.add_parser(
+        "leftovers", help="list (and --remove) what killed saves left under a run folder ([Note: leftovers])"
+    )
+    left.add_argument("run_dir", help="a run's output folder (the Trainer's output_dir)")
+    left.add_argument("--remove", action="store_true", help="delete them")
+    left.set_defaults(func=_leftovers)
+    pre = sub.add_parser(
+        "preemptible",
+        help="run a launch command; exit 75 when the job was preempted with a complete checkpoint (requeue on it)",
+    )
+    pre.add_argument("output_dir", help="the job's output_dir (where the preemption marker is left)")
+    pre.add_argument("command_line", nargs=argparse.REMAINDER, help="-- then the launch command")
+    pre.set_defaults(func=_preemptible)
 
     e = sub.add_parser("estimate", help="memory per device and per node for every stage and offload setting")
     e.add_argument("--model", required=True, help="a config.json or a model directory (only the config is read)")

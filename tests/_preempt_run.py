@@ -41,6 +41,9 @@ class _Tokens(torch.utils.data.Dataset):
 
 def main(out: str, mode: str, max_steps: int) -> None:
     rank = int(os.environ["RANK"])
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"pid-{rank}"), "w") as f:  # for a test that signals one rank under a launcher
+        f.write(str(os.getpid()))
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)

@@ -39,6 +39,39 @@ def test_rank_killed_during_save_leaves_the_previous_checkpoint_and_resume_works
     resumed = pools(2).values(sharded_run, replace(sc, seed=1, start_step=2, load_from=str(tmp_path / "step_2")))[0]
     assert resumed["losses"] == straight["losses"][2:]  # the previous checkpoint is whole and verified
 
+    # [Note: leftovers]: the next save of the same step removes what the killed one left; nothing temporary remains
+    from hf_zero.checkpoint import leftovers
+
+    assert leftovers.under(tmp_path) == [tmp_path / staging[0]]
+    pools(2).values(sharded_run, replace(sc, steps=1, accum=1, save_to=str(tmp_path / "step_3")))
+    assert leftovers.under(tmp_path) == [] and (tmp_path / "step_3" / "hf_zero_manifest.json").is_file()
+    assert not [p for p in tmp_path.rglob("*") if ".incomplete-" in p.name or p.name.endswith(".partial")]
+
+
+def test_leftovers_command_lists_and_removes_what_killed_saves_left(tmp_path, capsys):
+    """`hf-zero leftovers RUN_DIR` lists staging folders and temporary files of killed saves anywhere under a run
+    folder (never a complete checkpoint), and `--remove` deletes them."""
+    from hf_zero.cli import main
+
+    keep = tmp_path / "checkpoint-4" / "hf_zero"
+    keep.mkdir(parents=True)
+    (keep / "hf_zero_manifest.json").write_text("{}")
+    (tmp_path / "checkpoint-4" / "model.safetensors").write_bytes(b"x" * 10)
+    staging = tmp_path / "checkpoint-6" / ".hf_zero.incomplete-0123abcd"
+    staging.mkdir(parents=True)
+    (staging / ".hf_zero-shard-00000.partial").write_bytes(b"y" * 2048)
+    partial = tmp_path / "checkpoint-6" / ".model-00001-of-00002.safetensors.partial"
+    partial.write_bytes(b"z" * 1024)
+    assert main(["leftovers", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out
+    assert str(staging) in listed and str(partial) in listed and "2 leftover(s)" in listed
+    assert staging.exists() and partial.exists()
+    assert main(["leftovers", str(tmp_path), "--remove"]) == 0
+    assert "removed 2 leftover(s)" in capsys.readouterr().out
+    assert not staging.exists() and not partial.exists()
+    assert (keep / "hf_zero_manifest.json").exists() and (tmp_path / "checkpoint-4" / "model.safetensors").exists()
+    assert main(["leftovers", str(tmp_path / "nowhere")]) == 2
+
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["disk-full", "read-only"])
 def test_write_failure_on_one_rank_raises_everywhere_and_keeps_the_old_checkpoint(pools, tmp_path, code):
@@ -178,3 +211,45 @@ def test_sigterm_to_one_rank_saves_a_checkpoint_and_the_resumed_run_matches(tmp_
     resumed = _finish(_start_job(run, "resume", 8), run)
     assert [s["exit"] for s in resumed] == [0, 0]
     assert resumed[0]["losses"] == straight[0]["losses"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_a_preempted_job_exits_75_through_its_launcher(tmp_path, launcher):
+    """[Note: preemption marker]: under `hf-zero preemptible OUT -- <launcher> ...`, SIGTERM to one rank mid-training
+    ends the job with exit 75 (the launcher alone exits 1), leaving the marker that names the complete checkpoint;
+    the requeued launch (torchrun) resumes from it, removes the marker and exits 0."""
+    import json
+    import signal
+
+    run = tmp_path / "run"
+    script = [str(ROOT / "tests" / "_preempt_run.py"), str(run)]
+    if launcher == "torchrun":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    else:
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  str(ROOT / "accelerate_configs" / "cpu_2proc.yaml"), "--main_process_port", str(_free_port()),
+                  "--num_cpu_threads_per_process", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
+    wrapper = [sys.executable, "-m", "hf_zero.cli", "preemptible", str(run), "--"]
+    proc = subprocess.Popen(wrapper + launch + script + ["preempt", "8"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # step 2 done on rank 0: preempt rank 1 only
+        progress = run / "progress-0"
+        if progress.is_file() and progress.read_text().strip() and int(progress.read_text()) >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(int((run / "pid-1").read_text()), signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == hf_zero.PREEMPTED_EXIT_CODE, out[-3000:]
+    marker = json.loads((run / "hf_zero_preempted.json").read_text())
+    checkpoint = run / marker["checkpoint"]
+    assert marker["exit_code"] == 75 and checkpoint.name == f"checkpoint-{marker['step']}"
+    assert (checkpoint / "hf_zero" / "hf_zero_manifest.json").is_file() and (checkpoint / "trainer_state.json").is_file()
+    if launcher == "torchrun":  # the requeue: the same wrapper, resuming
+        done = subprocess.run(wrapper + launch + script + ["resume", "8"], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:]
+        assert not (run / "hf_zero_preempted.json").exists()
+        status = json.loads((run / "status-0.json").read_text())
+        assert status["step"] == 8 and len(status["losses"]) == 8  # the checkpoint's log history, then the rest

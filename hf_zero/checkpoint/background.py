@@ -36,10 +36,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..engine.collectives import CommGroup
+from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from .stream import Entry
 
@@ -167,20 +167,9 @@ def _signalling(
     return gen
 
 
-_groups: dict[tuple[int, ...], CommGroup] = {}
-
-
-def checkpoint_group(world: CommGroup) -> CommGroup:
-    """The process group asynchronous saves agree on (gloo, made once per set of ranks; a collective the first
-    time: every rank of `world` calls it in step)."""
-    if world.size == 1:
-        return CommGroup.single()
-    ranks = tuple(world.global_rank_of(r) for r in range(world.size))
-    group = _groups.get(ranks)
-    if group is None:
-        pg = dist.new_group(list(ranks), backend="gloo")
-        group = _groups[ranks] = CommGroup.of(pg, world.rank, world.size)
-    return group
+def checkpoint_group(engine: ZeroEngine) -> CommGroup:
+    """The gloo group asynchronous saves agree on: the engine's, made at `initialize` (`host_side_group`)."""
+    return engine.save_group
 
 
 _pending: dict[int, AsyncSave] = {}  # id(engine) -> its save in the background

@@ -223,7 +223,7 @@ def save_pretrained_async(
         if engine.world.rank == 0:
             target.mkdir(parents=True, exist_ok=True)
             save_hf_files(model, tokenizer, target, out_dtype)
-    group = checkpoint_group(engine.world)
+    group = checkpoint_group(engine)
     return chain(engine, target, lambda: work(group))
 
 

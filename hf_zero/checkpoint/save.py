@@ -42,6 +42,7 @@ from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer, sharded_list
 from ..engine.pieces import Piece
+from . import leftovers
 from .background import AsyncSave, FileJob, Snapshot, chain, checkpoint_group, finish_previous, snapshot
 from .format import (
     BUFFERS_FILE,
@@ -116,6 +117,8 @@ def save_checkpoint(
         _check_async(async_save, snapshot_budget_bytes)
     finish_previous(engine)  # [Note: asynchronous save] the next save starts after the previous one
     engine.hooks.wait_reductions()
+    with agreement(world, f"hf_zero.save_checkpoint (removing what killed saves left beside {target})"):
+        leftovers.remove(leftovers.beside(target))  # [Note: leftovers]; every rank (node-local folders too)
     token = broadcast_object(uuid.uuid4().hex[:12], world)
     staging = target.parent / f".{target.name}.incomplete-{token}"
 
@@ -147,7 +150,7 @@ def save_checkpoint(
     if not async_save:
         _commit(world, staging, target, token, manifest)
         return target
-    group = checkpoint_group(world)
+    group = checkpoint_group(engine)
 
     def write_and_commit() -> None:
         files: dict[str, Any] = {"files": {}}

@@ -20,6 +20,7 @@ from .collectives import (
     all_reduce_,
     broadcast_tensors,
     comm_device,
+    host_side_group,
     max_scalar_,
     raise_if_any_failed,
 )
@@ -83,6 +84,7 @@ class ZeroEngine:
         self.param_dtype = config.param_dtype or self.model_dtype
         self.master_dtype = torch.float32 if config.param_dtype is not None else self.model_dtype
         self.reduce_dtype = config.resolved_reduce_dtype or self.param_dtype
+        self.save_group = host_side_group(world, config.group_timeout_s)  # background saves agree on it
         sync_from = world if config.sync_module_states and world.size > 1 else None
         move_buffers(model, self.device, sync_from)
         grouped = [split_frozen(spec) for spec in specs]  # [Note: frozen parameters] in unit.py

@@ -10,23 +10,35 @@ sharded state, trainer state, scheduler and RNG, as a periodic save) and stops. 
 checkpoint is committed and raises `SystemExit(PREEMPTED_EXIT_CODE)`: the process exits with 75
 (`EX_TEMPFAIL`, "try again"), so a launcher can requeue it, and `train(resume_from_checkpoint=True)` in the
 requeued job continues from that step exactly. The previous handlers are restored when training ends.
+
+[Note: preemption marker]
+A launcher does not pass 75 on: `torchrun` (and so `accelerate launch`) exits 1 when a rank exits non-zero. So
+before the exit, once the checkpoint is committed, the main process writes `OUTPUT_DIR/hf_zero_preempted.json`
+(`{"step": N, "checkpoint": "checkpoint-N", "exit_code": 75}`, atomically); the next `train()` of that output
+directory removes it. `hf-zero preemptible OUTPUT_DIR -- LAUNCH COMMAND...` runs the launcher and exits 75 when
+the job left the marker (it removes a stale one first), else with the launcher's own code: what a Slurm batch
+script requeues on (`examples/slurm/train_clm.sbatch`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from transformers import TrainerCallback
 
+from ..checkpoint.format import write_bytes_atomically
 from ..engine.collectives import CommGroup, max_ints
 
 logger = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the job may be retried
+MARKER = "hf_zero_preempted.json"  # [Note: preemption marker], in the output directory
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -69,6 +81,19 @@ class SignalRecorder:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+def write_marker(output_dir: str, step: int) -> Path:
+    """Leave the preemption marker in `output_dir` (call once checkpoint-`step` is committed)."""
+    path = Path(output_dir) / MARKER
+    record = {"step": step, "checkpoint": f"checkpoint-{step}", "exit_code": PREEMPTED_EXIT_CODE}
+    write_bytes_atomically(path, (json.dumps(record) + "\n").encode())
+    return path
+
+
+def clear_marker(output_dir: str) -> None:
+    """Remove the marker a previous, preempted launch left (this one resumes it)."""
+    (Path(output_dir) / MARKER).unlink(missing_ok=True)
 
 
 class PreemptionCallback(TrainerCallback):

@@ -41,7 +41,7 @@ from ..checkpoint.consolidate import save_pretrained_async
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
 from ..engine.optim import ShardedOptimizer
-from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback
+from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, clear_marker, write_marker
 from .settings import snapshot_budget
 from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
 
@@ -254,6 +254,8 @@ class ZeroTrainerMixin(_TrainerBase):
         preemption = PreemptionCallback() if getattr(self.args, "zero_save_on_preemption", False) else None
         if preemption is not None:
             self.add_callback(preemption)
+            if self.args.should_save:
+                clear_marker(str(self.args.output_dir))  # [Note: preemption marker]: this launch resumes it
         try:
             result = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
@@ -263,6 +265,8 @@ class ZeroTrainerMixin(_TrainerBase):
         if is_sharded(self.model):
             wait_for_saves(self._zero_model())  # [Note: asynchronous save]: the last checkpoint is committed
         if preemption is not None and preemption.preempted_at is not None:
+            if self.args.should_save:  # [Note: preemption marker]: for a launcher that exits 1
+                write_marker(str(self.args.output_dir), preemption.preempted_at)
             raise SystemExit(PREEMPTED_EXIT_CODE)  # [Note: preemption]: checkpoint-N is complete; requeue
         return result
 

@@ -7,7 +7,16 @@
 """
 
 from .agree import agreement, all_agree, barrier, broadcast_object, failed_ranks, gather_objects, raise_if_any_failed
-from .group import BulkCollectives, CommGroup, Pending, bound_device, comm_device, hybrid_groups, issue_after
+from .group import (
+    BulkCollectives,
+    CommGroup,
+    Pending,
+    bound_device,
+    comm_device,
+    host_side_group,
+    hybrid_groups,
+    issue_after,
+)
 from .ops import (
     all_gather_into,
     all_gather_rows,
@@ -43,6 +52,7 @@ __all__ = [
     "failed_ranks",
     "gather_flags",
     "gather_objects",
+    "host_side_group",
     "hybrid_groups",
     "issue_after",
     "max_ints",

@@ -173,6 +173,24 @@ def hybrid_groups(world: CommGroup, group_size: int, timeout_s: float) -> tuple[
     return shard, replicate
 
 
+_HOST_GROUPS: dict[tuple[int, ...], CommGroup] = {}
+
+
+def host_side_group(world: CommGroup, timeout_s: float) -> CommGroup:
+    """A gloo group over `world`'s ranks, for collectives a background thread issues (asynchronous saves agree on
+    it), made once per set of ranks, with the engine's group timeout. A collective the first time: `initialize`
+    makes it on every rank, so no group is created later, when a rank's death would leave the others waiting in
+    the creation ([Note: clean exit])."""
+    if world.size == 1:
+        return CommGroup.single()
+    ranks = tuple(world.global_rank_of(r) for r in range(world.size))
+    group = _HOST_GROUPS.get(ranks)
+    if group is None:
+        pg = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        group = _HOST_GROUPS[ranks] = CommGroup.of(pg, world.rank, world.size)
+    return group
+
+
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
