@@ -10,6 +10,8 @@ exits non-zero when the adapted model is not clearly better on the domain.
 
 from __future__ import annotations
 
+import _quiet  # noqa: F401 - first: silences optional packages' import-time notes
+
 import argparse
 import json
 import math

@@ -20,6 +20,8 @@ Nothing is downloaded (see `demo_corpus.py` for where the text comes from):
 
 from __future__ import annotations
 
+import _quiet  # noqa: F401 - first: silences optional packages' import-time notes
+
 import argparse
 import hashlib
 import json

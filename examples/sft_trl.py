@@ -16,6 +16,8 @@ TRL's own classes (plain DDP under the same launcher), for comparison.
 
 from __future__ import annotations
 
+import _quiet  # noqa: F401 - first: silences optional packages' import-time notes
+
 import dataclasses
 import json
 import os

@@ -15,6 +15,8 @@ the loss of every step.
 
 from __future__ import annotations
 
+import _quiet  # noqa: F401 - first: silences optional packages' import-time notes
+
 import argparse
 import json
 import math

@@ -14,6 +14,8 @@ continues a run, on any number of processes.
 
 from __future__ import annotations
 
+import _quiet  # noqa: F401 - first: silences optional packages' import-time notes
+
 import json
 import math
 import os

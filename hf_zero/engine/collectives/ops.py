@@ -227,7 +227,7 @@ def gather_flags(flags: Sequence[bool], group: CommGroup) -> list[list[bool]]:
     if group.size == 1:
         return [[bool(f) for f in flags]]
     out = torch.empty(group.size * mine.numel(), dtype=torch.uint8, device=mine.device)
-    dist.all_gather_into_tensor(out, mine, group=group.pg)
+    _all_gather_single(out, mine, group=group.pg)
     return [[bool(v) for v in row] for row in out.view(group.size, -1).tolist()]
 
 

@@ -1,0 +1,12 @@
+"""Imported first by the example scripts: no import-time notes of optional packages that are not about the job.
+
+torchao (installed with hf_zero's dev extra, for its 8-bit optimizers) logs "Failed to load ..._C_*.so" for the
+GPU kernels a CPU machine cannot load, and registers enums with torch's pytree, which logs a deprecation warning
+per enum; both at import, both harmless, both looking like errors in a training log. Their loggers are set to
+ERROR here, before transformers imports them; every other warning is left as it is.
+"""
+
+import logging
+
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
