@@ -120,7 +120,8 @@ class ZeroConfig:
             `"auto"` composes them on gloo (3.3x and 1.7x faster there at 100 MB,
             `benchmarks/collectives.py`) and uses the native ones on NCCL and other backends.
         group_timeout_s (`float`, *optional*, defaults to 600):
-            Timeout of the process groups hf_zero creates (hybrid sharding): a rank that stops
+            Timeout of the process groups hf_zero creates at `initialize` (hybrid sharding, and the
+            gloo group background saves agree on), their creation included: a rank that stops
             answering makes the others raise after this long instead of hanging. The default
             process group's timeout is the launcher's (`--ddp_timeout` with the Trainer).
         no_sync_keeps_grads (`bool`, *optional*, defaults to `False`):

@@ -253,3 +253,35 @@ def test_a_preempted_job_exits_75_through_its_launcher(tmp_path, launcher):
         assert not (run / "hf_zero_preempted.json").exists()
         status = json.loads((run / "status-0.json").read_text())
         assert status["step"] == 8 and len(status["losses"]) == 8  # the checkpoint's log history, then the rest
+
+
+# The save path's collectives a rank dies before: 3 in the suite; HF_ZERO_SAVE_KILL_POINTS=0,1,2,3,4,5,6,7 for all.
+KILL_POINTS = [int(k) for k in os.environ.get("HF_ZERO_SAVE_KILL_POINTS", "0,3,7").split(",")]
+
+
+@pytest.mark.parametrize("k", KILL_POINTS, ids=lambda k: f"collective-{k}")
+def test_a_rank_killed_inside_the_save_path_leaves_no_rank_waiting(tmp_path, k):
+    """Rank 1 is SIGKILLed right before the k-th collective of a save (0: before initialize makes the background
+    saves' group; then 1 the argument agreement, 2 the leftovers agreement, 3 the token broadcast, 4 the write
+    agreement, 5 the record gather, 6 the manifest agreement, 7 the commit's): rank 0 raises an error within the
+    group timeout (`group_timeout_s` 20 s here) instead of waiting, and nothing appears at the target before the
+    commit."""
+    import json
+
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "_kill_in_save_collective.py"),
+                                       str(tmp_path), str(k)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    out0, _ = procs[0].communicate(timeout=180)
+    procs[1].communicate(timeout=30)
+    assert procs[1].returncode == -9
+    status = json.loads((tmp_path / "status-0.json").read_text())
+    assert status["error"] is not None and procs[0].returncode == 1, out0[-3000:]
+    assert status["seconds"] < 90, status  # the group timeout is 20 s; start-up and the step take the rest
+    if k < 7:  # before the commit's agreement nothing appears at the target
+        assert not (tmp_path / "ckpt").exists()
+    # (killed before the commit's agreement, every rank's files were already in: rank 0 commits a whole checkpoint)
