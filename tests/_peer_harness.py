@@ -1,0 +1,179 @@
+"""The peer scenarios' harness (tests/_peer_cases.py has the scenarios): the models, plain data parallelism by
+hand (the reference), the loop object a scenario gets, and the registry.
+
+`PlainDP` is DDP's semantics by hand: before every forward with grad mode on the buffers are broadcast from rank 0,
+after every backward the gradients averaged over the ranks, a gradient a rank lacks counting as zero and a parameter
+no rank reached keeping `.grad = None` (DDP's `broadcast_buffers=True`, with `find_unused_parameters=True`). `Idle`
+is hf_zero's side, where the engine does that itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+D_IN, D, D_OUT = 6, 12, 3
+
+
+class Block(nn.Module):
+    """The unit of every scenario model (`ZeroConfig(wrap=["Block"])`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+@dataclasses.dataclass
+class Carried:
+    """A block output inside a plain dataclass (no pytree registration)."""
+
+    hidden: torch.Tensor
+    scale: float = 1.0
+
+
+class DataclassBlock(Block):
+    def forward(self, x: Any) -> Carried:  # type: ignore[override]
+        x = x.hidden if isinstance(x, Carried) else x
+        return Carried(super().forward(x))
+
+
+class Net(nn.Module):
+    """Input projection, `n` blocks, an optional BatchNorm, a head, and a spare head (used by some scenarios)."""
+
+    def __init__(self, n: int = 3, batchnorm: bool = False, block: type[Block] = Block) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.blocks = nn.ModuleList(block() for _ in range(n))
+        self.bn = nn.BatchNorm1d(D) if batchnorm else None
+        self.head = nn.Linear(D, D_OUT)
+        self.spare = nn.Linear(D, D_OUT)
+
+    def forward(
+        self, x: torch.Tensor, spare: bool = False, reuse: int = 1, skip: tuple[int, ...] = ()
+    ) -> torch.Tensor:
+        """`spare`: add the spare head; `reuse`: apply block 0 that many times; `skip`: blocks not run."""
+        h: Any = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            for _ in range(reuse if i == 0 else 1):
+                if i not in skip:
+                    h = block(h)
+        h = h.hidden if isinstance(h, Carried) else h
+        h = self.bn(h) if self.bn is not None else h
+        out = self.head(h)
+        return out + self.spare(h) if spare else out
+
+
+class PlainDP:
+    """The reference: DDP's semantics by hand (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def before_forward(self) -> None:
+        if torch.is_grad_enabled():  # DDP syncs buffers in forwards that will have a backward
+            for b in self.model.buffers():
+                dist.broadcast(b, 0)
+
+    def after_backward(self) -> None:
+        world = dist.get_world_size()
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            has = torch.tensor([int(p.grad is not None)])
+            dist.all_reduce(has, op=dist.ReduceOp.MAX)
+            if not has.item():
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+class Idle:
+    """hf_zero's side: the engine does what PlainDP does by hand."""
+
+    def before_forward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class Loop:
+    model: nn.Module
+    opt: Any
+    dp: PlainDP | Idle
+    rank: int
+    stage: int
+    sharded: bool
+    record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def batch(self, step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + self.rank)
+        return torch.randn(n, D_IN, generator=g), torch.randn(n, D_OUT, generator=g)
+
+    def loss(self, step: int, **kwargs: Any) -> torch.Tensor:
+        x, y = self.batch(step)
+        self.dp.before_forward()
+        return nn.functional.mse_loss(self.model(x, **kwargs), y)
+
+    def note(self, key: str, value: float | torch.Tensor) -> None:
+        self.record.setdefault(key, []).append(float(value.detach()) if isinstance(value, torch.Tensor) else value)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self.dp.after_backward()
+
+
+Scenario = Callable[[Loop], None]
+SCENARIOS: dict[str, tuple[dict[str, Any], Scenario]] = {}
+
+
+def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
+    """Register a scenario; `build`: the model's constructor arguments and `freeze` (names frozen before
+    initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay)."""
+
+    def register(fn: Scenario) -> Scenario:
+        SCENARIOS[fn.__name__] = (build, fn)
+        return fn
+
+    return register
+
+
+def _steps(loop: Loop, n: int = 3, **kwargs: Any) -> None:
+    for step in range(n):
+        loss = loop.loss(step, **kwargs)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+# ---- building a scenario's model and optimizer ---------------------------------------------------------------------------------------
+def _build(build: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(0)
+    model = Net(
+        n=build.get("n", 3), batchnorm=build.get("batchnorm", False), block=build.get("block", Block)
+    )
+    if build.get("tie"):
+        model.blocks[2].lin.weight = model.blocks[0].lin.weight
+    for name, p in model.named_parameters():
+        if any(name.startswith(f) for f in build.get("freeze", ())):
+            p.requires_grad_(False)
+    return model
+
+
+def _optimizer(model: nn.Module, build: dict[str, Any]) -> torch.optim.Optimizer:
+    if build.get("sgd"):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
