@@ -44,6 +44,11 @@ from tests._peer_harness import (
 )
 
 
+def _set_trainable(module: nn.Module, trainable: bool) -> None:
+    for p in module.parameters():
+        p.requires_grad_(trainable)
+
+
 # ---- the scenarios ------------------------------------------------------------------------------------
 @scenario()
 def baseline(loop: Loop) -> None:
@@ -167,44 +172,20 @@ def model_zero_grad(loop: Loop) -> None:
 @scenario(freeze=("blocks.0.",))
 def unfreeze_later(loop: Loop) -> None:
     """Progressive unfreezing: block 0 frozen at set-up, made trainable after the first step."""
-    for step in range(3):
-        if step == 1:
-            for p in loop.model.blocks[0].parameters():
-                p.requires_grad_(True)
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
+    _steps(loop, before=lambda step: _set_trainable(loop.model.blocks[0], step >= 1))
 
 
 @scenario()
 def unfreeze_after_freezing(loop: Loop) -> None:
     """Progressive unfreezing as hf_zero asks for it: trainable at set-up, frozen right after, unfrozen later."""
-    for p in loop.model.blocks[0].parameters():
-        p.requires_grad_(False)
-    for step in range(3):
-        if step == 1:
-            for p in loop.model.blocks[0].parameters():
-                p.requires_grad_(True)
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
+    _set_trainable(loop.model.blocks[0], False)
+    _steps(loop, before=lambda step: _set_trainable(loop.model.blocks[0], step >= 1))
 
 
 @scenario()
 def freeze_unit_for_a_step(loop: Loop) -> None:
     """Every parameter of block 1 frozen for the second step, then trainable again."""
-    for step in range(3):
-        for p in loop.model.blocks[1].parameters():
-            p.requires_grad_(step != 1)
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
+    _steps(loop, before=lambda step: _set_trainable(loop.model.blocks[1], step != 1))
 
 
 @scenario()

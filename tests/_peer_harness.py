@@ -150,8 +150,11 @@ def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
     return register
 
 
-def _steps(loop: Loop, n: int = 3, **kwargs: Any) -> None:
+def _steps(loop: Loop, n: int = 3, before: Callable[[int], None] | None = None, **kwargs: Any) -> None:
+    """The plain loop for `n` steps; `before(step)` runs first in each (a scenario's change between steps)."""
     for step in range(n):
+        if before is not None:
+            before(step)
         loss = loop.loss(step, **kwargs)
         loop.note("loss", loss)
         loop.backward(loss)
