@@ -11,6 +11,7 @@ hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -295,5 +296,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The `hf-zero` console command: `main`, then exit with its code.
+
+    After `preemptible` the process leaves at once, without unloading the modules `import hf_zero` brought in
+    (torch's among them: about a second of the scheduler's grace period); it holds nothing to finalize.
+    """
+    code = main()
+    if sys.argv[1:2] == ["preemptible"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

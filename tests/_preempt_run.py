@@ -1,11 +1,13 @@
 """One rank of a 2-process ZeroTrainer job for tests/test_reliability.py's preemption test (the test sets RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT as a launcher would). Usage: _preempt_run.py OUT MODE MAX_STEPS, MODE one
 of straight, preempt (slow steps, so a signal lands mid-training) or resume (train(resume_from_checkpoint=True)).
-Writes OUT/progress-RANK (the last finished step) and OUT/status-RANK.json (the step it stopped at, its losses,
-the exit code it leaves with)."""
+Writes OUT/progress-RANK (the last finished step), OUT/status-RANK.json (the step it stopped at, its losses,
+the exit code it leaves with) and, at exit, OUT/frozen-RANK (how many objects the collector had frozen)."""
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import sys
@@ -39,9 +41,15 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+def _record_freeze(path: str) -> None:
+    with open(path, "w") as f:  # registered first, so it runs last: after the package's own exit handlers
+        f.write(str(gc.get_freeze_count()))
+
+
 def main(out: str, mode: str, max_steps: int) -> None:
     rank = int(os.environ["RANK"])
     os.makedirs(out, exist_ok=True)
+    atexit.register(_record_freeze, os.path.join(out, f"frozen-{rank}"))
     with open(os.path.join(out, f"pid-{rank}"), "w") as f:  # for a test that signals one rank under a launcher
         f.write(str(os.getpid()))
     torch.manual_seed(0)

@@ -187,9 +187,11 @@ def _finish(procs: list[subprocess.Popen], out: Path) -> list[dict]:
 def test_sigterm_to_one_rank_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path):
     """[Note: preemption]: SIGTERM to rank 1 alone, mid-training, under --zero_save_on_preemption: both ranks stop
     at the same step with a complete checkpoint-N and exit 75 (hf_zero.PREEMPTED_EXIT_CODE); the job requeued
-    with train(resume_from_checkpoint=True) logs the losses of an uninterrupted run, bit for bit."""
+    with train(resume_from_checkpoint=True) logs the losses of an uninterrupted run, bit for bit. Only the
+    preempted ranks leave with the collector frozen ([Note: quick exit])."""
     straight = _finish(_start_job(tmp_path / "straight", "straight", 8), tmp_path / "straight")
     assert [s["exit"] for s in straight] == [0, 0] and len(straight[0]["losses"]) == 8
+    assert [(tmp_path / "straight" / f"frozen-{r}").read_text() for r in range(2)] == ["0", "0"]
 
     run = tmp_path / "run"
     procs = _start_job(run, "preempt", 8)
@@ -202,6 +204,7 @@ def test_sigterm_to_one_rank_saves_a_checkpoint_and_the_resumed_run_matches(tmp_
     procs[1].send_signal(15)
     stopped = _finish(procs, run)
     assert [s["exit"] for s in stopped] == [hf_zero.PREEMPTED_EXIT_CODE] * 2, stopped
+    assert all(int((run / f"frozen-{r}").read_text()) > 0 for r in range(2))  # [Note: quick exit]
     step = stopped[0]["step"]
     assert stopped[1]["step"] == step and 2 <= step < 8
     checkpoint = run / f"checkpoint-{step}"
