@@ -248,8 +248,7 @@ def unshard_and_detach(model: nn.Module) -> ZeroEngine:
     engine.steps.release()
     unshard_model(engine)
     detach(model)
-    if engine.disk is not None:
-        engine.disk.close()
+    engine.flat_step.close()  # [Note: master stores]: the offload files, if any
     return engine
 
 

@@ -98,12 +98,12 @@ def load_checkpoint(
     with FileCache(directory) as cache:
         with torch.no_grad():
             for unit in engine.parts:  # one unit's master at a time ([Note: disk offload])
-                master = engine.read_master(unit)
+                master = unit.store.read()
                 for piece in engine.pieces:
                     if piece.unit is unit:
                         out = master[piece.local[0] : piece.local[1]]
                         read_pieces(cache, piece.name, manifest.slices[piece.name], piece.start, piece.end, out)
-                engine.write_master(unit, master)
+                unit.store.replace(master)
             _load_buffers(model, manifest, cache)
         for each, part in zip(optimizers, optimizer_parts(manifest)):
             _load_optimizer(engine, each, part, manifest, cache)
@@ -232,11 +232,7 @@ def _load_optimizer(
         kinds = saved["state"].get(piece.name)
         if kinds and piece.optim_params and id(piece.optim_params[0]) in group_of:  # another optimizer's: skipped
             whole, flat = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
-            if engine.disk is not None and engine.disk.holds(piece.unit):  # [Note: disk offload]: into the files
-                at = engine.disk.offset_of(piece)
-                for key in flat:
-                    engine.disk.write_range(key, at, whole[key])
-                    whole[key] = torch.empty(0, dtype=whole[key].dtype)
+            if piece.unit.store.take_state(piece.local[0], whole, flat):  # [Note: master stores]: into the files
                 for t in piece.optim_params:
                     inner.state[t] = {
                         k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from ..engine.collectives import CommGroup, all_to_all_uneven, comm_device, gather_objects, raise_if_any_failed
-from ..engine.disk import MASTER
 from ..engine.engine import ZeroEngine
 from ..engine.flat import FlatPart
 from ..engine.pieces import Piece
@@ -250,11 +249,7 @@ class Exchange:
         piece = self.pieces.get((id(unit), t.slot))
         if piece is None or not piece.start <= a <= b <= piece.end:
             raise RuntimeError(f"[rank {self.world.rank}] hf_zero: {t.name}[{a}:{b}] is not in this rank's shard")
-        disk = self.engine.disk
-        if disk is not None and disk.holds(unit):
-            yield from disk.read_range(MASTER, disk.offset_of(piece) + a - piece.start, b - a)
-        else:
-            yield piece.master[a - piece.start : b - piece.start]
+        yield from unit.store.read_range(piece.local[0] + a - piece.start, b - a)  # [Note: master stores]
 
 
 def _unit(t: Tensor) -> FlatPart:

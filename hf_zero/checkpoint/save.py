@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -37,7 +36,6 @@ from ..engine.collectives import (
     gather_objects,
     raise_if_any_failed,
 )
-from ..engine.disk import MASTER
 from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.optim import ShardedOptimizer, sharded_list
@@ -231,7 +229,7 @@ def _rank_jobs(
     rank, size = engine.plan.shard_group.rank, engine.plan.shard_group.size
     mfile = model_file(rank, size)
     slices = {p.name: [p.start, p.end] for p in engine.pieces}
-    masters = [Entry(p.name, p.unit.master_dtype, (p.end - p.start,), _master_pieces(engine, p)) for p in engine.pieces]
+    masters = [Entry(p.name, p.unit.master_dtype, (p.end - p.start,), _master_pieces(p)) for p in engine.pieces]
     header = {"kind": "model", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank, "slices": slices}
     jobs.append(FileJob(mfile, masters, header))
     record["slices"] = {name: [mfile, s, e] for name, (s, e) in slices.items()}
@@ -266,12 +264,11 @@ def _write_jobs(staging: Path, jobs: list[FileJob], record: dict[str, Any]) -> N
         _write_streamed(staging, job.name, job.entries, job.header, record)
 
 
-def _master_pieces(engine: ZeroEngine, piece: Piece) -> Callable[[], Iterable[torch.Tensor]]:
-    """The piece's master values where they are ([Note: streamed save]): its own memory, or its file."""
-    if engine.disk is not None and engine.disk.holds(piece.unit):
-        disk, at = engine.disk, engine.disk.offset_of(piece)
-        return lambda: disk.read_range(MASTER, at, piece.end - piece.start)
-    return host_pieces(piece.master)
+def _master_pieces(piece: Piece) -> Callable[[], Iterable[torch.Tensor]]:
+    """The piece's master values where its store keeps them ([Note: streamed save], [Note: master stores]), as
+    host tensors."""
+    store, start, numel = piece.unit.store, piece.local[0], piece.end - piece.start
+    return lambda: (host for t in store.read_range(start, numel) for host in host_pieces(t)())
 
 
 def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[list[Entry], dict[str, dict[str, str]]]:
@@ -285,16 +282,16 @@ def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[
         states: list[dict[str, Any]] = [s for s in found if s]
         if not states or len(states) != len(found):
             continue
-        on_disk = engine.disk is not None and engine.disk.holds(piece.unit)
         kinds[piece.name] = {}
         for key, value in states[0].items():
             tkey = f"{piece.name}{STATE_SEP}{key}"
             if isinstance(value, torch.Tensor):
                 parts = [state[key] for state in states]
-                if on_disk and engine.disk is not None and key in engine.disk.state_keys:
-                    disk, at, n = engine.disk, engine.disk.offset_of(piece), piece.end - piece.start
+                n = piece.end - piece.start
+                stored = piece.unit.store.state_reader(key, piece.local[0], n)  # [Note: master stores]
+                if stored is not None:
                     kinds[piece.name][key] = "elementwise"
-                    entries.append(Entry(tkey, value.dtype, (n,), functools.partial(disk.read_range, key, at, n)))
+                    entries.append(Entry(tkey, value.dtype, (n,), stored))
                     continue
                 elementwise = all(v.ndim == 1 and v.numel() == b - a for v, (a, b) in zip(parts, piece.bounds))
                 kinds[piece.name][key] = "elementwise" if elementwise else "whole"

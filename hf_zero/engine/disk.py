@@ -27,8 +27,8 @@ pinned-memory cache, and the last writes overlap the next forward.
 
 [Note: parameters on disk]
 With `offload_params=True` too (stage 3), no compute-dtype parameter shard is kept: the master file
-is each gather's source. `FlatPart.gather` calls the unit's `shard_reader`, which waits for the
-writes in flight and reads the unit's master shard into a fresh host tensor (pinned on an
+is each gather's source. `FlatPart.gather` asks its store (`DiskMaster.gather_source`, master.py), which
+waits for the writes in flight and reads the part's master shard into a fresh host tensor (pinned on an
 accelerator); the gather casts it as in [Note: cast on gather] and frees it. The step publishes
 nothing for such units: its written windows are what the next gathers read. What that saves is
 2Ψ/N bytes of host memory (bf16) per rank, the largest model state left in memory after the
@@ -49,13 +49,16 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .master import DiskMaster
+from .pool import mapped_temporaries
 
 if TYPE_CHECKING:
     from .flat import FlatPart
@@ -213,7 +216,7 @@ class DiskOffload:
     def __init__(self, files: OffloadFiles, device: torch.device) -> None:
         self.files = files
         self.device = device
-        self.offsets: dict[int, int] = {}  # id(unit) -> element offset of its shard in the files
+        self._stores: dict[int, DiskMaster] = {}  # id(part) -> its store: where its shard is in the files
         self.windows: list[Window] = []
         self.chunk_ids: set[int] = set()
         self.capacity = 0
@@ -231,29 +234,25 @@ class DiskOffload:
         self._finalizer = weakref.finalize(self, _shutdown, self._io, files)
 
     # ---- layout -------------------------------------------------------------------------------
-    def holds(self, unit: FlatPart) -> bool:
-        return id(unit) in self.offsets
+    master_key = MASTER
 
-    def offset_of(self, piece: Piece) -> int:
-        """The element offset in the files of `piece`'s first element."""
-        return self.offsets[id(piece.unit)] + piece.local[0]
+    def adopt(self, part: FlatPart, params_on_disk: bool) -> DiskMaster:
+        """Give `part` its place in the files, write its freshly filled master shard there and free the
+        shard's memory (the tensor stays, holding 0 bytes): the part's store from now on ([Note: master stores])."""
+        offset = self._next_offset
+        self._next_offset += part.layout.shard_numel
+        self.files.write(MASTER, offset, part.sharded_master)
+        part.sharded_master.untyped_storage().resize_(0)
+        store = DiskMaster(part, self, offset, params_on_disk)
+        self._stores[id(part)] = store
+        return store
 
-    def adopt_master(self, unit: FlatPart) -> None:
-        """Give `unit` its place in the files, write its freshly filled master shard there and free the
-        shard's memory (the tensor stays, holding 0 bytes)."""
-        self.offsets[id(unit)] = self._next_offset
-        self._next_offset += unit.layout.shard_numel
-        self.files.write(MASTER, self.offsets[id(unit)], unit.sharded_master)
-        unit.sharded_master.untyped_storage().resize_(0)
-        if unit.sharded_param is unit.sharded_master:  # [Note: parameters on disk]
-            unit.shard_reader = _shard_reader(weakref.ref(self), unit)
-
-    def build_windows(self, pieces: list[Piece]) -> None:
+    def build(self, pieces: list[Piece]) -> None:
         """Group the chunks of the disk units' pieces into windows of consecutive elements."""
         chunks = [
-            Chunk(t, piece, a, b, self.offset_of(piece) + a)
+            Chunk(t, piece, a, b, self._stores[id(piece.unit)].offset + piece.local[0] + a)
             for piece in pieces
-            if self.holds(piece.unit)
+            if id(piece.unit) in self._stores
             for t, (a, b) in zip(piece.optim_params, piece.bounds)
         ]
         chunks.sort(key=lambda c: c.offset)
@@ -273,19 +272,13 @@ class DiskOffload:
         self.windows.append(Window(tuple(chunks), chunks[0].offset, last.offset + last.numel - chunks[0].offset))
 
     # ---- whole shards (checkpoints, gathers, loads) -----------------------------------------
-    def read_master(self, unit: FlatPart, pin: bool = False) -> torch.Tensor:
-        """A fresh host tensor (pinned with `pin` on an accelerator) with `unit`'s master shard as the files hold it."""
+    def read_master(self, offset: int, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+        """A fresh host tensor (pinned with `pin`) with `numel` master elements from `offset` as the files hold them."""
         self.drain()
-        out = torch.empty(
-            unit.layout.shard_numel, dtype=unit.master_dtype, pin_memory=pin and self.device.type != "cpu"
-        )
-        self.files.read(MASTER, self.offsets[id(unit)], out)
+        out = torch.empty(numel, dtype=dtype, pin_memory=pin)
+        self.files.read(MASTER, offset, out)
         self.read_bytes += out.numel() * out.element_size()
         return out
-
-    def write_master(self, unit: FlatPart, values: torch.Tensor) -> None:
-        self.drain()
-        self.files.write(MASTER, self.offsets[id(unit)], values.to("cpu").contiguous())
 
     def read_range(self, key: str, offset: int, numel: int, piece_numel: int = WINDOW_NUMEL) -> Iterator[torch.Tensor]:
         """`numel` elements of `key` from element `offset` on, as host tensors of at most `piece_numel`
@@ -304,6 +297,17 @@ class DiskOffload:
             self.files.add(key, values.dtype)
         self.files.write(key, offset, values.to("cpu").contiguous())
 
+    def account(self, memory: dict[str, dict[str, int]]) -> None:
+        """Count the files' bytes (masters and elementwise optimizer state) as optimizer state on "disk"."""
+        memory["optimizer_states"]["disk"] = self.files.nbytes
+
+    def refuse_state_access(self, what: str, remedy: str) -> None:
+        """`ValueError` for `what`, which needs the optimizer state in memory ([Note: master stores])."""
+        raise ValueError(
+            f"{what} needs the optimizer state in memory; with ZeroConfig.offload_dir it lives in the offload "
+            f"files ([Note: disk offload]): {remedy}"
+        )
+
     @property
     def state_keys(self) -> list[str]:
         return [k for k in self.files.dtypes if k != MASTER]
@@ -312,6 +316,10 @@ class DiskOffload:
     def step(self, optimizer: torch.optim.Optimizer, used: dict[int, list[bool]]) -> None:
         """Step `optimizer` window by window over the files and publish each window's new values into its
         units' compute parameters ([Note: disk offload]); `used` as in `OptimizerSteps._used_anywhere` (stepping.py)."""
+        with mapped_temporaries():  # [Note: host heap]
+            self._step(optimizer, used)
+
+    def _step(self, optimizer: torch.optim.Optimizer, used: dict[int, list[bool]]) -> None:
         self.drain()
         groups = optimizer.param_groups
         full = [g["params"] for g in groups]
@@ -410,7 +418,7 @@ class DiskOffload:
 
     def _publish(self, window: Window, master: torch.Tensor) -> None:
         for c in window.chunks:
-            if c.piece.unit.shard_reader is not None:
+            if self._stores[id(c.piece.unit)].params_on_disk:
                 continue  # [Note: parameters on disk]: the next gather reads the written window
             at = c.offset - window.offset
             lo = c.piece.local[0]
@@ -480,21 +488,6 @@ def _grad_of(chunk: Chunk, used: dict[int, list[bool]]) -> torch.Tensor | None:
     if piece.unit.grads.is_zero or not used[id(piece.unit)][piece.slot_index]:
         return None
     return piece.grad[chunk.a : chunk.b]
-
-
-def _shard_reader(disk: weakref.ref[DiskOffload], unit: FlatPart) -> Callable[[], torch.Tensor]:
-    """A gather source for `unit` read from the files ([Note: parameters on disk]); holds the owner weakly."""
-
-    def read() -> torch.Tensor:
-        owner = disk()
-        if owner is None:
-            raise RuntimeError(
-                f"[rank {unit.shard_group.global_rank}] hf_zero: unit '{unit.spec.name}' gathers "
-                "from offload files that were already released"
-            )
-        return owner.read_master(unit, pin=True)
-
-    return read
 
 
 def _shutdown(io: ThreadPoolExecutor, files: OffloadFiles) -> None:

@@ -29,6 +29,7 @@ from .flat import FlatPart
 from .grads import grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
+from .master import FlatStep, MemoryStep
 from .pieces import Piece, pieces_of
 from .placement import Placement, compute_device, move_buffers, single_dtype
 from .pool import BufferPool, transient_nbytes
@@ -90,7 +91,10 @@ class ZeroEngine:
         grouped = [split_frozen(spec) for spec in specs]  # [Note: frozen parameters] in unit.py
         parts_specs = [part for parts in grouped for part in parts]
         self.pool = _pool_for(parts_specs, world, self.plan, config, self.param_dtype, self.reduce_dtype)
+        # [Note: master stores] in master.py: the offload files' owner, if any (benchmarks and tests read it), and
+        # the flat optimizer step, chosen once
         self.disk = _disk_for(parts_specs, config, world, self.plan, self.device, self.master_dtype)
+        self.flat_step: FlatStep = self.disk or MemoryStep()
         self.parts = [self._part(spec, source or LiveParams(sync_from)) for spec in parts_specs]
         # Parameters built on the meta device were replaced by views (see FlatPart._bind_params).
         self.replaced: dict[int, nn.Parameter] = {
@@ -116,10 +120,8 @@ class ZeroEngine:
             on_root_forward=self._before_forward,
         )
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
-        on_disk = self.disk.holds if self.disk is not None else (lambda part: False)
-        self.pieces: list[Piece] = [piece for part in self.parts for piece in pieces_of(part, on_disk(part))]
-        if self.disk is not None:
-            self.disk.build_windows(self.pieces)
+        self.pieces: list[Piece] = [piece for part in self.parts for piece in pieces_of(part)]
+        self.flat_step.build(self.pieces)
         self._names, self._real = _name_index(self.parts, self.replaced)
         self._frozen_parts = [part for part in self.parts if part.spec.frozen]
         self._persistent_buffers = [  # (module, name) of what state_dict holds besides parameters
@@ -148,10 +150,8 @@ class ZeroEngine:
             pool=self.pool,
             weight_quant_block=block if config.quantized_weights else None,
             grad_quant_block=block if config.quantized_gradients else None,
-            master_on_disk=self.disk is not None and offloaded,
+            disk=self.disk if offloaded else None,
         )
-        if self.disk is not None and offloaded:
-            self.disk.adopt_master(part)  # [Note: disk offload]: one part's master in memory at a time
         return part
 
     @property
@@ -356,7 +356,7 @@ class ZeroEngine:
             if trainable_only and not unit.has_trainable:
                 continue
             full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
-            all_gather_into(full, self.read_master(unit), unit.shard_group)
+            all_gather_into(full, unit.store.read(), unit.shard_group)
             if not is_writer:
                 yield []
                 continue
@@ -397,22 +397,6 @@ class ZeroEngine:
         state = nn.Module.state_dict(self.model, keep_vars=True)
         return state if with_params else {k: v for k, v in state.items() if id(v) not in self._names}
 
-    # ---- master shards ([Note: disk offload]) -----------------------------------------------
-    def read_master(self, unit: FlatPart) -> torch.Tensor:
-        """`unit`'s master shard: the tensor itself, or a fresh copy read from the offload files."""
-        if self.disk is not None and self.disk.holds(unit):
-            return self.disk.read_master(unit)
-        return unit.sharded_master
-
-    def write_master(self, unit: FlatPart, values: torch.Tensor) -> None:
-        """Make `values` (from `read_master`, changed) `unit`'s master shard and publish it into the parameters
-        (stages 0-2 gather it: a collective)."""
-        if self.disk is not None and self.disk.holds(unit):
-            self.disk.write_master(unit, values)
-        elif values is not unit.sharded_master:
-            unit.sharded_master.copy_(values)
-        unit.publish_master(master=values).wait()
-
     def compute_param(self, param: torch.Tensor) -> torch.Tensor:
         """The engine's own parameter behind `param` (itself, or the one a stand-in or a meta original stands for)."""
         return self._real.get(id(param), param)
@@ -434,8 +418,7 @@ class ZeroEngine:
         order = {"parameters": 0, "gradients": 1, "optimizer_states": 2}  # an alias counts where it is first seen
         for category, t, placement in sorted(held, key=lambda item: order[item[0]]):
             count(category, t, placement)
-        if self.disk is not None:  # [Note: disk offload]: masters and elementwise optimizer state
-            parts["optimizer_states"]["disk"] = self.disk.files.nbytes
+        self.flat_step.account(parts)  # [Note: disk offload]: masters and elementwise optimizer state in files
         for entry in self.steps.attached:
             offloaded = self.config.offload_optimizer
             for state in entry.optimizer.state.values():

@@ -24,7 +24,6 @@ The gradients of a part live in its `FlatGrads` (grads.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +36,7 @@ from .collectives import (
 )
 from .grads import FlatGrads
 from .layout import FlatLayout
+from .master import MasterStore, MemoryMaster
 from .placement import Placement
 from .pool import BufferPool, transient_nbytes
 from .quant import gather_int8, gather_workspace_numels
@@ -44,6 +44,7 @@ from .resting import ModuleSlots
 from .wrap import UnitSpec
 
 if TYPE_CHECKING:
+    from .disk import DiskOffload
     from .sources import ShardSource
 
 
@@ -68,7 +69,7 @@ class FlatPart:
         pool: BufferPool,
         weight_quant_block: int | None = None,
         grad_quant_block: int | None = None,
-        master_on_disk: bool = False,
+        disk: DiskOffload | None = None,
     ) -> None:
         self.spec = spec
         # [Note: block quantization] in quant.py: int8 gathers (stage 3) / reductions, None for exact ones
@@ -99,22 +100,8 @@ class FlatPart:
         self.sharded_param = None
         # Stages 0-2: the unsharded parameters are the only whole copy, never freed ([Note: unit lifecycle]).
         self.persistent = persistent_params
-        # [Note: parameters on disk] in disk.py: set by DiskOffload.adopt_master; fills a gather's source
-        self.shard_reader: Callable[[], torch.Tensor] | None = None
         if not persistent_params:
-            shard_device = placement.gather_source_device
-            if master_on_disk and placement.offload_params:
-                self.sharded_param = self.sharded_master  # a stand-in: each gather reads the files
-            elif (
-                self.sharded_master.device == shard_device
-                and (param_dtype == master_dtype or not placement.offloaded)
-                and not master_on_disk
-            ):
-                # [Note: cast on gather] the master, in memory on the compute device, is the gather source
-                self.sharded_param = self.sharded_master
-            else:
-                self.sharded_param = placement.alloc(self.layout.shard_numel, param_dtype, shard_device)
-                self.sharded_param.copy_(self.sharded_master)
+            self.sharded_param = self._gather_shard(on_disk=bool(disk))
         self.params = self._bind_params(spec.params)
         # [Note: resting parameters] in resting.py: what the modules hold while the unit is resharded
         self.module_slots = None if persistent_params else ModuleSlots(self.params, spec.param_names, spec.slots)
@@ -122,6 +109,8 @@ class FlatPart:
             self.publish_master().wait()  # every rank's shard into the unsharded parameters
         else:
             self.free()
+        # [Note: master stores] in master.py: chosen here, once; the files take the master from now on
+        self.store: MasterStore = disk.adopt(self, placement.offload_params) if disk else MemoryMaster(self)
 
         # [Note: gradients] in grads.py: the unsharded buffer, a lookup's sparse gradient, the reduced shard
         self.grads = FlatGrads(
@@ -138,6 +127,20 @@ class FlatPart:
             pool=pool,
             quant_block=grad_quant_block,
         )
+
+    def _gather_shard(self, on_disk: bool) -> torch.Tensor:
+        """Stage 3: the shard a gather sends ([Note: cast on gather]), taken before the master's store is chosen."""
+        placement = self.placement
+        if on_disk and placement.offload_params:
+            return self.sharded_master  # a stand-in, 0 bytes once on disk: each gather reads the files
+        if (
+            self.sharded_master.device == placement.gather_source_device
+            and (self.param_dtype == self.master_dtype or not placement.offloaded)
+            and not on_disk
+        ):
+            return self.sharded_master  # [Note: cast on gather] the master, in memory on the compute device
+        shard = placement.alloc(self.layout.shard_numel, self.param_dtype, placement.gather_source_device)
+        return shard.copy_(self.sharded_master)
 
     def _bind_params(self, originals: tuple[nn.Parameter, ...]) -> tuple[nn.Parameter, ...]:
         """Make each parameter a view of `unsharded_param`: in place (`.data`) for materialized
@@ -190,7 +193,7 @@ class FlatPart:
             raise self._illegal("gather", "stages 0-2 keep the parameters whole; there is nothing to gather")
         storage = self.unsharded_param.untyped_storage()
         self.pool.fill(storage, self.layout.padded_numel * self.unsharded_param.element_size())
-        source = self.sharded_param if self.shard_reader is None else self.shard_reader()
+        source = self.store.gather_source()
         if source.device != self.device:  # the shard lives on the host: stage it on the device for the gather
             source = torch.empty_like(source, device=self.device).copy_(source, non_blocking=True)
         cast = None
@@ -245,8 +248,6 @@ class FlatPart:
         """After an optimizer step, make the compute parameters equal to the updated master shard
         (`master`, by default `sharded_master`): copy it into this rank's parameter shard, then
         (stages 0-2) gather every rank's."""
-        if self.shard_reader is not None:
-            return Pending()  # [Note: parameters on disk]: the gathers read the master from the files
         master = self.sharded_master if master is None else master
         own = self.param_shard()
         if own.data_ptr() != master.data_ptr():

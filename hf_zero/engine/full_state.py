@@ -65,14 +65,14 @@ def load_state_dict(engine: ZeroEngine, values: Mapping[str, torch.Tensor], stri
     by_name = {engine.name_of(t): values[k] for k, t in expected.items() if k in values and id(t) in engine._names}
     for unit in engine.parts:
         lo, _ = unit.layout.shard_range(unit.shard_group.rank)
-        master = engine.read_master(unit)
+        master = unit.store.read()
         for index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
             slot = unit.layout.slots[index]
             value = by_name.get(slot.name)
             if value is not None:
                 flat = value.detach().reshape(-1)[start - slot.offset : end - slot.offset]
                 master[start - lo : end - lo].copy_(flat)
-        engine.write_master(unit, master)
+        unit.store.replace(master)
     for key, t in engine.module_state(with_params=False).items():
         if key in values:
             t.copy_(values[key])
@@ -122,15 +122,16 @@ def _write_back(engine: ZeroEngine, unit: FlatPart, modifier_rank: int) -> None:
     full = unit.unsharded_param
     broadcast_(full, engine.world, modifier_rank)
     lo, hi = unit.layout.shard_range(unit.shard_group.rank)
-    new, master = full[lo:hi], engine.read_master(unit)
+    new, master = full[lo:hi], unit.store.read()
     if new.data_ptr() == master.data_ptr():
         return  # the master is this rank's chunk of the parameters (fp32, stages 0-2): already written
     new = new.to(master.device)  # the master may live on the host (offload, disk)
     before = master.to(unit.param_dtype)
     changed = (new != before) & ~(new.isnan() & before.isnan())
     master[changed] = new[changed].to(master.dtype)
-    if not unit.persistent or engine.disk is not None:
-        engine.write_master(unit, master)  # stage 3: the gather source follows the master
+    unit.store.write(master)  # [Note: master stores]: in memory, `master` is the shard itself; else the files
+    if not unit.persistent:
+        unit.store.publish(values=master).wait()  # stage 3: the gather source follows the master
 
 
 @torch.no_grad()

@@ -38,7 +38,6 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
             [where[id(p)] for p in params],
             engine.plan.shard_group,
             {(id(piece.unit), piece.slot_index): piece for piece in engine.pieces},
-            engine.disk,
         )
     initial = [dict(optimizer.state.get(p, {})) for group in optimizer.param_groups for p in group["params"]]
     optimizer.state.clear()
@@ -285,16 +284,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         self._check_attached(what)
         engine = self._engine
-        if engine.disk is not None or self.whole_step is not None:
+        what_moves = f"{type(self.optimizer).__name__}.{what}() (it moves the weights it holds)"
+        engine.flat_step.refuse_state_access(what_moves, "drop ZeroConfig.offload_dir.")  # [Note: master stores]
+        if self.whole_step is not None:
             raise ValueError(
-                f"{type(self.optimizer).__name__}.{what}() moves the weights it holds, which hf_zero supports on flat "
-                "shards in memory only: "
-                + (
-                    "drop ZeroConfig.offload_dir."
-                    if engine.disk is not None
-                    else "this optimizer steps on whole parameters ([Note: whole-parameter step]); declare it with "
-                    "hf_zero.register_elementwise if its math is elementwise."
-                )
+                f"{what_moves} is supported on flat shards only: this optimizer steps on whole parameters ([Note: "
+                "whole-parameter step]); declare it with hf_zero.register_elementwise if its math is elementwise."
             )
         engine.hooks.wait_reductions()
         modes = [group.get("train_mode") for group in self.param_groups]
@@ -340,12 +335,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.optimizer.state
 
     def _refuse_on_disk(self, what: str) -> None:
-        if self._engine.disk is not None:
-            raise ValueError(
-                f"optimizer.{what}() cannot hold the optimizer state of a run with ZeroConfig.offload_dir: the "
-                "state lives in the offload files ([Note: disk offload]); use hf_zero.save_checkpoint / "
-                "hf_zero.load_checkpoint, which stream it from and to the files."
-            )
+        self._engine.flat_step.refuse_state_access(  # [Note: master stores]
+            f"optimizer.{what}()",
+            "use hf_zero.save_checkpoint / hf_zero.load_checkpoint, which stream the state from and to the files.",
+        )
 
 
 def _refuse_grad_scaler(optimizer: ShardedOptimizer) -> None:

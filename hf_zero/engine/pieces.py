@@ -44,7 +44,7 @@ class Piece:
     param: nn.Parameter
     start: int
     end: int
-    master: torch.Tensor  # 1D view of FlatPart.sharded_master (0 elements when it is on disk: `engine.read_master`)
+    master: torch.Tensor  # 1D view of FlatPart.sharded_master (0 elements when it is on disk: ask `unit.store`)
     unit: FlatPart
     local: tuple[int, int]  # the same range in the unit's shard coordinates
     bounds: tuple[tuple[int, int], ...]  # `chunk_bounds` of the piece, in `master` coordinates
@@ -70,28 +70,23 @@ class Piece:
             t.grad = None
 
 
-def pieces_of(unit: FlatPart, on_disk: bool = False) -> list[Piece]:
-    """This rank's pieces of `unit`'s parameters ([Note: optimizer chunks]); `on_disk`: with empty tensors for
-    the master and its chunks, pointed at a window's buffers while it steps ([Note: disk offload])."""
-    lo, _ = unit.layout.shard_range(unit.shard_group.rank)
+def pieces_of(part: FlatPart) -> list[Piece]:
+    """This rank's pieces of `part`'s parameters ([Note: optimizer chunks]), their tensors from the part's master
+    store ([Note: master stores]: views of the master, or empty tensors a disk window points at its buffers)."""
+    lo, _ = part.layout.shard_range(part.shard_group.rank)
     pieces = []
-    for slot_index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
-        slot = unit.layout.slots[slot_index]
+    for slot_index, start, end in part.layout.local_pieces(part.shard_group.rank):
+        slot = part.layout.slots[slot_index]
         bounds = chunk_bounds(end - start)
-        if on_disk:  # [Note: disk offload]: chunk tensors pointed at a window's buffers while it steps
-            master = torch.empty(0, dtype=unit.master_dtype, device=unit.master_device)
-            chunks = tuple(torch.empty(0, dtype=unit.master_dtype, device=unit.master_device) for _ in bounds)
-        else:
-            master = unit.sharded_master[start - lo : end - lo]
-            chunks = tuple(master[a:b] for a, b in bounds)
+        master, chunks = part.store.piece_tensors(start - lo, end - lo, bounds)
         pieces.append(
             Piece(
                 name=slot.name,
-                param=unit.params[slot_index],
+                param=part.params[slot_index],
                 start=start - slot.offset,
                 end=end - slot.offset,
                 master=master,
-                unit=unit,
+                unit=part,
                 local=(start - lo, end - lo),
                 bounds=bounds,
                 optim_params=chunks,

@@ -19,11 +19,11 @@ from typing import Protocol
 import torch
 
 from .collectives import CommGroup, comm_device, max_scalar_
-from .disk import DiskOffload
 from .flat import FlatPart
 from .hooks import UnitHooks
+from .master import FlatStep
 from .pieces import Piece
-from .pool import mapped_temporaries, release_free_host_memory
+from .pool import release_free_host_memory
 from .scaler import LossScaler
 from .whole import WholeStep
 
@@ -35,7 +35,7 @@ class Sharded(Protocol):
     pieces: list[Piece]
     hooks: UnitHooks
     scaler: LossScaler | None
-    disk: DiskOffload | None
+    flat_step: FlatStep
     world: CommGroup
     has_grads: bool
 
@@ -131,23 +131,13 @@ class OptimizerSteps:
         used = self._verdict
         if not used:
             return False
-        disk = engine.disk
         for piece in engine.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
-            if not (disk is not None and disk.holds(piece.unit)):
-                piece.bind_grads(used[id(piece.unit)][piece.slot_index])
-        if entry.whole is not None:  # [Note: whole-parameter step]; masters on disk read and written by range
+            piece.unit.store.bind_grads(piece, used[id(piece.unit)][piece.slot_index])
+        if entry.whole is not None:  # [Note: whole-parameter step]; the stores read and write the masters by range
             entry.whole.step(optimizer, used)
-        elif engine.disk is not None:  # [Note: disk offload]: stepped window by window, published as it goes
-            with mapped_temporaries():  # [Note: host heap]
-                engine.disk.step(optimizer, used)
-        else:
-            optimizer.step()
-        published = [
-            unit.gather_persistent(async_op=True)
-            if engine.disk is not None and engine.disk.holds(unit)
-            else unit.publish_master(async_op=True)
-            for unit in entry.parts
-        ]
+        else:  # [Note: master stores]: the optimizer's own step, or window by window over the offload files
+            engine.flat_step.step(optimizer, used)
+        published = [unit.store.publish(async_op=True) for unit in entry.parts]
         for pending in published:
             pending.wait()
         if any(unit.master_device.type == "cpu" for unit in engine.parts):
@@ -160,7 +150,7 @@ class OptimizerSteps:
         `step` (schedule-free's `train()` / `eval()`), and drop every copy gathered before."""
         engine = self.engine
         engine.hooks.wait_reductions()
-        for pending in [unit.publish_master(async_op=True) for unit in engine.parts]:
+        for pending in [unit.store.publish(async_op=True) for unit in engine.parts]:
             pending.wait()
         engine.release_gathered()
 

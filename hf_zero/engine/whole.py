@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 from .collectives import CommGroup, all_to_all_uneven, broadcast_object, comm_device, raise_if_any_failed
-from .disk import MASTER, DiskOffload
 from .flat import FlatPart
 
 # Elementwise optimizers: the flat path is exact for them. (module prefix, class name) pairs.
@@ -130,12 +129,10 @@ class WholeStep:
         slots: list[tuple[FlatPart, int]],
         group: CommGroup,
         pieces: dict[tuple[int, int], Any],
-        disk: DiskOffload | None = None,
     ) -> None:
         self.slots = slots  # (unit, slot index) of every parameter the optimizer steps, in group order
         self.group = group
         self.pieces = pieces  # (id(unit), slot index) -> this rank's Piece
-        self.disk = disk  # [Note: disk offload]: masters of the units it holds are read from and written to its files
         sizes = [unit.layout.slots[i].numel * unit.master_dtype.itemsize for unit, i in slots]
         self.owned = deal(sizes, group.size)
         self.rounds = max((len(o) for o in self.owned), default=0)
@@ -246,12 +243,10 @@ class WholeStep:
             a, b = self._span(index, me)
             if b > a:
                 piece = self.pieces[(id(self.slots[index][0]), self.slots[index][1])]
-                if what == "master" and self.disk is not None and self.disk.holds(piece.unit):
-                    at = self.disk.offset_of(piece) + a - piece.start
-                    parts.append(torch.cat([part.clone() for part in self.disk.read_range(MASTER, at, b - a)]))
+                if what == "master":  # [Note: master stores]: a view in memory, read from the files on disk
+                    parts.append(piece.unit.store.values(piece.local[0] + a - piece.start, b - a))
                 else:
-                    values = piece.master if what == "master" else piece.grad
-                    parts.append(values[a - piece.start : b - piece.start])
+                    parts.append(piece.grad[a - piece.start : b - piece.start])
                 send_splits[owner] = b - a
         mine = round_params[me]
         if mine is not None:
@@ -306,13 +301,7 @@ class WholeStep:
         for index, a, b in targets:
             piece = self.pieces[(id(self.slots[index][0]), self.slots[index][1])]
             values = recv[at : at + b - a]
-            if self.disk is not None and self.disk.holds(piece.unit):  # into the file, and into the parameter shard
-                self.disk.write_range(MASTER, self.disk.offset_of(piece) + a - piece.start, values)
-                if piece.unit.shard_reader is None:  # else [Note: parameters on disk]: gathers read the file
-                    lo = piece.local[0] + a - piece.start
-                    piece.unit.param_shard()[lo : lo + b - a].copy_(values)
-            else:
-                piece.master[a - piece.start : b - piece.start].copy_(values)
+            piece.unit.store.write_range(piece.local[0] + a - piece.start, values)  # [Note: master stores]
             at += b - a
 
 
