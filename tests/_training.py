@@ -375,7 +375,7 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         "numel": sum(p.numel() for p in model.parameters()),
         "max_gathers": max_gathers,
         "parts": [{"frozen": u.spec.frozen, "trainable": u.has_trainable, "shard": u.layout.shard_numel,
-                   "local": sum(pc.end - pc.start for pc in model.zero_engine.pieces if pc.unit is u)}
+                   "local": sum(pc.end - pc.start for pc in model.zero_engine.pieces if pc.part is u)}
                   for u in model.zero_engine.parts],
         "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }

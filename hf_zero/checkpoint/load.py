@@ -97,16 +97,16 @@ def load_checkpoint(
     engine.hooks.wait_reductions()
     with FileCache(directory) as cache:
         with torch.no_grad():
-            for unit in engine.parts:  # one unit's master at a time ([Note: disk offload])
-                master = unit.store.read()
+            for part in engine.parts:  # one unit's master at a time ([Note: disk offload])
+                master = part.store.read()
                 for piece in engine.pieces:
-                    if piece.unit is unit:
+                    if piece.part is part:
                         out = master[piece.local[0] : piece.local[1]]
                         read_pieces(cache, piece.name, manifest.slices[piece.name], piece.start, piece.end, out)
-                unit.store.replace(master)
+                part.store.replace(master)
             _load_buffers(model, manifest, cache)
-        for each, part in zip(optimizers, optimizer_parts(manifest)):
-            _load_optimizer(engine, each, part, manifest, cache)
+        for each, saved_part in zip(optimizers, optimizer_parts(manifest)):
+            _load_optimizer(engine, each, saved_part, manifest, cache)
     if engine.scaler is not None and "loss_scale" in manifest.engine:
         engine.scaler.scale = float(manifest.engine["loss_scale"])
     engine.zero_grad()
@@ -134,7 +134,7 @@ def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizers: list[Shard
 
 
 def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path) -> None:
-    ours = {slot.name: list(slot.shape) for unit in engine.parts for slot in unit.layout.slots}
+    ours = {slot.name: list(slot.shape) for part in engine.parts for slot in part.layout.slots}
     theirs = {name: info["shape"] for name, info in manifest.params.items()}
     missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     if missing or unexpected:
@@ -232,7 +232,7 @@ def _load_optimizer(
         kinds = saved["state"].get(piece.name)
         if kinds and piece.optim_params and id(piece.optim_params[0]) in group_of:  # another optimizer's: skipped
             whole, flat = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
-            if piece.unit.store.take_state(piece.local[0], whole, flat):  # [Note: master stores]: into the files
+            if piece.part.store.take_state(piece.local[0], whole, flat):  # [Note: master stores]: into the files
                 for t in piece.optim_params:
                     inner.state[t] = {
                         k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()

@@ -47,14 +47,14 @@ class Tensor:
     name: str
     shape: tuple[int, ...]
     numel: int
-    unit: FlatPart | None = None
+    part: FlatPart | None = None
     slot: int = 0
     value: torch.Tensor | None = None
     parameter: bool = True
 
     @property
     def exchanged(self) -> bool:
-        return self.unit is not None
+        return self.part is not None
 
 
 @dataclass(frozen=True)
@@ -122,13 +122,13 @@ def folder_tensors(engine: ZeroEngine, dtype: torch.dtype) -> list[Tensor]:
     """The tensors of the model folder in `state_dict` order: each parameter once (tied names under the first),
     then the persistent buffers. A parameter every rank holds whole in `dtype` is taken as it is."""
     tensors: list[Tensor] = []
-    for unit in engine.parts:
-        for index, slot in enumerate(unit.layout.slots):
-            if unit.persistent and unit.param_dtype == dtype:
-                value = unit.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
+    for part in engine.parts:
+        for index, slot in enumerate(part.layout.slots):
+            if part.persistent and part.param_dtype == dtype:
+                value = part.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, value=value))
             else:
-                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, unit=unit, slot=index))
+                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, part=part, slot=index))
     for name, buf in engine.module_state(with_params=False).items():
         tensors.append(Tensor(name, tuple(buf.shape), buf.numel(), value=buf.detach(), parameter=False))
     return tensors
@@ -154,7 +154,7 @@ class Exchange:
                     f"global rank order ({shard_ranks}); the owned-tensor save needs it"
                 )
         self.width = max(1, PIECE_NUMEL // self.world.size)
-        self.pieces: dict[tuple[int, int], Piece] = {(id(p.unit), p.slot_index): p for p in engine.pieces}
+        self.pieces: dict[tuple[int, int], Piece] = {(id(p.part), p.slot_index): p for p in engine.pieces}
         self.device = comm_device(self.world)
         self.round, self.window = 0, 0  # the next window to run
         self.error: Exception | None = None  # a failed read: the windows still run (with zeros), then it is raised
@@ -197,7 +197,7 @@ class Exchange:
 
     def _span(self, t: Tensor, rank: int, window: int) -> tuple[int, int]:
         """The elements `[a, b)` of `t` in `window` that `rank`'s shard holds (a == b: none)."""
-        layout = _unit(t).layout
+        layout = _part(t).layout
         slot = layout.slots[t.slot]
         lo, hi = layout.shard_range(self.places[rank][1])
         a = max(window * self.width, lo - slot.offset, 0)
@@ -245,17 +245,17 @@ class Exchange:
 
     def _read(self, t: Tensor, a: int, b: int) -> Iterator[torch.Tensor]:
         """Elements `[a, b)` of `t` from this rank's master shard, where it lives (memory or the offload files)."""
-        unit = _unit(t)
-        piece = self.pieces.get((id(unit), t.slot))
+        part = _part(t)
+        piece = self.pieces.get((id(part), t.slot))
         if piece is None or not piece.start <= a <= b <= piece.end:
             raise RuntimeError(f"[rank {self.world.rank}] hf_zero: {t.name}[{a}:{b}] is not in this rank's shard")
-        yield from unit.store.read_range(piece.local[0] + a - piece.start, b - a)  # [Note: master stores]
+        yield from part.store.read_range(piece.local[0] + a - piece.start, b - a)  # [Note: master stores]
 
 
-def _unit(t: Tensor) -> FlatPart:
-    if t.unit is None:
+def _part(t: Tensor) -> FlatPart:
+    if t.part is None:
         raise RuntimeError(f"hf_zero: {t.name} is held whole and has no shards to read")
-    return t.unit
+    return t.part
 
 
 def write_owned(

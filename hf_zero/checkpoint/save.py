@@ -229,7 +229,7 @@ def _rank_jobs(
     rank, size = engine.plan.shard_group.rank, engine.plan.shard_group.size
     mfile = model_file(rank, size)
     slices = {p.name: [p.start, p.end] for p in engine.pieces}
-    masters = [Entry(p.name, p.unit.master_dtype, (p.end - p.start,), _master_pieces(p)) for p in engine.pieces]
+    masters = [Entry(p.name, p.part.master_dtype, (p.end - p.start,), _master_pieces(p)) for p in engine.pieces]
     header = {"kind": "model", "format_version": FORMAT_VERSION, "world_size": size, "rank": rank, "slices": slices}
     jobs.append(FileJob(mfile, masters, header))
     record["slices"] = {name: [mfile, s, e] for name, (s, e) in slices.items()}
@@ -267,7 +267,7 @@ def _write_jobs(staging: Path, jobs: list[FileJob], record: dict[str, Any]) -> N
 def _master_pieces(piece: Piece) -> Callable[[], Iterable[torch.Tensor]]:
     """The piece's master values where its store keeps them ([Note: streamed save], [Note: master stores]), as
     host tensors."""
-    store, start, numel = piece.unit.store, piece.local[0], piece.end - piece.start
+    store, start, numel = piece.part.store, piece.local[0], piece.end - piece.start
     return lambda: (host for t in store.read_range(start, numel) for host in host_pieces(t)())
 
 
@@ -288,7 +288,7 @@ def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[
             if isinstance(value, torch.Tensor):
                 parts = [state[key] for state in states]
                 n = piece.end - piece.start
-                stored = piece.unit.store.state_reader(key, piece.local[0], n)  # [Note: master stores]
+                stored = piece.part.store.state_reader(key, piece.local[0], n)  # [Note: master stores]
                 if stored is not None:
                     kinds[piece.name][key] = "elementwise"
                     entries.append(Entry(tkey, value.dtype, (n,), stored))
@@ -334,9 +334,9 @@ def _manifest(
     metadata: dict[str, Any] | None,
 ) -> Manifest:
     params: dict[str, dict[str, Any]] = {}
-    for unit in engine.parts:
-        for slot in unit.layout.slots:
-            params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(unit.master_dtype)}
+    for part in engine.parts:
+        for slot in part.layout.slots:
+            params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(part.master_dtype)}
     aliases = {
         name: engine.name_of(p)
         for name, p in model.named_parameters(remove_duplicate=False)

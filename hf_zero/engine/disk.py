@@ -250,9 +250,9 @@ class DiskOffload:
     def build(self, pieces: list[Piece]) -> None:
         """Group the chunks of the disk units' pieces into windows of consecutive elements."""
         chunks = [
-            Chunk(t, piece, a, b, self._stores[id(piece.unit)].offset + piece.local[0] + a)
+            Chunk(t, piece, a, b, self._stores[id(piece.part)].offset + piece.local[0] + a)
             for piece in pieces
-            if id(piece.unit) in self._stores
+            if id(piece.part) in self._stores
             for t, (a, b) in zip(piece.optim_params, piece.bounds)
         ]
         chunks.sort(key=lambda c: c.offset)
@@ -418,11 +418,11 @@ class DiskOffload:
 
     def _publish(self, window: Window, master: torch.Tensor) -> None:
         for c in window.chunks:
-            if self._stores[id(c.piece.unit)].params_on_disk:
+            if self._stores[id(c.piece.part)].params_on_disk:
                 continue  # [Note: parameters on disk]: the next gather reads the written window
             at = c.offset - window.offset
             lo = c.piece.local[0]
-            c.piece.unit.param_shard()[lo + c.a : lo + c.b].copy_(master[at : at + c.numel], non_blocking=True)
+            c.piece.part.param_shard()[lo + c.a : lo + c.b].copy_(master[at : at + c.numel], non_blocking=True)
 
     def _write_window(self, window: Window, buffers: dict[str, torch.Tensor]) -> None:
         copied = None
@@ -485,7 +485,7 @@ class DiskOffload:
 
 def _grad_of(chunk: Chunk, used: dict[int, list[bool]]) -> torch.Tensor | None:
     piece = chunk.piece
-    if piece.unit.grads.is_zero or not used[id(piece.unit)][piece.slot_index]:
+    if piece.part.grads.is_zero or not used[id(piece.part)][piece.slot_index]:
         return None
     return piece.grad[chunk.a : chunk.b]
 

@@ -269,9 +269,9 @@ class ZeroEngine:
         if abandon_pass:
             self.hooks.reset()
         self.hooks.wait_reductions()
-        for unit in self.parts:
-            unit.grads.zero()
-            self.plan.grads.drop(unit)
+        for part in self.parts:
+            part.grads.zero()
+            self.plan.grads.drop(part)
         for piece in self.pieces:
             piece.unbind_grads()
         self.has_grads = False
@@ -293,7 +293,7 @@ class ZeroEngine:
         every = {id(p) for part in self.parts for p in part.params if p.requires_grad}
         if every <= chosen:
             return [part.grads.shard for part in reduced]
-        return [piece.grad for piece in self.pieces if id(piece.param) in chosen and not piece.unit.grads.is_zero]
+        return [piece.grad for piece in self.pieces if id(piece.param) in chosen and not piece.part.grads.is_zero]
 
     def clip_grad_value_(self, clip_value: float, params: Iterable[torch.Tensor] | None = None) -> None:
         """Clamp the gradient shards (of `params` only, when given) to `[-clip_value, clip_value]`, in place."""
@@ -352,18 +352,18 @@ class ZeroEngine:
         """
         self.hooks.wait_reductions()
         is_writer = self.world.rank == 0 or not rank0_only
-        for unit in self.parts:
-            if trainable_only and not unit.has_trainable:
+        for part in self.parts:
+            if trainable_only and not part.has_trainable:
                 continue
-            full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
-            all_gather_into(full, unit.store.read(), unit.shard_group)
+            full = torch.empty(part.layout.padded_numel, dtype=part.master_dtype, device=part.device)
+            all_gather_into(full, part.store.read(), part.shard_group)
             if not is_writer:
                 yield []
                 continue
             full = full.to(device)
             yield [
                 (slot.name, p, full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone())
-                for slot, p in zip(unit.layout.slots, unit.params)
+                for slot, p in zip(part.layout.slots, part.params)
                 if p.requires_grad or not trainable_only
             ]
             del full
@@ -414,7 +414,7 @@ class ZeroEngine:
             seen.add(storage.data_ptr())
             parts[category][placement] = parts[category].get(placement, 0) + storage.nbytes()
 
-        held = [item for unit in self.parts for item in unit.storages()]
+        held = [item for part in self.parts for item in part.storages()]
         order = {"parameters": 0, "gradients": 1, "optimizer_states": 2}  # an alias counts where it is first seen
         for category, t, placement in sorted(held, key=lambda item: order[item[0]]):
             count(category, t, placement)

@@ -63,16 +63,16 @@ def load_state_dict(engine: ZeroEngine, values: Mapping[str, torch.Tensor], stri
 
     engine.release_gathered()
     by_name = {engine.name_of(t): values[k] for k, t in expected.items() if k in values and id(t) in engine._names}
-    for unit in engine.parts:
-        lo, _ = unit.layout.shard_range(unit.shard_group.rank)
-        master = unit.store.read()
-        for index, start, end in unit.layout.local_pieces(unit.shard_group.rank):
-            slot = unit.layout.slots[index]
+    for part in engine.parts:
+        lo, _ = part.layout.shard_range(part.shard_group.rank)
+        master = part.store.read()
+        for index, start, end in part.layout.local_pieces(part.shard_group.rank):
+            slot = part.layout.slots[index]
             value = by_name.get(slot.name)
             if value is not None:
                 flat = value.detach().reshape(-1)[start - slot.offset : end - slot.offset]
                 master[start - lo : end - lo].copy_(flat)
-        unit.store.replace(master)
+        part.store.replace(master)
     for key, t in engine.module_state(with_params=False).items():
         if key in values:
             t.copy_(values[key])
@@ -117,21 +117,21 @@ def gathered_parameters(
                 unit.release()
 
 
-def _write_back(engine: ZeroEngine, unit: FlatPart, modifier_rank: int) -> None:
+def _write_back(engine: ZeroEngine, part: FlatPart, modifier_rank: int) -> None:
     """Make `modifier_rank`'s gathered values of `unit` every rank's ([Note: write-back])."""
-    full = unit.unsharded_param
+    full = part.unsharded_param
     broadcast_(full, engine.world, modifier_rank)
-    lo, hi = unit.layout.shard_range(unit.shard_group.rank)
-    new, master = full[lo:hi], unit.store.read()
+    lo, hi = part.layout.shard_range(part.shard_group.rank)
+    new, master = full[lo:hi], part.store.read()
     if new.data_ptr() == master.data_ptr():
         return  # the master is this rank's chunk of the parameters (fp32, stages 0-2): already written
     new = new.to(master.device)  # the master may live on the host (offload, disk)
-    before = master.to(unit.param_dtype)
+    before = master.to(part.param_dtype)
     changed = (new != before) & ~(new.isnan() & before.isnan())
     master[changed] = new[changed].to(master.dtype)
-    unit.store.write(master)  # [Note: master stores]: in memory, `master` is the shard itself; else the files
-    if not unit.persistent:
-        unit.store.publish(values=master).wait()  # stage 3: the gather source follows the master
+    part.store.write(master)  # [Note: master stores]: in memory, `master` is the shard itself; else the files
+    if not part.persistent:
+        part.store.publish(values=master).wait()  # stage 3: the gather source follows the master
 
 
 @torch.no_grad()
@@ -144,9 +144,9 @@ def unshard_model(engine: ZeroEngine) -> None:
     for gathered in engine.gather_units(rank0_only=False, device=engine.device):
         for _, p, value in gathered:
             p.data = value
-    for unit in engine.parts:
-        if unit.module_slots is not None:
-            unit.module_slots.bind(real=True)
+    for part in engine.parts:
+        if part.module_slots is not None:
+            part.module_slots.bind(real=True)
 
 
 def unique_params(module_or_params: nn.Module | torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:

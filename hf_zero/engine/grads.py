@@ -333,7 +333,7 @@ def grad_slab(units: list[FlatGrads]) -> None:
     first = trainable[0]
     slab = first.placement.alloc(sum(u.layout.shard_numel for u in trainable), first.master_dtype, first.master_device)
     offset = 0
-    for unit in trainable:
-        unit.use_slab(slab[offset : offset + unit.layout.shard_numel])
-        offset += unit.layout.shard_numel
+    for grads in trainable:
+        grads.use_slab(slab[offset : offset + grads.layout.shard_numel])
+        offset += grads.layout.shard_numel
     slab.untyped_storage().resize_(0)

@@ -27,11 +27,11 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def register_params(engine: ZeroEngine) -> None:
     """Record `engine` as the owner of its parameters and their stand-ins."""
     ref = weakref.ref(engine)
-    for unit in engine.parts:
-        for p in unit.params:
+    for part in engine.parts:
+        for p in part.params:
             _OWNERS[p] = ref
-        if unit.module_slots is not None:
-            for r in unit.module_slots.resting:
+        if part.module_slots is not None:
+            for r in part.module_slots.resting:
                 _OWNERS[r] = ref
 
 

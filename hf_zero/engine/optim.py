@@ -30,14 +30,14 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
     """Rewrite `optimizer`'s groups onto this rank's shards (elementwise optimizers, [Note: optimizer shards]) or
     onto the whole parameters this rank owns (every other, [Note: whole-parameter step]), and wrap it."""
     by_param = {id(piece.param): piece for piece in engine.pieces}
-    where = {id(p): (unit, i) for unit in engine.parts for i, p in enumerate(unit.params)}
+    where = {id(p): (part, i) for part in engine.parts for i, p in enumerate(part.params)}
     params = [engine.compute_param(p) for group in optimizer.param_groups for p in group["params"]]
     whole = None
     if not is_elementwise(optimizer):
         whole = WholeStep(
             [where[id(p)] for p in params],
             engine.plan.shard_group,
-            {(id(piece.unit), piece.slot_index): piece for piece in engine.pieces},
+            {(id(piece.part), piece.slot_index): piece for piece in engine.pieces},
         )
     initial = [dict(optimizer.state.get(p, {})) for group in optimizer.param_groups for p in group["params"]]
     optimizer.state.clear()
@@ -68,8 +68,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
         group["params"] = pieces
         group_names.append(names)
     carry_configs(optimizer, moved, engine.compute_param)  # [Note: per-parameter optimizer configs]
-    units = {id(unit): unit for unit, _ in (where[id(p)] for p in params)}
-    engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.parts if id(u) in units)))
+    parts = {id(part): part for part, _ in (where[id(p)] for p in params)}
+    engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.parts if id(u) in parts)))
     return ShardedOptimizer(optimizer, engine, group_names)
 
 
@@ -111,7 +111,7 @@ def check_optimizer(
         )
     model_params = {id(p) for p in model.parameters()}
     if engine is not None:  # the engine's own parameters too: the modules may hold their stand-ins now
-        model_params |= {id(p) for unit in engine.parts for p in unit.params}
+        model_params |= {id(p) for part in engine.parts for p in part.params}
     for i, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
             if id(param) not in model_params:

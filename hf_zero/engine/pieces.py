@@ -44,8 +44,8 @@ class Piece:
     param: nn.Parameter
     start: int
     end: int
-    master: torch.Tensor  # 1D view of FlatPart.sharded_master (0 elements when it is on disk: ask `unit.store`)
-    unit: FlatPart
+    master: torch.Tensor  # 1D view of FlatPart.sharded_master (0 elements when it is on disk: ask `part.store`)
+    part: FlatPart
     local: tuple[int, int]  # the same range in the unit's shard coordinates
     bounds: tuple[tuple[int, int], ...]  # `chunk_bounds` of the piece, in `master` coordinates
     optim_params: tuple[torch.Tensor, ...]  # views of `master` at `bounds`: what the optimizer steps
@@ -54,7 +54,7 @@ class Piece:
     @property
     def grad(self) -> torch.Tensor:
         """1D view of the unit's `sharded_grad` (allocating it on first use)."""
-        return self.unit.grads.shard[self.local[0] : self.local[1]]
+        return self.part.grads.shard[self.local[0] : self.local[1]]
 
     def bind_grads(self, used: bool) -> None:
         """Point each optimizer chunk's `.grad` at its part of the gradient shard, or None when the unit
@@ -86,7 +86,7 @@ def pieces_of(part: FlatPart) -> list[Piece]:
                 start=start - slot.offset,
                 end=end - slot.offset,
                 master=master,
-                unit=part,
+                part=part,
                 local=(start - lo, end - lo),
                 bounds=bounds,
                 optim_params=chunks,

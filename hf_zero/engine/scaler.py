@@ -59,9 +59,9 @@ class LossScaler:
             return output
         return output
 
-    def check_and_update(self, units: list[FlatPart], world: CommGroup) -> bool:
+    def check_and_update(self, parts: list[FlatPart], world: CommGroup) -> bool:
         """Whether the reduced gradients are finite on every rank; updates the scale either way."""
-        shards = [unit.grads.shard for unit in units if unit.has_trainable and not unit.grads.is_zero] or [
+        shards = [part.grads.shard for part in parts if part.has_trainable and not part.grads.is_zero] or [
             torch.zeros(1)
         ]
         local = torch.stack([(~torch.isfinite(g)).any().cpu() for g in shards]).any().float()

@@ -132,15 +132,15 @@ class OptimizerSteps:
         if not used:
             return False
         for piece in engine.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
-            piece.unit.store.bind_grads(piece, used[id(piece.unit)][piece.slot_index])
+            piece.part.store.bind_grads(piece, used[id(piece.part)][piece.slot_index])
         if entry.whole is not None:  # [Note: whole-parameter step]; the stores read and write the masters by range
             entry.whole.step(optimizer, used)
         else:  # [Note: master stores]: the optimizer's own step, or window by window over the offload files
             engine.flat_step.step(optimizer, used)
-        published = [unit.store.publish(async_op=True) for unit in entry.parts]
+        published = [part.store.publish(async_op=True) for part in entry.parts]
         for pending in published:
             pending.wait()
-        if any(unit.master_device.type == "cpu" for unit in engine.parts):
+        if any(part.master_device.type == "cpu" for part in engine.parts):
             release_free_host_memory()  # [Note: host heap]
         engine.release_gathered()  # no copy gathered before the step is used after it
         return True
@@ -150,7 +150,7 @@ class OptimizerSteps:
         `step` (schedule-free's `train()` / `eval()`), and drop every copy gathered before."""
         engine = self.engine
         engine.hooks.wait_reductions()
-        for pending in [unit.store.publish(async_op=True) for unit in engine.parts]:
+        for pending in [part.store.publish(async_op=True) for part in engine.parts]:
             pending.wait()
         engine.release_gathered()
 
@@ -163,14 +163,14 @@ class OptimizerSteps:
         step, on which parameters got a gradient anywhere, and the others keep `.grad = None`."""
         engine = self.engine
         flags = torch.tensor(
-            [int(u) for unit in engine.parts for u in unit.grads.used],
+            [int(u) for part in engine.parts for u in part.grads.used],
             dtype=torch.int32,
             device=comm_device(engine.world),
         )
         if engine.world.size > 1:
             max_scalar_(flags, engine.world)
         out, offset = {}, 0
-        for unit in engine.parts:
-            out[id(unit)] = [bool(f) for f in flags[offset : offset + len(unit.params)].tolist()]
-            offset += len(unit.params)
+        for part in engine.parts:
+            out[id(part)] = [bool(f) for f in flags[offset : offset + len(part.params)].tolist()]
+            offset += len(part.params)
         return out

@@ -133,13 +133,13 @@ class WholeStep:
         self.slots = slots  # (unit, slot index) of every parameter the optimizer steps, in group order
         self.group = group
         self.pieces = pieces  # (id(unit), slot index) -> this rank's Piece
-        sizes = [unit.layout.slots[i].numel * unit.master_dtype.itemsize for unit, i in slots]
+        sizes = [part.layout.slots[i].numel * part.master_dtype.itemsize for part, i in slots]
         self.owned = deal(sizes, group.size)
         self.rounds = max((len(o) for o in self.owned), default=0)
         self.whole: dict[int, torch.Tensor] = {}  # index in `slots` -> this rank's stand-in of an owned parameter
         for i in self.owned[group.rank]:
-            unit, s = slots[i]
-            t = torch.empty(unit.layout.slots[s].shape, dtype=unit.master_dtype, device=unit.master_device)
+            part, s = slots[i]
+            t = torch.empty(part.layout.slots[s].shape, dtype=part.master_dtype, device=part.master_device)
             t.untyped_storage().resize_(0)
             self.whole[i] = t
         self.device = comm_device(group)
@@ -160,9 +160,9 @@ class WholeStep:
 
     def _span(self, index: int, rank: int) -> tuple[int, int]:
         """Elements `[a, b)` of parameter `index` that group rank `rank`'s shard holds."""
-        unit, s = self.slots[index]
-        slot = unit.layout.slots[s]
-        lo, hi = unit.layout.shard_range(rank)
+        part, s = self.slots[index]
+        slot = part.layout.slots[s]
+        lo, hi = part.layout.shard_range(rank)
         a, b = max(lo - slot.offset, 0), min(hi - slot.offset, slot.numel)
         return a, max(a, b)
 
@@ -170,7 +170,7 @@ class WholeStep:
     def step(self, optimizer: torch.optim.Optimizer, used: dict[int, list[bool]]) -> None:
         """Step every parameter that got a gradient on some rank (`used`: per unit, per slot; [Note: unused
         parameters]), each on its owner, round by round ([Note: group state on the whole path])."""
-        stepped = [used[id(unit)][s] and not unit.grads.is_zero for unit, s in self.slots]
+        stepped = [used[id(part)][s] and not part.grads.is_zero for part, s in self.slots]
         before = [_group_state(g) for g in optimizer.param_groups]
         after: list[dict[str, Any]] | None = None
         coupled: list[str] = []
@@ -244,7 +244,7 @@ class WholeStep:
             if b > a:
                 piece = self.pieces[(id(self.slots[index][0]), self.slots[index][1])]
                 if what == "master":  # [Note: master stores]: a view in memory, read from the files on disk
-                    parts.append(piece.unit.store.values(piece.local[0] + a - piece.start, b - a))
+                    parts.append(piece.part.store.values(piece.local[0] + a - piece.start, b - a))
                 else:
                     parts.append(piece.grad[a - piece.start : b - piece.start])
                 send_splits[owner] = b - a
@@ -269,8 +269,8 @@ class WholeStep:
     def _dtype(self, round_params: list[int | None], what: str) -> torch.dtype:
         for index in round_params:
             if index is not None:
-                unit = self.slots[index][0]
-                return unit.master_dtype if what == "master" else unit.grads.shard.dtype
+                part = self.slots[index][0]
+                return part.master_dtype if what == "master" else part.grads.shard.dtype
         return torch.float32
 
     def _send_back(self, round_params: list[int | None], mine: int | None) -> None:
@@ -301,7 +301,7 @@ class WholeStep:
         for index, a, b in targets:
             piece = self.pieces[(id(self.slots[index][0]), self.slots[index][1])]
             values = recv[at : at + b - a]
-            piece.unit.store.write_range(piece.local[0] + a - piece.start, values)  # [Note: master stores]
+            piece.part.store.write_range(piece.local[0] + a - piece.start, values)  # [Note: master stores]
             at += b - a
 
 

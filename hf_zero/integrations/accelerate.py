@@ -163,7 +163,7 @@ class ZeroAccelerator(Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         engine = get_engine(self._zero_model)
-        ours = {id(p) for unit in engine.parts for p in unit.params}  # stand-ins map to these (compute_param)
+        ours = {id(p) for part in engine.parts for p in part.params}  # stand-ins map to these (compute_param)
         if not all(id(engine.compute_param(p)) in ours for p in params):
             raise ValueError(
                 "clip_grad_norm_ got parameters that are not the sharded model's; pass model.parameters() of the "
