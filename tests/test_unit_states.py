@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 import hf_zero
-from hf_zero.engine.lifecycle import ShardState, TrainingState
+from hf_zero.engine.lifecycle import GradState, PassState, ShardState, TrainingState
+from hf_zero.engine.passes import Pass
 from hf_zero.engine.unit import Prefetch
 from tests._training import make_model
 
@@ -30,12 +31,23 @@ def _unit(stage: int) -> Any:
     return next(u for u in model.zero_engine.units if u.spec.name == "model.layers.0")
 
 
+def _drive(unit: Any, state: TrainingState) -> None:
+    """Bring an IDLE unit to `state` through its own verbs (the states are read-only from outside)."""
+    if state is FORWARD:
+        unit.begin_forward()
+    elif state in (IN_BACKWARD, REDUCING):
+        unit.begin_backward()
+        if state is REDUCING:
+            unit.end_backward()
+    assert unit.training_state is state
+
+
 @pytest.mark.parametrize("state", [FORWARD, IN_BACKWARD, REDUCING])
 def test_a_prefetch_of_a_unit_in_use_does_nothing(state):
     """A pass off the plan (a unit reused, two forwards before a backward) may ask to prefetch a unit whose forward or
     backward runs: nothing is issued and no state moves."""
     unit = _unit(3)
-    unit.training_state = state
+    _drive(unit, state)
     unit.prefetch()
     assert (unit.shard_state, unit.training_state) == (ShardState.SHARDED, state)
 
@@ -80,6 +92,9 @@ ILLEGAL = [
     ("release_reduced", (None,), FORWARD),
     ("end_pass", (), FORWARD),
     ("end_pass", (), IN_BACKWARD),
+    ("give_back", (), FORWARD),
+    ("give_back", (), IN_BACKWARD),
+    ("give_back", (), REDUCING),
 ]
 
 
@@ -87,7 +102,7 @@ ILLEGAL = [
 def test_each_verb_refuses_the_states_it_may_not_be_called_in(verb, args, state):
     unit = _unit(3)
     unit.unshard() if verb == "reshard" else None  # reshard of a gathered unit: the memory a running pass uses
-    unit.training_state = state
+    _drive(unit, state)
     shard_before = unit.shard_state
     args = tuple(unit.params[0] if a == "param" else a for a in args)
     pattern = rf"\[rank 0\] hf_zero: {verb} on unit 'model\.layers\.0' in state {shard_before.value}/{state.value}"
@@ -164,3 +179,63 @@ def test_reading_a_units_state_never_consults_storage_sizes():
         for storage, n in zip(storages, sizes):
             storage.resize_(n)
         unit.reshard()
+
+
+def test_the_states_are_read_only_from_outside():
+    unit = _unit(3)
+    for field in ("shard_state", "training_state", "held"):
+        with pytest.raises(AttributeError):
+            setattr(unit, field, getattr(unit, field))
+    with pytest.raises(AttributeError):
+        unit.parts[0].grads.state = GradState.REDUCED
+    with pytest.raises(AttributeError):
+        Pass().state = PassState.BACKWARD
+
+
+def test_each_gradient_verb_refuses_the_states_it_may_not_be_called_in():
+    """[Note: gradient states]: driven through the unit's verbs at stage 1 (the unsharded buffer kept across
+    reductions), every legal move lands in the state the table names, and every illegal one raises with the
+    rank and the unit, moving nothing."""
+    unit = _unit(1)
+    grads = unit.trainable_part.grads
+    assert grads.state is GradState.EMPTY and grads.is_zero
+    unit.begin_backward()
+    unit.attach_grads()
+    assert grads.state is GradState.ACCUMULATING
+    unit.end_backward()
+    unit.collect_grads()
+    reduction = unit.reduce_grads(async_op=True)
+    assert grads.state is GradState.REDUCING and grads.is_zero
+
+    def refused(verb: str, call: Any) -> None:
+        pattern = rf"\[rank 0\] hf_zero: {verb} on the gradients of unit 'model\.layers\.0' in state reducing"
+        with pytest.raises(RuntimeError, match=pattern):
+            call()
+        assert grads.state is GradState.REDUCING
+
+    refused("zero", grads.zero)  # zero_grad with a reduction in flight: its sum would land in released memory
+    refused("attach", grads.attach)  # accumulating into the buffer the reduction reads
+    refused("collect", grads.collect)
+    refused("reduce", lambda: grads.reduce(async_op=True))  # the same buffer reduced twice
+    refused("clear_buffer", grads.clear_buffer)
+    unit.finish_reduction(reduction, 1.0)
+    assert grads.state is GradState.REDUCED and not grads.is_zero
+    with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: finish on the gradients of unit .* in state reduced"):
+        grads.finish(reduction, 1.0)  # finished already
+    grads.zero()
+    assert grads.state is GradState.EMPTY and grads.is_zero
+
+
+def test_the_pass_refuses_the_moves_it_may_not_make():
+    """[Note: pass state]: the pass's verbs move PassState only where the table says, raising with the rank."""
+    p = Pass(rank=3)
+    p.end_forward()  # IDLE: nothing to do
+    p.begin_forward()
+    with pytest.raises(RuntimeError, match=r"\[rank 3\] hf_zero: begin_forward of the pass in state forward"):
+        p.begin_forward()
+    p.begin_backward()
+    assert p.in_backward
+    for verb in ("begin_forward", "end_forward", "begin_backward"):
+        with pytest.raises(RuntimeError, match=rf"\[rank 3\] hf_zero: {verb} of the pass in state backward"):
+            getattr(p, verb)()
+    assert p.state is PassState.BACKWARD

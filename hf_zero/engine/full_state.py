@@ -144,9 +144,8 @@ def unshard_model(engine: ZeroEngine) -> None:
     for gathered in engine.gather_units(rank0_only=False, device=engine.device):
         for _, p, value in gathered:
             p.data = value
-    for part in engine.parts:
-        if part.module_slots is not None:
-            part.module_slots.bind(real=True)
+    for unit in engine.units:
+        unit.give_back()  # [Note: unit lifecycle]: the unit's own verb registers the real parameters
 
 
 def unique_params(module_or_params: nn.Module | torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:

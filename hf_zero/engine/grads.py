@@ -42,6 +42,7 @@ from .collectives import (
     reduce_scatter_into,
 )
 from .layout import FlatLayout
+from .lifecycle import GradState
 from .placement import Placement
 from .pool import BufferPool
 from .quant import reduce_scatter_int8
@@ -96,11 +97,43 @@ class FlatGrads:
             None  # 1D (shard_numel,), master dtype; held from the first reduction to zero
         )
         self._shard_nbytes = 0  # bytes of the storage `_shard` views (a shared slab, or its own)
-        self.is_zero = True  # `shard` holds no reduced gradient yet (a lazy zero)
-        self.unsharded: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
+        self._state = GradState.EMPTY  # [Note: gradient states] in lifecycle.py: moved only by the verbs below
+        self._has_sum = False  # `shard` holds a reduced sum (else it is a lazy zero)
+        self._in_flight: list[GradReduction] = []  # issued reductions not yet finished
+        self._unsharded: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
         self.sparse: torch.Tensor | None = None  # a lookup's sparse COO gradient, not yet reduced
         self.used = [False] * len(params)  # per parameter: got a gradient on this rank since zero
         self._index = {id(p): i for i, p in enumerate(params)}
+
+    # ---- state ([Note: gradient states]) ------------------------------------------------------------
+    @property
+    def state(self) -> GradState:
+        return self._state
+
+    @property
+    def is_zero(self) -> bool:
+        """Whether the shard holds no reduced gradient since `zero` (a lazy zero)."""
+        return not self._has_sum
+
+    @property
+    def unsharded(self) -> torch.Tensor | None:
+        """The unsharded gradient buffer (1D, param dtype), while held."""
+        return self._unsharded
+
+    def _illegal(self, verb: str, why: str) -> RuntimeError:
+        return RuntimeError(
+            f"[rank {self.shard_group.global_rank}] hf_zero: {verb} on the gradients of unit '{self.name or '<root>'}' "
+            f"in state {self._state.value}: {why}"
+        )
+
+    def _check_buffer_free(self, verb: str) -> None:
+        """A reduction in flight that reads the kept buffer (stages 0-1) must land before the buffer changes."""
+        if any(r.buffer is self._unsharded for r in self._in_flight) and self._unsharded is not None:
+            raise self._illegal(verb, "a reduction in flight still reads this buffer; finish it first")
+
+    def _accumulating(self, verb: str) -> None:
+        self._check_buffer_free(verb)
+        self._state = GradState.ACCUMULATING
 
     @property
     def has_trainable(self) -> bool:
@@ -127,7 +160,7 @@ class FlatGrads:
         """This rank's reduced gradient shard (master dtype); zeros while no reduction reached it
         since `zero_grad` ([Note: gradient shard lifetime])."""
         grad = self._shard_storage()
-        if self.is_zero:
+        if not self._has_sum:
             grad.zero_()
         return grad
 
@@ -153,13 +186,14 @@ class FlatGrads:
         a unit that adopts autograd's gradient and has no buffer yet leaves `.grad` unset."""
         if not self.has_trainable:
             return  # a frozen unit gets no gradient buffer
-        if self.unsharded is None and (self.sparse_lookup or self.adopts) and self.params[0].grad is None:
+        self._accumulating("attach")
+        if self._unsharded is None and (self.sparse_lookup or self.adopts) and self.params[0].grad is None:
             return
-        if self.unsharded is None:
-            self.unsharded = self.pool.new_tensor(self.layout.padded_numel, self.param_dtype, self.device).zero_()
+        if self._unsharded is None:
+            self._unsharded = self.pool.new_tensor(self.layout.padded_numel, self.param_dtype, self.device).zero_()
         for slot, p in zip(self.layout.slots, self.params):
             if p.requires_grad:
-                view = self.unsharded[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                view = self._unsharded[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     if p.grad is not None:  # a gradient from outside the engine: keep it
                         view.add_(p.grad.to(view.dtype))
@@ -169,13 +203,15 @@ class FlatGrads:
         """After the unit's backward: keep a lookup's sparse gradient, or adopt autograd's dense one as
         `unsharded` when no buffer was attached ([Note: gradients]; zeros when the parameter got
         none), then detach every `.grad`."""
-        if self.unsharded is None and (self.adopts or self.sparse_lookup):
+        if self.has_trainable:
+            self._accumulating("collect")
+        if self._unsharded is None and (self.adopts or self.sparse_lookup):
             grad = self.params[0].grad
             if grad is not None and grad.is_sparse:
                 grad = grad.detach()
                 self.sparse = grad if self.sparse is None else self.sparse + grad
             elif grad is not None or not self.sparse_lookup:
-                self.unsharded = self._dense(grad)
+                self._unsharded = self._dense(grad)
         self.detach()
 
     def _dense(self, grad: torch.Tensor | None) -> torch.Tensor:
@@ -207,13 +243,20 @@ class FlatGrads:
 
         `buffer_is_free`: nothing reads `unsharded` after this call (stages 2-3); when the reduction
         runs on a cast copy, the collective may then receive into the buffer's memory."""
+        self._check_buffer_free("reduce")
+        reduction = self._issue(async_op, buffer_is_free)
+        self._in_flight.append(reduction)
+        self._state = GradState.REDUCING  # what was held is in flight now
+        return reduction
+
+    def _issue(self, async_op: bool, buffer_is_free: bool) -> GradReduction:
         if self.sparse_lookup:
             rows = self._reduce_rows(async_op)
             if rows is not None:
                 return rows
-        if self.unsharded is None:  # no parameter required grad in this backward (frozen for a step): zeros
-            self.unsharded = self._dense(None)
-        source = buffer = self.unsharded
+        if self._unsharded is None:  # no parameter required grad in this backward (frozen for a step): zeros
+            self._unsharded = self._dense(None)
+        source = buffer = self._unsharded
         block = self.quant_block
         quantized = block is not None and self.shard_group.size > 1  # from the buffer as is: no cast
         if not quantized and source.dtype != self.reduce_dtype:
@@ -221,7 +264,7 @@ class FlatGrads:
         into_acc = self._reduces_into_shard
         if into_acc:
             output = self._shard_storage()
-        elif self.shard_group.size == 1 and source is not self.unsharded:
+        elif self.shard_group.size == 1 and source is not self._unsharded:
             output = source  # a fresh cast copy: reduce it in place
         else:  # pooled: released with the unsharded gradients once the sum is in the shard
             output = self.pool.new_tensor(self.layout.shard_numel, self.reduce_dtype, self.device)
@@ -244,7 +287,7 @@ class FlatGrads:
     def _reduces_into_shard(self) -> bool:
         """Whether a reduction can write straight into the (empty) gradient shard: no sum to add to, no
         cast and no host copy after it."""
-        return self.is_zero and self.reduce_dtype == self.master_dtype and not self.placement.offloaded
+        return not self._has_sum and self.reduce_dtype == self.master_dtype and not self.placement.offloaded
 
     def _reduce_rows(self, async_op: bool) -> GradReduction | None:
         """A lookup's reduction as a row exchange, or None after densifying when the ranks agree that the
@@ -252,12 +295,12 @@ class FlatGrads:
         dim = self.params[0].shape[-1]
         sparse, self.sparse = self.sparse, None
         rows, values = coalesced_rows(sparse, dim, self.reduce_dtype, self.device)
-        capacity, any_dense = max_ints([rows.numel(), int(self.unsharded is not None)], self.shard_group)
+        capacity, any_dense = max_ints([rows.numel(), int(self._unsharded is not None)], self.shard_group)
         if any_dense or 2 * capacity * self.shard_group.size * (dim + 1) > self.layout.padded_numel:
-            if self.unsharded is None:
-                self.unsharded = self._dense(sparse)
+            if self._unsharded is None:
+                self._unsharded = self._dense(sparse)
             else:
-                self._add_into(self.unsharded, sparse)
+                self._add_into(self._unsharded, sparse)
             return None
         into_acc = self._reduces_into_shard
         if into_acc:
@@ -276,16 +319,21 @@ class FlatGrads:
 
     def finish(self, reduction: GradReduction, divisor: float) -> None:
         """Wait for a reduction and add its mean into `shard`."""
+        if not any(r is reduction for r in self._in_flight):
+            raise self._illegal("finish", "this reduction is not in flight (finished already, or never issued)")
         reduction.pending.wait()
         out = reduction.output
         if divisor != 1.0:
             out.div_(divisor)
         if not reduction.into_accumulator:
-            if self.is_zero:
+            if not self._has_sum:
                 self._shard_storage().copy_(out, non_blocking=True)  # to the host when offloaded
             else:
                 self.shard.add_(out.to(self.master_device))
-        self.is_zero = False
+        self._has_sum = True
+        self._in_flight = [r for r in self._in_flight if r is not reduction]
+        if not self._in_flight and self._state is GradState.REDUCING:
+            self._state = GradState.REDUCED
 
     def release_reduced(self, reduction: GradReduction) -> None:
         """Free a finished reduction's unsharded gradients and cast copy (stages 2-3), into the pool."""
@@ -296,9 +344,24 @@ class FlatGrads:
 
     def release_unsharded(self, grad: torch.Tensor) -> None:
         """Free unsharded gradients (stages 2-3), into the pool when it has room."""
-        if grad is self.unsharded:
-            self.unsharded = None
+        if grad is self._unsharded:
+            self._unsharded = None
         self.pool.release(grad.untyped_storage())
+
+    def let_go(self) -> None:
+        """Stages 2-3, after `reduce`: the reduction in flight holds the buffer; the part no longer does."""
+        self._unsharded = None
+
+    def clear_buffer(self) -> None:
+        """Stages 0-1, after `finish`: zero the kept buffer for the next backward's accumulation."""
+        self._check_buffer_free("clear_buffer")
+        if self._unsharded is not None:
+            self._unsharded.zero_()
+
+    def drop_buffer(self) -> None:
+        """Stages 2-3 at `zero_grad`: any unsharded gradients left (an abandoned pass) go."""
+        self._check_buffer_free("drop_buffer")
+        self._unsharded = None
 
     @property
     def releases_memory(self) -> bool:
@@ -314,13 +377,16 @@ class FlatGrads:
 
     def zero(self) -> None:
         """Forget the gradients: the shard's memory is released ([Note: gradient shard lifetime])."""
-        self.is_zero = True
+        if self._in_flight:
+            raise self._illegal("zero", f"{len(self._in_flight)} reduction(s) in flight; wait for them first")
+        self._state = GradState.EMPTY
+        self._has_sum = False
         self.sparse = None
         self.used = [False] * len(self.params)
         if self._shard is not None and self.releases_memory:
             self._shard.untyped_storage().resize_(0)
-        if self.unsharded is not None:
-            self.unsharded.zero_()
+        if self._unsharded is not None:
+            self._unsharded.zero_()
         self.detach()
 
 

@@ -1,4 +1,4 @@
-"""Forward/backward hooks, and the state of the running pass (`Pass`).
+"""Forward/backward hooks: the units' verbs run in order, on every rank (the running pass's state: passes.py).
 
 [Note: lifecycle]
 For each unit (the root included), in one training iteration ([Note: unit lifecycle] in
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
 
@@ -52,7 +52,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .collectives import CommGroup, gather_flags
 from .grads import GradReduction
-from .lifecycle import PassState, TrainingState
+from .lifecycle import TrainingState
+from .passes import Pass
 from .pool import BufferPool
 from .stages import StagePlan
 from .tree import flatten, tensors
@@ -106,20 +107,6 @@ class HookSettings:
     on_root_forward: Callable[[], None] | None = None  # told as the root's forward begins (outside backward)
 
 
-@dataclass
-class Pass:
-    """The running pass (a forward and its backward): what is in flight, forgotten when the pass ends."""
-
-    state: PassState = PassState.IDLE
-    pending: list[tuple[Unit, GradReduction]] = field(default_factory=list)  # issued reductions, not yet waited
-    finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
-    gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
-    ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
-    ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
-    deferred: bool = False  # every post_backward waits for the final callback, in unit order
-    create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own
-
-
 class UnitHooks:
     """Registers the hooks of every unit and runs the pass: the units' verbs, in order, on every rank."""
 
@@ -131,7 +118,7 @@ class UnitHooks:
         self.settings = settings
         self.requires_grad_sync = True  # False inside no_sync(): keep unsharded grads, no reduction
         self.unsynced = False  # [Note: accumulation] a pass since the last reduction skipped its reductions
-        self.current = Pass()
+        self.current = Pass(rank=self.root.rank)
         self._forward_order: list[Unit] = []  # inner units in the order the first forward ran them
         self._order_known = False
         self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
@@ -192,14 +179,12 @@ class UnitHooks:
     def _begin_root_forward(self) -> None:
         """The root's pre-forward: forget a pass an exception stopped, free a unit no backward used, learn the
         order after the first forward, gather the units used directly."""
-        if self.current.state is not PassState.IDLE or any(
-            u.training_state is not TrainingState.IDLE for u in self.units
-        ):
+        if not self.current.idle or any(u.training_state is not TrainingState.IDLE for u in self.units):
             self.reset()  # a previous forward or backward was interrupted by an exception
         self.release_held()  # no backward used it: gather it afresh in this forward
         if not self._order_known and self._forward_order:
             self._learn_order()
-        self.current.state = PassState.FORWARD
+        self.current.begin_forward()
         if self.settings.on_root_forward is not None:
             self.settings.on_root_forward()
         for direct in self.direct:  # [Note: direct use]
@@ -297,7 +282,7 @@ class UnitHooks:
         self._trim_pool(unit, forward=True)
         if unit is self.root:
             self.pool.clear()
-            self.current.state = PassState.IDLE
+            self.current.end_forward()
         if not torch.is_grad_enabled():
             return None
         if unit is self.root:
@@ -315,7 +300,7 @@ class UnitHooks:
     # ---- backward ---------------------------------------------------------------------------
     @property
     def in_backward(self) -> bool:
-        return self.current.state is PassState.BACKWARD
+        return self.current.in_backward
 
     def _on_output_grad(self, unit: Unit, grad: torch.Tensor) -> None:
         self._pre_backward(unit)
@@ -324,9 +309,9 @@ class UnitHooks:
         if not unit.begin_backward():
             return
         self._open_gate()  # a deferred prefetch goes out before anything this unit issues
-        if self.current.state is not PassState.BACKWARD:
+        if not self.current.in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            self.current.state = PassState.BACKWARD
+            self.current.begin_backward()
             self._begin_backward_pass()
         if unit.spec.backward_reads_params:
             unit.before_compute()
@@ -433,7 +418,7 @@ class UnitHooks:
             unit.end_pass()
         if not self.current.create_graph:
             self.drop_graph_pins()  # [Note: double backward]: the graph the pins served was consumed
-        self.current = Pass()
+        self.current = Pass(rank=self.root.rank)
         self.pool.clear()
 
     def _finish(self, unit: Unit, reduction: GradReduction) -> None:
@@ -468,20 +453,20 @@ class UnitHooks:
         """Free the unit a forward kept gathered for its backward, when no backward will use it."""
         for unit in self.units:
             if unit.held:
-                unit.held = False
+                unit.unhold()
                 unit.release()
 
     def settle(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) for the issued reductions and forget them ([Note: clean exit] in teardown.py);
         issues nothing. True when they all finished."""
-        pending, self.current = self.current.pending, Pass()
+        pending, self.current = self.current.pending, Pass(rank=self.root.rank)
         return all([reduction.pending.settle(timeout_s) for _, reduction in pending])
 
     def reset(self) -> None:
         """Forget an interrupted forward or backward pass: wait for issued work, free gathered units, detach grads."""
         for _, reduction in self.current.pending:
             reduction.pending.wait()
-        self.current = Pass()
+        self.current = Pass(rank=self.root.rank)
         self.drop_graph_pins()
         for unit in self.units:
             unit.abandon()

@@ -25,10 +25,30 @@ name:
 | reduce_grads     | REDUCING                      |                       | every other training state         |
 | finish_reduction | REDUCING                      |                       | every other training state         |
 | end_pass         | IDLE, REDUCING                |                       | FORWARD, IN_BACKWARD               |
+| give_back        | IDLE (-> UNSHARDED, for good) |                       | FORWARD, IN_BACKWARD, REDUCING     |
 
 `abandon` (an exception stopped the pass) moves any training state to IDLE, and is the only verb
 that may; `settle` (the process is leaving: [Note: clean exit] in teardown.py) waits for gathers in flight
 in any state and moves nothing. The state is the truth: `is_unsharded` reads it, never the storage's byte count.
+
+[Note: gradient states]
+A part's gradients (`FlatGrads`, grads.py) have a `GradState` that only its own verbs move, each checking the
+state it may run in (an illegal call raises with the rank and the unit's name); the `Unit` orders the verbs:
+
+- EMPTY: nothing since `zero_grad` (the shard is a lazy zero and holds no memory);
+- ACCUMULATING: a backward's gradients are held unreduced (`.grad` views of the unsharded buffer, a lookup's
+  sparse gradient), whether or not the shard already holds a sum (gradient accumulation);
+- REDUCING: reductions are in flight and nothing newer is held;
+- REDUCED: the shard holds the sum of every reduction since `zero_grad`.
+
+| verb             | moves                               | raises                                      |
+|------------------|-------------------------------------|---------------------------------------------|
+| attach / collect | any -> ACCUMULATING                 | a reduction in flight reads the kept buffer |
+| reduce           | any -> REDUCING                     | a reduction in flight reads the kept buffer |
+| finish           | REDUCING -> REDUCED (last in flight) | that reduction is not in flight             |
+| zero             | any -> EMPTY                        | a reduction in flight                       |
+
+Whether the shard holds a sum (`is_zero`) is read from the same owner; nothing outside grads.py writes it.
 
 A unit's backward ends on a unit-level signal that is the same on every rank: the gradient of its
 forward inputs ([Note: backward end] in hooks.py), never on which of its parameters got gradients
@@ -53,6 +73,13 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"
     IN_BACKWARD = "in_backward"
     REDUCING = "reducing"
+
+
+class GradState(enum.Enum):
+    EMPTY = "empty"
+    ACCUMULATING = "accumulating"
+    REDUCING = "reducing"
+    REDUCED = "reduced"
 
 
 class PassState(enum.Enum):

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
 from .flat import FlatPart
 from .grads import GradReduction
 
@@ -23,9 +21,11 @@ from .grads import GradReduction
 class _Resident(Protocol):
     """What a residency moves: a `Unit` (its guarded verbs)."""
 
-    unsharded_grad: torch.Tensor | None
-
     def unshard(self) -> None: ...
+
+    def clear_grad_buffer(self) -> None: ...
+
+    def let_go_of_grads(self) -> None: ...
 
     def reshard(self) -> None: ...
 
@@ -89,8 +89,7 @@ class KeptGrads:
 
     def after_reduction(self, unit: _Resident, reduction: GradReduction) -> None:
         """The reduction landed in the shard: zero the buffer for the next backward."""
-        if unit.unsharded_grad is not None:
-            unit.unsharded_grad.zero_()
+        unit.clear_grad_buffer()
 
     def drop(self, part: FlatPart) -> None:
         """`zero_grad`: the kept buffer stays (it is zeroed after each reduction)."""
@@ -103,7 +102,7 @@ class FreedGrads:
 
     def after_issue(self, unit: _Resident) -> None:
         """The reduction holds the buffer until its wait; the unit lets go of it now."""
-        unit.unsharded_grad = None
+        unit.let_go_of_grads()
 
     def after_reduction(self, unit: _Resident, reduction: GradReduction) -> None:
         """The reduction landed in the shard: its buffers go back to the pool."""
@@ -111,7 +110,7 @@ class FreedGrads:
 
     def drop(self, part: FlatPart) -> None:
         """`zero_grad`: any unsharded gradients left (an abandoned pass) go."""
-        part.grads.unsharded = None
+        part.grads.drop_buffer()
 
 
 GradResidency = KeptGrads | FreedGrads

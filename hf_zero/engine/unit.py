@@ -73,11 +73,11 @@ class Unit:
         self.residency = params
         self.grad_residency = grads
         self.persistent = parts[0].persistent  # stages 0-2: whole at every moment
-        self.shard_state = _SHARD.UNSHARDED if self.persistent else _SHARD.SHARDED
-        self.training_state = _TRAIN.IDLE
+        self._shard_state = _SHARD.UNSHARDED if self.persistent else _SHARD.SHARDED
+        self._training_state = _TRAIN.IDLE
         self.prefetch_targets = Prefetch()
         self.pins = 0  # open `gathered_parameters` contexts holding the unit whole
-        self.held = False  # the last unit of a forward, kept gathered for its backward
+        self._held = False  # the last unit of a forward, kept gathered for its backward
         self._gathers: list[Pending] = []  # issued, not yet waited, gathers of the parts
         self._signals = _Signals()
         self._planned = False
@@ -93,7 +93,20 @@ class Unit:
         if self.training_state not in allowed:
             raise self._illegal(verb, f"legal only in {'/'.join(s.value for s in allowed)}")
 
-    # ---- what the hooks read ------------------------------------------------------------------------
+    # ---- what the hooks read (the states are read-only outside this class) --------------------------
+    @property
+    def shard_state(self) -> ShardState:
+        return self._shard_state
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._training_state
+
+    @property
+    def held(self) -> bool:
+        """Whether the forward kept the unit gathered for its backward (`hold`)."""
+        return self._held
+
     @property
     def spec(self) -> UnitSpec:
         return self.parts[0].spec  # the parts share their modules and name
@@ -150,7 +163,7 @@ class Unit:
         backward): it is gathered, or gathers when it needs to."""
         if self.shard_state is _SHARD.SHARDED and self.training_state is _TRAIN.IDLE:
             self._gathers = [p.gather() for p in self.parts]
-            self.shard_state = _SHARD.GATHERING
+            self._shard_state = _SHARD.GATHERING
 
     def unshard(self) -> None:
         """SHARDED / GATHERING -> UNSHARDED: make the parameters whole (wait for a prefetch, or gather now) and
@@ -163,7 +176,7 @@ class Unit:
         self._wait_gathers()
         for p in self.parts:
             p.bind(real=True)
-        self.shard_state = _SHARD.UNSHARDED
+        self._shard_state = _SHARD.UNSHARDED
 
     def reshard(self) -> None:
         """GATHERING / UNSHARDED -> SHARDED: free the parameters (the modules then hold stand-ins); nothing while
@@ -177,7 +190,17 @@ class Unit:
         self._wait_gathers()  # never free memory a collective is still writing
         for p in self.parts:
             p.free()
-        self.shard_state = _SHARD.SHARDED
+        self._shard_state = _SHARD.SHARDED
+
+    def give_back(self) -> None:
+        """The model leaves the engine (`unshard_model`, after the caller gave every parameter its whole value as a
+        tensor of its own): register the real parameters in the modules for good. UNSHARDED from then on; the
+        unit is not used again."""
+        self._require("give_back", _TRAIN.IDLE)
+        self._wait_gathers()
+        for p in self.parts:
+            p.bind(real=True)
+        self._shard_state = _SHARD.UNSHARDED
 
     def _wait_gathers(self) -> None:
         gathers, self._gathers = self._gathers, []
@@ -219,13 +242,17 @@ class Unit:
         """Keep the unit gathered from the end of its forward to its backward (it is the backward's first)."""
         if not self.is_unsharded:
             raise self._illegal("hold", "only a gathered unit can be kept for its backward")
-        self.held = True
+        self._held = True
+
+    def unhold(self) -> None:
+        """No backward will use the unit `hold` kept: the caller frees it."""
+        self._held = False
 
     # ---- the pass -----------------------------------------------------------------------------------
     def begin_forward(self) -> None:
         """IDLE -> FORWARD, at the unit's pre-forward (a recomputation inside backward moves nothing)."""
         self._require("begin_forward", _TRAIN.IDLE)
-        self.training_state = _TRAIN.FORWARD
+        self._training_state = _TRAIN.FORWARD
 
     def expect_signal(self) -> None:
         """This forward's inputs carry the end signal ([Note: backward end]): the backward waits for it too."""
@@ -235,15 +262,15 @@ class Unit:
     def end_forward(self) -> None:
         """FORWARD -> IDLE, at the unit's post-forward."""
         self._require("end_forward", _TRAIN.FORWARD)
-        self.training_state = _TRAIN.IDLE
+        self._training_state = _TRAIN.IDLE
 
     def begin_backward(self) -> bool:
         """IDLE -> IN_BACKWARD; False (nothing to do) when the unit's backward already began."""
         if self.training_state is _TRAIN.IN_BACKWARD:
             return False
         self._require("begin_backward", _TRAIN.IDLE)
-        self.training_state = _TRAIN.IN_BACKWARD
-        self.held = False  # the backward has it now; after_backward frees it
+        self._training_state = _TRAIN.IN_BACKWARD
+        self._held = False  # the backward has it now; after_backward frees it
         return True
 
     def signal(self) -> bool:
@@ -258,21 +285,21 @@ class Unit:
         if self.training_state is _TRAIN.REDUCING:
             return False
         self._require("end_backward", _TRAIN.IN_BACKWARD)
-        self.training_state = _TRAIN.REDUCING
+        self._training_state = _TRAIN.REDUCING
         return True
 
     def end_pass(self) -> None:
         """The end of a backward pass: back to IDLE, the pass's signal counts forgotten."""
         self._require("end_pass", _TRAIN.IDLE, _TRAIN.REDUCING)
-        self.training_state = _TRAIN.IDLE
+        self._training_state = _TRAIN.IDLE
         self._signals = _Signals()
 
     def abandon(self) -> None:
         """Forget a pass an exception stopped, from any state: back to IDLE, `.grad` views detached, the
         parameters freed if the stage gathers them."""
-        self.training_state = _TRAIN.IDLE
+        self._training_state = _TRAIN.IDLE
         self._signals = _Signals()
-        self.held = False
+        self._held = False
         for p in self.parts:
             p.grads.detach()
         self.release()
@@ -285,9 +312,15 @@ class Unit:
     def unsharded_grad(self) -> torch.Tensor | None:
         return self._grads().grads.unsharded
 
-    @unsharded_grad.setter
-    def unsharded_grad(self, value: torch.Tensor | None) -> None:
-        self._grads().grads.unsharded = value
+    def clear_grad_buffer(self) -> None:
+        """Stages 0-1, after a reduction: zero the kept buffer for the next accumulation."""
+        self._require("clear_grad_buffer", _TRAIN.REDUCING)
+        self._grads().grads.clear_buffer()
+
+    def let_go_of_grads(self) -> None:
+        """Stages 2-3, once a reduction is issued: it holds the unsharded gradients until its wait."""
+        self._require("let_go_of_grads", _TRAIN.REDUCING)
+        self._grads().grads.let_go()
 
     def attach_grads(self) -> None:
         self._require("attach_grads", _TRAIN.IN_BACKWARD)

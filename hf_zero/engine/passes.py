@@ -1,0 +1,75 @@
+"""`Pass`: the running pass (a forward and its backward), and the only verbs that move its `PassState`.
+
+[Note: pass state]
+`PassState` ([Note: unit lifecycle] in lifecycle.py) says where the whole iteration is. The hooks move it only
+through `Pass`'s verbs, each checking where it may run; an illegal move raises with the rank:
+
+| verb           | moves                     | nothing to do in | raises in         |
+|----------------|---------------------------|------------------|-------------------|
+| begin_forward  | IDLE -> FORWARD           |                  | FORWARD, BACKWARD |
+| end_forward    | FORWARD -> IDLE           | IDLE             | BACKWARD          |
+| begin_backward | IDLE, FORWARD -> BACKWARD |                  | BACKWARD          |
+
+(The hooks reset a pass an exception interrupted before its next forward begins.)
+
+A pass ends by being replaced with a new one (`UnitHooks` makes it at the final callback, or at `reset`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .lifecycle import PassState
+
+if TYPE_CHECKING:
+    from .grads import GradReduction
+    from .unit import Unit
+
+
+@dataclass
+class Pass:
+    """The running pass: what is in flight, forgotten when the pass ends ([Note: pass state])."""
+
+    rank: int = 0  # for the errors of an illegal move
+    pending: list[tuple[Unit, GradReduction]] = field(default_factory=list)  # issued reductions, not yet waited
+    finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
+    gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
+    ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
+    ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
+    deferred: bool = False  # every post_backward waits for the final callback, in unit order
+    create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own
+    _state: PassState = PassState.IDLE
+
+    @property
+    def state(self) -> PassState:
+        return self._state
+
+    @property
+    def idle(self) -> bool:
+        return self._state is PassState.IDLE
+
+    @property
+    def in_backward(self) -> bool:
+        return self._state is PassState.BACKWARD
+
+    def _illegal(self, verb: str) -> RuntimeError:
+        return RuntimeError(f"[rank {self.rank}] hf_zero: {verb} of the pass in state {self._state.value}")
+
+    def begin_forward(self) -> None:
+        """IDLE -> FORWARD, at the root's pre-forward."""
+        if self._state is not PassState.IDLE:
+            raise self._illegal("begin_forward")
+        self._state = PassState.FORWARD
+
+    def end_forward(self) -> None:
+        """FORWARD -> IDLE, at the root's post-forward (nothing to do in IDLE)."""
+        if self._state is PassState.BACKWARD:
+            raise self._illegal("end_forward")
+        self._state = PassState.IDLE
+
+    def begin_backward(self) -> None:
+        """IDLE / FORWARD -> BACKWARD, at the first unit's pre-backward of a backward pass."""
+        if self._state is PassState.BACKWARD:
+            raise self._illegal("begin_backward")
+        self._state = PassState.BACKWARD
