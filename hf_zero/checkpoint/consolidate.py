@@ -218,7 +218,7 @@ def save_pretrained_async(
         out_dtype = parse_dtype(dtype) or engine.master_dtype
         max_bytes = parse_size(max_shard_size)
     target = Path(output_dir)
-    work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.device.type != "cpu")
+    work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.pins_host)
     with agreement(engine.world, f"hf_zero.save_pretrained ({output_dir})"):
         if engine.world.rank == 0:
             target.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .master import DiskMaster
+from .placement import Placement
 from .pool import mapped_temporaries
 
 if TYPE_CHECKING:
@@ -216,6 +217,7 @@ class DiskOffload:
     def __init__(self, files: OffloadFiles, device: torch.device) -> None:
         self.files = files
         self.device = device
+        self.pins = Placement(device).pins_host  # [Note: placement]: host buffers pinned beside an accelerator
         self._stores: dict[int, DiskMaster] = {}  # id(part) -> its store: where its shard is in the files
         self.windows: list[Window] = []
         self.chunk_ids: set[int] = set()
@@ -365,7 +367,7 @@ class DiskOffload:
             for future in ahead:
                 self._recycle(list(future.result().values()))
         self._io.submit(self.files.advise_willneed)
-        if self.device.type == "cpu":  # host buffers are plain memory: none is held through forward and backward
+        if not self.pins:  # host buffers are plain memory: none is held through forward and backward
             self.drain()
             self._free.clear()
 
@@ -426,7 +428,7 @@ class DiskOffload:
 
     def _write_window(self, window: Window, buffers: dict[str, torch.Tensor]) -> None:
         copied = None
-        if self.device.type != "cpu":  # the buffers are read by asynchronous copies to the device
+        if self.pins:  # the buffers are read by asynchronous copies to the device
             copied = torch.Event(device=self.device)
             copied.record()
 
@@ -463,7 +465,7 @@ class DiskOffload:
         if free:
             return free.pop()
         self.buffers_made += 1
-        return torch.empty(self.capacity, dtype=dtype, pin_memory=self.device.type != "cpu")
+        return torch.empty(self.capacity, dtype=dtype, pin_memory=self.pins)
 
     def _recycle(self, buffers: list[torch.Tensor]) -> None:
         for b in buffers:

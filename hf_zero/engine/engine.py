@@ -81,6 +81,7 @@ class ZeroEngine:
             offload_params=config.offload_params,
         )
         self.device = compute_device(model, world, source is not None)
+        self.pins_host = Placement(self.device).pins_host  # [Note: placement]: host copies pinned (checkpoints too)
         self.model_dtype = single_dtype(model)  # the dtype the model had before sharding: what save_pretrained writes
         self.param_dtype = config.param_dtype or self.model_dtype
         self.master_dtype = torch.float32 if config.param_dtype is not None else self.model_dtype

@@ -140,7 +140,7 @@ class OptimizerSteps:
         published = [part.store.publish(async_op=True) for part in entry.parts]
         for pending in published:
             pending.wait()
-        if any(part.master_device.type == "cpu" for part in engine.parts):
+        if any(part.placement.master_on_host for part in engine.parts):
             release_free_host_memory()  # [Note: host heap]
         engine.release_gathered()  # no copy gathered before the step is used after it
         return True
