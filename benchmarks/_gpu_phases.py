@@ -136,7 +136,9 @@ def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: di
         if not config.get("offload_dir"):
             require(all(t.is_pinned() for t in host), "an offloaded master shard is not in pinned memory")
         figures["host_masters"] = len(host)
-    hf_zero.wait_for_saves(model)
+    from hf_zero.checkpoint import wait_for_saves
+
+    wait_for_saves(model)
     return figures
 
 

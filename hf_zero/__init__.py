@@ -9,7 +9,6 @@ Example:
 """
 
 from .api import (
-    attach_optimizer,
     full_state_dict,
     gathered_parameters,
     initialize,
@@ -17,16 +16,13 @@ from .api import (
     state_dict_options,
 )
 from .checkpoint import (
-    AsyncSave,
     consolidate,
     last_complete_checkpoint,
     load_checkpoint,
     save_checkpoint,
     save_pretrained,
-    wait_for_saves,
 )
 from .config import ZeroConfig
-from .engine import ModelStateMemory, ShardedOptimizer
 from .engine.whole import register_elementwise
 from .integrations.pretrained import from_pretrained
 
@@ -44,20 +40,40 @@ _LAZY = {
 }
 
 
+# Names that left the top level: they keep working for one release, with a FutureWarning naming the replacement.
+_MOVED = {
+    "attach_optimizer": (".api", "hf_zero.initialize(model, optimizer) (on a sharded model it attaches the optimizer)"),
+    "wait_for_saves": (
+        ".checkpoint",
+        "the AsyncSave that save_checkpoint(..., async_save=True) returned: handle.wait()",
+    ),
+    "AsyncSave": (".types", "hf_zero.types.AsyncSave"),
+    "ModelStateMemory": (".types", "hf_zero.types.ModelStateMemory"),
+    "ShardedOptimizer": (".types", "hf_zero.types.ShardedOptimizer"),
+}
+
+
 def __getattr__(name: str) -> object:
+    import importlib
+
     # The integrations import transformers / accelerate: load them only when asked for.
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f".integrations.{_LAZY[name]}", __name__), name)
+    if name in _MOVED:
+        import warnings
+
+        module, replacement = _MOVED[name]
+        warnings.warn(
+            f"hf_zero.{name} is deprecated and will be removed in the next release; use {replacement}.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module, __name__), name)
     raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")
 
 
 __all__ = [
-    "AsyncSave",
-    "ModelStateMemory",
     "PREEMPTED_EXIT_CODE",
-    "ShardedOptimizer",
     "ZeroAccelerator",
     "ZeroArgumentsMixin",
     "ZeroConfig",
@@ -65,7 +81,6 @@ __all__ = [
     "ZeroTrainer",
     "ZeroTrainerMixin",
     "ZeroTrainingArguments",
-    "attach_optimizer",
     "consolidate",
     "from_pretrained",
     "full_state_dict",
@@ -78,5 +93,4 @@ __all__ = [
     "register_elementwise",
     "save_pretrained",
     "state_dict_options",
-    "wait_for_saves",
 ]

@@ -223,7 +223,7 @@ def resize_then_train(stage: int, new_vocab: int) -> dict[str, Any]:
     model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=stage))
     torch.manual_seed(100 + rank)  # the new rows are sampled per rank: rank 0's must win
     model.resize_token_embeddings(new_vocab)
-    opt = hf_zero.attach_optimizer(model, make_optimizer(model, 1e-2))
+    _, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2))  # a sharded model: the optimizer is attached
     data = batches(world) % new_vocab
     rows = slice(rank * MICRO_BS, (rank + 1) * MICRO_BS)
     losses = []

@@ -474,3 +474,28 @@ def test_a_sharded_model_takes_a_second_optimizer(pools, new_stage):
     np.testing.assert_allclose(got[0]["losses"], losses, rtol=1e-5, atol=0)
     for name, value in model.state_dict().items():
         assert rel_err(got[0]["state"][name], value.numpy()) <= 1e-5, name
+
+
+def test_the_public_api_is_small_and_moved_names_warn_with_their_replacement():
+    """The top level holds what a user calls; the types live in hf_zero.types. A name that left the top level keeps
+    working for one release with a FutureWarning naming what to use instead."""
+    import warnings
+
+    import hf_zero
+    import hf_zero.types
+    from hf_zero.checkpoint import AsyncSave, wait_for_saves
+    from hf_zero.engine import ModelStateMemory, ShardedOptimizer
+
+    assert len(hf_zero.__all__) <= 20 and all(hasattr(hf_zero, n) for n in hf_zero.__all__ if not n.startswith("Zero"))
+    assert (hf_zero.types.AsyncSave, hf_zero.types.ModelStateMemory, hf_zero.types.ShardedOptimizer) == (
+        AsyncSave, ModelStateMemory, ShardedOptimizer)
+    moved = {"attach_optimizer": ("hf_zero.initialize(model, optimizer)", None), "wait_for_saves": ("handle.wait()",
+             wait_for_saves), "AsyncSave": ("hf_zero.types.AsyncSave", AsyncSave),
+             "ShardedOptimizer": ("hf_zero.types.ShardedOptimizer", ShardedOptimizer)}
+    for name, (replacement, obj) in moved.items():
+        assert name not in hf_zero.__all__
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = getattr(hf_zero, name)
+        assert [w.category for w in caught] == [FutureWarning] and replacement in str(caught[0].message)
+        assert obj is None or value is obj
