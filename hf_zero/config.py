@@ -402,6 +402,11 @@ class ZeroConfig:
         return int(self.bucket_size_mb * 2**20) // (self.param_dtype or model_dtype).itemsize
 
     @property
+    def shard_alignment(self) -> int:
+        """Elements every rank's shard is a multiple of: whole int8 blocks when any transfer is quantized."""
+        return self.quantization_block if self.quantized_weights or self.quantized_gradients else 1
+
+    @property
     def resolved_reduce_dtype(self) -> torch.dtype | None:
         """The gradient-reduction dtype, or `None` for "the parameters' dtype"."""
         if self.reduce_dtype is not None:

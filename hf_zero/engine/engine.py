@@ -91,12 +91,15 @@ class ZeroEngine:
         move_buffers(model, self.device, sync_from)
         grouped = [split_frozen(spec) for spec in specs]  # [Note: frozen parameters] in unit.py
         parts_specs = [part for parts in grouped for part in parts]
-        self.pool = _pool_for(parts_specs, world, self.plan, config, self.param_dtype, self.reduce_dtype)
+        size, align = self.plan.shard_group.size, config.shard_alignment  # each part's layout, computed once
+        layouts = [FlatLayout.build(s.param_names, [p.shape for p in s.params], size, align) for s in parts_specs]
+        self.pool = _pool_for(layouts, size, config, self.param_dtype, self.reduce_dtype)
         # [Note: master stores] in master.py: the offload files' owner, if any (benchmarks and tests read it), and
         # the flat optimizer step, chosen once
-        self.disk = _disk_for(parts_specs, config, world, self.plan, self.device, self.master_dtype)
+        trained = [layout for layout, s in zip(layouts, parts_specs) if not s.frozen]
+        self.disk = _disk_for(trained, config, world, self.device, self.master_dtype)
         self.flat_step: FlatStep = self.disk or MemoryStep()
-        self.parts = [self._part(spec, source or LiveParams(sync_from)) for spec in parts_specs]
+        self.parts = [self._part(s, layout, source or LiveParams(sync_from)) for s, layout in zip(parts_specs, layouts)]
         # Parameters built on the meta device were replaced by views (see FlatPart._bind_params).
         self.replaced: dict[int, nn.Parameter] = {
             id(old): new for part in self.parts for old, new in zip(part.spec.params, part.params) if old is not new
@@ -131,7 +134,7 @@ class ZeroEngine:
         track(self)  # [Note: clean exit] in teardown.py
         register(self)  # [Note: torch clipping] in torch_clip.py
 
-    def _part(self, spec: UnitSpec, source: ShardSource) -> FlatPart:
+    def _part(self, spec: UnitSpec, layout: FlatLayout, source: ShardSource) -> FlatPart:
         """The flat part of `spec`, its shard taken from `source`; frozen parts stay on the device and keep their
         shard in the compute dtype ([Note: frozen parameters], [Note: placement])."""
         config = self.config
@@ -140,6 +143,7 @@ class ZeroEngine:
         block = config.quantization_block
         part = FlatPart(
             spec,
+            layout=layout,
             shard_group=self.plan.shard_group,
             replicate_group=self.plan.replicate_group,
             placement=Placement(self.device, host, config.offload_params and offloaded),
@@ -430,9 +434,8 @@ class ZeroEngine:
 
 
 def _pool_for(
-    specs: list[UnitSpec],
-    world: CommGroup,
-    plan: StagePlan,
+    layouts: list[FlatLayout],
+    shards: int,
     config: ZeroConfig,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
@@ -441,19 +444,17 @@ def _pool_for(
     blocks): gathered parameters and unsharded gradients (and their cast for the reduction). At
     most the units that can be live at once (the running one, the prefetched ones and the one
     whose reduction is in flight) wait in the pool per size."""
-    align = config.quantization_block if config.quantized_weights or config.quantized_gradients else 1
     weight_block = config.quantization_block if config.quantized_weights else None
-    layouts: dict[int, FlatLayout] = {}  # padded numel -> a layout of that size (the blocks of one model share it)
+    by_size: dict[int, FlatLayout] = {}  # padded numel -> a layout of that size (the blocks of one model share it)
     counts: Counter[int] = Counter()
-    for s in specs:
-        layout = FlatLayout.build(s.param_names, [p.shape for p in s.params], plan.shard_group.size, align)
-        layouts.setdefault(layout.padded_numel, layout)
+    for layout in layouts:
+        by_size.setdefault(layout.padded_numel, layout)
         counts[layout.padded_numel] += 1
     sizes = {
         n
         for numel, c in counts.items()
         if c > 1
-        for n in transient_nbytes(layouts[numel], plan.shard_group.size, param_dtype, reduce_dtype, weight_block)
+        for n in transient_nbytes(by_size[numel], shards, param_dtype, reduce_dtype, weight_block)
     }
     return BufferPool(sizes, per_size=config.prefetch + 2)
 
@@ -466,10 +467,9 @@ def _swap_parameters(model: nn.Module, replaced: dict[int, nn.Parameter]) -> Non
 
 
 def _disk_for(
-    specs: list[UnitSpec],
+    layouts: list[FlatLayout],
     config: ZeroConfig,
     world: CommGroup,
-    plan: StagePlan,
     device: torch.device,
     master_dtype: torch.dtype,
 ) -> DiskOffload | None:
@@ -477,13 +477,7 @@ def _disk_for(
     rank before any unit: a failure on one rank raises on every rank."""
     if config.offload_dir is None:
         return None
-    size = plan.shard_group.size
-    align = config.quantization_block if config.quantized_weights or config.quantized_gradients else 1
-    numel = sum(
-        FlatLayout.build(s.param_names, [p.shape for p in s.params], size, align).shard_numel
-        for s in specs
-        if not s.frozen
-    )
+    numel = sum(layout.shard_numel for layout in layouts)  # the trained parts' master shards, end to end
     files, error = None, None
     try:
         files = OffloadFiles.create(Path(config.offload_dir), rank=world.rank, numel=numel, dtype=master_dtype)

@@ -58,6 +58,7 @@ class FlatPart:
         self,
         spec: UnitSpec,
         *,
+        layout: FlatLayout,
         shard_group: CommGroup,
         replicate_group: CommGroup,
         placement: Placement,
@@ -84,8 +85,7 @@ class FlatPart:
         self.param_dtype = param_dtype
         self.master_dtype = master_dtype
         self.reduce_dtype = reduce_dtype
-        align = max(weight_quant_block or 1, grad_quant_block or 1)  # whole int8 blocks per shard
-        self.layout = FlatLayout.build(spec.param_names, [p.shape for p in spec.params], shard_group.size, align)
+        self.layout = layout  # [Note: flat layout], computed once by the engine (shards aligned to int8 blocks)
         lo, hi = self.layout.shard_range(shard_group.rank)
         self.unsharded_param: torch.Tensor  # 1D (padded_numel,), param dtype; storage freed when resharded
         self.sharded_param: torch.Tensor | None  # 1D (shard_numel,); stage 3 gather source ([Note: cast on gather])
