@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf_zero-installed
 
-.PHONY: install demo parity-demo test lint gpu-check gpu-rehearse gpu-wheels compat clean
+.PHONY: install demo parity-demo test test-slow lint gpu-check gpu-rehearse gpu-wheels compat clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ parity-demo: $(STAMP)
 
 test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
+
+# The slow tier (pyproject's `slow` marker): the GPU check's CPU rehearsal, more shapes of the memory
+# estimate, the sync-ref DPO variant, more launches of the clean-exit soak.
+test-slow: $(STAMP)
+	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -m slow
+	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 HF_ZERO_EXIT_LAUNCHES=20 HF_ZERO_SAVE_KILL_POINTS=0,1,2,3,4,5,6,7 \
+		$(BIN)/python -m pytest -q tests/test_reliability.py -k "exits_0 or inside_the_save_path"
 
 # Lint, format and type checks of the package (settings in pyproject.toml); `make test` runs them first.
 lint: $(STAMP)

@@ -120,7 +120,11 @@ def small_llama(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("stage, batch, seq, checkpointing", [(3, 8, 128, False), (2, 2, 384, True), (1, 4, 200, False)])
+@pytest.mark.parametrize("stage, batch, seq, checkpointing", [
+    (3, 8, 128, False),
+    pytest.param(2, 2, 384, True, marks=pytest.mark.slow),  # the other stages' shapes: the slow tier
+    pytest.param(1, 4, 200, False, marks=pytest.mark.slow),
+])
 def test_estimated_total_is_within_15_percent_of_the_measured_peak(small_llama, stage, batch, seq, checkpointing):
     """Method: a real training step of an 11M-parameter LLaMA on 2 ranks (torchrun, gloo, fp32 AdamW),
     loaded straight into shards. After a warm-up step, one step runs under torch.profiler with memory

@@ -9,6 +9,8 @@ children; the report is written after every phase) are checked on stand-in comma
 
 from __future__ import annotations
 
+import pytest
+
 import base64
 import hashlib
 import importlib.util
@@ -49,6 +51,7 @@ def _wheel(folder: Path, name: str = "hfzero_probe", version: str = "1.0") -> Pa
     return path
 
 
+@pytest.mark.slow  # `make gpu-rehearse` runs the same; the phases' own tests stay in the fast tier
 def test_rehearsal_runs_every_phase_from_no_index_within_budget(tmp_path):
     wheels = tmp_path / "whl"
     wheels.mkdir()
