@@ -91,21 +91,14 @@ class MemoryMaster:
         return master, tuple(master[a:b] for a, b in bounds)
 
     def gather_source(self) -> torch.Tensor:
-        source = self.part.sharded_param
-        if source is None:
-            raise RuntimeError(
-                f"[rank {self.part.shard_group.global_rank}] hf_zero: unit '{self.part.spec.name}' keeps its "
-                "parameters whole and has no gather source"
-            )
-        return source
+        return _param_shard(self.part)
 
     def publish(self, async_op: bool = False, values: torch.Tensor | None = None) -> Pending:
         return self.part.publish_master(async_op, values)
 
     def replace(self, values: torch.Tensor) -> None:
         """Make `values` (from `read`, changed) the master and publish it into the parameters."""
-        self.write(values)
-        self.publish(values=values).wait()
+        _replace(self, values)
 
     def bind_grads(self, piece: Piece, used: bool) -> None:
         piece.bind_grads(used)
@@ -178,13 +171,7 @@ class DiskMaster:
             return self.disk.read_master(
                 self.offset, self.part.layout.shard_numel, self.part.master_dtype, pin=self.part.placement.pins_host
             )
-        source = self.part.sharded_param
-        if source is None:
-            raise RuntimeError(
-                f"[rank {self.part.shard_group.global_rank}] hf_zero: unit '{self.part.spec.name}' keeps its "
-                "parameters whole and has no gather source"
-            )
-        return source
+        return _param_shard(self.part)
 
     def publish(self, async_op: bool = False, values: torch.Tensor | None = None) -> Pending:
         """`values` (the whole shard, just written): into the parameters; None (after a step, whose windows
@@ -197,8 +184,7 @@ class DiskMaster:
 
     def replace(self, values: torch.Tensor) -> None:
         """Make `values` (from `read`, changed) the master and publish it into the parameters."""
-        self.write(values)
-        self.publish(values=values).wait()
+        _replace(self, values)
 
     def bind_grads(self, piece: Piece, used: bool) -> None:
         """Nothing: each window binds its chunks' gradients while it steps."""
@@ -216,6 +202,22 @@ class DiskMaster:
             self.disk.write_range(key, self.offset + start, whole[key])
             whole[key] = torch.empty(0, dtype=whole[key].dtype)
         return True
+
+
+def _param_shard(part: FlatPart) -> torch.Tensor:
+    """The compute-dtype shard a stage-3 gather sends ([Note: cast on gather])."""
+    source = part.sharded_param
+    if source is None:
+        raise RuntimeError(
+            f"[rank {part.shard_group.global_rank}] hf_zero: unit '{part.spec.name}' keeps its parameters whole "
+            "and has no gather source"
+        )
+    return source
+
+
+def _replace(store: MasterStore, values: torch.Tensor) -> None:
+    store.write(values)
+    store.publish(values=values).wait()
 
 
 class FlatStep(Protocol):
