@@ -1,0 +1,121 @@
+"""Mistakes in what a user passes: clear errors naming the fix, raised on every rank, never a hang."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_zero
+from tests import _engine_cases as engine_cases
+from tests._training import make_model, make_optimizer
+
+
+# ---- errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"stage": 5}, "ZeroConfig.stage must be 0, 1, 2 or 3"),
+        ({"stage": True}, "ZeroConfig.stage must be 0, 1, 2 or 3"),
+        ({"stage": "3"}, "ZeroConfig.stage must be 0, 1, 2 or 3"),
+        ({"mixed_precision": "fp8"}, "ZeroConfig.mixed_precision must be 'no', 'bf16' or 'fp16'; got 'fp8'"),
+        ({"reduce_dtype": "int8"}, "ZeroConfig.reduce_dtype must be None, 'fp32', 'bf16' or 'fp16'"),
+        ({"wrap": "LlamaDecoderLayer"}, "Write wrap=['LlamaDecoderLayer'] to name one class"),
+        ({"wrap": []}, "ZeroConfig.wrap must be 'auto' or a non-empty list of module class names"),
+        ({"sync_module_states": "yes"}, "ZeroConfig.sync_module_states must be a bool"),
+        ({"initial_loss_scale": 0}, "ZeroConfig.initial_loss_scale must be > 0"),
+        ({"loss_scale_window": 0}, "ZeroConfig.loss_scale_window must be an int >= 1"),
+        ({"offload_optimizer": "yes"}, "ZeroConfig.offload_optimizer must be a bool"),
+        ({"offload_params": True, "offload_optimizer": True, "stage": 2}, "ZeroConfig.offload_params needs stage=3"),
+        ({"offload_params": True}, "ZeroConfig.offload_params needs stage=3 and offload_optimizer=True"),
+        ({"shard_group_size": -2}, "ZeroConfig.shard_group_size must be None or a positive int"),
+        ({"group_timeout_s": 0}, "ZeroConfig.group_timeout_s must be > 0 seconds"),
+        ({"prefetch": -1}, "ZeroConfig.prefetch must be an int >= 0"),
+        ({"bucket_size_mb": -1}, "ZeroConfig.bucket_size_mb must be a number >= 0"),
+        ({"bucket_size_mb": "25"}, "ZeroConfig.bucket_size_mb must be a number >= 0"),
+        ({"collectives": "ring"}, "ZeroConfig.collectives must be 'auto', 'native' or 'composed'; got 'ring'"),
+    ],
+)
+def test_bad_config_raises_clear_error(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("(", r"\(")):
+        hf_zero.ZeroConfig(**kwargs)
+
+
+def test_zero_plugin_validates_with_the_config_messages():
+    with pytest.raises(ValueError, match="ZeroConfig.stage must be 0, 1, 2 or 3"):
+        hf_zero.ZeroPlugin(zero_stage=7)
+    with pytest.raises(ValueError, match="ZeroConfig.offload_params needs stage=3"):
+        hf_zero.ZeroPlugin(zero_stage=1, zero_offload_params=True)
+    with pytest.raises(ValueError, match="ZeroConfig.collectives must be"):
+        hf_zero.ZeroPlugin(zero_collectives="tree")
+    plugin = hf_zero.ZeroPlugin(zero_bucket_size_mb=25, zero_collectives="native")
+    assert (plugin.to_zero_config("no").bucket_size_mb, plugin.to_zero_config("no").collectives) == (25, "native")
+    with pytest.raises(TypeError, match="zero_plugin must be a ZeroPlugin"):
+        hf_zero.ZeroAccelerator(zero_plugin={"zero_stage": 3})
+
+
+def test_cli_size_arguments_are_checked():
+    from hf_zero.checkpoint.writer import parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
+    for bad in ("lots", "-5GB", "0", "5XB"):
+        with pytest.raises(ValueError, match="max_shard_size must"):
+            parse_size(bad)
+
+
+def test_config_is_frozen():
+    config = hf_zero.ZeroConfig(stage=2)
+    with pytest.raises(Exception, match="cannot assign"):
+        config.stage = 3  # type: ignore[misc]
+
+
+def test_bad_config_raises_on_every_rank(pools):
+    errors = pools(2).values(engine_cases.config_error, {"stage": 5})
+    assert all(e.startswith("ValueError: ZeroConfig.stage must be 0, 1, 2 or 3") for e in errors), errors
+
+
+def test_unknown_wrap_class_lists_candidates_on_every_rank(pools):
+    results = pools(2).run(engine_cases.initialize_with_wrap, [["NoSuchLayer"], ["NoSuchLayer"]])
+    for r in results:
+        assert r.error_type == "ValueError", r.traceback
+        assert "ZeroConfig.wrap names ['NoSuchLayer']" in r.error
+        assert "LlamaDecoderLayer" in r.error  # the candidates it does have
+
+
+def test_error_on_one_rank_raises_on_all_without_hanging(pools):
+    """Rank 1 alone passes a bad wrap: rank 1 raises its ValueError, rank 0 a ValueError naming rank 1
+    and carrying its cause, both within seconds, and the process group stays usable (the case ends
+    with a barrier)."""
+    results = pools(2).run(engine_cases.initialize_with_wrap, ["auto", ["NoSuchLayer"]], timeout=60)
+    assert results[1].error_type == "ValueError" and "NoSuchLayer" in results[1].error
+    assert results[0].error_type == "ValueError" and "failed on rank(s) [1]" in results[0].error
+    assert "ZeroConfig.wrap names ['NoSuchLayer']" in results[0].error
+
+
+def test_argument_type_errors():
+    model = make_model("llama")
+    with pytest.raises(TypeError, match="expects an nn.Module as model"):
+        hf_zero.initialize("model")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expects a ZeroConfig as config"):
+        hf_zero.initialize(model, None, {"stage": 3})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer"):
+        hf_zero.initialize(model, [1, 2])  # type: ignore[arg-type]
+    foreign = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(ValueError, match="is not a parameter of the model"):
+        hf_zero.initialize(model, foreign)
+
+
+def test_optimizer_that_already_stepped_is_refused():
+    model = make_model("llama")
+    opt = make_optimizer(model, 1e-3)
+    batch = torch.randint(0, 256, (1, 8))
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    with pytest.raises(ValueError, match="already holds state"):
+        hf_zero.initialize(model, opt)
+
+
+def test_meta_model_is_refused():
+    with torch.device("meta"):
+        model = make_model("llama")
+    with pytest.raises(ValueError, match="meta device"):
+        hf_zero.initialize(model)
