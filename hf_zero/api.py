@@ -121,6 +121,7 @@ def initialize(
     specs: list[UnitSpec] = []
     cfg = ZeroConfig()
     source: SafetensorsSource | None = None
+    device = torch.device("cpu")  # decided by validate_model below, once
     try:
         _check_arguments(model, optimizer, config)
         cfg = config or cfg
@@ -133,7 +134,7 @@ def initialize(
         if weights_from is not None:
             source = SafetensorsSource(weights_from, model)
             source.check(specs)
-        validate_model(model, world, has_source=source is not None)
+        device = validate_model(model, world, has_source=source is not None)
         check_optimizers(optimizer_list(optimizer), model, cfg.offload_dir)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
@@ -141,7 +142,7 @@ def initialize(
     raise_if_any_failed(error, world, "hf_zero.initialize")
     if source is not None:
         source.load_buffers(model)
-    engine = ZeroEngine(model, specs, cfg, world, source)
+    engine = ZeroEngine(model, specs, cfg, world, device, source)
     attach(model, engine)
     return model, shard_optimizers(optimizer, engine)
 

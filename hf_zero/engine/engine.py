@@ -31,7 +31,7 @@ from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
 from .master import FlatStep, MemoryStep
 from .pieces import Piece, pieces_of
-from .placement import Placement, compute_device, move_buffers, single_dtype
+from .placement import Placement, move_buffers, single_dtype
 from .pool import BufferPool, transient_nbytes
 from .scaler import LossScaler
 from .sources import LiveParams, ShardSource
@@ -64,11 +64,12 @@ class ZeroEngine:
         specs: list[UnitSpec],
         config: ZeroConfig,
         world: CommGroup,
+        device: torch.device,
         source: ShardSource | None = None,
     ) -> None:
-        """Shard `model` in one pass: the stage's plan, where and in which dtypes it computes, its flat parts
-        (which take their shards from `source`), the units that own them, the hooks that run them, and the
-        optimizer pieces over this rank's shards."""
+        """Shard `model` in one pass: the stage's plan, in which dtypes it computes on `device` (decided once, by
+        `validate_model`), its flat parts (which take their shards from `source`), the units that own them, the
+        hooks that run them, and the optimizer pieces over this rank's shards."""
         self.model = model
         self.config = config
         self.world = world
@@ -80,7 +81,7 @@ class ZeroEngine:
             config.collectives,
             offload_params=config.offload_params,
         )
-        self.device = compute_device(model, world, source is not None)
+        self.device = device
         self.pins_host = Placement(self.device).pins_host  # [Note: placement]: host copies pinned (checkpoints too)
         self.model_dtype = single_dtype(model)  # the dtype the model had before sharding: what save_pretrained writes
         self.param_dtype = config.param_dtype or self.model_dtype

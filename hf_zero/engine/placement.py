@@ -136,10 +136,12 @@ def single_dtype(model: nn.Module) -> torch.dtype:
     return next(iter(dtypes)) if dtypes else torch.float32
 
 
-def validate_model(model: nn.Module, world: CommGroup, has_source: bool = False) -> None:
-    """Raise `ValueError` for a model the engine cannot shard (meta weights with no source, mixed devices or dtypes)."""
-    compute_device(model, world, has_source)
+def validate_model(model: nn.Module, world: CommGroup, has_source: bool = False) -> torch.device:
+    """The device the model will compute on (`compute_device`, decided here once); `ValueError` for a model the
+    engine cannot shard (meta weights with no source, mixed devices or dtypes)."""
+    device = compute_device(model, world, has_source)
     single_dtype(model)
+    return device
 
 
 def move_buffers(model: nn.Module, device: torch.device, sync_from: CommGroup | None) -> None:
