@@ -46,8 +46,10 @@ parity-demo: $(STAMP)
 test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
 
-# The slow tier (pyproject's `slow` marker): the GPU check's CPU rehearsal, more shapes of the memory
-# estimate, the sync-ref DPO variant, more launches of the clean-exit soak.
+# The slow tier (pyproject's `slow` marker): heavy repeats of what `make test` covers: the GPU check's CPU
+# rehearsal, more shapes of the memory estimate, the sync-ref DPO run, the two-node launch, preemption under
+# accelerate launch and by direct launch, load_state on one rank; then the soaks (20 clean-exit launches, a rank
+# killed before each of the save path's 8 collectives).
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -m slow
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 HF_ZERO_EXIT_LAUNCHES=20 HF_ZERO_SAVE_KILL_POINTS=0,1,2,3,4,5,6,7 \

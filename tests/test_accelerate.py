@@ -49,7 +49,7 @@ def test_save_state_and_load_state_resume(pools, tmp_path, two_optimizers, async
         np.testing.assert_array_equal(resumed["state"][name].numpy(), value.numpy())
 
 
-@pytest.mark.parametrize("resume_world", [1, 3])
+@pytest.mark.parametrize("resume_world", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_load_state_on_another_world_size(pools, tmp_path, resume_world):
     """State saved by 2 ranks loads on 1 or 3: the weights and the lr equal those saved, exactly.
     (Training on from there follows Accelerate's own rules for another world size: its scheduler

@@ -198,6 +198,7 @@ def _trainer_losses(checkpoint: Path) -> list[float]:
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
+@pytest.mark.slow  # hybrid sharding's numbers: test_hybrid.py; this adds the two-node launch (make test-slow)
 def test_two_nodes_on_localhost_with_hybrid_sharding_then_resume_on_one_node(assets, tmp_path):
     """Two launcher processes (`accelerate launch`, a config derived from the shipped two-node one, 2 processes
     each, rendezvous on localhost) train with `--zero_hybrid_shard` (shard within a node, replicate across) and
