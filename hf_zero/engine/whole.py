@@ -130,9 +130,9 @@ class WholeStep:
         group: CommGroup,
         pieces: dict[tuple[int, int], Any],
     ) -> None:
-        self.slots = slots  # (unit, slot index) of every parameter the optimizer steps, in group order
+        self.slots = slots  # (part, slot index) of every parameter the optimizer steps, in group order
         self.group = group
-        self.pieces = pieces  # (id(unit), slot index) -> this rank's Piece
+        self.pieces = pieces  # (id(part), slot index) -> this rank's Piece
         sizes = [part.layout.slots[i].numel * part.master_dtype.itemsize for part, i in slots]
         self.owned = deal(sizes, group.size)
         self.rounds = max((len(o) for o in self.owned), default=0)

@@ -21,13 +21,13 @@ script requeues on (`examples/slurm/train_clm.sbatch`).
 
 [Note: quick exit]
 The grace period a scheduler gives after its signal covers the save and the exit together, and a process that
-imported torch and transformers' Trainer spends 2-3 s leaving: its finalization runs the garbage collector
-over every object the imports made, once per module cleared (`benchmarks/preempt_grace.py`: signal -> marker
-0.8 s, marker -> ranks gone 2.6 s at the demo's size). So once the ranks agree on a preemption, an exit
-handler moves every live object to the collector's permanent generation (`gc.freeze`) just before the
-interpreter finalizes: the exit then takes about 0.5 s. Objects are still freed by reference counting and
-the other exit handlers (loggers, trackers) run as before; what is skipped is only the search for cycles of
-garbage in a process that is about to be gone. `hf-zero preemptible` itself leaves with `os._exit`.
+imported torch and transformers' Trainer would spend 2-3 s leaving: its finalization runs the garbage
+collector over every object the imports made, once per module cleared. So once the ranks agree on a
+preemption, an exit handler moves every live object to the collector's permanent generation (`gc.freeze`)
+just before the interpreter finalizes: the exit takes about 0.5 s (`benchmarks/preempt_grace.py` measures
+it). Objects are still freed by reference counting and the other exit handlers (loggers, trackers) run as
+before; what is skipped is only the search for cycles of garbage in a process that is about to be gone.
+`hf-zero preemptible` itself leaves with `os._exit`.
 """
 
 from __future__ import annotations
