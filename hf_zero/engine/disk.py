@@ -212,17 +212,19 @@ class DiskOffload:
     Args:
         files (`OffloadFiles`): this rank's files, already holding room for the masters.
         device (`torch.device`): the compute device; host buffers are pinned when it is an accelerator.
+        offsets (`dict[str, int]`): each trained part's place in the files (element offset of its shard), by its
+            unit's name: planned whole before any part exists.
     """
 
-    def __init__(self, files: OffloadFiles, device: torch.device) -> None:
+    def __init__(self, files: OffloadFiles, device: torch.device, offsets: dict[str, int]) -> None:
         self.files = files
+        self.offsets = offsets
         self.device = device
         self.pins = Placement(device).pins_host  # [Note: placement]: host buffers pinned beside an accelerator
         self._stores: dict[int, DiskMaster] = {}  # id(part) -> its store: where its shard is in the files
         self.windows: list[Window] = []
         self.chunk_ids: set[int] = set()
         self.capacity = 0
-        self._next_offset = 0
         self._free: dict[torch.dtype, list[torch.Tensor]] = {}  # idle host buffers of `capacity` elements
         self.buffers_made = 0  # host buffers allocated so far (bounded: [Note: disk offload])
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_zero-disk")
@@ -239,10 +241,14 @@ class DiskOffload:
     master_key = MASTER
 
     def adopt(self, part: FlatPart, params_on_disk: bool) -> DiskMaster:
-        """Give `part` its place in the files, write its freshly filled master shard there and free the
-        shard's memory (the tensor stays, holding 0 bytes): the part's store from now on ([Note: master stores])."""
-        offset = self._next_offset
-        self._next_offset += part.layout.shard_numel
+        """Write `part`'s freshly filled master shard at its planned place in the files and free the shard's memory
+        (the tensor stays, holding 0 bytes): the part's store from now on ([Note: master stores])."""
+        offset = self.offsets.get(part.name)
+        if offset is None or any(store.offset == offset for store in self._stores.values()):
+            raise RuntimeError(
+                f"[rank {part.shard_group.global_rank}] hf_zero: unit '{part.name}' has no place of its own in the "
+                "offload files"
+            )
         self.files.write(MASTER, offset, part.sharded_master)
         part.sharded_master.untyped_storage().resize_(0)
         store = DiskMaster(part, self, offset, params_on_disk)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -26,7 +27,7 @@ from .collectives import (
 )
 from .disk import DiskOffload, OffloadFiles
 from .flat import FlatPart
-from .grads import grad_slab
+from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
 from .master import FlatStep, MemoryStep
@@ -34,6 +35,7 @@ from .pieces import Piece, pieces_of
 from .placement import Placement, move_buffers, single_dtype
 from .pool import BufferPool, transient_nbytes
 from .scaler import LossScaler
+from .settings import PartSettings
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
 from .stepping import OptimizerSteps
@@ -97,16 +99,21 @@ class ZeroEngine:
         self.pool = _pool_for(layouts, size, config, self.param_dtype, self.reduce_dtype)
         # [Note: master stores] in master.py: the offload files' owner, if any (benchmarks and tests read it), and
         # the flat optimizer step, chosen once
-        trained = [layout for layout, s in zip(layouts, parts_specs) if not s.frozen]
+        trained = {s.name: layout for layout, s in zip(layouts, parts_specs) if not s.frozen}
         self.disk = _disk_for(trained, config, world, self.device, self.master_dtype)
         self.flat_step: FlatStep = self.disk or MemoryStep()
-        self.parts = [self._part(s, layout, source or LiveParams(sync_from)) for s, layout in zip(parts_specs, layouts)]
+        # [Note: gradient shard lifetime] in grads.py: the trainable parts' gradient shards, one slab built whole
+        trains = [bool(s.params) and not s.frozen for s in parts_specs]
+        slab = iter(grad_slab([lt for lt, t in zip(layouts, trains) if t], self._placement(False), self.master_dtype))
+        self.parts = [
+            self._part(s, layout, source or LiveParams(sync_from), next(slab) if t else None)
+            for s, layout, t in zip(parts_specs, layouts, trains)
+        ]
         # Parameters built on the meta device were replaced by views (see FlatPart._bind_params).
         self.replaced: dict[int, nn.Parameter] = {
             id(old): new for part in self.parts for old, new in zip(part.spec.params, part.params) if old is not new
         }
         _swap_parameters(model, self.replaced)
-        grad_slab([part.grads for part in self.parts])
         self.scaler = LossScaler(config) if config.mixed_precision == "fp16" else None
         self.pool.clear()
         parts = iter(self.parts)
@@ -135,30 +142,34 @@ class ZeroEngine:
         track(self)  # [Note: clean exit] in teardown.py
         register(self)  # [Note: torch clipping] in torch_clip.py
 
-    def _part(self, spec: UnitSpec, layout: FlatLayout, source: ShardSource) -> FlatPart:
-        """The flat part of `spec`, its shard taken from `source`; frozen parts stay on the device and keep their
-        shard in the compute dtype ([Note: frozen parameters], [Note: placement])."""
+    def _placement(self, frozen: bool) -> Placement:
+        """A part's placement; frozen parts stay on the device ([Note: frozen parameters], [Note: placement])."""
         config = self.config
-        offloaded = config.offload_optimizer and not spec.frozen
-        host = torch.device("cpu") if offloaded else None
+        offloaded = config.offload_optimizer and not frozen
+        return Placement(self.device, torch.device("cpu") if offloaded else None, config.offload_params and offloaded)
+
+    def _part(self, spec: UnitSpec, layout: FlatLayout, source: ShardSource, grad_shard: SlabShard | None) -> FlatPart:
+        """The flat part of `spec`, its shard taken from `source`, its gradient shard in the slab (`grad_shard`);
+        frozen parts keep their shard in the compute dtype ([Note: frozen parameters])."""
+        config = self.config
         block = config.quantization_block
-        part = FlatPart(
-            spec,
+        placement = self._placement(spec.frozen)
+        settings = PartSettings(
+            name=spec.name,
             layout=layout,
             shard_group=self.plan.shard_group,
             replicate_group=self.plan.replicate_group,
-            placement=Placement(self.device, host, config.offload_params and offloaded),
+            placement=placement,
             param_dtype=self.param_dtype,
             master_dtype=self.param_dtype if spec.frozen else self.master_dtype,
             reduce_dtype=self.reduce_dtype,
-            persistent_params=self.plan.params.keeps_whole,
-            source=source,
             pool=self.pool,
+            persistent=self.plan.params.keeps_whole,
             weight_quant_block=block if config.quantized_weights else None,
             grad_quant_block=block if config.quantized_gradients else None,
-            disk=self.disk if offloaded else None,
         )
-        return part
+        disk = self.disk if placement.offloaded else None
+        return FlatPart(spec, settings, source=source, grad_shard=grad_shard, disk=disk)
 
     @property
     def uses_host_backend(self) -> bool:
@@ -468,17 +479,20 @@ def _swap_parameters(model: nn.Module, replaced: dict[int, nn.Parameter]) -> Non
 
 
 def _disk_for(
-    layouts: list[FlatLayout],
+    layouts: dict[str, FlatLayout],
     config: ZeroConfig,
     world: CommGroup,
     device: torch.device,
     master_dtype: torch.dtype,
 ) -> DiskOffload | None:
     """This rank's offload files when `config.offload_dir` is set, created (with the free-space check) on every
-    rank before any unit: a failure on one rank raises on every rank."""
+    rank before any unit: a failure on one rank raises on every rank. `layouts`: the trained parts' layouts by unit
+    name; their master shards lie end to end in the files, each place planned here."""
     if config.offload_dir is None:
         return None
-    numel = sum(layout.shard_numel for layout in layouts)  # the trained parts' master shards, end to end
+    starts = itertools.accumulate((layout.shard_numel for layout in layouts.values()), initial=0)
+    offsets = dict(zip(layouts, starts))
+    numel = sum(layout.shard_numel for layout in layouts.values())
     files, error = None, None
     try:
         files = OffloadFiles.create(Path(config.offload_dir), rank=world.rank, numel=numel, dtype=master_dtype)
@@ -492,7 +506,7 @@ def _disk_for(
         raise
     if files is None:
         raise RuntimeError(f"[rank {world.global_rank}] hf_zero: no offload files after a successful creation")
-    return DiskOffload(files, device)
+    return DiskOffload(files, device, offsets)
 
 
 def _name_index(

@@ -30,17 +30,15 @@ import torch
 from torch import nn
 
 from .collectives import (
-    CommGroup,
     Pending,
     all_gather_into,
 )
-from .grads import FlatGrads
-from .layout import FlatLayout
+from .grads import FlatGrads, SlabShard
 from .master import MasterStore, MemoryMaster
-from .placement import Placement
-from .pool import BufferPool, transient_nbytes
+from .pool import transient_nbytes
 from .quant import gather_int8, gather_workspace_numels
 from .resting import ModuleSlots
+from .settings import PartSettings, ReadsPartSettings
 from .wrap import UnitSpec
 
 if TYPE_CHECKING:
@@ -48,7 +46,7 @@ if TYPE_CHECKING:
     from .sources import ShardSource
 
 
-class FlatPart:
+class FlatPart(ReadsPartSettings):
     """The sharded and unsharded storage of one unit, and the primitive moves between them.
 
     Which moves happen when is the stage's business (`stages.py`); this class only knows how.
@@ -57,41 +55,22 @@ class FlatPart:
     def __init__(
         self,
         spec: UnitSpec,
+        settings: PartSettings,
         *,
-        layout: FlatLayout,
-        shard_group: CommGroup,
-        replicate_group: CommGroup,
-        placement: Placement,
-        param_dtype: torch.dtype,
-        master_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        persistent_params: bool,
         source: ShardSource,
-        pool: BufferPool,
-        weight_quant_block: int | None = None,
-        grad_quant_block: int | None = None,
+        grad_shard: SlabShard | None = None,
         disk: DiskOffload | None = None,
     ) -> None:
         self.spec = spec
-        # [Note: block quantization] in quant.py: int8 gathers (stage 3) / reductions, None for exact ones
-        self.weight_quant_block = weight_quant_block
-        self.grad_quant_block = grad_quant_block
-        self.pool = pool  # [Note: buffer reuse] memory of freed gathered parameters and gradients
-        self.placement = placement  # [Note: placement] in placement.py
-        self.master_device = placement.master_device  # where the master shard, its gradient and the optimizer live
-        self.shard_group = shard_group
-        self.replicate_group = replicate_group
-        self.device = placement.device
-        self.param_dtype = param_dtype
-        self.master_dtype = master_dtype
-        self.reduce_dtype = reduce_dtype
-        self.layout = layout  # [Note: flat layout], computed once by the engine (shards aligned to int8 blocks)
+        self.settings = settings  # one record, shared with the gradients (settings.py)
+        placement, shard_group = settings.placement, settings.shard_group
+        param_dtype, master_dtype, persistent = settings.param_dtype, settings.master_dtype, settings.persistent
         lo, hi = self.layout.shard_range(shard_group.rank)
         self.unsharded_param: torch.Tensor  # 1D (padded_numel,), param dtype; storage freed when resharded
         self.sharded_param: torch.Tensor | None  # 1D (shard_numel,); stage 3 gather source ([Note: cast on gather])
         self.sharded_master: torch.Tensor  # 1D (shard_numel,), master dtype; what the optimizer updates
         self.unsharded_param = torch.empty(self.layout.padded_numel, dtype=param_dtype, device=self.device)
-        if persistent_params and param_dtype == master_dtype and not placement.offloaded:
+        if persistent and param_dtype == master_dtype and not placement.offloaded:
             self.sharded_master = self.unsharded_param[lo:hi]  # fp32 stages 0-2: the master is the parameter
         else:
             self.sharded_master = placement.alloc(self.layout.shard_numel, master_dtype, self.master_device)
@@ -99,13 +78,12 @@ class FlatPart:
             source.fill(self.layout, spec.params, shard_group.rank, self.sharded_master)
         self.sharded_param = None
         # Stages 0-2: the unsharded parameters are the only whole copy, never freed ([Note: unit lifecycle]).
-        self.persistent = persistent_params
-        if not persistent_params:
+        if not persistent:
             self.sharded_param = self._gather_shard(on_disk=bool(disk))
         self.params = self._bind_params(spec.params)
         # [Note: resting parameters] in resting.py: what the modules hold while the unit is resharded
-        self.module_slots = None if persistent_params else ModuleSlots(self.params, spec.param_names, spec.slots)
-        if persistent_params:
+        self.module_slots = None if persistent else ModuleSlots(self.params, spec.param_names, spec.slots)
+        if persistent:
             self.publish_master().wait()  # every rank's shard into the unsharded parameters
         else:
             self.free()
@@ -113,20 +91,7 @@ class FlatPart:
         self.store: MasterStore = disk.adopt(self, placement.offload_params) if disk else MemoryMaster(self)
 
         # [Note: gradients] in grads.py: the unsharded buffer, a lookup's sparse gradient, the reduced shard
-        self.grads = FlatGrads(
-            name=spec.name,
-            layout=self.layout,
-            params=self.params,
-            backward_reads_params=spec.backward_reads_params,
-            shard_group=shard_group,
-            replicate_group=replicate_group,
-            placement=placement,
-            param_dtype=param_dtype,
-            master_dtype=master_dtype,
-            reduce_dtype=reduce_dtype,
-            pool=pool,
-            quant_block=grad_quant_block,
-        )
+        self.grads = FlatGrads(settings, self.params, spec.backward_reads_params, grad_shard)
 
     def _gather_shard(self, on_disk: bool) -> torch.Tensor:
         """Stage 3: the shard a gather sends ([Note: cast on gather]), taken before the master's store is chosen."""

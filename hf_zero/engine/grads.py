@@ -27,13 +27,13 @@ tensor for the moment of the add: 131 MB for a 32000 x 1024 head.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .collectives import (
-    CommGroup,
     Pending,
     all_gather_rows,
     all_reduce_,
@@ -44,8 +44,8 @@ from .collectives import (
 from .layout import FlatLayout
 from .lifecycle import GradState
 from .placement import Placement
-from .pool import BufferPool
 from .quant import reduce_scatter_int8
+from .settings import PartSettings, ReadsPartSettings
 from .sparse import coalesced_rows, scatter_rows_
 
 
@@ -60,43 +60,23 @@ class GradReduction:
     into_accumulator: bool  # output is `shard` (no copy needed after the wait)
 
 
-class FlatGrads:
+class FlatGrads(ReadsPartSettings):
     """The gradients of one flat part ([Note: gradients]); the part's `Unit` orders when each move happens."""
 
     def __init__(
         self,
-        *,
-        name: str,
-        layout: FlatLayout,
+        settings: PartSettings,
         params: tuple[nn.Parameter, ...],
         backward_reads_params: bool,
-        shard_group: CommGroup,
-        replicate_group: CommGroup,
-        placement: Placement,
-        param_dtype: torch.dtype,
-        master_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        pool: BufferPool,
-        quant_block: int | None,
+        shard: SlabShard | None = None,
     ) -> None:
-        self.name = name
-        self.layout = layout
+        """`shard`: this part's view of the shared gradient slab (`grad_slab`), or `None` to allocate its own."""
+        self.settings = settings  # shared with the part (settings.py)
         self.params = params
         self.backward_reads_params = backward_reads_params
-        self.shard_group = shard_group
-        self.replicate_group = replicate_group
-        self.placement = placement
-        self.device = placement.device
-        self.master_device = placement.master_device
-        self.param_dtype = param_dtype
-        self.master_dtype = master_dtype
-        self.reduce_dtype = reduce_dtype
-        self.pool = pool
-        self.quant_block = quant_block  # [Note: block quantization] int8 reductions, None for exact ones
-        self._shard: torch.Tensor | None = (
-            None  # 1D (shard_numel,), master dtype; held from the first reduction to zero
-        )
-        self._shard_nbytes = 0  # bytes of the storage `_shard` views (a shared slab, or its own)
+        # 1D (shard_numel,), master dtype; holds memory from the first reduction to zero
+        self._shard: torch.Tensor | None = None if shard is None else shard.view
+        self._shard_nbytes = 0 if shard is None else shard.slab_nbytes  # of the whole slab, or of its own
         self._state = GradState.EMPTY  # [Note: gradient states] in lifecycle.py: moved only by the verbs below
         self._has_sum = False  # `shard` holds a reduced sum (else it is a lazy zero)
         self._in_flight: list[GradReduction] = []  # issued reductions not yet finished
@@ -257,7 +237,7 @@ class FlatGrads:
         if self._unsharded is None:  # no parameter required grad in this backward (frozen for a step): zeros
             self._unsharded = self._dense(None)
         source = buffer = self._unsharded
-        block = self.quant_block
+        block = self.grad_quant_block
         quantized = block is not None and self.shard_group.size > 1  # from the buffer as is: no cast
         if not quantized and source.dtype != self.reduce_dtype:
             source = self.pool.new_tensor(source.numel(), self.reduce_dtype, self.device).copy_(source)
@@ -369,12 +349,6 @@ class FlatGrads:
         (offload from an accelerator), as pinning memory again each step is slow."""
         return not self.placement.keeps_grad_shard_memory
 
-    def use_slab(self, slab: torch.Tensor) -> None:
-        """Keep the gradient shard in `slab`, a 1D view of `shard_numel` elements of one buffer shared
-        by every unit ([Note: gradient shard lifetime])."""
-        self._shard = slab
-        self._shard_nbytes = slab.untyped_storage().nbytes()
-
     def zero(self) -> None:
         """Forget the gradients: the shard's memory is released ([Note: gradient shard lifetime])."""
         if self._in_flight:
@@ -390,16 +364,23 @@ class FlatGrads:
         self.detach()
 
 
-def grad_slab(units: list[FlatGrads]) -> None:
-    """Give every unit that has trainable parameters a gradient shard in one shared buffer, holding no
-    memory until the first reduction ([Note: gradient shard lifetime])."""
-    trainable = [u for u in units if u.has_trainable]
-    if not trainable or not all(u.releases_memory for u in trainable):
-        return  # pinned host shards stay per unit, allocated on first use
-    first = trainable[0]
-    slab = first.placement.alloc(sum(u.layout.shard_numel for u in trainable), first.master_dtype, first.master_device)
-    offset = 0
-    for grads in trainable:
-        grads.use_slab(slab[offset : offset + grads.layout.shard_numel])
-        offset += grads.layout.shard_numel
+@dataclass(frozen=True)
+class SlabShard:
+    """One part's gradient shard in the shared slab: its view, and the bytes the whole slab takes when resident."""
+
+    view: torch.Tensor  # 1D (shard_numel,), master dtype
+    slab_nbytes: int
+
+
+def grad_slab(layouts: list[FlatLayout], placement: Placement, dtype: torch.dtype) -> list[SlabShard | None]:
+    """One gradient shard per part of `layouts` (`None` for a part without one), built whole as views of one
+    shared buffer that holds no memory until the first reduction ([Note: gradient shard lifetime]). Pinned
+    host shards (`placement` keeps their memory) are not shared: each part allocates its own on first use."""
+    if not layouts or placement.keeps_grad_shard_memory:
+        return [None] * len(layouts)
+    slab = placement.alloc(sum(layout.shard_numel for layout in layouts), dtype, placement.master_device)
+    bounds = itertools.accumulate((layout.shard_numel for layout in layouts), initial=0)
+    nbytes = slab.untyped_storage().nbytes()
+    shards: list[SlabShard | None] = [SlabShard(slab[lo:hi], nbytes) for lo, hi in itertools.pairwise(bounds)]
     slab.untyped_storage().resize_(0)
+    return shards
