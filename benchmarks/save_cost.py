@@ -62,8 +62,8 @@ def worker(args: argparse.Namespace) -> None:
     work = Path(args.work)
     saves = {
         "state": lambda d: hf_zero.save_checkpoint(d, model, opt),
-        "weights, every rank": lambda d: hf_zero.save_pretrained(model, d, dtype="bf16", parallel=True, progress=False),
-        "weights, rank 0": lambda d: hf_zero.save_pretrained(model, d, dtype="bf16", progress=False),
+        "weights, every rank": lambda d: model.save_pretrained(d, dtype="bf16", parallel=True),
+        "weights, rank 0": lambda d: model.save_pretrained(d, dtype="bf16"),
     }
     times: dict[str, list[float]] = {k: [] for k in SAVES}
     growth: dict[str, int] = {k: 0 for k in SAVES}

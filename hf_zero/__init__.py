@@ -20,7 +20,6 @@ from .checkpoint import (
     last_complete_checkpoint,
     load_checkpoint,
     save_checkpoint,
-    save_pretrained,
 )
 from .config import ZeroConfig
 from .engine.whole import register_elementwise
@@ -50,6 +49,11 @@ _MOVED = {
     "AsyncSave": (".types", "hf_zero.types.AsyncSave"),
     "ModelStateMemory": (".types", "hf_zero.types.ModelStateMemory"),
     "ShardedOptimizer": (".types", "hf_zero.types.ShardedOptimizer"),
+    "save_pretrained": (
+        ".checkpoint",
+        "model.save_pretrained(output_dir, dtype=..., parallel=...) on every rank, and tokenizer.save_pretrained("
+        "output_dir) for the tokenizer",
+    ),
 }
 
 
@@ -91,6 +95,5 @@ __all__ = [
     "model_state_memory",
     "save_checkpoint",
     "register_elementwise",
-    "save_pretrained",
     "state_dict_options",
 ]

@@ -131,20 +131,28 @@ class ZeroModel:
         state_dict: dict[str, torch.Tensor] | None = None,
         push_to_hub: bool = False,
         max_shard_size: int | str = "50GB",
+        *,
+        dtype: str | torch.dtype | None = None,
+        parallel: bool = False,
         **kwargs: Any,
     ) -> None:
-        """Write a `from_pretrained` directory of the sharded model, once, from rank 0.
+        """Write a `from_pretrained` directory of the sharded model: from rank 0, gathering one unit at a time, or
+        (`parallel=True`) from every rank at once, each writing the tensors it owns.
 
-        Call it on every rank, as with any distributed model (the ranks take part in gathering one
-        unit at a time; `is_main_process` is not needed). Weights are written in the dtype the model
-        had before `hf_zero.initialize`, with `config.json` and `generation_config.json`. With a
-        `state_dict` already gathered (`model.state_dict()`), the stock writer saves that instead.
-        A sharded `PeftModel` writes its adapter (PEFT's files), gathering only units that hold one.
+        Call it on every rank, as with any distributed model (`is_main_process` is not needed). Weights are
+        written in `dtype` (`"bf16"`, `"fp16"`, `"fp32"` or a `torch.dtype`; by default the dtype the model had
+        before `hf_zero.initialize`), with `config.json` and `generation_config.json`; save the tokenizer beside
+        them with its own `save_pretrained`. With `parallel`, every rank writes its own
+        `model-0000k-of-0000N.safetensors` into `save_directory` (a file system all ranks share) and no rank
+        gathers the model ([Note: owned tensors] in hf_zero/checkpoint/owned.py). With a `state_dict` already
+        gathered (`model.state_dict()`), the stock writer saves that instead. A sharded `PeftModel` writes its
+        adapter (PEFT's files), gathering only units that hold one.
 
         Example:
 
         ```python
-        >>> model.save_pretrained("llama-domain")          # every rank
+        >>> model.save_pretrained("llama-domain")                                      # every rank
+        >>> model.save_pretrained("/shared/llama-domain", dtype="bf16", parallel=True)  # every rank writes
         >>> AutoModelForCausalLM.from_pretrained("llama-domain")
         ```
         """
@@ -171,9 +179,10 @@ class ZeroModel:
         write_pretrained(
             cast(nn.Module, self),
             save_directory,
-            dtype=engine.model_dtype,
+            dtype=engine.model_dtype if dtype is None else dtype,
             max_shard_size=max_shard_size,
             progress=False,
+            parallel=parallel,
         )
 
     def _save_peft_adapter(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:

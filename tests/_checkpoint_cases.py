@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -49,7 +50,10 @@ def train_and_export(kind: str, stage: int, ckpt: str, live_out: str, tokenizer_
         opt.zero_grad()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     hf_zero.save_checkpoint(ckpt, model, opt, tokenizer=tokenizer)
-    files = hf_zero.save_pretrained(model, live_out, tokenizer=tokenizer, progress=False)
+    model.save_pretrained(live_out, dtype=torch.float32)  # the masters, as the consolidation writes them
+    if dist.get_rank() == 0:
+        tokenizer.save_pretrained(live_out)
+    files = sorted(f for f in os.listdir(live_out) if f.endswith(".safetensors"))
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROMPT)).logits

@@ -39,8 +39,8 @@ def parallel_save(kind: str, stage: int, directory: str, settings: dict[str, Any
         settings["offload_dir"] = os.path.join(settings["offload_dir"], f"rank{dist.get_rank()}")
     model, _ = _train(kind, hf_zero.ZeroConfig(stage=stage, **settings))
     state = hf_zero.full_state_dict(model)  # gathered before the save: the save must not change a thing
-    files = hf_zero.save_pretrained(model, directory, dtype=dtype, max_shard_size=max_shard_size,
-                                    progress=False, parallel=True)
+    model.save_pretrained(directory, dtype=dtype, max_shard_size=max_shard_size, parallel=True)
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     after = hf_zero.full_state_dict(model)
     out: dict[str, Any] = {"files": files}
     if dist.get_rank() == 0:
@@ -61,7 +61,7 @@ def parallel_save_memory(directory: str, window: int) -> dict[str, Any]:
     peaks = {}
     for parallel in (True, False):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            hf_zero.save_pretrained(model, os.path.join(directory, str(parallel)), progress=False, parallel=parallel)
+            model.save_pretrained(os.path.join(directory, str(parallel)), parallel=parallel)
         trace = os.path.join(tempfile.mkdtemp(), "trace.json")
         prof.export_chrome_trace(trace)
         with open(trace) as f:
@@ -81,7 +81,7 @@ def failing_parallel_save(directory: str, bad_rank: int) -> dict[str, Any]:
         os.makedirs(os.path.join(directory, f".{plan_names[bad_rank][0]}.partial"), exist_ok=True)
     dist.barrier()
     try:
-        hf_zero.save_pretrained(model, directory, progress=False, parallel=True)
+        model.save_pretrained(directory, parallel=True)
     except (OSError, RuntimeError) as e:
         error = f"{type(e).__name__}: {e}"
     else:

@@ -150,7 +150,7 @@ def test_the_public_api_is_small_and_moved_names_warn_with_their_replacement():
 
     import hf_zero
     import hf_zero.types
-    from hf_zero.checkpoint import AsyncSave, wait_for_saves
+    from hf_zero.checkpoint import AsyncSave, save_pretrained, wait_for_saves
     from hf_zero.engine import ModelStateMemory, ShardedOptimizer
 
     assert len(hf_zero.__all__) <= 20 and all(hasattr(hf_zero, n) for n in hf_zero.__all__ if not n.startswith("Zero"))
@@ -158,7 +158,8 @@ def test_the_public_api_is_small_and_moved_names_warn_with_their_replacement():
         AsyncSave, ModelStateMemory, ShardedOptimizer)
     moved = {"attach_optimizer": ("hf_zero.initialize(model, optimizer)", None), "wait_for_saves": ("handle.wait()",
              wait_for_saves), "AsyncSave": ("hf_zero.types.AsyncSave", AsyncSave),
-             "ShardedOptimizer": ("hf_zero.types.ShardedOptimizer", ShardedOptimizer)}
+             "ShardedOptimizer": ("hf_zero.types.ShardedOptimizer", ShardedOptimizer),
+             "save_pretrained": ("model.save_pretrained(output_dir, dtype=..., parallel=...)", save_pretrained)}
     for name, (replacement, obj) in moved.items():
         assert name not in hf_zero.__all__
         with warnings.catch_warnings(record=True) as caught:

@@ -136,12 +136,14 @@ def save_pretrained(
     Example:
 
     ```python
-    >>> hf_zero.save_pretrained(model, "llama-domain", tokenizer=tokenizer, dtype="bf16")
-    >>> hf_zero.save_pretrained(model, "/shared/llama-domain", dtype="bf16", parallel=True)  # every rank writes
+    >>> save_pretrained(model, "llama-domain", tokenizer=tokenizer, dtype="bf16")
+    >>> save_pretrained(model, "/shared/llama-domain", dtype="bf16", parallel=True)  # every rank writes
+
+    Users call `model.save_pretrained` (hf_zero/model.py), which calls this.
     ```
     """
     engine = get_engine(model)
-    with agreement(engine.world, "hf_zero.save_pretrained"):
+    with agreement(engine.world, "model.save_pretrained"):
         out_dtype = parse_dtype(dtype)
         max_bytes = parse_size(max_shard_size)
     if parallel:
@@ -150,7 +152,7 @@ def save_pretrained(
             engine, Path(output_dir), out_dtype or engine.master_dtype, max_bytes, on_round=bar.update_to
         )
         bar.close()
-        with agreement(engine.world, f"hf_zero.save_pretrained ({output_dir})"):
+        with agreement(engine.world, f"model.save_pretrained ({output_dir})"):
             if engine.world.rank == 0:
                 save_hf_files(model, tokenizer, Path(output_dir), out_dtype or engine.master_dtype)
         return written
@@ -173,7 +175,7 @@ def save_pretrained(
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = e
     bar.close()
-    with agreement(engine.world, f"hf_zero.save_pretrained ({output_dir})"):
+    with agreement(engine.world, f"model.save_pretrained ({output_dir})"):
         if error is not None:
             raise error
         if writer is not None:
@@ -214,12 +216,12 @@ def save_pretrained_async(
     ```
     """
     engine = get_engine(model)
-    with agreement(engine.world, "hf_zero.save_pretrained"):
+    with agreement(engine.world, "model.save_pretrained"):
         out_dtype = parse_dtype(dtype) or engine.master_dtype
         max_bytes = parse_size(max_shard_size)
     target = Path(output_dir)
     work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.pins_host)
-    with agreement(engine.world, f"hf_zero.save_pretrained ({output_dir})"):
+    with agreement(engine.world, f"model.save_pretrained ({output_dir})"):
         if engine.world.rank == 0:
             target.mkdir(parents=True, exist_ok=True)
             save_hf_files(model, tokenizer, target, out_dtype)

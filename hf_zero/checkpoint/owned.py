@@ -289,7 +289,7 @@ def snapshot_owned(
     except Exception as e:  # noqa: BLE001 - agreed on below, after serving the other ranks' rounds
         error = e
     exchange.drain()
-    raise_if_any_failed(error or exchange.error, engine.world, f"hf_zero.save_pretrained ({directory})")
+    raise_if_any_failed(error or exchange.error, engine.world, f"model.save_pretrained ({directory})")
     rank = engine.world.rank
 
     def work(group: CommGroup) -> list[str]:
@@ -353,7 +353,7 @@ def _publish(
         for tmp in written:
             with contextlib.suppress(OSError):  # what could not be written may not be a file
                 tmp.unlink(missing_ok=True)
-    raise_if_any_failed(error, group, f"hf_zero.save_pretrained ({directory})")
+    raise_if_any_failed(error, group, f"model.save_pretrained ({directory})")
     for tmp, name in zip(written, names[group.rank]):
         os.replace(tmp, directory / name)
     all_names = [n for mine in names for n in mine]
@@ -367,7 +367,7 @@ def _publish(
                 write_bytes_atomically(directory / INDEX_FILE, _index(plan, names))
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = e
-    raise_if_any_failed(error, group, f"hf_zero.save_pretrained ({directory})")
+    raise_if_any_failed(error, group, f"model.save_pretrained ({directory})")
     return all_names
 
 
