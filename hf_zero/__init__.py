@@ -22,7 +22,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import ZeroConfig
-from .engine.whole import register_elementwise
+from .engine.step.whole import register_elementwise
 from .integrations.pretrained import from_pretrained
 
 __version__ = "0.1.0"

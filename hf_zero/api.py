@@ -17,8 +17,8 @@ from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine
 from .engine.full_state import gathered_parameters as _gathered
 from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded
-from .engine.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.placement import validate_model
+from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.wrap import UnitSpec, units_for
 from .model import attach, unshard_and_detach, use_sharder
 

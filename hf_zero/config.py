@@ -84,7 +84,7 @@ class ZeroConfig:
             model states drops to the gradient shards (4Ψ/N bytes) and the compute-dtype parameter
             shards; the disk needs 12Ψ/N bytes per rank with AdamW (checked at `initialize`, on every
             rank). Each step reads and writes those bytes once. The files are removed when the model
-            is released. See [Note: disk offload] in `hf_zero/engine/disk.py`.
+            is released. See [Note: disk offload] in `hf_zero/engine/step/disk.py`.
         prefetch (`int`, *optional*, defaults to 1):
             Stage 3: how many units' all-gathers are issued ahead of the running unit (in forward
             order, and in reverse order during backward; the order is learned from the first

@@ -40,9 +40,9 @@ from torch import nn
 from .config import ZeroConfig
 from .engine.engine import ModelStateMemory
 from .engine.layout import FlatLayout
-from .engine.pieces import chunk_bounds
+from .engine.step.pieces import chunk_bounds
+from .engine.step.whole import deal
 from .engine.unit import split_frozen
-from .engine.whole import deal
 from .engine.wrap import UnitSpec, units_for
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}

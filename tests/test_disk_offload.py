@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_zero.engine.whole import register_elementwise
+from hf_zero.engine.step.whole import register_elementwise
 from tests._training import Scenario, make_model, make_optimizer, reference_run, rel_err, sharded_run
 
 pytestmark = pytest.mark.device_agnostic
@@ -160,7 +160,7 @@ def test_offload_dir_config_errors():
 
 def _release_removes_files(offload_dir: str) -> dict[str, Any]:
     import hf_zero
-    import hf_zero.engine.disk as disk_module
+    import hf_zero.engine.step.disk as disk_module
 
     disk_module.WINDOW_NUMEL = 2000  # many windows for a tiny model (chunks larger than that are one window each)
     model = make_model("llama")
@@ -192,7 +192,7 @@ def test_files_are_removed_when_the_model_is_released(pools, tmp_path):
         # A fixed set of host buffers per step, each of the largest window's size, reused across its windows: at
         # most (read ahead + the stepped one + writes behind + one) x (master + 2 moments); on the CPU none is
         # held between steps.
-        from hf_zero.engine.disk import READ_AHEAD, WRITE_BEHIND
+        from hf_zero.engine.step.disk import READ_AHEAD, WRITE_BEHIND
 
         made, (count, held, capacity, windows, device) = r["made"], r["buffers"]
         per_step = made[0]
@@ -234,7 +234,7 @@ def test_streamed_safetensors_file_reads_back_and_copies_nothing(tmp_path):
 def test_offload_files_round_trip_and_report_a_full_disk(tmp_path, monkeypatch):
     import shutil
 
-    from hf_zero.engine.disk import MASTER, OffloadFiles
+    from hf_zero.engine.step.disk import MASTER, OffloadFiles
 
     files = OffloadFiles.create(tmp_path, rank=3, numel=100, dtype=torch.float32)
     (folder,) = tmp_path.iterdir()
@@ -309,7 +309,7 @@ def _train_with(optimizer_name: str, offload_dir: str | None, steps: int) -> dic
     opt = {"amsgrad": lambda: torch.optim.Adam(params, lr=1e-3, amsgrad=True),
            "sgd": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
            "counting": lambda: CountingSGD(params, lr=1e-3)}[optimizer_name]()
-    import hf_zero.engine.disk as disk_module
+    import hf_zero.engine.step.disk as disk_module
 
     extra = {"offload_dir": offload_dir} if offload_dir else {}
     disk_module.WINDOW_NUMEL = 2000  # many windows, so a per-window counter would show

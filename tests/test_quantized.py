@@ -1,5 +1,5 @@
 """Quantized collectives (ZeRO++ qwZ / qgZ): int8 with per-block scales for stage 3's weight gathers and
-for gradient reduce-scatters ([Note: block quantization] in hf_zero/engine/quant.py)."""
+for gradient reduce-scatters ([Note: block quantization] in hf_zero/engine/collectives/quant.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_zero import ZeroConfig
-from hf_zero.engine.quant import dequantize_blocks, quantize_blocks
+from hf_zero.engine.collectives.quant import dequantize_blocks, quantize_blocks
 from tests._parity import assert_tracks_fp32, reference
 from tests._training import Scenario, sharded_run
 

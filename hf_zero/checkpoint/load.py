@@ -20,8 +20,8 @@ from torch import nn
 from ..engine.collectives import raise_if_any_failed
 from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
-from ..engine.optim import ShardedOptimizer, sharded_list
-from ..engine.pieces import Piece
+from ..engine.step.optim import ShardedOptimizer, sharded_list
+from ..engine.step.pieces import Piece
 from .background import finish_previous
 from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files, optim_file_for
 from .owned_state import (

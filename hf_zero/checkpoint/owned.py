@@ -32,8 +32,8 @@ import torch
 from ..engine.collectives import CommGroup, all_to_all_uneven, comm_device, gather_objects, raise_if_any_failed
 from ..engine.engine import ZeroEngine
 from ..engine.flat import FlatPart
-from ..engine.pieces import Piece
-from ..engine.whole import deal
+from ..engine.step.pieces import Piece
+from ..engine.step.whole import deal
 from .background import frozen
 from .format import fsync_file, write_bytes_atomically
 from .stream import PIECE_NUMEL, Entry, host_pieces, write_streamed

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..engine.pieces import Piece
-from ..engine.whole import WholeStep
+from ..engine.step.pieces import Piece
+from ..engine.step.whole import WholeStep
 from .format import STATE_SEP, Manifest, optim_file_for
 from .reader import FileCache, read_flat_range, read_pieces
 from .stream import Entry, host_pieces

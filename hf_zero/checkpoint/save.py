@@ -38,8 +38,8 @@ from ..engine.collectives import (
 )
 from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
-from ..engine.optim import ShardedOptimizer, sharded_list
-from ..engine.pieces import Piece
+from ..engine.step.optim import ShardedOptimizer, sharded_list
+from ..engine.step.pieces import Piece
 from . import leftovers
 from .background import AsyncSave, FileJob, Snapshot, chain, checkpoint_group, finish_previous, snapshot
 from .format import (

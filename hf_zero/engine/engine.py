@@ -25,22 +25,22 @@ from .collectives import (
     max_scalar_,
     raise_if_any_failed,
 )
-from .disk import DiskOffload, OffloadFiles
 from .flat import FlatPart
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
-from .master import FlatStep, MemoryStep
-from .pieces import Piece, pieces_of
 from .placement import Placement, move_buffers, single_dtype
 from .pool import BufferPool, transient_nbytes
-from .scaler import LossScaler
 from .settings import PartSettings
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
-from .stepping import OptimizerSteps
+from .step.disk import DiskOffload, OffloadFiles
+from .step.master import FlatStep, MemoryStep
+from .step.pieces import Piece, pieces_of
+from .step.scaler import LossScaler
+from .step.stepping import OptimizerSteps
+from .step.torch_clip import register
 from .teardown import track
-from .torch_clip import register
 from .unit import Unit, split_frozen
 from .wrap import UnitSpec
 

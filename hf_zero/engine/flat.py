@@ -33,17 +33,17 @@ from .collectives import (
     Pending,
     all_gather_into,
 )
+from .collectives.quant import gather_int8, gather_workspace_numels
 from .grads import FlatGrads, SlabShard
-from .master import MasterStore, MemoryMaster
 from .pool import transient_nbytes
-from .quant import gather_int8, gather_workspace_numels
 from .resting import ModuleSlots
 from .settings import PartSettings, ReadsPartSettings
+from .step.master import MasterStore, MemoryMaster
 from .wrap import UnitSpec
 
 if TYPE_CHECKING:
-    from .disk import DiskOffload
     from .sources import ShardSource
+    from .step.disk import DiskOffload
 
 
 class FlatPart(ReadsPartSettings):

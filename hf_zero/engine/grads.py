@@ -41,12 +41,12 @@ from .collectives import (
     max_ints,
     reduce_scatter_into,
 )
+from .collectives.quant import reduce_scatter_int8
+from .collectives.sparse import coalesced_rows, scatter_rows_
 from .layout import FlatLayout
 from .lifecycle import GradState
 from .placement import Placement
-from .quant import reduce_scatter_int8
 from .settings import PartSettings, ReadsPartSettings
-from .sparse import coalesced_rows, scatter_rows_
 
 
 @dataclass

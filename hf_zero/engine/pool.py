@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from .collectives.quant import gather_workspace_numels
 from .layout import FlatLayout
-from .quant import gather_workspace_numels
 
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 

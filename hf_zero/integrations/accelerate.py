@@ -37,7 +37,7 @@ from ..api import full_state_dict, initialize
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
 from ..config import ZeroConfig
 from ..engine.module import get_engine, is_sharded
-from ..engine.optim import ShardedOptimizer
+from ..engine.step.optim import ShardedOptimizer
 from .preemption import SignalRecorder
 from .settings import field_specs, launch_env, save_specs, snapshot_budget, to_zero_config
 

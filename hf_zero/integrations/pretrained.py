@@ -12,7 +12,7 @@ from torch import nn
 from ..api import initialize
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name
-from ..engine.optim import ShardedOptimizer
+from ..engine.step.optim import ShardedOptimizer
 
 
 def from_pretrained(

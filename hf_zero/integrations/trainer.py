@@ -40,7 +40,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait
 from ..checkpoint.consolidate import save_pretrained_async
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
-from ..engine.optim import ShardedOptimizer
+from ..engine.step.optim import ShardedOptimizer
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, clear_marker, write_marker
 from .settings import snapshot_budget
 from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments

@@ -18,12 +18,12 @@ from typing import Protocol
 
 import torch
 
-from .collectives import CommGroup, comm_device, max_scalar_
-from .flat import FlatPart
-from .hooks import UnitHooks
+from ..collectives import CommGroup, comm_device, max_scalar_
+from ..flat import FlatPart
+from ..hooks import UnitHooks
+from ..pool import release_free_host_memory
 from .master import FlatStep
 from .pieces import Piece
-from .pool import release_free_host_memory
 from .scaler import LossScaler
 from .whole import WholeStep
 

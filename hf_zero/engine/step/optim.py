@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .engine import ZeroEngine
+from ..engine import ZeroEngine
 from .optim_configs import carry_configs
 from .stepping import Attached
 from .whole import COUPLED, WholeStep, is_elementwise

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .collectives import Pending
+from ..collectives import Pending
 
 if TYPE_CHECKING:
+    from ..flat import FlatPart
     from .disk import DiskOffload
-    from .flat import FlatPart
     from .pieces import Piece
 
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..config import ZeroConfig
-from .collectives import CommGroup, all_reduce_, comm_device
+from ...config import ZeroConfig
+from ..collectives import CommGroup, all_reduce_, comm_device
 
 if TYPE_CHECKING:
-    from .flat import FlatPart
+    from ..flat import FlatPart
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from .collectives import CommGroup, Pending, all_gather_into, all_to_all_into
+from .group import CommGroup, Pending
+from .ops import all_gather_into, all_to_all_into
 
 _HOST_PIECE = 1 << 20  # elements quantized per pass on the host
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .flat import FlatPart
+from ..flat import FlatPart
 
 OPTIMIZER_CHUNK_NUMEL = 1 << 22  # [Note: optimizer chunks]: at most 16 MiB of fp32 per optimizer tensor
 

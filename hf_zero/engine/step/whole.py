@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from .collectives import CommGroup, all_to_all_uneven, broadcast_object, comm_device, raise_if_any_failed
-from .flat import FlatPart
+from ..collectives import CommGroup, all_to_all_uneven, broadcast_object, comm_device, raise_if_any_failed
+from ..flat import FlatPart
 
 # Elementwise optimizers: the flat path is exact for them. (module prefix, class name) pairs.
 ELEMENTWISE: set[tuple[str, str]] = {

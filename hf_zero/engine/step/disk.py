@@ -57,12 +57,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..placement import Placement
+from ..pool import mapped_temporaries
 from .master import DiskMaster
-from .placement import Placement
-from .pool import mapped_temporaries
 
 if TYPE_CHECKING:
-    from .flat import FlatPart
+    from ..flat import FlatPart
     from .pieces import Piece
 
 WINDOW_NUMEL = 1 << 22  # elements stepped at once: 16 MiB of fp32 master per buffer
