@@ -151,7 +151,7 @@ def optimizer_chunks(stage: int, chunk: int, tmp: str) -> dict[str, Any]:
     """[Note: optimizer chunks] with a tiny chunk size: 3 AdamW steps (clipping on) give the same
     weights as unchunked pieces; a checkpoint saved from the chunked run and loaded without chunks
     (and the reverse) restores the same optimizer state, so the next step agrees too."""
-    from hf_zero.engine import pieces as engine_module
+    from hf_zero.engine.step import pieces as engine_module
 
     rank = dist.get_rank()
     default = engine_module.OPTIMIZER_CHUNK_NUMEL

@@ -86,7 +86,7 @@ def build_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optim
 def sharded_run_on_flat_shards(sc: Any) -> dict[str, Any]:
     """`tests._training.sharded_run` with the whole-parameter path disabled for `sc.optimizer`'s class (declared
     elementwise; for LARS, which is not, wrongly), then restored: the pool's process is reused by later tests."""
-    from hf_zero.engine import whole
+    from hf_zero.engine.step import whole
     from tests._training import sharded_run
 
     cls = {"lars": LARS, "plain_adamw": PlainAdamW, "torch_adafactor": torch.optim.Adafactor}[sc.optimizer]

@@ -124,7 +124,7 @@ def torch_two_step_clipping(loop: Loop) -> None:
 @scenario()
 def torch_clip_bound_early(loop: Loop) -> None:
     """`from torch.nn.utils import clip_grad_norm_` above `import hf_zero`: torch's own function object."""
-    from hf_zero.engine import torch_clip
+    from hf_zero.engine.step import torch_clip
 
     early = torch_clip._original.get("clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
     for step in range(3):

@@ -72,9 +72,7 @@ class ZeroEngine:
         """Shard `model` in one pass: the stage's plan, in which dtypes it computes on `device` (decided once, by
         `validate_model`), its flat parts (which take their shards from `source`), the units that own them, the
         hooks that run them, and the optimizer pieces over this rank's shards."""
-        self.model = model
-        self.config = config
-        self.world = world
+        self.model, self.config, self.world = model, config, world
         self.plan: StagePlan = plan_for_stage(
             config.stage,
             world,
@@ -97,8 +95,7 @@ class ZeroEngine:
         size, align = self.plan.shard_group.size, config.shard_alignment  # each part's layout, computed once
         layouts = [FlatLayout.build(s.param_names, [p.shape for p in s.params], size, align) for s in parts_specs]
         self.pool = _pool_for(layouts, size, config, self.param_dtype, self.reduce_dtype)
-        # [Note: master stores] in master.py: the offload files' owner, if any (benchmarks and tests read it), and
-        # the flat optimizer step, chosen once
+        # [Note: master stores] in step/master.py: the offload files' owner (if any) and the flat step, chosen once
         trained = {s.name: layout for layout, s in zip(layouts, parts_specs) if not s.frozen}
         self.disk = _disk_for(trained, config, world, self.device, self.master_dtype)
         self.flat_step: FlatStep = self.disk or MemoryStep()
