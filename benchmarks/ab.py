@@ -7,6 +7,9 @@ Each revision is unpacked with `git archive` into a temporary folder and run by 
 weights; rounds alternate which revision goes first, so a slow spell of the machine falls on both.
 Prints each run's tokens/s (the median step's) and last losses, then the medians and their ratio
 (after / before). A revision whose run fails stops the comparison with its output.
+
+With `--peer fsdp2` (any engine of `_worker.py`), every round also runs that engine from the after tree, in
+turn with the two revisions, and the ratio after / peer is printed beside: one invocation gives both figures.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--peer", default=None, help="an engine of _worker.py run from the after tree in every round")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"before": Path(tmp) / "before", "after": Path(tmp) / "after"}
@@ -67,17 +71,23 @@ def main() -> None:
         from _worker import PRESETS, build_model
 
         build_model(PRESETS[args.preset]).save_pretrained(weights)
-        tps: dict[str, list[float]] = {"before": [], "after": []}
+        names = ["before", "after"] + (["peer"] if args.peer else [])
+        tps: dict[str, list[float]] = {name: [] for name in names}
         for r in range(args.rounds):
-            for name in ("before", "after") if r % 2 == 0 else ("after", "before"):
-                rec = run(trees[name], args.engine, args.preset, weights, args.steps, args.warmup)
+            for name in names[r % len(names):] + names[:r % len(names)]:  # each goes first in turn
+                engine, tree = (args.peer, trees["after"]) if name == "peer" else (args.engine, trees[name])
+                rec = run(tree, engine, args.preset, weights, args.steps, args.warmup)
                 tps[name].append(rec["tokens_per_s"])
                 print(f"round {r} {name:6s} {rec['tokens_per_s']:9.1f} tokens/s  last losses {rec['losses'][-2:]}",
                       flush=True)
-    before, after = statistics.median(tps["before"]), statistics.median(tps["after"])
-    print(json.dumps({"before": args.before, "after": args.after, "engine": args.engine, "preset": args.preset,
-                      "tokens_per_s": tps, "median_before": before, "median_after": after,
-                      "ratio_after_over_before": after / before}))
+    medians = {name: statistics.median(v) for name, v in tps.items()}
+    result = {"before": args.before, "after": args.after, "engine": args.engine, "preset": args.preset,
+              "tokens_per_s": tps, "median_before": medians["before"], "median_after": medians["after"],
+              "ratio_after_over_before": medians["after"] / medians["before"]}
+    if args.peer:
+        result |= {"peer": args.peer, "median_peer": medians["peer"], "ratio_after_over_peer": medians["after"] /
+                   medians["peer"]}
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -149,3 +149,14 @@ def test_hf_shard_writer_files_load_with_safetensors_for_every_dtype_it_names(tm
         back.update(load_file(str(tmp_path / name)))
     for name, value in tensors.items():
         assert back[name].dtype == value.dtype and back[name].view(torch.uint8).equal(value.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 4096 * 3 + 7])
+def test_verification_hash_reads_in_pipelined_chunks_and_matches_sha256(tmp_path, size):
+    """`sha256_of` reads chunk k+1 while hashing chunk k: the digest is still that of the bytes in order."""
+    from hf_zero.checkpoint.format import sha256_of
+
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)).numpy()
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    assert sha256_of(path, chunk_bytes=4096) == hashlib.sha256(data.tobytes()).hexdigest()
