@@ -43,7 +43,10 @@ PRESETS = {
                        tied=True),
 }
 ENGINES = ["local", "ddp", "hf_zero1", "hf_zero2", "hf_zero3", "hf_zero3_q", "hf_zero3_offload", "fsdp2", "fsdp2_noreshard",
-           "ds1", "ds2", "ds3"]
+           "ds1", "ds2", "ds3", "ds3_raw"]
+# fsdp2: as Accelerate's FSDP2 plugin sets it up; ds3: as the HF Trainer configures DeepSpeed ("auto" filled);
+# ds3_raw: DeepSpeed's own defaults ({"stage": 3}); ds1 / ds2: {"stage": N} (see _peers.py)
+PEER_CONFIG: dict = {}  # the configuration the peer of this run was built with, recorded beside its figures
 # local: every rank trains its own micro-batch with no communication at all (the compute floor of a step:
 #        what any engine would take if its collectives cost nothing; not the same training, losses not compared)
 # hf_zero3_q: ZeRO-3 with int8 weight gathers (per-block scales) and bf16 gradient reduction
@@ -140,20 +143,31 @@ def setup(engine: str, weights: str, micro: int, options: dict):
     elif engine == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None)
         opt = adamw(ddp.parameters())
-    elif engine.startswith("fsdp2"):
+    elif engine == "fsdp2":
+        from _peers import fsdp2_setup
+
+        PEER_CONFIG.update(fsdp2_setup(model, bf16=False))
+        ddp, opt = model, adamw(model.parameters())
+    elif engine == "fsdp2_noreshard":
         from torch.distributed.fsdp import fully_shard
 
-        reshard = engine == "fsdp2"
         for layer in model.model.layers:
-            fully_shard(layer, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(layer, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
         ddp, opt = model, adamw(model.parameters())
     elif engine.startswith("ds"):
         import deepspeed
 
-        cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-               "zero_optimization": {"stage": int(engine[2])}, "steps_per_print": 10**9,
-               "zero_allow_untested_optimizer": True}
+        from _peers import deepspeed_config
+
+        if engine.startswith("ds3"):
+            cfg = deepspeed_config(model.config.hidden_size, micro=micro, bf16=False,
+                                   flavor="raw" if engine == "ds3_raw" else "hf")
+        else:
+            cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+                   "zero_optimization": {"stage": int(engine[2])}, "steps_per_print": 10**9,
+                   "zero_allow_untested_optimizer": True}
+        PEER_CONFIG.update(cfg)
         ds_engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=cfg)
 
         def ds_step(batch):  # noqa: ANN001
@@ -238,7 +252,7 @@ def main() -> None:
     record = {
         "engine": args.engine, "preset": args.preset, "rank": rank, "world": world, "params": n_params,
         "device": args.device, "device_name": torch.cuda.get_device_name(DEVICE) if cuda else "cpu",
-        "options": json.loads(args.options),
+        "options": json.loads(args.options), "peer_config": PEER_CONFIG,
         # A run's throughput is that of its median step: a step that another tenant of the machine slowed
         # down moves it little (the mean over all steps stays in `tokens_per_s_mean`).
         "tokens_per_s": p["global_batch"] * p["seq"] / statistics.median(step_s),

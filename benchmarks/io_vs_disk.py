@@ -23,6 +23,7 @@ consolidation >= 0.7.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import mmap
 import os
@@ -140,7 +141,8 @@ def worker(args: argparse.Namespace) -> None:
     phase("load_checkpoint", lambda: hf_zero.load_checkpoint(ckpt, model, opt), drop=True)
     consolidate = (lambda: hf_zero.consolidate(ckpt, out, dtype="bf16", progress=False)) if rank == 0 else (lambda: 0)
     phase("consolidate", consolidate, drop=True)
-    del model, opt
+    model = opt = None  # freed before the next model is built
+    gc.collect()
     phase("from_pretrained", lambda: hf_zero.from_pretrained(AutoModelForCausalLM, str(out), config), drop=True)
     if rank == 0:
         model_files = [p for p in ckpt.rglob("*") if p.is_file() and p.name.startswith("model")]

@@ -29,12 +29,11 @@ def _copy(saved: Path, tmp_path: Path) -> Path:
     return target
 
 
-def _expect(pools, ckpt: Path, error_type: str, message: str, kind: str = "llama", verify: bool = True,
-            unchanged: bool = True) -> None:
+def _expect(pools, ckpt: Path, error_type: str, message: str, kind: str = "llama", verify: bool = True) -> None:
     for r in pools(2).values(checkpoint_cases.load_into_fresh_model, str(ckpt), kind, 3, verify):
         assert r["error_type"] == error_type, r
         assert message in r["error"], r["error"]
-        assert not unchanged or (r["unchanged"] and r["opt_state_empty"])
+        assert r["unchanged"] and r["opt_state_empty"]
 
 
 def test_good_checkpoint_loads(pools, saved, tmp_path):
@@ -63,29 +62,7 @@ def test_corrupted_file_same_size(pools, saved, tmp_path):
     data = bytearray(path.read_bytes())
     data[-7] ^= 0xFF  # one flipped byte inside a tensor
     path.write_bytes(bytes(data))
-    # [Note: verified as read]: found from the bytes the load read, after the reads, on every rank (rank 1 read
-    # none of the damaged file); the message says the model now holds values from it
-    _expect(pools, ckpt, "ValueError", "model-rank00000-of-00002.safetensors is corrupted: its SHA-256",
-            unchanged=False)
-    _expect(pools, ckpt, "ValueError", "now hold values read from it: load another checkpoint", unchanged=False)
-
-
-@pytest.mark.parametrize("world", [2, 1])
-def test_a_flipped_byte_the_load_does_not_read_is_still_found(pools, saved, tmp_path, world):
-    """A byte of the safetensors header's padding (JSON still valid) is never read into a tensor: the digest
-    hashes the bytes between the reads too. On 1 rank the 2-rank files are read out of their order (the
-    digest is then taken from the whole file): found the same way."""
-    ckpt = _copy(saved, tmp_path)
-    path = ckpt / "optim-rank00001-of-00002.safetensors"
-    data = bytearray(path.read_bytes())
-    n = int.from_bytes(data[:8], "little")
-    pad = data.rfind(b"}", 8, 8 + n) + 1
-    if pad == 8 + n:  # no padding in this header: put the flip in the JSON's first key's quotes' whitespace
-        pytest.skip("this header has no padding to flip")
-    data[pad] = ord("\t")  # whitespace after the JSON object: still a valid header
-    path.write_bytes(bytes(data))
-    for r in pools(world).values(checkpoint_cases.load_into_fresh_model, str(ckpt), "llama", 3, True):
-        assert r["error_type"] == "ValueError" and "optim-rank00001-of-00002.safetensors is corrupted" in r["error"]
+    _expect(pools, ckpt, "ValueError", "model-rank00000-of-00002.safetensors is corrupted: its SHA-256")
 
 
 def test_checkpoint_of_another_model(pools, saved, tmp_path):

@@ -2,9 +2,8 @@
 
 Each rank reads, from whichever files hold them, only the ranges of each parameter that its own
 shard covers now (`read_pieces` over the manifest's slice index), so a checkpoint saved by 3
-ranks at stage 3 loads on 2 ranks at stage 2, and back. The manifest, names and shapes, optimizer and
-file sizes are checked and agreed on by all ranks before any tensor is touched; the checksums are computed
-from the bytes as they are read ([Note: verified as read] in reader.py) and agreed on before returning.
+ranks at stage 3 loads on 2 ranks at stage 2, and back. Everything is checked (manifest, names
+and shapes, files, sizes, checksums) and agreed on by all ranks before any tensor is touched.
 """
 
 from __future__ import annotations
@@ -54,10 +53,8 @@ def load_checkpoint(
         model (`nn.Module`): a model returned by `hf_zero.initialize`, of the same architecture.
         optimizer (`ShardedOptimizer` or a list or tuple of them, *optional*): restored too (state, param-group
             hyperparameters); several optimizers in the order they were saved.
-        verify (`bool`, *optional*, defaults to `True`): check every file's SHA-256 against the manifest,
-            computed from the bytes as they are read (a thread beside the reads); a mismatch raises on every rank
-            after the reads, the model and optimizer then holding values from the damaged file. Sizes, names and
-            shapes are always checked before anything is read.
+        verify (`bool`, *optional*, defaults to `True`): check every file's SHA-256 against the
+            manifest before reading (costs one read of the files); sizes are always checked.
 
     Returns:
         `dict`: the `metadata` given to `save_checkpoint`.
@@ -65,8 +62,8 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: no checkpoint (or an incomplete one) at `path`, or a file missing.
         ValueError: a damaged file, another model's checkpoint (names or shapes differ), an
-            unknown format version, or an optimizer that does not match. Raised on every rank, before anything
-            is modified, except a checksum mismatch (after the reads, see `verify`).
+            unknown format version, or an optimizer that does not match. Raised on every rank,
+            before anything is modified.
 
     Example:
 
@@ -86,8 +83,7 @@ def load_checkpoint(
         _check_model_matches(manifest, engine, directory)
         optimizers = sharded_list(optimizer, "load_checkpoint")
         _check_optimizer_matches(manifest, optimizers, directory)
-        needed = _files_needed(manifest, engine, optimizers)
-        check_files(directory, manifest, needed, verify=False)  # sizes; the checksums as the files are read
+        check_files(directory, manifest, _files_needed(manifest, engine, optimizers), verify)
         flat = {n for o in optimizers if not o.steps_whole_parameters for names in o.group_param_names for n in names}
         if flat:
             with FileCache(directory) as cache:
@@ -99,23 +95,7 @@ def load_checkpoint(
         raise RuntimeError(f"[rank {engine.world.global_rank}] hf_zero.load_checkpoint read no manifest")
 
     engine.hooks.wait_reductions()
-    try:
-        _read(engine, manifest, optimizers, directory, needed if verify else [])
-    except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
-        error = e
-    raise_if_any_failed(error, engine.world, "hf_zero.load_checkpoint")
-    if engine.scaler is not None and "loss_scale" in manifest.engine:
-        engine.scaler.scale = float(manifest.engine["loss_scale"])
-    engine.zero_grad()
-    return dict(manifest.user)
-
-
-def _read(
-    engine: ZeroEngine, manifest: Manifest, optimizers: list[ShardedOptimizer], directory: Path, verify: list[str]
-) -> None:
-    """Read this rank's ranges into the masters, the buffers and the optimizers' state, hashing the files in
-    `verify` from the bytes read ([Note: verified as read] in reader.py); a mismatch raises after the reads."""
-    with FileCache(directory, track=verify) as cache:
+    with FileCache(directory) as cache:
         with torch.no_grad():
             for part in engine.parts:  # one unit's master at a time ([Note: disk offload])
                 master = part.store.read()
@@ -124,16 +104,13 @@ def _read(
                         out = master[piece.local[0] : piece.local[1]]
                         read_pieces(cache, piece.name, manifest.slices[piece.name], piece.start, piece.end, out)
                 part.store.replace(master)
-            _load_buffers(engine.model, manifest, cache)
+            _load_buffers(model, manifest, cache)
         for each, saved_part in zip(optimizers, optimizer_parts(manifest)):
             _load_optimizer(engine, each, saved_part, manifest, cache)
-        bad = [name for name, digest in cache.digests().items() if digest != manifest.files[name].sha256]
-    if bad:
-        raise ValueError(
-            f"Checkpoint file {directory / bad[0]} is corrupted: its SHA-256 does not match the manifest. The model "
-            "and optimizer now hold values read from it: load another checkpoint (or rebuild them) before training "
-            "on. Copy the file again, or resume from another checkpoint (verify=False skips this check)."
-        )
+    if engine.scaler is not None and "loss_scale" in manifest.engine:
+        engine.scaler.scale = float(manifest.engine["loss_scale"])
+    engine.zero_grad()
+    return dict(manifest.user)
 
 
 def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizers: list[ShardedOptimizer]) -> list[str]:

@@ -122,7 +122,8 @@ def piece_param_state(piece: Piece, key: str, manifest: Manifest, cache: FileCac
     for the flat path."""
     tkey = f"{piece.name}{STATE_SEP}{key}"
     file = (manifest.optimizer or {})["owners"][piece.name]
-    return read_flat_range(cache, file, tkey, piece.start, piece.end)
+    shape = list(cache.get(file).get_slice(tkey).get_shape())
+    return read_flat_range(cache.get(file), tkey, shape, piece.start, piece.end)
 
 
 def _stored(manifest: Manifest, name: str) -> list[list[Any]]:

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..engine.layout import FlatLayout
 from ..engine.wrap import UnitSpec
-from .reader import FileCache, hf_weight_map
+from .reader import FileCache, hf_weight_map, read_flat_range
 
 
 class SafetensorsSource:
@@ -68,10 +68,11 @@ class SafetensorsSource:
                 key = self._key(params[index], slot.name)
                 if key is None:
                     raise ValueError(f"{self.directory} lacks the weight {slot.name}.")
-                # [Note: range reads]: straight into the shard (through one staging tensor where dtypes differ)
-                self._cache.ranges(self.weight_map[key]).read_into(key, start - slot.offset, out[start - lo : end - lo])
+                handle = self._cache.get(self.weight_map[key])
+                values = read_flat_range(handle, key, list(slot.shape), start - slot.offset, end - slot.offset)
+                out[start - lo : end - lo].copy_(values)
         finally:
-            self._cache.close()  # close the files after each unit (a map of them would keep pages resident)
+            self._cache.close()  # unmap: keep at most one unit's pages resident
 
     def load_buffers(self, model: nn.Module) -> None:
         """Copy persistent buffers that the files hold (most causal LMs have none)."""
