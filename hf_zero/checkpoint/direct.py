@@ -41,7 +41,7 @@ from types import TracebackType
 import torch
 
 BLOCK = 4096  # O_DIRECT's alignment: a multiple of every block device's logical block size in use
-BUFFER_BYTES = 64 << 20  # each aligned buffer of a sink: 16 writes of 4 MB in flight on the disks measured
+BUFFER_BYTES = 64 << 20  # each aligned buffer of a sink (one write: 16 requests of 4 MiB; 16 MiB saved as fast here)
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
