@@ -232,12 +232,12 @@ def main() -> None:
     setup_peak = _rss("VmHWM:")
     _reset_peak()
     train_base = _rss("VmRSS:")
-    losses, step_s = [], []
+    losses, step_s, cpu_s = [], [], []
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             dist.barrier()
             start = time.perf_counter()
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         batch = data[i, rank * micro : (rank + 1) * micro].to(DEVICE)
         loss = step(batch)
         mean = loss.float().reshape(1).clone()
@@ -245,6 +245,7 @@ def main() -> None:
         losses.append(float(mean) / world)
         if i >= args.warmup:
             step_s.append(time.perf_counter() - began)
+            cpu_s.append(time.process_time() - began_cpu)
     dist.barrier()
     elapsed = time.perf_counter() - start
     train_peak = _rss("VmHWM:")
@@ -257,6 +258,8 @@ def main() -> None:
         # down moves it little (the mean over all steps stays in `tokens_per_s_mean`).
         "tokens_per_s": p["global_batch"] * p["seq"] / statistics.median(step_s),
         "tokens_per_s_mean": args.steps * p["global_batch"] * p["seq"] / elapsed, "step_s": step_s, "losses": losses,
+        # CPU time of the process (all its threads) per step: what the step costs, less what other tenants took
+        "cpu_s": cpu_s,
         "peak_rss_bytes": max(setup_peak, train_peak) - base, "train_peak_rss_bytes": train_peak - train_base,
         "model_state_bytes": state_bytes(), "zero3_state_formula_bytes": 16 * n_params // world,
     }

@@ -80,3 +80,25 @@ def test_no_host_tensor_reaches_a_collective_with_offload(pools, tmp_path, case)
     np.testing.assert_allclose(staged[0]["norms"], direct[0]["norms"], rtol=1e-6, atol=0)
     for name, value in direct[0]["state"].items():
         assert rel_err(staged[0]["state"][name], value) <= 1e-6, name
+
+
+@pytest.mark.parametrize("offload, trims", [(False, 0), (True, 3)])
+def test_heap_is_trimmed_after_offloaded_steps_only(monkeypatch, offload, trims):
+    """[Note: host heap]: an offloaded step returns its freed heap to the system; a CPU-only step in memory keeps it
+    (what it frees, the next forward allocates again)."""
+    import torch
+
+    import hf_zero
+    from hf_zero.engine.step import stepping
+
+    calls = []
+    monkeypatch.setattr(stepping, "release_free_host_memory", lambda: calls.append(1))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model, optimizer = hf_zero.initialize(net, torch.optim.AdamW(net.parameters(), lr=1e-2),
+                                          hf_zero.ZeroConfig(stage=3, offload_optimizer=offload))
+    for _ in range(3):
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert len(calls) == trims

@@ -521,18 +521,17 @@ def _name_index(
     return names, real
 
 
-_NORM_CHUNK = 1 << 22  # elements per chunk of a gradient shard's power sum (a 16 MiB fp32 temporary at most)
+_NORM_CHUNK = 1 << 15  # elements per chunk whose norm is taken in fp32 (32k: 3e-8 relative, as short tensors are)
 
 
 def _power_sum(shard: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """sum(|shard| ** norm_type) in float64, summed in chunks by `sum`'s pairwise reduction.
+    """sum(|shard| ** norm_type) in float64, from the fp32 norms of 32k-element chunks (one `_foreach_norm` call).
 
     Not `vector_norm(shard) ** p`: on the CPU its fp32 accumulation drifts with the length (2.7e-5 relative on a
     590k-element shard, 7.7e-5 at 4M, where `torch.nn.utils.clip_grad_norm_`'s per-tensor norms are exact to
-    1e-7), so the clip coefficient and the returned norm would differ from DDP's.
+    1e-7), so the clip coefficient and the returned norm would differ from DDP's. Chunks that short are exact to
+    3e-8 (measured on 17M elements), and the chunked norms cost what one `vector_norm` does (8 ms for 17M fp32
+    elements on one core, where summing squares chunk by chunk in float64 took 117 ms).
     """
-    total = torch.zeros((), dtype=torch.float64, device=shard.device)
-    for chunk in shard.split(_NORM_CHUNK):
-        power = chunk.float().abs().pow_(norm_type) if norm_type != 2.0 else chunk.float().square()
-        total += power.sum(dtype=torch.float64)
-    return total
+    norms = torch._foreach_norm(list(shard.split(_NORM_CHUNK)), norm_type, dtype=torch.float32)
+    return torch.stack(norms).double().pow_(norm_type).sum()

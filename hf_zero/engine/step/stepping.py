@@ -140,8 +140,8 @@ class OptimizerSteps:
         published = [part.store.publish(async_op=True) for part in entry.parts]
         for pending in published:
             pending.wait()
-        if any(part.placement.master_on_host for part in engine.parts):
-            release_free_host_memory()  # [Note: host heap]
+        if any(part.placement.offloaded for part in engine.parts):
+            release_free_host_memory()  # [Note: host heap]: after an offloaded step only
         engine.release_gathered()  # no copy gathered before the step is used after it
         return True
 
