@@ -75,7 +75,8 @@ def compare_section(report: dict) -> list[str]:
     return rows
 
 
-RATIOS = [("hf_zero3", "fsdp2"), ("hf_zero3", "ddp"), ("hf_zero3", "ds3"), ("hf_zero3_disk", "hf_zero3"),
+RATIOS = [("hf_zero3", "fsdp2"), ("hf_zero3", "ddp"), ("hf_zero3", "ds3"), ("hf_zero3", "ds3_raw"),
+          ("hf_zero3_disk", "hf_zero3"),
           ("hf_zero3_disk_params", "hf_zero3"), ("hf_zero3_disk_params", "ds3_nvme")]
 
 
@@ -90,6 +91,21 @@ def ratio_lines(runs: list[dict]) -> list[str]:
         return []
     return ["", "Largest size trained, one engine over another: " + "; ".join(
         f"{LABELS[a]} / {LABELS[b]} = {largest[a] / largest[b]:.2f}x" for a, b in pairs) + "."]
+
+
+def peer_lines(runs: list[dict]) -> list[str]:
+    """Each peer's configuration as its runs recorded it (`peer_config`), one per engine."""
+    seen: dict[str, dict] = {}
+    for r in runs:
+        config = r["ranks"][0].get("peer_config") if r["ok"] else None
+        if config and r["engine"] not in seen:
+            seen[r["engine"]] = config
+    if not seen:
+        return []
+    lines = ["", "## The peers' configurations (as each run recorded it)", ""]
+    for engine, config in seen.items():
+        lines += [f"- {LABELS.get(engine, engine)}: `{json.dumps(config, sort_keys=True)}`"]
+    return lines
 
 
 def write_report(report: dict, out: Path, name: str) -> None:
@@ -133,6 +149,7 @@ def write_report(report: dict, out: Path, name: str) -> None:
             est = estimated_bytes(r["layers"], offload)
             lines.append(f"| {LABELS[r['engine']]} | {r['params'] / 1e9:.2f}B | {peak / GIB:.2f} | {est / GIB:.2f} | "
                          f"{peak / est:.3f} |")
+    lines += peer_lines(runs)
     lines += ["", "## Every run", "",
               "| engine | params | result | setup peak | train peak | save peak | 16Ψ/N | steps (s) | save (s) | losses |",
               "|---|---|---|---|---|---|---|---|---|---|"]

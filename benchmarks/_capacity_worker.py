@@ -37,6 +37,7 @@ def _reset_peak() -> None:
 
 
 _KEPT = {"peak": 0}
+PEER_CONFIG: dict = {}  # the configuration the peer of this run was built with, recorded beside its figures
 
 
 def _keep_peak(value: int) -> None:
@@ -133,17 +134,15 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
             dist.barrier()
 
         return _torch_step(ddp, opt, autocast=True), ddp_save, dict
-    if engine == "fsdp2":
+    if engine == "fsdp2":  # as Accelerate's FSDP2 plugin builds it (benchmarks/_peers.py)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from _peers import fsdp2_setup
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        PEER_CONFIG.update(fsdp2_setup(model, bf16=True))
         model.to_empty(device="cpu")
         _init_meta_llama(model, config)
         model.train()
@@ -154,20 +153,25 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
             dcp.save(state, checkpoint_id=path)
 
         return _torch_step(model, opt, autocast=False), fsdp_save, dict
-    if engine.startswith("ds3"):
+    if engine.startswith("ds3"):  # as the HF Trainer configures DeepSpeed (benchmarks/_peers.py)
         import deepspeed
 
-        zero: dict = {"stage": 3}
-        if engine == "ds3_nvme":  # ZeRO-Infinity: optimizer state on NVMe (with the user's AdamW, as the others)
-            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(Path(args.work) / "offload")}
-            zero["offload_param"] = {"device": "cpu"}
-        ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-                     "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 10**9,
-                     "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+        from _peers import deepspeed_config
+
+        offload = {"ds3_offload": "cpu", "ds3_nvme": "nvme"}.get(engine)
+        ds_config = deepspeed_config(config.hidden_size, micro=1, bf16=True,
+                                     flavor="raw" if engine == "ds3_raw" else "hf", offload=offload,
+                                     nvme_path=str(Path(args.work) / "offload") if offload == "nvme" else None)
+        PEER_CONFIG.update(ds_config)
+        if offload == "nvme":
+            (Path(args.work) / "offload").mkdir(parents=True, exist_ok=True)
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = AutoModelForCausalLM.from_config(config)
+        # offloading: the configuration names AdamW and DeepSpeed builds DeepSpeedCPUAdam; otherwise the
+        # Trainer's own torch AdamW is handed over
+        optimizer = None if offload else _adamw(model.parameters())
         engine_, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
-                                                optimizer=_adamw(model.parameters()))
+                                                optimizer=optimizer)
 
         def ds_step(batch):  # noqa: ANN001, ANN202
             loss = engine_(input_ids=batch, labels=batch).loss
@@ -194,6 +198,8 @@ def work(args: argparse.Namespace) -> None:
     began = time.perf_counter()
     _phase(rank, "setup")
     step, save, stats = build(args.engine, args)
+    if PEER_CONFIG:
+        _phase(rank, f"peer configuration {json.dumps(PEER_CONFIG, sort_keys=True)}")
     setup_s = time.perf_counter() - began
     setup_peak = _status("VmHWM:")
     dist.barrier()
@@ -224,7 +230,7 @@ def work(args: argparse.Namespace) -> None:
     record = {"engine": args.engine, "layers": args.layers, "params": n_params(args.layers), "rank": rank,
               "base_rss": base, "setup_peak_rss": setup_peak, "setup_s": setup_s, "train_peak_rss": train_peak,
               "train_end_rss": train_end, "save_peak_rss": save_peak, "save_s": save_s, "step_s": step_s,
-              "losses": losses, "tokens_per_s": 2 * SEQ / step_s[-1], **stats()}
+              "losses": losses, "tokens_per_s": 2 * SEQ / step_s[-1], "peer_config": PEER_CONFIG, **stats()}
     _phase(rank, "report")
     records = [None, None]
     dist.all_gather_object(records, record)

@@ -32,14 +32,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ["local", "ddp", "hf_zero1", "hf_zero2", "hf_zero3", "hf_zero3_q", "hf_zero3_offload", "fsdp2", "fsdp2_noreshard",
-           "ds1", "ds2", "ds3"]
+           "ds1", "ds2", "ds3", "ds3_raw"]
 # Losses must match DDP's within 1e-4 relative; the quantized engine rounds in transit, so within 2e-2;
 # "local" (no communication, each rank trains alone) is not the same training and is not compared.
 LOSS_TOL = {"hf_zero3_q": 2e-2, "local": float("inf")}
 LABELS = {"local": "no communication (compute floor)", "ddp": "DDP", "hf_zero1": "hf_zero ZeRO-1", "hf_zero2": "hf_zero ZeRO-2", "hf_zero3": "hf_zero ZeRO-3",
           "hf_zero3_q": "hf_zero ZeRO-3 int8 weights + bf16 grads",
           "hf_zero3_offload": "hf_zero ZeRO-3 + offload", "fsdp2": "FSDP2 (reshard)", "fsdp2_noreshard": "FSDP2 (no reshard)",
-          "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3"}
+          "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3 (HF config)",
+          "ds3_raw": "DeepSpeed ZeRO-3 (its defaults)"}
 
 
 def run_one(engine: str, preset: str, weights: str, steps: int, warmup: int, threads: int,
@@ -81,6 +82,7 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
             "world": rounds[-1][0]["world"],
             "device": rounds[-1][0].get("device", "cpu"),
             "device_name": rounds[-1][0].get("device_name", "cpu"),
+            "peer_config": rounds[-1][0].get("peer_config") or None,
         }
     return summary
 
@@ -88,7 +90,8 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
 def ratios(summary: dict[str, dict]) -> list[tuple[str, float, float, float]]:
     """(name, median, min, max) of per-round throughput ratios (the rounds pair the engines)."""
     pairs = [("hf_zero ZeRO-3 / FSDP2 (reshard)", "hf_zero3", "fsdp2"),
-             ("hf_zero ZeRO-3 / DeepSpeed ZeRO-3", "hf_zero3", "ds3"),
+             ("hf_zero ZeRO-3 / DeepSpeed ZeRO-3 (HF config)", "hf_zero3", "ds3"),
+             ("hf_zero ZeRO-3 / DeepSpeed ZeRO-3 (its defaults)", "hf_zero3", "ds3_raw"),
              ("hf_zero ZeRO-2 / DeepSpeed ZeRO-2", "hf_zero2", "ds2"),
              ("hf_zero ZeRO-1 / DDP", "hf_zero1", "ddp"),
              ("hf_zero ZeRO-3 / DDP", "hf_zero3", "ddp"),
@@ -127,6 +130,10 @@ def markdown(preset: str, summary: dict[str, dict], rs: list, rounds: int, steps
                      f"{peak / formula:.2f} | {s['train_peak_rss_bytes_per_rank'] / mib:.0f} | {state} |")
     lines += ["", "| ratio (tokens/s, paired by round) | median | min | max |", "|---|---|---|---|"]
     lines += [f"| {n} | {m:.3f} | {lo:.3f} | {hi:.3f} |" for n, m, lo, hi in rs]
+    peers = [(LABELS[e], s["peer_config"]) for e, s in summary.items() if s.get("peer_config")]
+    if peers:
+        lines += ["", "The peers' configurations, as each run recorded them (benchmarks/_peers.py):", ""]
+        lines += [f"- {label}: `{json.dumps(config, sort_keys=True)}`" for label, config in peers]
     return "\n".join(lines) + "\n"
 
 

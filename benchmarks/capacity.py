@@ -9,10 +9,14 @@ shapes) and L layers: 0.13B + 44.0M x L parameters (L=16: 0.84B, L=22: 1.10B, L=
 trains one sequence of 128 tokens per step. Engines:
 - `ddp`: DDP, fp32 weights under `torch.autocast(bfloat16)`, the model loaded whole on every rank;
   its checkpoint is rank 0's `torch.save` of the model and optimizer state dicts.
-- `fsdp2`: `fully_shard` per decoder layer and the root, `MixedPrecisionPolicy(bf16, reduce fp32)`, built
-  on the meta device and initialized shard by shard; checkpoint: `torch.distributed.checkpoint.save`.
-- `ds3`: DeepSpeed ZeRO-3 (bf16), built under `deepspeed.zero.Init`; checkpoint: its `save_checkpoint`.
-  `ds3_nvme`: the same with `offload_optimizer.device = nvme` (ZeRO-Infinity).
+- `fsdp2`: as Accelerate's FSDP2 plugin sets it up (`_peers.fsdp2_setup`: `fully_shard` per decoder layer and
+  the root, `MixedPrecisionPolicy(bf16, bf16, bf16)`), built on the meta device and initialized shard by shard;
+  checkpoint: `torch.distributed.checkpoint.save`.
+- `ds3`: DeepSpeed ZeRO-3 (bf16) as the HF Trainer configures it (`_peers.deepspeed_config`, the documented
+  ZeRO-3 file with "auto" filled from the model), built under `deepspeed.zero.Init`; checkpoint: its
+  `save_checkpoint`. `ds3_raw`: DeepSpeed's own defaults (`{"stage": 3}`): larger buckets, fewer collectives.
+  `ds3_nvme`: ZeRO-Infinity as documented: parameters and optimizer state on NVMe (`aio`), DeepSpeedCPUAdam.
+  Each run records its peer's configuration (`peer_config`).
 - `hf_zero3`: hf_zero ZeRO-3 in memory, loaded with `hf_zero.from_pretrained` (each rank reads its slices);
   `hf_zero3_disk`: the same with `offload_optimizer=True, offload_dir=...`; `hf_zero3_disk_params`: with
   `offload_params=True` too (no parameter shard kept: gathers read the master file). Checkpoint: `save_checkpoint`.
@@ -43,8 +47,8 @@ HERE = Path(__file__).resolve().parent
 # Layer counts each engine tries, in order, until the first that does not fit: one smaller size, then the
 # largest that fit and the next one of the finer ladders run before (git history of this file), so one run
 # compares every engine at its limit within about an hour.
-PLAN = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 17], "ds3": [4, 8, 12],
-        "ds3_nvme": [4, 6, 8],  # DeepSpeed's AIO op needs libaio-dev (apt) to build
+PLAN = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 17], "ds3_raw": [4, 8, 12], "ds3": [4, 8, 12, 16],
+        "ds3_nvme": [4, 8, 16, 32],  # DeepSpeed's AIO op needs libaio-dev: `ensure_libaio` installs it
         "hf_zero3": [16, 20, 21], "hf_zero3_disk": [32, 52, 55],
         "hf_zero3_disk_params": [52, 66]}  # 66 layers (3.04B) is what this disk holds: offload files + checkpoint
 ENGINES = list(PLAN)
@@ -167,6 +171,20 @@ def _tree_rss(root: int) -> dict[int, int]:
     return out
 
 
+def ensure_libaio() -> None:
+    """DeepSpeed's `async_io` op (ZeRO-Infinity's NVMe path) compiles against libaio: install `libaio-dev` with
+    apt when it is missing and this process may (root), else say what to run."""
+    if Path("/usr/include/libaio.h").exists():
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise SystemExit("ds3_nvme needs libaio's headers for DeepSpeed's async_io op: run "
+                         "`sudo apt-get install -y libaio-dev` (or drop ds3_nvme from --engines)")
+    print("installing libaio-dev for DeepSpeed's async_io op (ds3_nvme)", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "libaio-dev"], check=True, env=env)
+
+
 def disk_bandwidth(directory: Path, nbytes: int = 4 * GIB) -> dict:
     """Sequential write (fsync'd) and read (page cache dropped with posix_fadvise) of one file, in GB/s."""
     path = directory / "bandwidth.bin"
@@ -228,6 +246,8 @@ def main() -> None:
     budget = int(args.budget_gib * GIB)
     name = "capacity_compare" if args.compare else "capacity"
     engines = ["hf_zero3", "hf_zero3_disk"] if args.compare else args.engines.split(",")
+    if "ds3_nvme" in engines:
+        ensure_libaio()
     report = {"budget_gib": args.budget_gib, "total_budget_gib": args.total_budget_gib, "seq": SEQ, "steps": args.steps, "shape": SHAPE,
               "disk": disk_bandwidth(work_dir), "runs": []}
     print(f"disk: {report['disk']}", flush=True)

@@ -352,6 +352,18 @@ def unit_skipped_on_one_rank(loop: Loop) -> None:
         loop.opt.zero_grad()
 
 
+@scenario()
+def last_unit_skipped_on_one_rank(loop: Loop) -> None:
+    """Rank 1 skips the last block (the first unit the backward meets) in the second step: at stage 3 the check
+    that the ranks ran the same units, issued after the forward, is settled before that unit's backward."""
+    for step in range(3):
+        loss = loop.loss(step, skip=(2,) if step == 1 and loop.rank == 1 else ())
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
 @scenario(tie=True)
 def weight_shared_by_two_units(loop: Loop) -> None:
     """One parameter used by two blocks (`blocks[2].lin.weight = blocks[0].lin.weight`), as FSDP2's shared-parameter

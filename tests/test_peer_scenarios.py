@@ -18,6 +18,7 @@ REFUSED: dict[str, dict[int, str]] = {
     "torch_two_step_clipping": {s: "get_total_norm + clip_grads_with_norm_" for s in (1, 2, 3)},
     "torch_clip_bound_early": {s: "optimizer.clip_grad_norm_(max_norm)" for s in (1, 2, 3)},
     "unit_skipped_on_one_rank": {3: "units ['blocks.1'] ran their forward on some ranks and not on others"},
+    "last_unit_skipped_on_one_rank": {3: "units ['blocks.2'] ran their forward on some ranks and not on others"},
     # in the first forward (no prefetch plan yet) the gathers themselves are checked, naming the units met
     "accumulation_unit_skipped_on_one_rank": {3: "gather different units (['blocks.1', 'blocks.2'])"},
 }

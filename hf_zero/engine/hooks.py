@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .collectives import CommGroup, gather_flags
+from .collectives import CommGroup, gather_flags, issue_flags_gather
 from .grads import GradReduction
 from .lifecycle import TrainingState
 from .passes import Pass
@@ -152,6 +152,8 @@ class UnitHooks:
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         recompute = _in_backward()  # [Note: recomputation]
+        if recompute:
+            self._settle_units_check()
         if unit is self.root and not recompute:
             self._begin_root_forward()
         elif not self._order_known and not recompute and unit is not self.root and unit not in self._forward_order:
@@ -179,6 +181,7 @@ class UnitHooks:
     def _begin_root_forward(self) -> None:
         """The root's pre-forward: forget a pass an exception stopped, free a unit no backward used, learn the
         order after the first forward, gather the units used directly."""
+        self._settle_units_check()  # a forward with grad that no backward followed
         if not self.current.idle or any(u.training_state is not TrainingState.IDLE for u in self.units):
             self.reset()  # a previous forward or backward was interrupted by an exception
         self.release_held()  # no backward used it: gather it afresh in this forward
@@ -286,7 +289,7 @@ class UnitHooks:
         if not torch.is_grad_enabled():
             return None
         if unit is self.root:
-            self._agree_on_units()
+            self._issue_units_check()
         if unit is self.root and self.settings.root_output_fn is not None:
             output = self.settings.root_output_fn(output)
         self._hook_outputs(unit, output)
@@ -306,6 +309,8 @@ class UnitHooks:
         self._pre_backward(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
+        if unit is not self.root:
+            self._settle_units_check()  # before anything this unit issues
         if not unit.begin_backward():
             return
         self._open_gate()  # a deferred prefetch goes out before anything this unit issues
@@ -403,6 +408,7 @@ class UnitHooks:
             self._prefetch_after(unit, forward=False)
 
     def _finalize(self) -> None:
+        self._settle_units_check()
         anywhere = self.current.ran_anywhere or []
         catch_up = self.requires_grad_sync and self.unsynced
         for unit in reversed(self.units):
@@ -492,22 +498,36 @@ class UnitHooks:
         if self.current.ran_anywhere is not None:
             self.current.deferred = True
 
-    def _agree_on_units(self) -> None:
+    def _issue_units_check(self) -> None:
         """[Note: units run on some ranks]
         A unit may run its forward on some ranks and not others in a step (LayerDrop drawn per rank, an
         expert no token of a rank reached, a branch on the data). Its reduction would then be issued on some
         ranks only and the collectives would pair up wrongly or hang. After every forward with grad mode on,
-        one all-gather of a byte per unit tells each rank which units ran on which rank since the last backward
-        (0.4 ms on gloo; an all-reduce costs twice that and more). Where they
-        differ: at stages 0-2 the backward defers every reduction to its final callback, in unit order, a
-        rank that did not run a unit reducing zeros for it: exact, as DDP with `find_unused_parameters=True`.
-        At stage 3 the forward's gathers already depend on which units ran, so it is refused, on every rank,
-        naming the units."""
+        one all-gather of a byte per unit tells each rank which units ran on which rank since the last backward.
+        It is issued at the root's post-forward, the same point on every rank, and waited for
+        (`_settle_units_check`) only before the next thing that depends on it: the first hook of the backward
+        past the root's (before any reduction, and at stage 3 before any gather the root's own pre-backward
+        did not issue), a recomputed forward, the final callback, or the next forward. A rank that reaches the
+        end of its forward first goes on into the loss and the head's backward instead of waiting there for the
+        others (a wait at the point of issue cost 80-95 ms per step on the small preset, 2 ranks on gloo).
+        Where the ranks differ: at stages 0-2 the backward defers every reduction to its final callback, in
+        unit order, a rank that did not run a unit reducing zeros for it: exact, as DDP with
+        `find_unused_parameters=True`. At stage 3 the forward's gathers already depend on which units ran, so it
+        is refused, on every rank, naming the units."""
+        self._settle_units_check()  # a second forward before a backward: the first one's check goes first
         world = self.settings.world
         if world is None or world.size == 1:
             return
+        self.current.units_check = issue_flags_gather([id(u) in self.current.ran for u in self.units[:-1]], world)
+
+    def _settle_units_check(self) -> None:
+        """[Note: units run on some ranks] wait for the check issued after the forward (if one is in flight) and
+        act on it: refuse at stage 3, defer the reductions at stages 0-2."""
+        check, self.current.units_check = self.current.units_check, None
+        if check is None:
+            return
         inner = self.units[:-1]
-        ran_on = gather_flags([id(u) in self.current.ran for u in inner], world)  # per rank, per unit
+        ran_on = check.rows()  # per rank, per unit
         anywhere = [any(column) for column in zip(*ran_on)]
         mixed = [u for u, column in zip(inner, zip(*ran_on)) if any(column) and not all(column)]
         if not mixed:
@@ -521,6 +541,8 @@ class UnitHooks:
                 "seed shared by all ranks), run the skipped unit on zero-sized input, or use ZeroConfig(stage=2)."
             )
         self.current.ran_anywhere = [u for u, ran in zip(inner, anywhere) if ran]
+        if self.current.in_backward:
+            self.current.deferred = True  # no reduction was issued yet: every one waits for the final callback
 
     def _gathers_off_plan(self, unit: Unit) -> bool:
         """Whether `unit`'s forward gather is issued on demand with no plan to pair it on every rank: the first

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from .lifecycle import PassState
 
 if TYPE_CHECKING:
+    from .collectives import GatheredFlags
     from .grads import GradReduction
     from .unit import Unit
 
@@ -36,6 +37,7 @@ class Pass:
     finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
     gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
     ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
+    units_check: GatheredFlags | None = None  # [Note: units run on some ranks]: issued after the forward, not waited
     ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
     deferred: bool = False  # every post_backward waits for the final callback, in unit order
     create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own

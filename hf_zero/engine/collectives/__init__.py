@@ -18,6 +18,7 @@ from .group import (
     issue_after,
 )
 from .ops import (
+    GatheredFlags,
     all_gather_into,
     all_gather_rows,
     all_reduce_,
@@ -26,6 +27,7 @@ from .ops import (
     broadcast_,
     broadcast_tensors,
     gather_flags,
+    issue_flags_gather,
     max_ints,
     max_scalar_,
     reduce_scatter_into,
@@ -50,7 +52,9 @@ __all__ = [
     "broadcast_tensors",
     "comm_device",
     "failed_ranks",
+    "GatheredFlags",
     "gather_flags",
+    "issue_flags_gather",
     "gather_objects",
     "host_side_group",
     "hybrid_groups",

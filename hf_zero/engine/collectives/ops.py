@@ -223,12 +223,29 @@ def max_ints(values: Sequence[int], group: CommGroup) -> list[int]:
 def gather_flags(flags: Sequence[bool], group: CommGroup) -> list[list[bool]]:
     """Every rank's `flags` (the same length on each), indexed by group rank: one all-gather of bytes (cheaper than
     an all-reduce on gloo), and a host sync."""
+    return issue_flags_gather(flags, group).rows()
+
+
+class GatheredFlags:
+    """An all-gather of every rank's flags in flight (`issue_flags_gather`); `rows()` waits for it."""
+
+    def __init__(self, out: torch.Tensor, pending: Pending, size: int) -> None:
+        self._out, self._pending, self._size = out, pending, size
+
+    def rows(self) -> list[list[bool]]:
+        """Every rank's flags, indexed by group rank (waits, then a host sync)."""
+        self._pending.wait()
+        return [[bool(v) for v in row] for row in self._out.view(self._size, -1).tolist()]
+
+
+def issue_flags_gather(flags: Sequence[bool], group: CommGroup) -> GatheredFlags:
+    """Issue the all-gather of `gather_flags` without waiting: the ranks meet when `rows()` is called, so a rank
+    that arrives early keeps computing instead of waiting for the others at the point of issue."""
     mine = torch.tensor([int(f) for f in flags], dtype=torch.uint8, device=comm_device(group))
     if group.size == 1:
-        return [[bool(f) for f in flags]]
+        return GatheredFlags(mine, Pending(), 1)
     out = torch.empty(group.size * mine.numel(), dtype=torch.uint8, device=mine.device)
-    _all_gather_single(out, mine, group=group.pg)
-    return [[bool(v) for v in row] for row in out.view(group.size, -1).tolist()]
+    return GatheredFlags(out, Pending(_all_gather_single(out, mine, group=group.pg, async_op=True)), group.size)
 
 
 def all_reduce_(
