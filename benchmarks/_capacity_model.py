@@ -5,7 +5,7 @@ from __future__ import annotations
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
              vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
 SEQ = 128
-LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 (Accelerate's setup)", "ds3": "DeepSpeed ZeRO-3 (HF Trainer's config)",
+LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 (Accelerate's setup)", "fsdp2_reduce_fp32": "FSDP2 (Accelerate, fp32 reduce)", "ds3": "DeepSpeed ZeRO-3 (HF Trainer's config)",
           "ds3_raw": "DeepSpeed ZeRO-3 (its defaults)", "ds3_nvme": "DeepSpeed ZeRO-Infinity (NVMe, HF config)",
           "hf_zero3": "hf_zero ZeRO-3", "hf_zero3_disk": "hf_zero ZeRO-3 + offload_dir",
           "hf_zero3_disk_params": "hf_zero ZeRO-3 + offload_dir + offload_params"}

@@ -134,7 +134,7 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
             dist.barrier()
 
         return _torch_step(ddp, opt, autocast=True), ddp_save, dict
-    if engine == "fsdp2":  # as Accelerate's FSDP2 plugin builds it (benchmarks/_peers.py)
+    if engine in ("fsdp2", "fsdp2_reduce_fp32"):  # as Accelerate's FSDP2 plugin builds it (benchmarks/_peers.py)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -142,7 +142,7 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        PEER_CONFIG.update(fsdp2_setup(model, bf16=True))
+        PEER_CONFIG.update(fsdp2_setup(model, bf16=True, reduce_fp32=engine == "fsdp2_reduce_fp32"))
         model.to_empty(device="cpu")
         _init_meta_llama(model, config)
         model.train()
@@ -165,8 +165,11 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
         PEER_CONFIG.update(ds_config)
         if offload == "nvme":
             (Path(args.work) / "offload").mkdir(parents=True, exist_ok=True)
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+        # resolved before zero.Init: transformers imports the modeling module lazily, and an import inside
+        # zero.Init's patched Tensor.__new__ fails on torch 2.13 (DeepSpeed 0.19.8: "Signature mismatch")
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = AutoModelForCausalLM.from_config(config)
+            model = model_class(config)
         # offloading: the configuration names AdamW and DeepSpeed builds DeepSpeedCPUAdam; otherwise the
         # Trainer's own torch AdamW is handed over
         optimizer = None if offload else _adamw(model.parameters())

@@ -63,12 +63,15 @@ def deepspeed_config(hidden: int, *, micro: int, bf16: bool, flavor: str = "hf",
     return config
 
 
-def fsdp2_setup(model: Any, *, bf16: bool, cpu_offload: bool = False) -> dict[str, Any]:
-    """Shard `model` as Accelerate's FSDP2 plugin does; returns the settings used (for the record)."""
+def fsdp2_setup(model: Any, *, bf16: bool, cpu_offload: bool = False, reduce_fp32: bool = False) -> dict[str, Any]:
+    """Shard `model` as Accelerate's FSDP2 plugin does; returns the settings used (for the record). `reduce_fp32`:
+    the policy a user gives the plugin as `mixed_precision_policy={"param_dtype": "bf16", "reduce_dtype": "fp32",
+    "output_dtype": "bf16"}` instead of `mixed_precision="bf16"`'s all-bf16 one."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+    reduce = torch.float32 if reduce_fp32 else torch.bfloat16
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce,
                                    output_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy())
     offload = CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy()
     names = set(getattr(model, "_no_split_modules", None) or [])

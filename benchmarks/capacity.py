@@ -11,7 +11,8 @@ trains one sequence of 128 tokens per step. Engines:
   its checkpoint is rank 0's `torch.save` of the model and optimizer state dicts.
 - `fsdp2`: as Accelerate's FSDP2 plugin sets it up (`_peers.fsdp2_setup`: `fully_shard` per decoder layer and
   the root, `MixedPrecisionPolicy(bf16, bf16, bf16)`), built on the meta device and initialized shard by shard;
-  checkpoint: `torch.distributed.checkpoint.save`.
+  checkpoint: `torch.distributed.checkpoint.save`. `fsdp2_reduce_fp32`: the same with the plugin's
+  `mixed_precision_policy` reducing in fp32 (the setting this ladder's FSDP2 row used before).
 - `ds3`: DeepSpeed ZeRO-3 (bf16) as the HF Trainer configures it (`_peers.deepspeed_config`, the documented
   ZeRO-3 file with "auto" filled from the model), built under `deepspeed.zero.Init`; checkpoint: its
   `save_checkpoint`. `ds3_raw`: DeepSpeed's own defaults (`{"stage": 3}`): larger buckets, fewer collectives.
@@ -47,7 +48,8 @@ HERE = Path(__file__).resolve().parent
 # Layer counts each engine tries, in order, until the first that does not fit: one smaller size, then the
 # largest that fit and the next one of the finer ladders run before (git history of this file), so one run
 # compares every engine at its limit within about an hour.
-PLAN = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 17], "ds3_raw": [4, 8, 12], "ds3": [4, 8, 12, 16],
+PLAN = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 17], "fsdp2_reduce_fp32": [12, 16, 17], "ds3_raw": [4, 8, 12],
+        "ds3": [4, 8, 12, 16],
         "ds3_nvme": [4, 8, 16, 32],  # DeepSpeed's AIO op needs libaio-dev: `ensure_libaio` installs it
         "hf_zero3": [16, 20, 21], "hf_zero3_disk": [32, 52, 55],
         "hf_zero3_disk_params": [52, 66]}  # 66 layers (3.04B) is what this disk holds: offload files + checkpoint
@@ -171,6 +173,17 @@ def _tree_rss(root: int) -> dict[int, int]:
     return out
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX): without them torch's bf16 matmul
+    takes a reference path and a step of this ladder's sizes takes minutes (measured: a 0.22B step of FSDP2 or
+    DeepSpeed did not finish 2 steps in 5 minutes on an AVX2-only EPYC)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def ensure_libaio() -> None:
     """DeepSpeed's `async_io` op (ZeRO-Infinity's NVMe path) compiles against libaio: install `libaio-dev` with
     apt when it is missing and this process may (root), else say what to run."""
@@ -248,7 +261,11 @@ def main() -> None:
     engines = ["hf_zero3", "hf_zero3_disk"] if args.compare else args.engines.split(",")
     if "ds3_nvme" in engines:
         ensure_libaio()
-    report = {"budget_gib": args.budget_gib, "total_budget_gib": args.total_budget_gib, "seq": SEQ, "steps": args.steps, "shape": SHAPE,
+    if not cpu_has_bf16():
+        print("warning: this CPU has no bf16 matrix instructions (AVX-512 BF16 / AMX): every engine's bf16 steps "
+              "take torch's reference path here, and runs may hit --timeout; compare on a machine that has them",
+              flush=True)
+    report = {"cpu_bf16": cpu_has_bf16(), "budget_gib": args.budget_gib, "total_budget_gib": args.total_budget_gib, "seq": SEQ, "steps": args.steps, "shape": SHAPE,
               "disk": disk_bandwidth(work_dir), "runs": []}
     print(f"disk: {report['disk']}", flush=True)
     plan = {e: ([int(x) for x in args.ladder.split(",")] if args.ladder else PLAN.get(e, [])) for e in engines}
