@@ -344,8 +344,13 @@ def grad_scaler(loop: Loop) -> None:
 @scenario()
 def unit_skipped_on_one_rank(loop: Loop) -> None:
     """Rank 1 skips block 1 in the second step (LayerDrop with a per-rank draw)."""
+    _skipped_on_rank_1(loop, block=1)
+
+
+def _skipped_on_rank_1(loop: Loop, block: int) -> None:
+    """Three steps; rank 1 skips `block` in the second."""
     for step in range(3):
-        loss = loop.loss(step, skip=(1,) if step == 1 and loop.rank == 1 else ())
+        loss = loop.loss(step, skip=(block,) if step == 1 and loop.rank == 1 else ())
         loop.note("loss", loss)
         loop.backward(loss)
         loop.opt.step()
@@ -356,12 +361,7 @@ def unit_skipped_on_one_rank(loop: Loop) -> None:
 def last_unit_skipped_on_one_rank(loop: Loop) -> None:
     """Rank 1 skips the last block (the first unit the backward meets) in the second step: at stage 3 the check
     that the ranks ran the same units, issued after the forward, is settled before that unit's backward."""
-    for step in range(3):
-        loss = loop.loss(step, skip=(2,) if step == 1 and loop.rank == 1 else ())
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
+    _skipped_on_rank_1(loop, block=2)
 
 
 @scenario(tie=True)

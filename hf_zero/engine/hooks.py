@@ -509,7 +509,7 @@ class UnitHooks:
         past the root's (before any reduction, and at stage 3 before any gather the root's own pre-backward
         did not issue), a recomputed forward, the final callback, or the next forward. A rank that reaches the
         end of its forward first goes on into the loss and the head's backward instead of waiting there for the
-        others (a wait at the point of issue cost 80-95 ms per step on the small preset, 2 ranks on gloo).
+        others (waiting at the point of issue costs 80-95 ms per step on the small preset, 2 ranks on gloo).
         Where the ranks differ: at stages 0-2 the backward defers every reduction to its final callback, in
         unit order, a rank that did not run a unit reducing zeros for it: exact, as DDP with
         `find_unused_parameters=True`. At stage 3 the forward's gathers already depend on which units ran, so it

@@ -82,7 +82,7 @@ def release_free_host_memory() -> None:
     time, so the page faults of fresh mappings cost nothing visible. An in-memory step keeps the heap, where
     mapping each temporary would double its time. A step in memory on a CPU-only run is not trimmed: what it
     frees (the last backward's activations, the step's temporaries) is what the next forward allocates again,
-    and trimming it made every step fault it back in (small preset, ZeRO-3: 220k page faults per step
+    and trimming it would make every step fault it back in (small preset, ZeRO-3: 220k page faults per step
     against 120k, 0.2-0.3 s more system time in a 3.5 s step) for a peak 2-3% lower. Measurements:
     docs/performance.md, Capacity.
 
