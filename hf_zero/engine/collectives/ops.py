@@ -229,8 +229,9 @@ def gather_flags(flags: Sequence[bool], group: CommGroup) -> list[list[bool]]:
 class GatheredFlags:
     """An all-gather of every rank's flags in flight (`issue_flags_gather`); `rows()` waits for it."""
 
-    def __init__(self, out: torch.Tensor, pending: Pending, size: int) -> None:
+    def __init__(self, out: torch.Tensor, pending: Pending, size: int, mine: torch.Tensor | None = None) -> None:
         self._out, self._pending, self._size = out, pending, size
+        self._mine = mine  # the input stays alive until the collective that reads it is waited for
 
     def rows(self) -> list[list[bool]]:
         """Every rank's flags, indexed by group rank (waits, then a host sync)."""
@@ -245,7 +246,8 @@ def issue_flags_gather(flags: Sequence[bool], group: CommGroup) -> GatheredFlags
     if group.size == 1:
         return GatheredFlags(mine, Pending(), 1)
     out = torch.empty(group.size * mine.numel(), dtype=torch.uint8, device=mine.device)
-    return GatheredFlags(out, Pending(_all_gather_single(out, mine, group=group.pg, async_op=True)), group.size)
+    work = _all_gather_single(out, mine, group=group.pg, async_op=True)
+    return GatheredFlags(out, Pending(work), group.size, mine)
 
 
 def all_reduce_(
