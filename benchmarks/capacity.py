@@ -12,7 +12,7 @@ trains one sequence of 128 tokens per step. Engines:
 - `fsdp2`: as Accelerate's FSDP2 plugin sets it up (`_peers.fsdp2_setup`: `fully_shard` per decoder layer and
   the root, `MixedPrecisionPolicy(bf16, bf16, bf16)`), built on the meta device and initialized shard by shard;
   checkpoint: `torch.distributed.checkpoint.save`. `fsdp2_reduce_fp32`: the same with the plugin's
-  `mixed_precision_policy` reducing in fp32 (the setting this ladder's FSDP2 row used before).
+  `mixed_precision_policy` reducing in fp32 (the setting of the README's current FSDP2 row).
 - `ds3`: DeepSpeed ZeRO-3 (bf16) as the HF Trainer configures it (`_peers.deepspeed_config`, the documented
   ZeRO-3 file with "auto" filled from the model), built under `deepspeed.zero.Init`; checkpoint: its
   `save_checkpoint`. `ds3_raw`: DeepSpeed's own defaults (`{"stage": 3}`): larger buckets, fewer collectives.
