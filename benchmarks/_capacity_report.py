@@ -17,8 +17,8 @@ def floor_bytes(params: int) -> float:
     return 16 * params / 2
 
 
-def estimated_bytes(layers: int, offload: str = "none") -> int:
-    """`hf-zero estimate`'s per-device total for stage 3 at this size (2 ranks, bf16, 1 x SEQ tokens)."""
+def estimated_bytes(layers: int, offload: str = "none", precision: str = "bf16") -> int:
+    """`hf-zero estimate`'s per-device total for stage 3 at this size (2 ranks, 1 x SEQ tokens)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -28,7 +28,8 @@ def estimated_bytes(layers: int, offload: str = "none") -> int:
     config = hf_config(layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    rows = estimate(model, config, world_size=2, workload=Workload(micro_batch=1, seq_len=SEQ))
+    rows = estimate(model, config, world_size=2, workload=Workload(micro_batch=1, seq_len=SEQ),
+                    mixed_precision="bf16" if precision == "bf16" else "no")
     row = next(r for r in rows if r.stage == 3 and r.offload == offload)
     return row.device_total + (row.host_per_node // 2 if offload != "none" else 0)
 
@@ -110,10 +111,13 @@ def peer_lines(runs: list[dict]) -> list[str]:
 
 def write_report(report: dict, out: Path, name: str) -> None:
     runs = report["runs"]
+    precision = report.get("precision", "bf16")
+    how = ("bf16 mixed precision" if precision == "bf16" else
+           "fp32 throughout, this CPU having no bf16 matrix instructions") + ", AdamW"
     lines = [f"# Capacity on this machine: 2 ranks, {report['budget_gib']} GiB resident per rank "
              f"({report.get('total_budget_gib', 2 * report['budget_gib'])} GiB for both)", "",
              f"LLaMA shapes {json.dumps(report['shape'])} with L layers; {report['steps']} steps of 1 x {report['seq']} "
-             "tokens per rank (bf16 mixed precision, AdamW), then one checkpoint with each engine's own save. "
+             f"tokens per rank ({how}), then one checkpoint with each engine's own save. "
              "Disk, measured at the start of each invocation (sequential, uncached): " + "; ".join(
                  f"{d['write_gb_s']:.2f} GB/s write, {d['read_gb_s']:.2f} GB/s read"
                  for d in report.get("disk_all", [report["disk"]])) + ".", "",
@@ -146,7 +150,7 @@ def write_report(report: dict, out: Path, name: str) -> None:
         for r in sorted(ours, key=lambda r: (r["engine"], r["params"])):
             peak = max(x["train_peak_rss"] - x["base_rss"] for x in r["ranks"])
             offload = {"hf_zero3_disk": "disk", "hf_zero3_disk_params": "disk+params"}.get(r["engine"], "none")
-            est = estimated_bytes(r["layers"], offload)
+            est = estimated_bytes(r["layers"], offload, precision)
             lines.append(f"| {LABELS[r['engine']]} | {r['params'] / 1e9:.2f}B | {peak / GIB:.2f} | {est / GIB:.2f} | "
                          f"{peak / est:.3f} |")
     lines += peer_lines(runs)
@@ -183,7 +187,7 @@ def write_report(report: dict, out: Path, name: str) -> None:
     ax.axhline(report["budget_gib"], color="grey", linestyle="--", label="budget per rank")
     ax.set_xlabel("parameters (billions)")
     ax.set_ylabel("peak resident memory per rank in training (GiB)")
-    ax.set_title("Largest LLaMA trained on 2 ranks (x: the first size that did not fit)")
+    ax.set_title(f"Largest LLaMA trained on 2 ranks, {precision} (x: the first size that did not fit)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -80,6 +80,7 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
     from transformers import AutoModelForCausalLM
 
     config = hf_config(args.layers)
+    bf16 = args.precision == "bf16"
     if engine.startswith("hf_zero"):
         import hf_zero
 
@@ -87,7 +88,7 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
         if engine.startswith("hf_zero3_disk"):
             extra = dict(offload_optimizer=True, offload_dir=str(Path(args.work) / "offload"),
                          offload_params=engine == "hf_zero3_disk_params")
-        zc = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16", **extra)
+        zc = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16" if bf16 else "no", **extra)
         model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, args.weights, zc,
                                              optimizer_fn=lambda m: _adamw(m.parameters()))
         model.train()
@@ -133,7 +134,7 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, os.path.join(path, "ckpt.pt"))
             dist.barrier()
 
-        return _torch_step(ddp, opt, autocast=True), ddp_save, dict
+        return _torch_step(ddp, opt, autocast=bf16), ddp_save, dict
     if engine in ("fsdp2", "fsdp2_reduce_fp32"):  # as Accelerate's FSDP2 plugin builds it (benchmarks/_peers.py)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -142,7 +143,7 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        PEER_CONFIG.update(fsdp2_setup(model, bf16=True, reduce_fp32=engine == "fsdp2_reduce_fp32"))
+        PEER_CONFIG.update(fsdp2_setup(model, bf16=bf16, reduce_fp32=engine == "fsdp2_reduce_fp32"))
         model.to_empty(device="cpu")
         _init_meta_llama(model, config)
         model.train()
@@ -159,7 +160,7 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
         from _peers import deepspeed_config
 
         offload = {"ds3_offload": "cpu", "ds3_nvme": "nvme"}.get(engine)
-        ds_config = deepspeed_config(config.hidden_size, micro=1, bf16=True,
+        ds_config = deepspeed_config(config.hidden_size, micro=1, bf16=bf16,
                                      flavor="raw" if engine == "ds3_raw" else "hf", offload=offload,
                                      nvme_path=str(Path(args.work) / "offload") if offload == "nvme" else None)
         PEER_CONFIG.update(ds_config)

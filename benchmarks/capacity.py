@@ -53,6 +53,11 @@ PLAN = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 17], "fsdp2_reduce_fp32": [12, 16, 1
         "ds3_nvme": [4, 8, 16, 32],  # DeepSpeed's AIO op needs libaio-dev: `ensure_libaio` installs it
         "hf_zero3": [16, 20, 21], "hf_zero3_disk": [32, 52, 55],
         "hf_zero3_disk_params": [52, 66]}  # 66 layers (3.04B) is what this disk holds: offload files + checkpoint
+# fp32 (`--precision fp32`, for CPUs without bf16 matrix instructions): no bf16 copies anywhere, so DDP and FSDP2
+# hold their fp32 weights whole / gathered; `fsdp2_reduce_fp32` is `fsdp2` there and is not run.
+PLAN_FP32 = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 18], "ds3_raw": [4, 8, 12], "ds3": [8, 12, 16, 18],
+             "ds3_nvme": [4, 8, 16, 32], "hf_zero3": [16, 19, 20], "hf_zero3_disk": [32, 48, 52],
+             "hf_zero3_disk_params": [52, 66]}
 ENGINES = list(PLAN)
 
 
@@ -86,12 +91,13 @@ def write_weights(layers: int, directory: Path) -> None:
 
 
 def run_job(engine: str, layers: int, weights: Path, work: Path, budget: int, total_budget: int, steps: int,
-            timeout: int, drop_weights: bool) -> dict:
+            timeout: int, drop_weights: bool, precision: str = "bf16") -> dict:
     out = work / f"{engine}-{layers}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
            "--worker", "--engine", engine, "--layers", str(layers), "--weights", str(weights), "--work", str(work),
-           "--steps", str(steps), "--result", str(out)] + (["--drop-weights"] if drop_weights else [])
+           "--steps", str(steps), "--result", str(out), "--precision", precision]
+    cmd += ["--drop-weights"] if drop_weights else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "HF_HUB_OFFLINE": "1"}
     if engine.startswith("ds"):
         env["DS_ACCELERATOR"] = "cpu"
@@ -231,6 +237,9 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=9.0, help="resident memory allowed per rank")
     ap.add_argument("--total-budget-gib", type=float, default=18.0, help="resident memory allowed to both ranks")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                    help="bf16: every engine's mixed precision (needs a CPU with bf16 matrix instructions to run at "
+                         "speed); fp32: no mixed precision anywhere (results go to capacity_fp32.*)")
     ap.add_argument("--timeout", type=int, default=2400)
     ap.add_argument("--weights", default=None)
     ap.add_argument("--work", default=None, help="scratch folder (weights, offload files, checkpoints)")
@@ -251,24 +260,29 @@ def main() -> None:
         merged = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]],
                   "disk_all": [d for rep in reports for d in rep.get("disk_all", [rep["disk"]])]}
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        name = "capacity_compare" if args.compare else "capacity"
+        name = ("capacity_compare" if args.compare else "capacity") + ("_fp32" if merged.get("precision") == "fp32"
+                                                                          else "")
         (Path(args.out) / f"{name}.json").write_text(json.dumps(merged, indent=1))
         return write_report(merged, Path(args.out), name)
     work_dir = Path(args.work or tempfile.mkdtemp(prefix="hf_zero_capacity-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     budget = int(args.budget_gib * GIB)
-    name = "capacity_compare" if args.compare else "capacity"
+    name = ("capacity_compare" if args.compare else "capacity") + ("_fp32" if args.precision == "fp32" else "")
     engines = ["hf_zero3", "hf_zero3_disk"] if args.compare else args.engines.split(",")
+    if args.precision == "fp32":
+        engines = [e for e in engines if e != "fsdp2_reduce_fp32"]  # the same as fsdp2 without bf16
     if "ds3_nvme" in engines:
         ensure_libaio()
-    if not cpu_has_bf16():
+    if args.precision == "bf16" and not cpu_has_bf16():
         print("warning: this CPU has no bf16 matrix instructions (AVX-512 BF16 / AMX): every engine's bf16 steps "
-              "take torch's reference path here, and runs may hit --timeout; compare on a machine that has them",
+              "take torch's reference path here, and runs may hit --timeout; compare on a machine that has them "
+              "or with --precision fp32",
               flush=True)
-    report = {"cpu_bf16": cpu_has_bf16(), "budget_gib": args.budget_gib, "total_budget_gib": args.total_budget_gib, "seq": SEQ, "steps": args.steps, "shape": SHAPE,
+    report = {"cpu_bf16": cpu_has_bf16(), "precision": args.precision, "budget_gib": args.budget_gib, "total_budget_gib": args.total_budget_gib, "seq": SEQ, "steps": args.steps, "shape": SHAPE,
               "disk": disk_bandwidth(work_dir), "runs": []}
     print(f"disk: {report['disk']}", flush=True)
-    plan = {e: ([int(x) for x in args.ladder.split(",")] if args.ladder else PLAN.get(e, [])) for e in engines}
+    plans = PLAN_FP32 if args.precision == "fp32" else PLAN
+    plan = {e: ([int(x) for x in args.ladder.split(",")] if args.ladder else plans.get(e, [])) for e in engines}
     if args.compare:
         plan = {e: [args.compare] for e in engines}
     total_budget = int(args.total_budget_gib * GIB)
@@ -278,7 +292,8 @@ def main() -> None:
             if not weights.exists():
                 write_weights(layers, weights)
             r = run_job(engine, layers, weights, work_dir, budget, total_budget, args.steps, args.timeout,
-                        drop_weights=engine == engines[-1] and not args.compare)  # room on disk for the save
+                        drop_weights=engine == engines[-1] and not args.compare,  # room on disk for the save
+                        precision=args.precision)
             r["params"] = n_params(layers)
             report["runs"].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
