@@ -32,6 +32,52 @@ def load_into_fresh_model(ckpt: str, kind: str, stage: int, verify: bool = True)
     }
 
 
+def reload_into_trained_model(ckpt: str, stage: int, damage: bool) -> dict[str, Any]:
+    """Train 2 steps, save, train 2 more, load the checkpoint back into the same model and optimizer (whose
+    state exists: read in place, [Note: one-pass load]) and train the 2 steps again. With `damage`, one byte of
+    this rank's optimizer file is flipped before the load: it must raise with the weights unchanged and the
+    optimizer's state cleared (read into in part)."""
+    model = make_model("llama", seed=0)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), hf_zero.ZeroConfig(stage=stage))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
+
+    def step(batch: torch.Tensor) -> float:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    for batch in batches[:2]:
+        step(batch)
+    hf_zero.save_checkpoint(ckpt, model, opt)
+    first = [step(b) for b in batches[2:]]
+    tensors = [v for state in opt.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    pointers = sorted(t.data_ptr() for t in tensors if t.numel() > 1)
+    if damage:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            path = os.path.join(ckpt, f"optim-rank00001-of-{dist.get_world_size():05d}.safetensors")
+            data = bytearray(open(path, "rb").read())
+            data[len(data) // 2] ^= 0x01
+            open(path, "wb").write(bytes(data))
+        dist.barrier()
+        before = hf_zero.full_state_dict(model, rank0_only=False)
+        try:
+            hf_zero.load_checkpoint(ckpt, model, opt)
+        except ValueError as e:
+            after = hf_zero.full_state_dict(model, rank0_only=False)
+            return {"error": str(e), "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+                    "state_cleared": len(opt.optimizer.state) == 0}
+        return {"error": None}
+    hf_zero.load_checkpoint(ckpt, model, opt)
+    tensors = [v for state in opt.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    again = [step(b) for b in batches[2:]]
+    return {"first": first, "again": again, "same_memory": sorted(t.data_ptr() for t in tensors if t.numel() > 1) == pointers}
+
+
 PROMPT = [[5, 17, 42, 7, 99, 3]]
 
 

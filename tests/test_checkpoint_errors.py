@@ -62,7 +62,53 @@ def test_corrupted_file_same_size(pools, saved, tmp_path):
     data = bytearray(path.read_bytes())
     data[-7] ^= 0xFF  # one flipped byte inside a tensor
     path.write_bytes(bytes(data))
-    _expect(pools, ckpt, "ValueError", "model-rank00000-of-00002.safetensors is corrupted: its SHA-256")
+    _expect(pools, ckpt, "ValueError", "model-rank00000-of-00002.safetensors is corrupted: its checksum")
+
+
+def test_corrupted_optimizer_file_is_found_before_the_model_changes(pools, saved, tmp_path):
+    """[Note: one-pass load]: the optimizer state is read in the same pass as its file's checksum, into fresh
+    tensors; a flipped byte there raises on every rank with the weights untouched and no state handed over."""
+    ckpt = _copy(saved, tmp_path)
+    path = ckpt / "optim-rank00001-of-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit inside the moments
+    path.write_bytes(bytes(data))
+    _expect(pools, ckpt, "ValueError", "optim-rank00001-of-00002.safetensors is corrupted: its checksum")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_into_a_trained_optimizer_reads_in_place_and_resumes_exactly(pools, tmp_path, stage):
+    """[Note: one-pass load]: loading into an optimizer that has state reads the moments into its own tensors
+    (no fresh memory), and the two steps after the load repeat the two steps after the save exactly; a damaged
+    optimizer file then raises on every rank, the weights unchanged and the half-read state cleared."""
+    for r in pools(2).values(checkpoint_cases.reload_into_trained_model, str(tmp_path / "a"), stage, False):
+        assert r["same_memory"]
+        assert r["again"] == r["first"]
+    for r in pools(2).values(checkpoint_cases.reload_into_trained_model, str(tmp_path / "b"), stage, True):
+        assert r["error"] is not None and "optim-rank00001-of-00002.safetensors is corrupted" in r["error"], r
+        assert r["unchanged"] and r["state_cleared"]
+
+
+def test_version_1_checkpoint_with_sha256_loads_and_is_verified(pools, saved, tmp_path):
+    """[Note: checksums]: a checkpoint of format version 1 (SHA-256 checksums) still loads, exactly, and its
+    checksums are still checked."""
+    import hashlib
+
+    ckpt = _copy(saved, tmp_path)
+    manifest = json.loads((ckpt / "hf_zero_manifest.json").read_text())
+    manifest["format_version"] = 1
+    manifest["files"] = {
+        name: {"bytes": entry["bytes"], "sha256": hashlib.sha256((ckpt / name).read_bytes()).hexdigest()}
+        for name, entry in manifest["files"].items()
+    }
+    (ckpt / "hf_zero_manifest.json").write_text(json.dumps(manifest))
+    good = pools(2).values(checkpoint_cases.load_into_fresh_model, str(ckpt), "llama", 3)
+    assert all(r["error_type"] is None and not r["unchanged"] for r in good)
+    path = ckpt / "model-rank00000-of-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _expect(pools, ckpt, "ValueError", "model-rank00000-of-00002.safetensors is corrupted: its checksum")
 
 
 def test_checkpoint_of_another_model(pools, saved, tmp_path):
@@ -75,7 +121,7 @@ def test_unknown_format_version(pools, saved, tmp_path):
     manifest = json.loads((ckpt / "hf_zero_manifest.json").read_text())
     manifest["format_version"] = 99
     (ckpt / "hf_zero_manifest.json").write_text(json.dumps(manifest))
-    _expect(pools, ckpt, "ValueError", "format version 99; this release of hf_zero reads version 1")
+    _expect(pools, ckpt, "ValueError", "format version 99; this release of hf_zero reads versions 1, 2")
 
 
 def test_incomplete_checkpoint_without_manifest(pools, saved, tmp_path):

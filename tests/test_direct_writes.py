@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import xxhash
 
 from hf_zero.checkpoint import direct
 from hf_zero.checkpoint.direct import BLOCK, DirectSink
@@ -52,12 +53,12 @@ def _bytes_of(parts) -> bytes:
     ],
     ids=["empty", "tiny", "block-and-a-bit", "one-buffer", "many-buffers"],
 )
-def test_sink_writes_the_bytes_given_and_their_sha256(tmp_path, parts):
+def test_sink_writes_the_bytes_given_and_their_checksum(tmp_path, parts):
     path = tmp_path / "f.bin"
     sink = _write(path, parts, buffer_bytes=2 * BLOCK)
     expected = _bytes_of(parts)
     assert path.read_bytes() == expected  # the padding of the last block is truncated away
-    assert sink.hexdigest() == hashlib.sha256(expected).hexdigest()
+    assert sink.checksum() == "xxh3_128:" + xxhash.xxh3_128(expected).hexdigest()
     assert sink.direct == _takes_o_direct(tmp_path)
 
 
@@ -97,7 +98,7 @@ def test_sink_goes_on_through_the_page_cache_when_a_direct_write_fails_or_falls_
     sink = _write(tmp_path / "f.bin", parts, buffer_bytes=2 * BLOCK)
     assert not sink.direct and len(calls) > 2
     assert (tmp_path / "f.bin").read_bytes() == _bytes_of(parts)
-    assert sink.hexdigest() == hashlib.sha256(_bytes_of(parts)).hexdigest()
+    assert sink.checksum() == "xxh3_128:" + xxhash.xxh3_128(_bytes_of(parts)).hexdigest()
 
 
 def test_sink_error_names_a_bad_buffer_size_and_a_failed_write_leaves_the_descriptor_closed(tmp_path, monkeypatch):
@@ -152,11 +153,13 @@ def test_hf_shard_writer_files_load_with_safetensors_for_every_dtype_it_names(tm
 
 
 @pytest.mark.parametrize("size", [0, 1, 4096, 4096 * 3 + 7])
-def test_verification_hash_reads_in_pipelined_chunks_and_matches_sha256(tmp_path, size):
-    """`sha256_of` reads chunk k+1 while hashing chunk k: the digest is still that of the bytes in order."""
-    from hf_zero.checkpoint.format import sha256_of
+def test_verification_hash_reads_in_pipelined_chunks_and_matches_the_checksum(tmp_path, size):
+    """`checksum_of` reads chunk k+1 while hashing chunk k: the digest is still that of the bytes in order, for
+    both algorithms a manifest may name."""
+    from hf_zero.checkpoint.format import checksum_of
 
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)).numpy()
     path = tmp_path / "f.bin"
     path.write_bytes(data.tobytes())
-    assert sha256_of(path, chunk_bytes=4096) == hashlib.sha256(data.tobytes()).hexdigest()
+    assert checksum_of(path, "sha256", chunk_bytes=4096) == "sha256:" + hashlib.sha256(data.tobytes()).hexdigest()
+    assert checksum_of(path, chunk_bytes=4096) == "xxh3_128:" + xxhash.xxh3_128(data.tobytes()).hexdigest()

@@ -50,7 +50,7 @@ def consolidate(
         dtype (`str` or `torch.dtype`, *optional*): `"bf16"`, `"fp16"` or `"fp32"`; defaults to the
             saved master dtype (fp32 in mixed precision).
         max_shard_size (`int` or `str`, *optional*, defaults to `"5GB"`): the largest output file.
-        verify (`bool`, *optional*, defaults to `True`): check the files' SHA-256 first.
+        verify (`bool`, *optional*, defaults to `True`): check the files' checksums first.
         progress (`bool`, *optional*, defaults to `True`): show a progress bar of tensors written.
 
     Returns:

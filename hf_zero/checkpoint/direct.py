@@ -10,14 +10,14 @@ that kernel time is taken from the training it was meant to stay out of the way 
 `DirectSink` writes with `O_DIRECT` where the filesystem takes it: the bytes are copied (by torch, without
 the GIL) into a page-aligned buffer and written from there straight to the device, every write a whole
 number of `BLOCK`s at a `BLOCK`-aligned offset, as `O_DIRECT` requires; the last block is padded with zeros
-and the file truncated to its length. The same 192 MB cost 0.008 s of system time that way. The SHA-256 of
-the bytes is computed from the aligned buffer while it is hot in cache.
+and the file truncated to its length. The same 192 MB cost 0.008 s of system time that way. The checksum of
+the bytes ([Note: checksums] in format.py) is computed from the aligned buffer while it is hot in cache.
 
 [Note: pipelined sink]
 Copying a buffer's bytes in, hashing them and writing them one after the other made a save run at about half
-the disk's speed (SHA-256 runs at 1.4 GB/s on one core here, the disk writes at 0.5-1.5 GB/s). A sink has two
+the disk's speed (with SHA-256, at 1.4 GB/s on one core here; the disk writes at 0.5-1.5 GB/s). A sink has two
 aligned buffers: while the caller fills one, a flush thread writes the other and, on a second thread, hashes
-it (both only read the buffer; `os.write` and `hashlib` release the GIL). A buffer is hashed in order, each
+it (both only read the buffer; `os.write` releases the GIL). A buffer is hashed in order, each
 hash joined before the next flush starts, so the digest is that of the file's bytes. A flush's error is
 raised by the next call into the sink; `close` and `abandon` wait for the flush in flight first.
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +38,8 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
+
+from .format import Digest
 
 BLOCK = 4096  # O_DIRECT's alignment: a multiple of every block device's logical block size in use
 BUFFER_BYTES = 64 << 20  # each aligned buffer of a sink (one write: 16 requests of 4 MiB; 16 MiB saved as fast here)
@@ -54,8 +55,8 @@ class DirectSink:
     >>> with DirectSink(Path("shard.safetensors")) as sink:
     ...     sink.write_bytes(b"header")
     ...     sink.write_tensor(torch.ones(1024))
-    >>> sink.hexdigest(), sink.direct
-    ('9d4f...', True)
+    >>> sink.checksum(), sink.direct
+    ('xxh3_128:9d4f...', True)
     ```
     """
 
@@ -70,7 +71,7 @@ class DirectSink:
         self._current = 0  # the buffer being filled
         self._fill = 0
         self._written = 0  # bytes of the file on disk (a multiple of BLOCK until the end)
-        self._digest = hashlib.sha256()
+        self._digest = Digest()
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_zero-sink")
         self._flushing: Future[None] | None = None
 
@@ -94,9 +95,9 @@ class DirectSink:
             if self._fill == buffer.numel():
                 self._flush(self._fill)
 
-    def hexdigest(self) -> str:
-        """The SHA-256 of every byte written (call after `close`)."""
-        return self._digest.hexdigest()
+    def checksum(self) -> str:
+        """The checksum of every byte written, `"algorithm:hex"` ([Note: checksums]; call after `close`)."""
+        return self._digest.value()
 
     def close(self) -> None:
         """Write what is buffered (the last block padded, the file truncated to its length) and close the file."""

@@ -16,8 +16,16 @@ parameter; an optimizer file holds `model.layers.0.mlp.up_proj.weight::exp_avg` 
 range, and scalar state (`::step`) whole; an optimizer that steps on whole parameters has its state
 written whole by each parameter's owner instead ([Note: owned optimizer state]). Each file's
 safetensors metadata repeats its ranges, the format version and the world size, so a file
-describes itself; the manifest indexes all of them with sizes and SHA-256 checksums, the
-parameter shapes, the tied aliases and the optimizer's param groups. Nothing is pickled.
+describes itself; the manifest indexes all of them with sizes and checksums ([Note: checksums]),
+the parameter shapes, the tied aliases and the optimizer's param groups. Nothing is pickled.
+
+[Note: checksums]
+Each file's checksum is an `"algorithm:hex"` string: `xxh3_128` (format version 2) or `sha256` (version 1,
+still read). The checksums are there to find damage (a truncated copy, a flipped bit, a file of another
+checkpoint), not tampering, and they are computed from the bytes as they are written and read again from
+the bytes as they are loaded, so their speed is the save's and the load's: SHA-256 ran at 1.1-1.4 GB/s on
+one core of the machine these figures come from, below an NVMe drive's 3-7 GB/s and close to this
+machine's disk; XXH3-128 at 6 GB/s. A 128-bit XXH3 misses random damage with probability 2^-128.
 """
 
 from __future__ import annotations
@@ -34,12 +42,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch import nn
 
 from ..dtypes import dtype_name
 
 FORMAT_NAME = "hf_zero"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: xxh3_128 checksums ([Note: checksums]); 1: sha256, read as well
+READABLE_VERSIONS = (1, 2)
+CHECKSUM = "xxh3_128"
 MANIFEST = "hf_zero_manifest.json"
 BUFFERS_FILE = "buffers.safetensors"
 STATE_SEP = "::"  # between a parameter name and an optimizer state key
@@ -73,7 +84,33 @@ def optim_file_for(model_file_name: str) -> str:
 @dataclass
 class FileEntry:
     bytes: int
-    sha256: str
+    checksum: str  # "algorithm:hex" ([Note: checksums])
+
+
+class Digest:
+    """A running checksum of a file's bytes ([Note: checksums]); `update` takes any buffer, in file order."""
+
+    def __init__(self, algorithm: str = CHECKSUM) -> None:
+        if algorithm == "xxh3_128":
+            self._hash: Any = xxhash.xxh3_128()
+        elif algorithm == "sha256":
+            self._hash = hashlib.sha256()
+        else:
+            raise ValueError(
+                f"Unknown checksum algorithm {algorithm!r}; this release of hf_zero knows xxh3_128, sha256."
+            )
+        self.algorithm = algorithm
+
+    @staticmethod
+    def matching(checksum: str) -> Digest:
+        """A digest of the algorithm that `checksum` ("algorithm:hex") was computed with."""
+        return Digest(checksum.split(":", 1)[0])
+
+    def update(self, data: Any) -> None:
+        self._hash.update(data)
+
+    def value(self) -> str:
+        return f"{self.algorithm}:{self._hash.hexdigest()}"
 
 
 @dataclass
@@ -122,19 +159,26 @@ class Manifest:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
             raise ValueError(f"{path} is not an hf_zero manifest (format {raw.get('format')!r}).")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ValueError(
                 f"{path} has hf_zero checkpoint format version {version!r}; this release of hf_zero reads "
-                f"version {FORMAT_VERSION}. Upgrade hf_zero to load it."
+                f"versions {', '.join(map(str, READABLE_VERSIONS))}. Upgrade hf_zero to load it."
             )
-        raw["files"] = {k: FileEntry(**v) for k, v in raw["files"].items()}
+        raw["files"] = {k: _file_entry(v) for k, v in raw["files"].items()}
         return Manifest(**raw)
 
 
-def sha256_of(path: str | os.PathLike[str], chunk_bytes: int = 16 << 20) -> str:
-    """The file's SHA-256, read in large chunks while a second thread hashes the previous one (both release the
-    GIL), so verifying runs at the slower of the disk and the hash rather than at their sum."""
-    h = hashlib.sha256()
+def _file_entry(raw: dict[str, Any]) -> FileEntry:
+    """A manifest's file record; version 1 named its checksum `sha256`."""
+    if "sha256" in raw:
+        return FileEntry(bytes=raw["bytes"], checksum=f"sha256:{raw['sha256']}")
+    return FileEntry(**raw)
+
+
+def checksum_of(path: str | os.PathLike[str], algorithm: str = CHECKSUM, chunk_bytes: int = 16 << 20) -> str:
+    """The file's checksum ([Note: checksums]), read in large chunks while a second thread hashes the previous
+    one, so verifying runs at the slower of the disk and the hash rather than at their sum."""
+    h = Digest(algorithm)
     buffers = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as hasher:
         hashing: Future[None] | None = None
@@ -146,7 +190,7 @@ def sha256_of(path: str | os.PathLike[str], chunk_bytes: int = 16 << 20) -> str:
             if not n:
                 break
             hashing = hasher.submit(h.update, view[:n])
-    return h.hexdigest()
+    return h.value()
 
 
 def write_file_atomically(path: Path, write: Callable[[Path], object]) -> None:
@@ -195,8 +239,24 @@ def set_config_dtype(config_path: Path, dtype: torch.dtype) -> None:
 
 def check_files(directory: Path, manifest: Manifest, names: list[str], verify: bool) -> None:
     """Raise if one of the named files is missing, has the wrong size, or (with `verify`) the wrong checksum. The
-    files are hashed at once, up to 4 at a time (hashing runs at about the disk's read speed per core), which also
-    leaves them in the page cache for the reads that follow."""
+    files are hashed at once, up to 4 at a time, which also leaves them in the page cache for the reads that
+    follow."""
+    check_sizes(directory, manifest, names)
+    if not verify or not names:
+        return
+    with ThreadPoolExecutor(max_workers=min(4, len(names)), thread_name_prefix="hf_zero-verify") as pool:
+        digests = list(
+            pool.map(
+                lambda name: checksum_of(directory / name, Digest.matching(manifest.files[name].checksum).algorithm),
+                names,
+            )
+        )
+    for name, digest in zip(names, digests):
+        check_checksum(directory, manifest, name, digest)
+
+
+def check_sizes(directory: Path, manifest: Manifest, names: list[str]) -> None:
+    """Raise if one of the named files is not listed, is missing, or has another size than the manifest's."""
     for name in names:
         entry = manifest.files.get(name)
         path = directory / name
@@ -210,16 +270,15 @@ def check_files(directory: Path, manifest: Manifest, names: list[str], verify: b
                 f"Checkpoint file {path} has {size} bytes, the manifest says {entry.bytes}: it is truncated or "
                 "was overwritten. Copy it again, or resume from another checkpoint."
             )
-    if not verify or not names:
-        return
-    with ThreadPoolExecutor(max_workers=min(4, len(names)), thread_name_prefix="hf_zero-verify") as pool:
-        digests = list(pool.map(lambda name: sha256_of(directory / name), names))
-    for name, digest in zip(names, digests):
-        if digest != manifest.files[name].sha256:
-            raise ValueError(
-                f"Checkpoint file {directory / name} is corrupted: its SHA-256 does not match the manifest. Copy it "
-                "again, or resume from another checkpoint (verify=False skips this check)."
-            )
+
+
+def check_checksum(directory: Path, manifest: Manifest, name: str, checksum: str) -> None:
+    """Raise `ValueError` when `checksum` (of the file's bytes as read) is not the manifest's."""
+    if checksum != manifest.files[name].checksum:
+        raise ValueError(
+            f"Checkpoint file {directory / name} is corrupted: its checksum does not match the manifest. Copy it "
+            "again, or resume from another checkpoint (verify=False skips this check)."
+        )
 
 
 def last_complete_checkpoint(

@@ -1,9 +1,10 @@
 """`load_checkpoint`: restore parameters and optimizer state on any world size and any stage.
 
 Each rank reads, from whichever files hold them, only the ranges of each parameter that its own
-shard covers now (`read_pieces` over the manifest's slice index), so a checkpoint saved by 3
-ranks at stage 3 loads on 2 ranks at stage 2, and back. Everything is checked (manifest, names
-and shapes, files, sizes, checksums) and agreed on by all ranks before any tensor is touched.
+shard covers now (over the manifest's slice index), so a checkpoint saved by 3 ranks at stage 3
+loads on 2 ranks at stage 2, and back. Everything is checked (manifest, names and shapes, files,
+sizes, checksums) and agreed on by all ranks before the model's weights are touched; the optimizer
+state is read into fresh tensors in the same pass as its files' checksums ([Note: one-pass load]).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..engine.module import get_engine
 from ..engine.step.optim import ShardedOptimizer, sharded_list
 from ..engine.step.pieces import Piece
 from .background import finish_previous
-from .format import BUFFERS_FILE, STATE_SEP, Manifest, check_files, optim_file_for
+from .format import BUFFERS_FILE, STATE_SEP, Digest, Manifest, check_checksum, check_files, check_sizes, optim_file_for
 from .owned_state import (
     PARAM,
     check_flat_loadable,
@@ -34,6 +35,9 @@ from .owned_state import (
     restore_value,
 )
 from .reader import FileCache, read_pieces
+from .sequential import RangeReads
+
+Staged = list[tuple[Piece, dict[str, Any], set[str]]]  # an optimizer's state read ahead: (piece, state, flat keys)
 
 
 def load_checkpoint(
@@ -53,8 +57,9 @@ def load_checkpoint(
         model (`nn.Module`): a model returned by `hf_zero.initialize`, of the same architecture.
         optimizer (`ShardedOptimizer` or a list or tuple of them, *optional*): restored too (state, param-group
             hyperparameters); several optimizers in the order they were saved.
-        verify (`bool`, *optional*, defaults to `True`): check every file's SHA-256 against the
-            manifest before reading (costs one read of the files); sizes are always checked.
+        verify (`bool`, *optional*, defaults to `True`): check every file's checksum against the
+            manifest (from the bytes as they are read; the model files' before the weights change);
+            sizes are always checked.
 
     Returns:
         `dict`: the `metadata` given to `save_checkpoint`.
@@ -63,7 +68,8 @@ def load_checkpoint(
         FileNotFoundError: no checkpoint (or an incomplete one) at `path`, or a file missing.
         ValueError: a damaged file, another model's checkpoint (names or shapes differ), an
             unknown format version, or an optimizer that does not match. Raised on every rank,
-            before anything is modified.
+            before the model is modified; the optimizer's previous state may be gone by then
+            (it is being replaced, and is released before the new one is read, to keep memory flat).
 
     Example:
 
@@ -77,13 +83,15 @@ def load_checkpoint(
     finish_previous(engine)  # [Note: asynchronous save]: a checkpoint being written is read once committed
     directory = Path(path)
     manifest: Manifest | None = None
+    needed: list[str] = []
     error: BaseException | None = None
     try:
         manifest = Manifest.read(directory)
         _check_model_matches(manifest, engine, directory)
         optimizers = sharded_list(optimizer, "load_checkpoint")
         _check_optimizer_matches(manifest, optimizers, directory)
-        check_files(directory, manifest, _files_needed(manifest, engine, optimizers), verify)
+        needed = _files_needed(manifest, engine, optimizers)
+        check_sizes(directory, manifest, needed)
         flat = {n for o in optimizers if not o.steps_whole_parameters for names in o.group_param_names for n in names}
         if flat:
             with FileCache(directory) as cache:
@@ -93,24 +101,114 @@ def load_checkpoint(
     raise_if_any_failed(error, engine.world, "hf_zero.load_checkpoint")
     if manifest is None:  # unreachable: a missing manifest raised above
         raise RuntimeError(f"[rank {engine.world.global_rank}] hf_zero.load_checkpoint read no manifest")
+    staged: list[Staged] = []
+    try:  # the checksums; the optimizer state read in the same pass where it can be ([Note: one-pass load])
+        read_already: set[str] = set()
+        if optimizers and manifest.optimizer is not None and _one_pass(engine, optimizers):
+            staged, read_already = _stage_optimizers(engine, optimizers, manifest, directory, needed, verify)
+        check_files(directory, manifest, [n for n in needed if n not in read_already], verify)
+    except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
+        error = e
+    try:
+        raise_if_any_failed(error, engine.world, "hf_zero.load_checkpoint")
+    except Exception:
+        for each in optimizers:  # read into in part: no rank keeps a state that is neither the old nor the new
+            each.optimizer.state.clear()
+        raise
 
     engine.hooks.wait_reductions()
+    with torch.no_grad():
+        for part in engine.parts:  # one unit's master at a time ([Note: disk offload])
+            master = part.store.read()
+            reads = RangeReads(directory)  # the model files were just checked: from the page cache
+            for piece in engine.pieces:
+                if piece.part is part:
+                    out = master[piece.local[0] : piece.local[1]]
+                    reads.add(piece.name, manifest.slices[piece.name], piece.start, piece.end, out)
+            for file in list(reads.wants):
+                reads.read(file)
+            part.store.replace(master)
     with FileCache(directory) as cache:
         with torch.no_grad():
-            for part in engine.parts:  # one unit's master at a time ([Note: disk offload])
-                master = part.store.read()
-                for piece in engine.pieces:
-                    if piece.part is part:
-                        out = master[piece.local[0] : piece.local[1]]
-                        read_pieces(cache, piece.name, manifest.slices[piece.name], piece.start, piece.end, out)
-                part.store.replace(master)
             _load_buffers(model, manifest, cache)
-        for each, saved_part in zip(optimizers, optimizer_parts(manifest)):
-            _load_optimizer(engine, each, saved_part, manifest, cache)
+        for i, (each, saved_part) in enumerate(zip(optimizers, optimizer_parts(manifest))):
+            _load_optimizer(engine, each, saved_part, manifest, cache, staged[i] if staged else None)
     if engine.scaler is not None and "loss_scale" in manifest.engine:
         engine.scaler.scale = float(manifest.engine["loss_scale"])
     engine.zero_grad()
     return dict(manifest.user)
+
+
+def _one_pass(engine: ZeroEngine, optimizers: list[ShardedOptimizer]) -> bool:
+    """Whether the optimizer state is read ahead in one pass ([Note: one-pass load]): it stays in memory (no
+    `offload_dir`, whose state goes to its files piece by piece) and is kept on flat shards."""
+    return engine.disk is None and all(o.whole_step is None for o in optimizers)
+
+
+def _stage_optimizers(
+    engine: ZeroEngine,
+    optimizers: list[ShardedOptimizer],
+    manifest: Manifest,
+    directory: Path,
+    needed: list[str],
+    verify: bool,
+) -> tuple[list[Staged], set[str]]:
+    """Every optimizer's state read, its elementwise entries in one ordered pass over each optimizer file that
+    also checks the file's checksum; returns the state and the files so checked. The entries are read into the
+    optimizer's own state tensors where it has them all (memory that is in use already: fresh memory's first
+    touch cost 1-4 s per GB on the VMs measured), else into fresh tensors, the old state released first."""
+    reads = RangeReads(directory)
+    staged: list[Staged] = []
+    saved = (manifest.optimizer or {})["state"]
+    with FileCache(directory) as cache:
+        for optimizer in optimizers:
+            inner = optimizer.optimizer
+            group_of = {id(t): g for g in inner.param_groups for t in g["params"]}
+            pieces = [
+                p for p in engine.pieces if saved.get(p.name) and p.optim_params and id(p.optim_params[0]) in group_of
+            ]
+            in_place = all(
+                _live_chunks(p, key, inner.state) is not None for p in pieces for key in _elementwise(saved, p)
+            )
+            if not in_place:
+                inner.state.clear()  # the state being replaced: released before the new one is allocated
+            state: Staged = []
+            for piece in pieces:
+                group = group_of[id(piece.optim_params[0])]
+                live = inner.state if in_place else None
+                whole, flat = _piece_state(piece, saved[piece.name], manifest, cache, group, reads, live)
+                state.append((piece, whole, flat))
+            staged.append(state)
+    read_already = set()
+    optimizer_files = [n for n in needed if n.startswith("optim-")]
+    for file in optimizer_files + sorted(set(reads.wants) - set(optimizer_files)):
+        digest = Digest.matching(manifest.files[file].checksum) if verify and file in manifest.files else None
+        checksum = reads.read(file, digest)
+        if checksum is not None:
+            check_checksum(directory, manifest, file, checksum)
+            read_already.add(file)
+    return staged, read_already
+
+
+def _elementwise(saved: dict[str, dict[str, str]], piece: Piece) -> list[str]:
+    return [key for key, kind in saved[piece.name].items() if kind == "elementwise"]
+
+
+def _live_chunks(piece: Piece, key: str, live: dict[Any, Any]) -> list[torch.Tensor] | None:
+    """The optimizer's own `key` tensors of the piece's chunks, when every chunk has one of its size (contiguous,
+    on the master's device) to read into; else None."""
+    out = []
+    for t, (a, b) in zip(piece.optim_params, piece.bounds):
+        value = live.get(t, {}).get(key)
+        if not (
+            isinstance(value, torch.Tensor)
+            and value.numel() == b - a
+            and value.is_contiguous()
+            and value.device == piece.master.device
+        ):
+            return None
+        out.append(value.view(-1))
+    return out
 
 
 def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizers: list[ShardedOptimizer]) -> list[str]:
@@ -215,7 +313,12 @@ def _own_load_state_dict(cls: type) -> Callable[..., Any]:
 
 
 def _load_optimizer(
-    engine: ZeroEngine, optimizer: ShardedOptimizer, part: dict[str, Any], manifest: Manifest, cache: FileCache
+    engine: ZeroEngine,
+    optimizer: ShardedOptimizer,
+    part: dict[str, Any],
+    manifest: Manifest,
+    cache: FileCache,
+    staged: Staged | None,
 ) -> None:
     saved = manifest.optimizer or {}
     for group, saved_group in zip(optimizer.param_groups, part["param_groups"]):
@@ -223,6 +326,10 @@ def _load_optimizer(
             if key != "params":
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     inner = optimizer.optimizer
+    if staged is not None:  # [Note: one-pass load]: read and checked already
+        for piece, whole, flat in staged:
+            _hand_over(inner, piece, whole, flat)
+        return
     inner.state.clear()
     if optimizer.whole_step is not None:  # [Note: owned optimizer state]
         load_owned(optimizer.whole_step, inner, manifest, cache)
@@ -232,32 +339,61 @@ def _load_optimizer(
         kinds = saved["state"].get(piece.name)
         if kinds and piece.optim_params and id(piece.optim_params[0]) in group_of:  # another optimizer's: skipped
             whole, flat = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
-            if piece.part.store.take_state(piece.local[0], whole, flat):  # [Note: master stores]: into the files
-                for t in piece.optim_params:
-                    inner.state[t] = {
-                        k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()
-                    }
-                continue
-            for t, (a, b) in zip(piece.optim_params, piece.bounds):  # [Note: optimizer chunks]
-                inner.state[t] = {
-                    key: value[a:b] if key in flat else value.clone() if isinstance(value, torch.Tensor) else value
-                    for key, value in whole.items()
-                }
+            _hand_over(inner, piece, whole, flat)
+
+
+def _hand_over(inner: torch.optim.Optimizer, piece: Piece, whole: dict[str, Any], flat: set[str]) -> None:
+    """Give a piece's loaded state to where it lives: the offload files, or the optimizer's chunks."""
+    if piece.part.store.take_state(piece.local[0], whole, flat):  # [Note: master stores]: into the files
+        for t in piece.optim_params:
+            inner.state[t] = {
+                k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()
+            }
+        return
+    for t, (a, b) in zip(piece.optim_params, piece.bounds):  # [Note: optimizer chunks]
+        kept = inner.state.get(t, {})  # read in place (None in `whole`)
+        inner.state[t] = {
+            key: kept[key]
+            if value is None
+            else value[a:b]
+            if key in flat
+            else value.clone()
+            if isinstance(value, torch.Tensor)
+            else value
+            for key, value in whole.items()
+        }
 
 
 def _piece_state(
-    piece: Piece, kinds: dict[str, str], manifest: Manifest, cache: FileCache, group: dict[str, Any]
+    piece: Piece,
+    kinds: dict[str, str],
+    manifest: Manifest,
+    cache: FileCache,
+    group: dict[str, Any],
+    reads: RangeReads | None = None,
+    live: dict[Any, Any] | None = None,
 ) -> tuple[dict[str, Any], set[str]]:
-    """The state of one piece, and the keys that are elementwise (cut into the piece's chunks)."""
+    """The state of one piece, and the keys that are elementwise (cut into the piece's chunks); with `reads`, the
+    elementwise entries are planned there and filled when it reads their files: into the optimizer's own chunks
+    of `live` (the entry is then None: kept where it is), or into a fresh tensor."""
     owner = (manifest.optimizer or {}).get("owners", {}).get(piece.name)
     stored = [[owner, 0, 0]] if owner else [[optim_file_for(f), s, e] for f, s, e in manifest.slices[piece.name]]
     state: dict[str, Any] = {}
     flat: set[str] = set()
     for key, kind in kinds.items():
         tkey = f"{piece.name}{STATE_SEP}{key}"
-        if kind == "elementwise":
+        chunks = _live_chunks(piece, key, live) if kind == "elementwise" and live is not None else None
+        if chunks is not None and reads is not None:
+            for chunk, (a, b) in zip(chunks, piece.bounds):
+                reads.add(tkey, stored, piece.start + a, piece.start + b, chunk)
+            state[key] = None
+            flat.add(key)
+        elif kind == "elementwise":
             out = torch.empty(piece.end - piece.start, dtype=piece.master.dtype, device=piece.master.device)
-            read_pieces(cache, tkey, stored, piece.start, piece.end, out)
+            if reads is not None:
+                reads.add(tkey, stored, piece.start, piece.end, out)
+            else:
+                read_pieces(cache, tkey, stored, piece.start, piece.end, out)
             state[key] = out
             flat.add(key)
         elif kind == PARAM and owner and len(cache.get(owner).get_slice(tkey).get_shape()) > 0:

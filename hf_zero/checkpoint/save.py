@@ -323,7 +323,7 @@ def _write_streamed(
     digest: list[str] = []
     metadata = {"hf_zero": json.dumps(header)} if header else None
     write_file_atomically(final, lambda tmp: digest.append(write_streamed(tmp, entries, metadata)))
-    record["files"][name] = {"bytes": final.stat().st_size, "sha256": digest[0]}
+    record["files"][name] = {"bytes": final.stat().st_size, "checksum": digest[0]}
 
 
 def _manifest(

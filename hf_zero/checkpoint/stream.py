@@ -5,7 +5,7 @@ A save writes no copy of the state. The header is computed from the shapes alone
 tensor's bytes are written in order from where they are: a host tensor's own memory (no copy), a
 device tensor copied to the host `PIECE_NUMEL` elements at a time, offloaded state read from its
 file into one reused buffer; they pass through the file's aligned write buffer to the disk
-([Note: direct writes] in direct.py). The SHA-256 the manifest records is computed on the way. Memory
+([Note: direct writes] in direct.py). The checksum the manifest records is computed on the way. Memory
 during a save is the training memory plus one piece and the write buffer (`safetensors.torch.save_file`
 would build every tensor's bytes in memory first). The files are ordinary safetensors files (any reader
 loads them).
@@ -88,7 +88,7 @@ def host_pieces(*tensors: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
 
 
 def write_streamed(path: Path, entries: list[Entry], metadata: dict[str, str] | None = None) -> str:
-    """Write a safetensors file of `entries` at `path` in bounded pieces; returns the file's SHA-256.
+    """Write a safetensors file of `entries` at `path` in bounded pieces; returns its checksum (`"xxh3_128:hex"`).
 
     Example:
 
@@ -120,4 +120,4 @@ def write_streamed(path: Path, entries: list[Entry], metadata: dict[str, str] | 
                 written += piece.numel() * piece.element_size()
             if written != e.nbytes:
                 raise RuntimeError(f"hf_zero: {e.name} gave {written} bytes for a tensor of {e.nbytes}")
-    return sink.hexdigest()
+    return sink.checksum()

@@ -1,0 +1,76 @@
+"""`RangeReads` ([Note: one-pass load]): planned byte ranges of safetensors files land in their tensors, cast where
+the file's dtype differs, and the whole file's checksum comes from the same single pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import xxhash
+from safetensors.torch import save_file
+
+from hf_zero.checkpoint import sequential
+from hf_zero.checkpoint.format import Digest
+from hf_zero.checkpoint.sequential import RangeReads
+
+
+@pytest.fixture
+def stored(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(1000, generator=g),
+        "b::exp_avg": torch.randn(3000, generator=g),
+        "c": torch.randn(500, generator=g).to(torch.bfloat16),
+        "z": torch.randn(77, generator=g).to(torch.float64),
+    }
+    save_file(tensors, str(tmp_path / "f.safetensors"))
+    return tmp_path, tensors
+
+
+@pytest.mark.parametrize("chunk", [sequential.CHUNK_BYTES, 1000], ids=["one-chunk", "many-chunks"])
+def test_ranges_land_in_their_tensors_and_the_checksum_is_the_files(stored, monkeypatch, chunk):
+    directory, tensors = stored
+    monkeypatch.setattr(sequential, "CHUNK_BYTES", chunk)
+    reads = RangeReads(directory)
+    # "a" saved as two pieces [0, 600) and [600, 1000) of one parameter, in one file under two keys is not how a
+    # checkpoint stores it; one key per file, with the piece's range: elements [100, 900) of "a"
+    out_a = torch.full((800,), -1.0)
+    reads.add("a", [["f.safetensors", 0, 1000]], 100, 900, out_a)
+    out_b = torch.empty(3000, dtype=torch.float64)  # another dtype than the file's: cast after the read
+    reads.add("b::exp_avg", [["f.safetensors", 0, 3000]], 0, 3000, out_b)
+    out_c = torch.empty(10, dtype=torch.bfloat16)
+    reads.add("c", [["f.safetensors", 0, 500]], 490, 500, out_c)
+    checksum = reads.read("f.safetensors", Digest())
+    assert torch.equal(out_a, tensors["a"][100:900])
+    assert torch.equal(out_b, tensors["b::exp_avg"].double())
+    assert torch.equal(out_c, tensors["c"][490:])
+    assert checksum == "xxh3_128:" + xxhash.xxh3_128((directory / "f.safetensors").read_bytes()).hexdigest()
+
+
+def test_without_a_digest_only_the_ranges_are_read(stored, monkeypatch):
+    directory, tensors = stored
+    asked: list[int] = []
+    real = sequential.os.preadv
+    monkeypatch.setattr(sequential.os, "preadv", lambda fd, views, at: asked.append(len(views[0])) or real(fd, views, at))
+    reads = RangeReads(directory)
+    out = torch.empty(77, dtype=torch.float64)
+    reads.add("z", [["f.safetensors", 0, 77]], 0, 77, out)
+    assert reads.read("f.safetensors") is None
+    assert torch.equal(out, tensors["z"]) and asked == [77 * 8]
+
+
+def test_truncated_file_and_missing_key_raise(stored):
+    directory, _ = stored
+    path = directory / "f.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="past the end of the file: it is truncated"):  # from the header
+        RangeReads(directory).add("z", [["f.safetensors", 0, 77]], 0, 77, torch.empty(77, dtype=torch.float64))
+    save_file({"a": torch.ones(10)}, str(path))
+    with pytest.raises(ValueError, match="lacks nope"):
+        RangeReads(directory).add("nope", [["f.safetensors", 0, 5]], 0, 5, torch.empty(5))
+    with pytest.raises(ValueError, match="covers only 0 of elements"):
+        RangeReads(directory).add("a", [["f.safetensors", 0, 10]], 10, 20, torch.empty(10))
+    reads = RangeReads(directory)
+    reads.add("a", [["f.safetensors", 0, 10]], 0, 10, torch.empty(10))
+    path.write_bytes(path.read_bytes()[:-8])  # truncated between the plan and the read
+    with pytest.raises(ValueError, match="truncated"):
+        reads.read("f.safetensors", Digest())
