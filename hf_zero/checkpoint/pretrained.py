@@ -1,13 +1,15 @@
 """`SafetensorsSource`: fill each rank's shards straight from a Hugging Face model directory.
 
 Each rank reads, from `model.safetensors` or the shards named by `model.safetensors.index.json`,
-only the rows that its own shard of each unit covers; the file handles are dropped after each
-unit, so the mapped pages a rank keeps resident stay about one unit's worth. A node's host memory
-peak is then about one copy of the model in total (its ranks' shards), not one per rank.
+only the bytes that its own shard of each unit covers (a range of a flattened row-major tensor is one
+range of the file), with `pread` straight into the shard ([Note: one-pass load] in sequential.py;
+through a host buffer where the file's dtype or the shard's device differs), so nothing is mapped and
+a node's host memory peak is about one copy of the model in total (its ranks' shards), not one per rank.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from torch import nn
 
 from ..engine.layout import FlatLayout
 from ..engine.wrap import UnitSpec
-from .reader import FileCache, hf_weight_map, read_flat_range
+from .reader import FileCache, hf_weight_map
+from .sequential import RangeReads
 
 
 class SafetensorsSource:
@@ -30,7 +33,6 @@ class SafetensorsSource:
         self._names: dict[int, list[str]] = {}  # id(param) -> every name it has (tied aliases)
         for name, p in model.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), []).append(name)
-        self._cache = FileCache(self.directory)
 
     def _key(self, param: nn.Parameter, name: str) -> str | None:
         for candidate in self._names.get(id(param), [name]):
@@ -62,17 +64,22 @@ class SafetensorsSource:
     def fill(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor) -> None:
         out.zero_()
         lo, _ = layout.shard_range(shard_rank)
-        try:
-            for index, start, end in layout.local_pieces(shard_rank):
-                slot = layout.slots[index]
-                key = self._key(params[index], slot.name)
-                if key is None:
-                    raise ValueError(f"{self.directory} lacks the weight {slot.name}.")
-                handle = self._cache.get(self.weight_map[key])
-                values = read_flat_range(handle, key, list(slot.shape), start - slot.offset, end - slot.offset)
-                out[start - lo : end - lo].copy_(values)
-        finally:
-            self._cache.close()  # unmap: keep at most one unit's pages resident
+        reads = RangeReads(self.directory)
+        for index, start, end in layout.local_pieces(shard_rank):
+            slot = layout.slots[index]
+            key = self._key(params[index], slot.name)
+            if key is None:
+                raise ValueError(f"{self.directory} lacks the weight {slot.name}.")
+            numel = math.prod(slot.shape)
+            reads.add(
+                key,
+                [[self.weight_map[key], 0, numel]],
+                start - slot.offset,
+                end - slot.offset,
+                out[start - lo : end - lo],
+            )
+        for file in list(reads.wants):
+            reads.read(file)
 
     def load_buffers(self, model: nn.Module) -> None:
         """Copy persistent buffers that the files hold (most causal LMs have none)."""
