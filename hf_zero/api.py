@@ -13,6 +13,7 @@ from torch import nn
 from .checkpoint.pretrained import SafetensorsSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
+from .engine.collectives.group import sequence_group
 from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine
 from .engine.full_state import gathered_parameters as _gathered
 from .engine.full_state import unique_params
@@ -130,6 +131,8 @@ def initialize(
                 f"ZeroConfig.shard_group_size ({cfg.shard_group_size}) must divide the world size ({world.size}); "
                 "use the number of ranks per node."
             )
+        if cfg.sequence_parallel > 1:
+            _check_sequence_parallel(model, cfg.sequence_parallel, world.size)
         specs = units_for(model, cfg)
         if weights_from is not None:
             source = SafetensorsSource(weights_from, model)
@@ -144,7 +147,22 @@ def initialize(
         source.load_buffers(model)
     engine = ZeroEngine(model, specs, cfg, world, device, source)
     attach(model, engine)
+    if cfg.sequence_parallel > 1:  # [Note: sequence parallelism]
+        from .integrations import sequence
+
+        sequence.enable(model, sequence_group(world, cfg.sequence_parallel, cfg.group_timeout_s))
     return model, shard_optimizers(optimizer, engine)
+
+
+def _check_sequence_parallel(model: nn.Module, size: int, world_size: int) -> None:
+    from .integrations import sequence
+
+    if world_size % size:
+        raise ValueError(
+            f"ZeroConfig.sequence_parallel ({size}) must divide the world size ({world_size}): each group of {size} "
+            "consecutive ranks shares its samples."
+        )
+    sequence.check(model, size)
 
 
 use_sharder(lambda model, config: initialize(model, None, config))  # [Note: re-sharding] in model.py: restructure
@@ -164,6 +182,10 @@ def _initialize_again(
     for each in optimizer_list(optimizer):  # built over what the modules hold now (stand-ins at stage 3): the real ones
         for group in each.param_groups:
             group["params"] = [engine.compute_param(p) for p in group["params"]]
+    if engine.config.sequence_parallel > 1:
+        from .integrations import sequence
+
+        sequence.disable(model)
     unshard_and_detach(model)
     return initialize(model, cast(Any, optimizer), config)  # one, several or none: the overloads cover each
 

@@ -113,6 +113,14 @@ class ZeroConfig:
             large collectives stay on the node's fast links; model states per rank are those of
             a world of `shard_group_size` ranks. Must divide the world size. `None` shards over
             every rank.
+        sequence_parallel (`int`, *optional*, defaults to 1):
+            Sequence parallelism (the Ulysses scheme, [Note: sequence parallelism]): groups of this
+            many consecutive ranks train on the same samples, each rank on 1/N of every sequence's
+            tokens; attention sees the whole sequence through two all-to-alls per layer (tokens for
+            heads, and back). Activations per rank shrink by N; ZeRO still shards over every rank.
+            Every rank of a group must be given the same batch; the sequence length must be a
+            multiple of N, and the model's attention and key-value heads too. Must divide the
+            world size. 1: off.
         collectives (`str`, *optional*, defaults to `"auto"`):
             How the parameter all-gathers and gradient reduce-scatters travel: `"native"` uses the
             backend's own collectives; `"composed"` builds them from faster primitives (an
@@ -248,6 +256,13 @@ class ZeroConfig:
             "many consecutive ranks (a node) and replicate across them; must divide the world size."
         },
     )
+    sequence_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "Sequence parallelism: groups of this many consecutive ranks share each sample, each rank "
+            "holding 1/N of every sequence (Ulysses all-to-all around attention); must divide the world size."
+        },
+    )
     collectives: Collectives = field(
         default="auto",
         metadata={
@@ -343,6 +358,15 @@ class ZeroConfig:
             )
         if self.shard_group_size is not None and self.stage == 0:
             raise ValueError("ZeroConfig.shard_group_size needs stage 1, 2 or 3: stage 0 shards nothing.")
+        if (
+            isinstance(self.sequence_parallel, bool)
+            or not isinstance(self.sequence_parallel, int)
+            or (self.sequence_parallel < 1)
+        ):
+            raise ValueError(
+                f"ZeroConfig.sequence_parallel must be a positive int (ranks per sequence; 1: off); got "
+                f"{self.sequence_parallel!r}."
+            )
         if self.quantized_weights and self.stage != 3:
             raise ValueError("ZeroConfig.quantized_weights needs stage=3: only stage 3 gathers parameters every step.")
         if self.quantized_gradients and self.stage < 2:

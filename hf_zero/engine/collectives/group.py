@@ -173,6 +173,23 @@ def hybrid_groups(world: CommGroup, group_size: int, timeout_s: float) -> tuple[
     return shard, replicate
 
 
+def sequence_group(world: CommGroup, size: int, timeout_s: float) -> CommGroup:
+    """This rank's sequence-parallel group: `size` consecutive ranks, which train on the same samples, each on
+    its own part of every sequence ([Note: sequence parallelism]). Every rank creates every group, in order."""
+    if size == 1:
+        return CommGroup.single()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mine = None
+    for g in range(world.size // size):
+        ranks = list(range(g * size, (g + 1) * size))
+        pg = dist.new_group(ranks, timeout=timeout)
+        if world.rank in ranks:
+            mine = CommGroup.of(pg, ranks.index(world.rank), size)
+    if mine is None:
+        raise RuntimeError(f"[rank {world.rank}] hf_zero: rank not in its own sequence-parallel group")
+    return mine
+
+
 _HOST_GROUPS: dict[tuple[int, ...], CommGroup] = {}
 
 

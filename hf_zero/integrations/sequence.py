@@ -1,0 +1,260 @@
+"""Sequence parallelism for Hugging Face decoders: each rank of a group holds 1/N of every sequence.
+
+[Note: sequence parallelism]
+With `ZeroConfig(sequence_parallel=N)`, groups of N consecutive ranks are given the same batches. A forward
+pre-hook on the model cuts each sequence into N contiguous parts and keeps this rank's: the input ids (or
+embeddings), the positions (`position_ids`, global: RoPE sees where each token really is), and the labels,
+shifted over the whole sequence first so that the last token of a part predicts the first of the next.
+Everything a token computes alone (embeddings, norms, MLPs, the LM head, the loss) then costs 1/N per rank.
+
+Attention needs every token: the model's attention function is replaced, through transformers' attention
+registry (`AttentionInterface`), by one that exchanges, with an all-to-all over the group, the rank's tokens of
+every head for every token of 1/N of the heads (the Ulysses scheme); runs the model's own attention
+implementation (sdpa, eager, flash) on whole sequences with causal masking over global positions, and the
+padding mask of the whole batch where there is one; and exchanges back. Any decoder that calls its attention
+through the registry (LLaMA, Mistral, Qwen2, Falcon, ...) works without model code; the attention and
+key-value head counts must be multiples of N.
+
+The loss: each rank's cross-entropy is summed over its tokens and divided by the number of labelled tokens of
+the whole micro-batch (every rank of the group holds all the labels, so no collective is needed to count
+them). The value returned is the group's sum of those parts (one scalar all-reduce): the loss of the whole
+micro-batch, the same on every rank of the group. Its gradient is N times the rank's own part, so that the
+engine's reduction, which averages over all ranks, sums over the group and averages over the data-parallel
+replicas. Without labels, the logits are gathered along the sequence (differentiably) so that a caller's own
+loss sees every token. Evaluation and generation with a cache, or a sequence that does not divide by N outside
+training, run unsplit on every rank (correct, without the memory saving).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine.collectives import CommGroup
+from ..engine.collectives.ops import all_reduce_
+from ..engine.collectives.sequence import all_to_all_dims, gather_dim
+
+ATTENTION = "hf_zero_sequence"  # the name registered in transformers' attention and mask registries
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """What the attention function of one forward needs: the group, and the padding mask of the whole batch
+    (`None` when every token is real). Passed to it through the model's keyword arguments."""
+
+    group: CommGroup
+    padding: torch.Tensor | None  # (batch, sequence) bool, True for real tokens
+
+
+@dataclass
+class SequenceParallel:
+    """The model's sequence-parallel state, set by `enable` on the model and each of its modules."""
+
+    group: CommGroup
+    inner: str  # the attention implementation the model had (run on whole sequences)
+    handles: list[Any]  # the model's two hooks
+
+
+def check(model: nn.Module, size: int) -> None:
+    """Raise `ValueError` where the model cannot be split over `size` ranks by sequence."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_attention_heads"):
+        raise ValueError(
+            "ZeroConfig.sequence_parallel works on Hugging Face decoder models (a `config` with "
+            f"num_attention_heads); {type(model).__name__} has none."
+        )
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    if heads % size or kv % size:
+        raise ValueError(
+            f"ZeroConfig.sequence_parallel={size}: the model has {heads} attention heads and {kv} key-value heads; "
+            f"both must be multiples of {size} (each rank attends with 1/{size} of the heads). Use a sequence_parallel "
+            f"that divides {kv}."
+        )
+    inner = getattr(config, "_attn_implementation", None) or "eager"
+    if inner != ATTENTION and inner != "eager" and inner not in _attention_functions():
+        raise ValueError(
+            f"ZeroConfig.sequence_parallel: the model's attention implementation {inner!r} is not in transformers' "
+            "attention registry; load the model with attn_implementation='sdpa' (or 'eager', 'flash_attention_2')."
+        )
+
+
+def enable(model: nn.Module, group: CommGroup) -> None:
+    """Split the model's sequences over `group` ([Note: sequence parallelism]); `check` first."""
+    _register()
+    disable(model)
+    config: Any = model.config
+    inner = getattr(config, "_attn_implementation", None) or "eager"
+    handles = [
+        model.register_forward_pre_hook(_split_inputs, with_kwargs=True),
+        model.register_forward_hook(_join_outputs, with_kwargs=True),
+    ]
+    state = SequenceParallel(group, inner, handles)
+    for sub in model.modules():
+        sub._hf_zero_sequence = state  # type: ignore[assignment]
+    config._attn_implementation = ATTENTION
+
+
+def disable(model: nn.Module) -> None:
+    """Undo `enable` (the model's own attention implementation back, the hooks removed); nothing if not enabled."""
+    state = getattr(model, "_hf_zero_sequence", None)
+    if not isinstance(state, SequenceParallel):
+        return
+    for handle in state.handles:
+        handle.remove()
+    for sub in model.modules():
+        sub.__dict__.pop("_hf_zero_sequence", None)
+    config: Any = model.config
+    config._attn_implementation = state.inner
+
+
+def _attention_functions() -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def _register() -> None:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    if ATTENTION not in _attention_functions():
+        AttentionInterface.register(ATTENTION, _attention)
+    if ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
+        # the model builds its mask as for sdpa; the split attention uses it only where it runs unsplit
+        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Keep this rank's part of every sequence, with global positions and labels shifted over the whole."""
+    group = _owner(module).group
+    kwargs = dict(kwargs)
+    if args:  # input_ids given positionally
+        kwargs["input_ids"], args = args[0], args[1:]
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None or kwargs.get("past_key_values") is not None:
+        return args, kwargs  # generation with a cache: unsplit
+    length = tokens.shape[1]
+    if length % group.size:
+        if module.training:
+            raise ValueError(
+                f"ZeroConfig.sequence_parallel={group.size}: a training sequence of {length} tokens does not split "
+                f"into {group.size} equal parts; pad the batch to a multiple of {group.size} (e.g. "
+                f"DataCollatorForLanguageModeling(pad_to_multiple_of={group.size}) or block_size a multiple)."
+            )
+        return args, kwargs  # evaluation of an odd length: unsplit, on every rank
+    part = length // group.size
+    lo, hi = group.rank * part, (group.rank + 1) * part
+    for key in ("input_ids", "inputs_embeds", "token_type_ids"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = kwargs[key][:, lo:hi]
+    positions = kwargs.get("position_ids")
+    if positions is not None and bool((positions[..., 1:] != positions[..., :-1] + 1).any()):
+        raise ValueError(
+            f"ZeroConfig.sequence_parallel={group.size}: position_ids restart inside a sequence (packed documents); "
+            "attention across the split would not see the document boundaries. Train without packing (or "
+            "without sequence_parallel)."
+        )
+    if positions is None:
+        positions = torch.arange(length, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
+    kwargs["position_ids"] = positions[..., lo:hi]
+    mask = kwargs.pop("attention_mask", None)
+    padding = None if mask is None or bool(mask.all()) else mask.bool()
+    labels = kwargs.get("labels")
+    if labels is not None:
+        shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
+        kwargs["labels"] = kwargs["shift_labels"] = shifted[:, lo:hi].contiguous()
+        if kwargs.get("num_items_in_batch") is None:
+            kwargs["num_items_in_batch"] = (shifted != IGNORE).sum()
+    kwargs["use_cache"] = False
+    kwargs[ATTENTION] = SequenceSplit(group, padding)
+    return args, kwargs
+
+
+def _join_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """The loss of the whole micro-batch (gradient: N x this rank's part), or the whole sequence's logits."""
+    split = kwargs.get(ATTENTION)
+    if not isinstance(split, SequenceSplit):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is not None:
+        whole = loss.detach().clone()
+        all_reduce_(whole, split.group)
+        n = split.group.size
+        output["loss"] = loss * n + (whole - loss.detach() * n)
+    elif kwargs.get("labels") is None:
+        logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+        if logits is not None:
+            output["logits"] = gather_dim(logits, split.group, dim=1)
+    return output
+
+
+def _inner_function(module: nn.Module, inner: str) -> Callable[..., Any]:
+    if inner == "eager":
+        found = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if found is None:
+            raise ValueError(
+                f"hf_zero sequence parallelism: {type(module).__name__} has no eager_attention_forward; load the "
+                "model with attn_implementation='sdpa'."
+            )
+        return found
+    return _attention_functions()[inner]
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention: heads for tokens, the model's own attention on whole sequences, and back."""
+    split = kwargs.pop(ATTENTION, None)
+    owner = _owner(module)
+    inner = _inner_function(module, owner.inner)
+    if not isinstance(split, SequenceSplit):  # an unsplit forward (generation, odd lengths in evaluation)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    group = split.group
+    # (batch, heads, tokens/N, dim) -> (batch, heads/N, tokens, dim)
+    query, key, value = (all_to_all_dims(t, group, split_dim=1, cat_dim=2) for t in (query, key, value))
+    mask = _whole_mask(split.padding, query, owner.inner)
+    out, _ = inner(module, query, key, value, mask, **kwargs)  # (batch, tokens, heads/N, dim)
+    return all_to_all_dims(out, group, split_dim=1, cat_dim=2), None  # (batch, tokens/N, heads, dim)
+
+
+def _whole_mask(padding: torch.Tensor | None, query: torch.Tensor, inner: str) -> torch.Tensor | None:
+    """Causal over the whole sequence, with the batch's padding (keys that are padding are masked), as transformers
+    builds it for the unsplit model, so that a query with no key left (left padding) gets what the implementation
+    gives it there; `None` (the kernel's own causal masking) when nothing is padded and the implementation masks
+    causally by itself."""
+    length = query.shape[2]
+    if padding is None and inner != "eager":
+        return None
+    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    allowed = causal.unsqueeze(0) if padding is None else causal & padding.to(query.device)[:, None, :]
+    allowed = allowed.unsqueeze(1)
+    if inner == "eager":  # an additive mask
+        return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~allowed, torch.finfo(query.dtype).min
+        )
+    return allowed
+
+
+def _owner(module: nn.Module) -> SequenceParallel:
+    """The sequence-parallel state of the model an attention module belongs to (`enable` marks each module)."""
+    state = getattr(module, "_hf_zero_sequence", None)
+    if not isinstance(state, SequenceParallel):
+        raise RuntimeError(
+            f"hf_zero: {type(module).__name__} runs the sequence-parallel attention but belongs to no model that "
+            "hf_zero.initialize split by sequence"
+        )
+    return state

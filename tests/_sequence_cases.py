@@ -1,0 +1,123 @@
+"""Sequence parallelism cases ([Note: sequence parallelism]): the same training single-process on whole
+sequences and sharded with `sequence_parallel`; functions run on every rank of a pool (importable by name)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from tests._training import VOCAB, make_model, make_optimizer
+
+STEPS, ACCUM, MICRO, SEQ = 3, 2, 2, 16
+
+
+def batches(groups: int) -> list[list[list[dict[str, torch.Tensor]]]]:
+    """[step][group][micro-batch] -> input_ids, attention_mask, labels: one row right-padded, one left-padded
+    (in some micro-batches), and some labels ignored."""
+    g = torch.Generator().manual_seed(99)
+    out = []
+    for step in range(STEPS):
+        per_group = []
+        for d in range(groups):
+            micro = []
+            for a in range(ACCUM):
+                ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+                mask = torch.ones(MICRO, SEQ, dtype=torch.long)
+                if (step + d + a) % 2 == 0:
+                    mask[0, SEQ - 3 :] = 0  # right padding
+                    mask[1, :2] = 0  # left padding
+                labels = ids.masked_fill(mask == 0, -100)
+                labels[torch.rand(MICRO, SEQ, generator=g) < 0.15] = -100  # ignored tokens
+                micro.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+            per_group.append(micro)
+        out.append(per_group)
+    return out
+
+
+def reference(groups: int) -> dict[str, Any]:
+    """One process, whole sequences, every group's micro-batches: the mean over groups of the accumulated loss."""
+    torch.set_num_threads(1)
+    model = make_model("llama")
+    opt = make_optimizer(model, 1e-3)
+    losses, norms = [], []
+    for step in batches(groups):
+        micro = []
+        for per_group in step:
+            for batch in per_group:
+                loss = model(**batch).loss
+                (loss / (ACCUM * groups)).backward()
+                micro.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(np.mean(micro)))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
+    }
+
+
+def split_run(stage: int, size: int, checkpointing: bool = False) -> dict[str, Any]:
+    """Each group of `size` ranks trains on its group's micro-batches, each rank on 1/size of every sequence."""
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model("llama")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = make_optimizer(model, 1e-3)
+    model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage, sequence_parallel=size))
+    model.train()
+    losses, norms, local_losses = [], [], []
+    for step in batches(world // size):
+        micro = []
+        for batch in step[rank // size]:
+            loss = model(**batch).loss
+            (loss / ACCUM).backward()
+            micro.append(loss.detach())
+        local_losses.append(float(torch.stack(micro).mean()))
+        norms.append(float(opt.clip_grad_norm_(1.0)))
+        opt.step()
+        opt.zero_grad()
+        mean = torch.stack(micro).mean().reshape(1)
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    state = hf_zero.full_state_dict(model, rank0_only=False)
+    return {
+        "losses": losses,
+        "local_losses": local_losses,
+        "norms": norms,
+        "state": {k: v.numpy().copy() for k, v in state.items()},
+    }
+
+
+def logits_without_labels(size: int) -> dict[str, Any]:
+    """Without labels, the logits come back whole (gathered along the sequence), equal to the unsplit model's;
+    a loss the caller computes from them trains as the unsplit model does (its gradient flows back through the
+    gather)."""
+    torch.set_num_threads(1)
+    plain = make_model("llama")
+    batch = batches(1)[0][0][0]
+    expected = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    model = make_model("llama")
+    model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3, sequence_parallel=size))
+    got = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return {"shape": list(got.shape), "err": float((got - expected).abs().max())}
+
+
+def refused(size: int, what: str) -> dict[str, Any]:
+    """An input sequence parallelism cannot take: the error each rank raises."""
+    model = make_model("llama")
+    try:
+        model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3, sequence_parallel=size))
+        model.train()
+        ids = torch.randint(0, VOCAB, (1, 15 if what == "odd" else 16))
+        positions = torch.arange(16).remainder(8).unsqueeze(0) if what == "packed" else None
+        model(input_ids=ids, labels=ids, position_ids=positions)
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return {"type": type(e).__name__, "error": str(e)}
+    return {"type": None, "error": None}

@@ -1,0 +1,66 @@
+"""Sequence parallelism ([Note: sequence parallelism]): each rank of a group holds 1/N of every sequence, and the
+training equals single-process training on the whole sequences (fp32: losses, gradient norms and weights within
+1e-5), with gradient accumulation, clipping, left and right padding and ignored labels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import _sequence_cases as cases
+from tests._training import rel_err
+
+
+@pytest.fixture(scope="module")
+def reference_one_group():
+    return cases.reference(1)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_ranks_one_sequence_equal_single_process(pools, reference_one_group, stage):
+    ref = reference_one_group
+    results = pools(2).values(cases.split_run, stage, 2)
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-6)
+        np.testing.assert_allclose(r["local_losses"], ref["losses"], rtol=1e-6)  # every rank reports the whole loss
+        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5)
+    for name, value in ref["state"].items():
+        assert rel_err(results[0]["state"][name], value) <= 1e-5, name
+
+
+def test_two_ranks_with_gradient_checkpointing(pools, reference_one_group):
+    ref = reference_one_group
+    r = pools(2).values(cases.split_run, 3, 2, True)[0]
+    np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-6)
+    for name, value in ref["state"].items():
+        assert rel_err(r["state"][name], value) <= 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sequence_2_by_data_2_on_four_ranks(pools, stage):
+    ref = cases.reference(2)
+    results = pools(4).values(cases.split_run, stage, 2)
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-6)
+        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5)
+    for name, value in ref["state"].items():
+        assert rel_err(results[0]["state"][name], value) <= 1e-5, name
+
+
+def test_logits_without_labels_come_back_whole(pools):
+    for r in pools(2).values(cases.logits_without_labels, 2):
+        assert r["shape"] == [2, cases.SEQ, 256] and r["err"] < 1e-5
+
+
+@pytest.mark.parametrize(
+    "size,what,message",
+    [
+        (2, "odd", "a training sequence of 15 tokens does not split into 2 equal parts"),
+        (2, "packed", "position_ids restart inside a sequence"),
+        (4, "heads", "2 key-value heads; both must be multiples of 4"),
+    ],
+)
+def test_what_cannot_be_split_is_refused_on_every_rank(pools, size, what, message):
+    results = pools(size).values(cases.refused, size, what)
+    for r in results:
+        assert r["type"] == "ValueError" and message in r["error"], r
