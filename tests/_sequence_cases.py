@@ -121,3 +121,21 @@ def refused(size: int, what: str) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the test reads it
         return {"type": type(e).__name__, "error": str(e)}
     return {"type": None, "error": None}
+
+
+def accelerate_batches(size: int) -> dict[str, Any]:
+    """The samples a `ZeroAccelerator` data loader gives this rank under `zero_sequence_parallel`, and the loss of
+    one step through it (the loss of the whole batch, on every rank of a group)."""
+    from torch.utils.data import DataLoader
+
+    from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
+
+    torch.set_num_threads(1)
+    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(zero_stage=3, zero_sequence_parallel=size))
+    samples = [{"input_ids": torch.full((SEQ,), i), "labels": torch.full((SEQ,), i)} for i in range(8)]
+    model = make_model("llama")
+    opt = make_optimizer(model, 1e-3)
+    model, opt, loader = accelerator.prepare(model, opt, DataLoader(samples, batch_size=1))
+    seen = [int(batch["input_ids"][0, 0]) for batch in loader]
+    loss = float(model(**next(iter(loader))).loss)
+    return {"seen": seen, "loss": loss, "sequence_parallel": model.zero_engine.config.sequence_parallel}

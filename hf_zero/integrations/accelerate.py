@@ -155,6 +155,35 @@ class ZeroAccelerator(Accelerator):
             items[i] = _ShardedAcceleratedOptimizer(each, device_placement=False, scaler=None)
         return super().prepare(*items, device_placement=device_placement)
 
+    def prepare_data_loader(
+        self, data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
+    ) -> Any:
+        """As Accelerate's, but with sequence parallelism the batches are dealt to the data-parallel groups: the
+        ranks of a sequence group get the same batches ([Note: sequence parallelism])."""
+        size = self.zero_config.sequence_parallel
+        if size == 1 or getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        from accelerate.data_loader import prepare_data_loader
+
+        prepared = prepare_data_loader(
+            data_loader,
+            self.device,
+            num_processes=self.num_processes // size,
+            process_index=self.process_index // size,
+            split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(),
+            dispatch_batches=self.dispatch_batches,
+            even_batches=self.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
     # ---- gradients --------------------------------------------------------------------------
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2
