@@ -119,7 +119,8 @@ class Job:
 
     @property
     def accum(self) -> int:
-        return self.global_batch // (self.micro_bs * self.world)
+        sequence = dict(self.zero_args).get("zero_sequence_parallel", 1)  # its ranks share their batches
+        return self.global_batch // (self.micro_bs * self.world // sequence)
 
 
 class _WindowMemory(TrainerCallback):

@@ -54,6 +54,16 @@ def test_zero_trainer_matches_stock_trainer(pools, tmp_path, kind, stage):
     _assert_close_to_reference(got, _reference(_ref_key(job)))
 
 
+def test_sequence_parallel_trains_and_evaluates_as_the_stock_trainer(pools, tmp_path):
+    """`--zero_sequence_parallel 2` on 2 ranks ([Note: sequence parallelism]): each rank holds half of every
+    sequence, the two ranks get the same batches, and the losses, gradient norms, eval loss and weights are the
+    stock Trainer's on one process."""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), zero_args=(("zero_sequence_parallel", 2),))
+    got = pools(2).values(tc.run, job)[0]
+    assert len(got["losses"]) == job.steps
+    _assert_close_to_reference(got, _reference(_ref_key(job)))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("kind, world", [("scalars", 1), ("scalars", 2), ("mlp", 1), ("mlp", 2)])
 def test_models_without_blocks_train_and_resume_as_the_stock_trainer(pools, tmp_path, kind, world, stage):

@@ -161,28 +161,9 @@ class ZeroAccelerator(Accelerator):
         """As Accelerate's, but with sequence parallelism the batches are dealt to the data-parallel groups: the
         ranks of a sequence group get the same batches ([Note: sequence parallelism])."""
         size = self.zero_config.sequence_parallel
-        if size == 1 or getattr(data_loader, "_is_accelerate_prepared", False):
+        if size == 1:
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        from accelerate.data_loader import prepare_data_loader
-
-        prepared = prepare_data_loader(
-            data_loader,
-            self.device,
-            num_processes=self.num_processes // size,
-            process_index=self.process_index // size,
-            split_batches=self.split_batches,
-            put_on_device=self.device_placement if device_placement is None else device_placement,
-            rng_types=self.rng_types.copy(),
-            dispatch_batches=self.dispatch_batches,
-            even_batches=self.even_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=self.use_seedable_sampler,
-            data_seed=self.dataloader_config.data_seed,
-            non_blocking=self.non_blocking,
-            use_stateful_dataloader=self.use_stateful_dataloader,
-        )
-        self._dataloaders.append(prepared)
-        return prepared
+        return deal_to_groups(self, data_loader, size, device_placement, slice_fn_for_dispatch)
 
     # ---- gradients --------------------------------------------------------------------------
     def clip_grad_norm_(
@@ -304,3 +285,43 @@ class ZeroAccelerator(Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         self._zero_model, self._zero_optimizers = None, []
         return super().free_memory(*objects)
+
+
+def deal_to_groups(
+    accelerator: Accelerator,
+    data_loader: Any,
+    size: int,
+    device_placement: bool | None = None,
+    slice_fn_for_dispatch: Any = None,
+) -> Any:
+    """`accelerator.prepare_data_loader` with the batches dealt to groups of `size` consecutive ranks (each group
+    one data-parallel replica) instead of to every rank: the ranks of a sequence-parallel group get the same
+    batches ([Note: sequence parallelism])."""
+    from accelerate.data_loader import prepare_data_loader
+
+    if getattr(data_loader, "_is_accelerate_prepared", False):
+        return data_loader
+    if accelerator.dispatch_batches:
+        raise ValueError(
+            "ZeroConfig.sequence_parallel deals each batch to a group of ranks; Accelerate's dispatch_batches (one "
+            "process reads and sends to all, used for iterable datasets) is not supported with it. Use a map-style "
+            "dataset, or DataLoaderConfiguration(dispatch_batches=False)."
+        )
+    prepared = prepare_data_loader(
+        data_loader,
+        accelerator.device,
+        num_processes=accelerator.num_processes // size,
+        process_index=accelerator.process_index // size,
+        split_batches=accelerator.split_batches,
+        put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+        rng_types=accelerator.rng_types.copy(),
+        dispatch_batches=False,
+        even_batches=accelerator.even_batches,
+        slice_fn_for_dispatch=slice_fn_for_dispatch,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
+    accelerator._dataloaders.append(prepared)
+    return prepared

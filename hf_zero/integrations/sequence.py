@@ -20,8 +20,9 @@ the whole micro-batch (every rank of the group holds all the labels, so no colle
 them). The value returned is the group's sum of those parts (one scalar all-reduce): the loss of the whole
 micro-batch, the same on every rank of the group. Its gradient is N times the rank's own part, so that the
 engine's reduction, which averages over all ranks, sums over the group and averages over the data-parallel
-replicas. Without labels, the logits are gathered along the sequence (differentiably) so that a caller's own
-loss sees every token. Evaluation and generation with a cache, or a sequence that does not divide by N outside
+replicas. Without labels, and in evaluation, the logits are gathered along the sequence (differentiably) so
+that a caller's own loss or metric sees every token; in training with labels they stay split (the memory the
+split saves is mostly theirs). Evaluation and generation with a cache, or a sequence that does not divide by N outside
 training, run unsplit on every rank (correct, without the memory saving).
 """
 
@@ -190,10 +191,9 @@ def _join_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         all_reduce_(whole, split.group)
         n = split.group.size
         output["loss"] = loss * n + (whole - loss.detach() * n)
-    elif kwargs.get("labels") is None:
-        logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
-        if logits is not None:
-            output["logits"] = gather_dim(logits, split.group, dim=1)
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if logits is not None and (loss is None or not module.training):  # whole for the caller's own use
+        output["logits"] = gather_dim(logits, split.group, dim=1)
     return output
 
 

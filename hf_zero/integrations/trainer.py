@@ -24,6 +24,7 @@ do wrongly for a sharded model is overridden, and only that:
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -41,6 +42,7 @@ from ..checkpoint.consolidate import save_pretrained_async
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
 from ..engine.step.optim import ShardedOptimizer
+from .accelerate import deal_to_groups
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, clear_marker, write_marker
 from .settings import snapshot_budget
 from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
@@ -93,6 +95,10 @@ class ZeroTrainerMixin(_TrainerBase):
                 "hf_zero is the sharding engine here. Launch with a plain multi-process config instead."
             )
         self._zero_resume_from: str | None = None
+        size = self.args.to_zero_config().sequence_parallel
+        if size > 1:  # [Note: sequence parallelism]: the ranks of a sequence group read the same batches
+            accelerator = self.accelerator
+            accelerator.prepare_data_loader = functools.partial(deal_to_groups, accelerator, size=size)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
