@@ -22,7 +22,8 @@ trains one sequence of 128 tokens per step. Engines:
   `hf_zero3_disk`: the same with `offload_optimizer=True, offload_dir=...`; `hf_zero3_disk_params`: with
   `offload_params=True` too (no parameter shard kept: gathers read the master file). Checkpoint: `save_checkpoint`.
 Every run is a fresh `torchrun` job. The script polls every rank's resident set (VmRSS) 20 times a second
-and kills the job as soon as one rank passes the per-rank budget (9 GiB) or both together pass 18 GiB: a
+and kills the job as soon as one rank passes the per-rank budget (9 GiB) or the job's processes together pass
+18 GiB (counted as proportional set sizes, so that pages a forked helper shares with its rank count once): a
 size that does not fit fails cleanly, long before the kernel's OOM killer would act (2 x 9 GiB of a
 24 GiB machine leaves room for the system, the page cache and the benchmark itself). Peak resident memory (VmHWM) is reported as it is, process
 baseline included, for training and for the save separately.
@@ -109,7 +110,9 @@ def run_job(engine: str, layers: int, weights: Path, work: Path, budget: int, to
         while job.poll() is None:
             rss = _tree_rss(job.pid)
             peak = max([peak, *rss.values()])
-            if any(v > budget for v in rss.values()) or sum(rss.values()) > total_budget:
+            if any(v > budget for v in rss.values()) or (
+                sum(rss.values()) > total_budget and sum(_pss(pid) for pid in rss) > total_budget
+            ):
                 over = max(rss.values())
                 _kill(job)
                 break
@@ -146,6 +149,19 @@ def _kill(job: subprocess.Popen) -> None:
     job.wait()
     while any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in ranks):
         time.sleep(0.1)
+
+
+def _pss(pid: int) -> int:
+    """Proportional resident bytes of a process: pages shared with others (a forked child's copy-on-write pages,
+    which its RSS counts in full again) counted once across the processes that share them."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _zombie(pid: int) -> bool:

@@ -102,7 +102,10 @@ def _estimate(args: argparse.Namespace) -> int:
     host_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
     disk = parse_size(args.disk, "--disk") if args.disk else None
     workload = Workload(
-        micro_batch=args.micro_batch, seq_len=args.seq_len, gradient_checkpointing=args.gradient_checkpointing
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        gradient_checkpointing=args.gradient_checkpointing,
+        sequence_parallel=args.sequence_parallel,
     )
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
     rows = estimate(
@@ -119,7 +122,9 @@ def _estimate(args: argparse.Namespace) -> int:
         f"{type(model).__name__}: {n / 1e9:.2f}B parameters; {args.world_size} ranks on {args.nodes} node(s); "
         f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, "
         f"{'fp32 Adam on flat shards' if args.optimizer == 'adamw' else 'Adafactor on whole parameters'}; "
-        f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}{trainable_note}. "
+        f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}"
+        + (f"; sequence parallelism {args.sequence_parallel}" if args.sequence_parallel > 1 else "")
+        + f"{trainable_note}. "
         "GiB per device / per node:"
     )
     print(format_table(rows, device_memory, host_memory, disk))
@@ -249,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs) in all")
     e.add_argument("--nodes", type=int, default=1, help="number of machines (default 1)")
     e.add_argument("--seq-len", type=int, default=2048)
+    e.add_argument(
+        "--sequence-parallel",
+        type=int,
+        default=1,
+        help="ranks per sequence (ZeroConfig.sequence_parallel): activations per rank for seq-len / N tokens",
+    )
     e.add_argument("--micro-batch", type=int, default=1, help="sequences per device per micro-batch")
     e.add_argument("--gradient-checkpointing", action="store_true")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype (default bf16)")

@@ -21,7 +21,8 @@ On top of model states, a device holds, at its peak (the start of the backward p
   saved; with it, each layer keeps only its input (h per token), and the peak is inside one
   layer's backward, with that layer's activations recomputed.
   The logits add B·L·V elements in the compute dtype, an fp32 copy when that is not fp32 (the
-  loss upcasts), and fp32 log-probabilities;
+  loss upcasts), and fp32 log-probabilities. With sequence parallelism over N ranks every
+  per-token term counts L/N tokens (a rank's attention holds 1/N of the heads over all L);
 - stages 0-1: a reduction buffer of the largest unit in the reduce dtype.
 An input embedding's gradient is sparse rows, not a dense buffer ([Note: sparse lookup gradients]).
 The activation coefficients were fitted on measured CPU runs of LLaMA (one configuration, with
@@ -57,6 +58,7 @@ class Workload:
     micro_batch: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = False
+    sequence_parallel: int = 1  # ranks per sequence: each holds seq_len / N tokens ([Note: sequence parallelism])
 
 
 @dataclass(frozen=True)
@@ -178,13 +180,14 @@ def activation_bytes(config: Any, workload: Workload, dtype_bytes: int) -> int:
     heads = config.num_attention_heads
     layers = config.num_hidden_layers
     b, seq = workload.micro_batch, workload.seq_len
+    tokens = -(-seq // workload.sequence_parallel)  # this rank's; its attention rows still span the sequence
     upcast = 4 if dtype_bytes < 4 else 0  # an fp32 copy made from a bf16/fp16 tensor
-    per_layer = b * seq * ((8 * h + 3 * inter) * dtype_bytes + heads * seq * (4 + dtype_bytes * (upcast > 0)))
+    per_layer = b * tokens * ((8 * h + 3 * inter) * dtype_bytes + heads * seq * (4 + dtype_bytes * (upcast > 0)))
     if workload.gradient_checkpointing:
-        layer_total = layers * b * seq * h * dtype_bytes + per_layer
+        layer_total = layers * b * tokens * h * dtype_bytes + per_layer
     else:
         layer_total = layers * per_layer
-    logits = b * seq * config.vocab_size * (dtype_bytes + upcast + 4)
+    logits = b * tokens * config.vocab_size * (dtype_bytes + upcast + 4)
     return layer_total + logits
 
 
@@ -207,6 +210,9 @@ def estimate(
     """
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ValueError(f"--world-size ({world_size}) must be a positive multiple of --nodes ({nodes}).")
+    n = workload.sequence_parallel
+    if n < 1 or world_size % n:
+        raise ValueError(f"--sequence-parallel ({n}) must be a positive divisor of --world-size ({world_size}).")
     model_dtype = next(model.parameters()).dtype
     specs = units_for(model, ZeroConfig(mixed_precision=mixed_precision))  # type: ignore[arg-type]  # a str the caller checked against the Literal
     order = [n for n, p in model.named_parameters() if p.requires_grad]  # the order an optimizer holds them in

@@ -224,6 +224,29 @@ def test_cli_estimate_errors(tmp_path):
     assert done.returncode == 2 and "--device-memory must look like '5GB'" in done.stderr
 
 
+def test_sequence_parallelism_divides_the_per_token_activations(tmp_path):
+    """[Note: sequence parallelism]: with N ranks per sequence a rank holds seq/N tokens of every per-token
+    activation and of the logits (its attention rows still span the whole sequence): with checkpointing, the
+    estimate for 8192 tokens over 2 ranks is that of 4096 tokens except the attention rows, which are twice as
+    long; a sequence_parallel that does not divide the world size is refused."""
+    from transformers import LlamaConfig
+
+    from hf_zero.estimate import Workload, activation_bytes
+
+    config = LlamaConfig(**{k: v for k, v in LLAMA_70B.items() if k != "model_type"})
+    whole = activation_bytes(config, Workload(seq_len=8192, gradient_checkpointing=True), 2)
+    split = activation_bytes(config, Workload(seq_len=8192, gradient_checkpointing=True, sequence_parallel=2), 2)
+    half = activation_bytes(config, Workload(seq_len=4096, gradient_checkpointing=True), 2)
+    attention_rows = 4096 * config.num_attention_heads * 4096 * (4 + 2)  # the extra half of each row, 4096 tokens
+    assert split == half + attention_rows and split < 0.6 * whole
+    (tmp_path / "c.json").write_text(json.dumps(LLAMA_70B))
+    done = _cli(["estimate", "--model", str(tmp_path / "c.json"), "--world-size", "8", "--sequence-parallel", "3"])
+    assert done.returncode == 2 and "--sequence-parallel (3) must be a positive divisor of --world-size (8)" in done.stderr
+    done = _cli(["estimate", "--model", str(tmp_path / "c.json"), "--world-size", "8", "--sequence-parallel", "2",
+                 "--seq-len", "8192", "--gradient-checkpointing"])
+    assert done.returncode == 0 and "sequence parallelism 2" in done.stdout
+
+
 @pytest.mark.parametrize("flags", [["--lora-rank", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj"],
                                    ["--trainable", r"layers\.(78|79)\."]], ids=["lora", "trainable-regex"])
 def test_cli_estimate_learns_the_frozen_trainable_split(tmp_path, flags):
