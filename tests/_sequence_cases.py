@@ -111,7 +111,7 @@ def logits_without_labels(size: int) -> dict[str, Any]:
 
 def refused(size: int, what: str) -> dict[str, Any]:
     """An input sequence parallelism cannot take: the error each rank raises."""
-    model = make_model("llama")
+    model = make_model("falcon" if what == "falcon" else "llama")
     try:
         model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3, sequence_parallel=size))
         model.train()

@@ -47,6 +47,17 @@ def test_sequence_2_by_data_2_on_four_ranks(pools, stage):
         assert rel_err(results[0]["state"][name], value) <= 1e-5, name
 
 
+def test_fewer_key_value_heads_than_ranks_are_replicated(pools, reference_one_group):
+    """4 ranks on one sequence of a model with 2 key-value heads: each rank gets a copy of the key-value head
+    its query heads use; still exact."""
+    ref = reference_one_group
+    results = pools(4).values(cases.split_run, 3, 4)
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-6)
+    for name, value in ref["state"].items():
+        assert rel_err(results[0]["state"][name], value) <= 1e-5, name
+
+
 def test_logits_without_labels_come_back_whole(pools):
     for r in pools(2).values(cases.logits_without_labels, 2):
         assert r["shape"] == [2, cases.SEQ, 256] and r["err"] < 1e-5
@@ -57,7 +68,8 @@ def test_logits_without_labels_come_back_whole(pools):
     [
         (2, "odd", "a training sequence of 15 tokens does not split into 2 equal parts"),
         (2, "packed", "position_ids restart inside a sequence"),
-        (4, "heads", "2 key-value heads; both must be multiples of 4"),
+        (3, "heads", "the model has 4 attention heads and 2 key-value heads; the attention heads must be a multiple"),
+        (2, "falcon", "FalconForCausalLM computes attention in its own code rather than through transformers'"),
     ],
 )
 def test_what_cannot_be_split_is_refused_on_every_rank(pools, size, what, message):

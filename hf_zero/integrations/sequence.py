@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,10 +47,12 @@ IGNORE = -100
 @dataclass(frozen=True)
 class SequenceSplit:
     """What the attention function of one forward needs: the group, and the padding mask of the whole batch
-    (`None` when every token is real). Passed to it through the model's keyword arguments."""
+    (`None` when every token is real). Passed to it through the model's keyword arguments; `calls` counts the
+    attention calls it served (none at all means the model computes attention some other way: refused)."""
 
     group: CommGroup
     padding: torch.Tensor | None  # (batch, sequence) bool, True for real tokens
+    calls: list[int] = field(default_factory=lambda: [0])
 
 
 @dataclass
@@ -70,13 +72,22 @@ def check(model: nn.Module, size: int) -> None:
             "ZeroConfig.sequence_parallel works on Hugging Face decoder models (a `config` with "
             f"num_attention_heads); {type(model).__name__} has none."
         )
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model  # peft: the model inside
+    if not getattr(base, "_supports_attention_backend", False):
+        raise ValueError(
+            f"ZeroConfig.sequence_parallel: {type(base).__name__} computes attention in its own code rather than "
+            "through transformers' attention registry, so its attention cannot be split by sequence. Models that "
+            "use the registry (LLaMA, Mistral, Qwen2, Gemma, ...) can; train this one without sequence_parallel."
+        )
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
-    if heads % size or kv % size:
+    if heads % size or (kv % size and size % kv):
         raise ValueError(
             f"ZeroConfig.sequence_parallel={size}: the model has {heads} attention heads and {kv} key-value heads; "
-            f"both must be multiples of {size} (each rank attends with 1/{size} of the heads). Use a sequence_parallel "
-            f"that divides {kv}."
+            f"the attention heads must be a multiple of {size} (each rank attends with 1/{size} of them) and the "
+            f"key-value heads a multiple or a divisor of {size} (then they are replicated). Use a sequence_parallel "
+            "that divides both."
         )
     inner = getattr(config, "_attn_implementation", None) or "eager"
     if inner != ATTENTION and inner != "eager" and inner not in _attention_functions():
@@ -185,6 +196,12 @@ def _join_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     split = kwargs.get(ATTENTION)
     if not isinstance(split, SequenceSplit):
         return output
+    if split.calls[0] == 0:
+        raise RuntimeError(
+            f"[rank {split.group.global_rank}] hf_zero: {type(module).__name__}'s forward split its sequences but "
+            "never called the attention registry's function: it computes attention in its own code, which would see "
+            "only this rank's tokens. Train it without sequence_parallel."
+        )
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if loss is not None:
         whole = loss.detach().clone()
@@ -224,11 +241,29 @@ def _attention(
     if not isinstance(split, SequenceSplit):  # an unsplit forward (generation, odd lengths in evaluation)
         return inner(module, query, key, value, attention_mask, **kwargs)
     group = split.group
+    split.calls[0] += 1
+    runs: Any = module
+    if key.shape[1] % group.size:  # fewer key-value heads than ranks: each query head gets its own copy
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        runs = _OneGroup(module)
     # (batch, heads, tokens/N, dim) -> (batch, heads/N, tokens, dim)
     query, key, value = (all_to_all_dims(t, group, split_dim=1, cat_dim=2) for t in (query, key, value))
     mask = _whole_mask(split.padding, query, owner.inner)
-    out, _ = inner(module, query, key, value, mask, **kwargs)  # (batch, tokens, heads/N, dim)
+    out, _ = inner(runs, query, key, value, mask, **kwargs)  # (batch, tokens, heads/N, dim)
     return all_to_all_dims(out, group, split_dim=1, cat_dim=2), None  # (batch, tokens/N, heads, dim)
+
+
+class _OneGroup:
+    """An attention module seen with one query head per key-value head (its key-value heads were replicated)."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
 
 
 def _whole_mask(padding: torch.Tensor | None, query: torch.Tensor, inner: str) -> torch.Tensor | None:
