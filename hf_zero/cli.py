@@ -156,6 +156,7 @@ def _step_time(model: Any, hf_config: Any, args: argparse.Namespace) -> int:
         gradient_checkpointing=args.gradient_checkpointing,
         param_bytes=4 if args.dtype == "fp32" else 2,
         reduce_bytes=4,
+        sequence_parallel=args.sequence_parallel,
     )
     print(format_predictions(ModelShape.from_model(model, hf_config), job, hw, worlds))
     print(

@@ -28,6 +28,12 @@ Per rank and per optimizer step (`accum` micro-batches of `micro_batch` x `seq_l
   the last unit's reduction; what exceeds the compute it runs beside is exposed. Stage 1-2's
   parameter all-gather after the optimizer step is exposed. `overlap` = 0 exposes everything
   (ranks that share the cores communication runs on, as on a 2-core CPU machine).
+- Sequence parallelism (`sequence_parallel` N, [Note: sequence parallelism]): a rank computes 1/N of
+  each sequence's tokens (its attention: 1/N of the heads over the whole sequence, the same FLOPs
+  per local token as above) and, per layer and pass (forward, backward, and the recomputation with
+  activation checkpointing), four all-to-alls (query, key, value, output) of its tokens' hidden
+  states in the compute dtype over the N ranks, in a node. They sit between attention and the rest
+  of the layer, so none of them overlaps: they are all exposed.
 - Optimizer: AdamW over the rank's share of the parameters (all of them for DDP), at
   `optimizer_bytes_per_s` for 32 bytes per element (fp32 parameter, gradient, two moments,
   read and written).
@@ -119,6 +125,7 @@ class Job:
     quantized_weights: bool = False
     quantized_gradients: bool = False
     quantization_block: int = 256
+    sequence_parallel: int = 1  # ranks per sequence (each computes seq_len / N tokens)
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,9 @@ def predict(shape: ModelShape, job: Job, hw: Hardware) -> StepTime:
     g = job.shard_group_size or n
     if n % g:
         raise ValueError(f"shard_group_size {g} must divide world_size {n}.")
-    tokens = job.micro_batch * job.seq_len * job.accum
+    if job.sequence_parallel < 1 or n % job.sequence_parallel:
+        raise ValueError(f"sequence_parallel {job.sequence_parallel} must divide world_size {n}.")
+    tokens = job.micro_batch * job.seq_len * job.accum / job.sequence_parallel  # this rank's
     matmul = shape.block_params * shape.layers + shape.head_params
     attention = 12 * shape.layers * shape.hidden * job.seq_len
     model_flops = (6 * matmul + attention) * tokens
@@ -171,7 +180,8 @@ def predict(shape: ModelShape, job: Job, hw: Hardware) -> StepTime:
     comm_s = comm.fwd + comm.bwd + comm.tail
     first_last = (comm.fwd + comm.bwd) / max(1, units)  # the first gather and the last reduction wait for nothing
     hidden_exposed = max(0.0, comm.fwd - forward_s) + max(0.0, comm.bwd - backward_s) + first_last + comm.tail
-    exposed = hw.overlap * min(comm_s, hidden_exposed) + (1 - hw.overlap) * comm_s
+    exposed = hw.overlap * min(comm_s, hidden_exposed) + (1 - hw.overlap) * comm_s + comm.critical
+    comm_s += comm.critical
     elements = shape.params if job.stage == 0 else shape.params / g
     optimizer_s = 32 * elements / hw.optimizer_bytes_per_s
     step_s = compute_s + exposed + optimizer_s
@@ -193,6 +203,7 @@ class _Communication:
     def __init__(self, hw: Hardware) -> None:
         self.hw = hw
         self.fwd = self.bwd = self.tail = 0.0
+        self.critical = 0.0  # on the compute's path: never overlapped (sequence parallelism's all-to-alls)
         self.moved = 0.0
         self.collectives = 0
 
@@ -213,6 +224,8 @@ class _Communication:
             self.fwd += s
         elif where == "bwd":
             self.bwd += s
+        elif where == "critical":
+            self.critical += s
         else:
             self.tail += s
 
@@ -233,6 +246,12 @@ def _add_collectives(comm: _Communication, shape: ModelShape, job: Job, hw: Hard
         if g < n:  # hybrid: the shard's gradients across replicas
             comm.add("bwd", elements / g * job.reduce_bytes, n // g, hw.inter_node_bandwidth, True, count)
 
+    sp = job.sequence_parallel
+    if sp > 1:  # four all-to-alls of this rank's tokens' hidden states per layer and pass
+        passes = 3 if job.gradient_checkpointing else 2
+        per_pass = 4 * job.micro_batch * job.seq_len / sp * shape.hidden * job.param_bytes * shape.layers
+        for _ in range(job.accum * passes):
+            comm.add("critical", per_pass, sp, comm.bandwidth(sp), count=4 * shape.layers)
     if job.stage == 0:
         comm.add("bwd", p * job.reduce_bytes, n, comm.bandwidth(n), all_reduce=True, count=units)
     elif job.stage in (1, 2):
@@ -253,7 +272,8 @@ def format_predictions(shape: ModelShape, job: Job, hw: Hardware, world_sizes: l
         f"{hw.name}: peak {hw.peak_flops / 1e12:.0f} TFLOP/s x efficiency {hw.compute_efficiency:.2f}, "
         f"bus bandwidth {hw.intra_node_bandwidth / 1e9:.0f} GB/s in a node, {hw.inter_node_bandwidth / 1e9:.0f} "
         f"GB/s across, {hw.devices_per_node} per node; {shape.params / 1e9:.2f}B parameters, micro-batch "
-        f"{job.micro_batch} x {job.seq_len}, accumulation {job.accum}",
+        f"{job.micro_batch} x {job.seq_len}, accumulation {job.accum}"
+        + (f", sequence parallelism {job.sequence_parallel}" if job.sequence_parallel > 1 else ""),
         "| devices | setting | compute (s) | comm (GB/rank) | exposed comm (s) | optimizer (s) | step (s) | "
         "tokens/s/device | MFU |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -48,6 +48,20 @@ def test_compute_counts_six_flops_per_matmul_parameter_and_attention():
     assert recomputed.mfu < t.mfu  # recomputation is not model FLOPs
 
 
+def test_sequence_parallelism_adds_four_exposed_all_to_alls_per_layer_and_pass():
+    """[Note: sequence parallelism]: N ranks per sequence compute 1/N of its tokens each, and move, per layer and
+    pass (forward, backward, recomputation), four all-to-alls of their tokens' hidden states; none overlaps."""
+    overlapping = replace(SLOW, overlap=1.0)
+    job = Job(world_size=4, stage=3, micro_batch=2, seq_len=8, accum=3, gradient_checkpointing=True)
+    plain, split = predict(SHAPE, job, overlapping), predict(SHAPE, replace(job, sequence_parallel=2), overlapping)
+    a2a = 3 * 3 * 4 * 2 * (8 / 2) * 10 * 2 * 4 * (1 / 2)  # accum x passes x 4 x tokens x hidden x bytes x layers x (N-1)/N
+    assert split.comm_bytes - plain.comm_bytes == pytest.approx(a2a)
+    assert split.compute_s == pytest.approx(plain.compute_s / 2)
+    assert split.exposed_comm_s - plain.exposed_comm_s == pytest.approx(a2a / 1e6)
+    with pytest.raises(ValueError, match="sequence_parallel 3 must divide world_size 4"):
+        predict(SHAPE, replace(job, sequence_parallel=3), SLOW)
+
+
 def test_quantized_weights_and_gradients_move_about_a_quarter():
     exact = predict(SHAPE, Job(world_size=4, stage=3, param_bytes=4, reduce_bytes=4), SLOW)
     quant = predict(SHAPE, Job(world_size=4, stage=3, param_bytes=4, reduce_bytes=4, quantized_weights=True,
