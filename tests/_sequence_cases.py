@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
+from transformers import LlamaForCausalLM
 from tests._training import VOCAB, make_model, make_optimizer
 
 STEPS, ACCUM, MICRO, SEQ = 3, 2, 2, 16
@@ -76,9 +77,11 @@ def split_run(stage: int, size: int, checkpointing: bool = False) -> dict[str, A
     for step in batches(world // size):
         micro = []
         for batch in step[rank // size]:
-            loss = model(**batch).loss
-            (loss / ACCUM).backward()
-            micro.append(loss.detach())
+            out = model(**batch)
+            if out.logits is not None:  # [Note: tiled loss]: no logits in training with labels
+                raise RuntimeError("the split model returned logits in training")
+            (out.loss / ACCUM).backward()
+            micro.append(out.loss.detach())
         local_losses.append(float(torch.stack(micro).mean()))
         norms.append(float(opt.clip_grad_norm_(1.0)))
         opt.step()
@@ -109,9 +112,20 @@ def logits_without_labels(size: int) -> dict[str, Any]:
     return {"shape": list(got.shape), "err": float((got - expected).abs().max())}
 
 
+class _ScaledLogits(LlamaForCausalLM):
+    """A model that changes its head's output before returning it (as logit scaling or soft-capping do)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)
+        out["logits"] = out.logits * 2.0
+        return out
+
+
 def refused(size: int, what: str) -> dict[str, Any]:
     """An input sequence parallelism cannot take: the error each rank raises."""
     model = make_model("falcon" if what == "falcon" else "llama")
+    if what == "scaled":
+        model.__class__ = _ScaledLogits
     try:
         model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3, sequence_parallel=size))
         model.train()

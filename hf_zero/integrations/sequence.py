@@ -28,7 +28,9 @@ training, run unsplit on every rank (correct, without the memory saving).
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,7 @@ from torch import nn
 from ..engine.collectives import CommGroup
 from ..engine.collectives.ops import all_reduce_
 from ..engine.collectives.sequence import all_to_all_dims, gather_dim
+from .tiled_loss import tiled_cross_entropy
 
 ATTENTION = "hf_zero_sequence"  # the name registered in transformers' attention and mask registries
 IGNORE = -100
@@ -53,6 +56,9 @@ class SequenceSplit:
     group: CommGroup
     padding: torch.Tensor | None  # (batch, sequence) bool, True for real tokens
     calls: list[int] = field(default_factory=lambda: [0])
+    labels: torch.Tensor | None = None  # this rank's shifted labels, when the head computes the loss in tiles
+    count: torch.Tensor | None = None  # labelled tokens of the whole micro-batch (or the caller's num_items)
+    head_loss: list[torch.Tensor] = field(default_factory=list)  # what the head returned ([Note: tiled loss])
 
 
 @dataclass
@@ -62,6 +68,8 @@ class SequenceParallel:
     group: CommGroup
     inner: str  # the attention implementation the model had (run on whole sequences)
     handles: list[Any]  # the model's two hooks
+    head: nn.Module | None = None  # the LM head whose forward computes the tiled loss ([Note: tiled loss])
+    active: SequenceSplit | None = None  # the split of the forward running now
 
 
 def check(model: nn.Module, size: int) -> None:
@@ -107,9 +115,13 @@ def enable(model: nn.Module, group: CommGroup) -> None:
         model.register_forward_pre_hook(_split_inputs, with_kwargs=True),
         model.register_forward_hook(_join_outputs, with_kwargs=True),
     ]
-    state = SequenceParallel(group, inner, handles)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    state = SequenceParallel(group, inner, handles, head if isinstance(head, nn.Linear) else None)
     for sub in model.modules():
         sub._hf_zero_sequence = state  # type: ignore[assignment]
+    if state.head is not None:
+        state.head.forward = functools.partial(_head_forward, state.head, state.head.forward)
     config._attn_implementation = ATTENTION
 
 
@@ -120,6 +132,8 @@ def disable(model: nn.Module) -> None:
         return
     for handle in state.handles:
         handle.remove()
+    if state.head is not None:
+        state.head.__dict__.pop("forward", None)
     for sub in model.modules():
         sub.__dict__.pop("_hf_zero_sequence", None)
     config: Any = model.config
@@ -145,7 +159,9 @@ def _register() -> None:
 
 def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Keep this rank's part of every sequence, with global positions and labels shifted over the whole."""
-    group = _owner(module).group
+    state = _owner(module)
+    state.active = None
+    group = state.group
     kwargs = dict(kwargs)
     if args:  # input_ids given positionally
         kwargs["input_ids"], args = args[0], args[1:]
@@ -181,14 +197,35 @@ def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     mask = kwargs.pop("attention_mask", None)
     padding = None if mask is None or bool(mask.all()) else mask.bool()
     labels = kwargs.get("labels")
+    split = SequenceSplit(group, padding)
     if labels is not None:
         shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
         kwargs["labels"] = kwargs["shift_labels"] = shifted[:, lo:hi].contiguous()
         if kwargs.get("num_items_in_batch") is None:
             kwargs["num_items_in_batch"] = (shifted != IGNORE).sum()
+        if module.training and state.head is not None:  # [Note: tiled loss]: the head computes it, in tiles
+            count = kwargs.pop("num_items_in_batch")
+            split = SequenceSplit(group, padding, labels=kwargs.pop("labels"), count=torch.as_tensor(count))
+            kwargs.pop("shift_labels")
     kwargs["use_cache"] = False
-    kwargs[ATTENTION] = SequenceSplit(group, padding)
+    kwargs[ATTENTION] = split
+    state.active = split
     return args, kwargs
+
+
+def _head_forward(head: nn.Module, own: Callable[..., Any], hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head: its own forward, or in a split training forward with labels the tiled loss."""
+    split = _owner(head).active
+    if split is None or split.labels is None:
+        return own(hidden)
+    if hidden.shape[1] != split.labels.shape[1]:
+        raise RuntimeError(
+            f"[rank {split.group.global_rank}] hf_zero: the LM head was called on {hidden.shape[1]} tokens where "
+            f"this rank holds {split.labels.shape[1]}; the tiled loss needs the head applied to every token once"
+        )
+    loss = tiled_cross_entropy(hidden, head, split.labels, split.count)  # type: ignore[arg-type]
+    split.head_loss.append(loss)
+    return loss
 
 
 def _join_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
@@ -202,7 +239,12 @@ def _join_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             "never called the attention registry's function: it computes attention in its own code, which would see "
             "only this rank's tokens. Train it without sequence_parallel."
         )
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    _owner(module).active = None
+    loss: torch.Tensor | None
+    if split.labels is not None:  # [Note: tiled loss]: the head's output is this rank's part of the loss
+        loss = _tiled_part(output, split)
+    else:
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if loss is not None:
         whole = loss.detach().clone()
         all_reduce_(whole, split.group)
@@ -212,6 +254,20 @@ def _join_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     if logits is not None and (loss is None or not module.training):  # whole for the caller's own use
         output["logits"] = gather_dim(logits, split.group, dim=1)
     return output
+
+
+def _tiled_part(output: Any, split: SequenceSplit) -> torch.Tensor:
+    """The loss the head computed, taken out of the output's logits (the model must have returned it as is)."""
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if len(split.head_loss) != 1 or logits is not split.head_loss[0]:
+        raise RuntimeError(
+            f"[rank {split.group.global_rank}] hf_zero: with sequence_parallel the LM head computes the loss in "
+            "tiles, but this model changes the head's output before returning it (logit scaling or capping) or "
+            "calls the head more than once; train it without sequence_parallel."
+        )
+    OrderedDict.__delitem__(output, "logits")  # the tiles' logits exist no more: none is returned
+    object.__setattr__(output, "logits", None)
+    return logits
 
 
 def _inner_function(module: nn.Module, inner: str) -> Callable[..., Any]:
