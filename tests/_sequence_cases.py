@@ -153,3 +153,31 @@ def accelerate_batches(size: int) -> dict[str, Any]:
     seen = [int(batch["input_ids"][0, 0]) for batch in loader]
     loss = float(model(**next(iter(loader))).loss)
     return {"seen": seen, "loss": loss, "sequence_parallel": model.zero_engine.config.sequence_parallel}
+
+
+def one_unit_model_loss(size: int) -> dict[str, Any]:
+    """A one-layer model, whose layer shares the root's unit (the engine's root hooks map over the forward's
+    keyword arguments and rebuild dataclasses in them): the split loss is the unsplit one, and its backward runs."""
+    from transformers import LlamaConfig
+
+    torch.set_num_threads(1)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(config)
+    batch = batches(1)[0][0][0]
+    expected = plain(**batch).loss
+    torch.manual_seed(0)
+    model, _ = hf_zero.initialize(LlamaForCausalLM(config), None, hf_zero.ZeroConfig(stage=3, sequence_parallel=size))
+    model.train()
+    got = model(**batch).loss
+    got.backward()
+    return {"loss": float(got.detach()), "expected": float(expected.detach())}

@@ -59,6 +59,11 @@ def test_fewer_key_value_heads_than_ranks_are_replicated(pools, reference_one_gr
         assert rel_err(results[0]["state"][name], value) <= 1e-5, name
 
 
+def test_a_model_whose_layers_share_the_root_unit(pools):
+    for r in pools(2).values(cases.one_unit_model_loss, 2):
+        assert abs(r["loss"] - r["expected"]) <= 1e-6 * abs(r["expected"]), r
+
+
 def test_logits_without_labels_come_back_whole(pools):
     for r in pools(2).values(cases.logits_without_labels, 2):
         assert r["shape"] == [2, cases.SEQ, 256] and r["err"] < 1e-5

@@ -32,7 +32,7 @@ import functools
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,18 +47,28 @@ ATTENTION = "hf_zero_sequence"  # the name registered in transformers' attention
 IGNORE = -100
 
 
-@dataclass(frozen=True)
 class SequenceSplit:
     """What the attention function of one forward needs: the group, and the padding mask of the whole batch
     (`None` when every token is real). Passed to it through the model's keyword arguments; `calls` counts the
-    attention calls it served (none at all means the model computes attention some other way: refused)."""
+    attention calls it served (none at all means the model computes attention some other way: refused). A plain
+    class, not a dataclass: hooks that map over a forward's inputs (the engine's, Accelerate's) rebuild
+    dataclasses, and the attention would count on a copy."""
 
-    group: CommGroup
-    padding: torch.Tensor | None  # (batch, sequence) bool, True for real tokens
-    calls: list[int] = field(default_factory=lambda: [0])
-    labels: torch.Tensor | None = None  # this rank's shifted labels, when the head computes the loss in tiles
-    count: torch.Tensor | None = None  # labelled tokens of the whole micro-batch (or the caller's num_items)
-    head_loss: list[torch.Tensor] = field(default_factory=list)  # what the head returned ([Note: tiled loss])
+    __slots__ = ("group", "padding", "calls", "labels", "count", "head_loss")
+
+    def __init__(
+        self,
+        group: CommGroup,
+        padding: torch.Tensor | None,
+        labels: torch.Tensor | None = None,
+        count: torch.Tensor | None = None,
+    ) -> None:
+        self.group = group
+        self.padding = padding  # (batch, sequence) bool, True for real tokens
+        self.calls = [0]
+        self.labels = labels  # this rank's shifted labels, when the head computes the loss in tiles
+        self.count = count  # labelled tokens of the whole micro-batch (or the caller's num_items)
+        self.head_loss: list[torch.Tensor] = []  # what the head returned ([Note: tiled loss])
 
 
 @dataclass
