@@ -26,11 +26,15 @@ def stored(tmp_path):
     return tmp_path, tensors
 
 
-@pytest.mark.parametrize("chunk", [sequential.CHUNK_BYTES, 1000], ids=["one-chunk", "many-chunks"])
-def test_ranges_land_in_their_tensors_and_the_checksum_is_the_files(stored, monkeypatch, chunk):
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+@pytest.mark.parametrize("chunk", [sequential.CHUNK_BYTES, 4096], ids=["one-chunk", "many-chunks"])
+def test_ranges_land_in_their_tensors_and_the_checksum_is_the_files(stored, monkeypatch, chunk, direct):
+    """Buffered, and around the page cache through the aligned buffers (where the filesystem takes O_DIRECT; it
+    falls back to buffered reads elsewhere): the same tensors, the same checksum."""
     directory, tensors = stored
     monkeypatch.setattr(sequential, "CHUNK_BYTES", chunk)
-    reads = RangeReads(directory)
+    monkeypatch.setattr(sequential, "_BOUNCE", [])  # buffers of this chunk size
+    reads = RangeReads(directory, direct=direct)
     # "a" saved as two pieces [0, 600) and [600, 1000) of one parameter, in one file under two keys is not how a
     # checkpoint stores it; one key per file, with the piece's range: elements [100, 900) of "a"
     out_a = torch.full((800,), -1.0)
@@ -44,6 +48,20 @@ def test_ranges_land_in_their_tensors_and_the_checksum_is_the_files(stored, monk
     assert torch.equal(out_b, tensors["b::exp_avg"].double())
     assert torch.equal(out_c, tensors["c"][490:])
     assert checksum == "xxh3_128:" + xxhash.xxh3_128((directory / "f.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("chunk", [sequential.CHUNK_BYTES, 4096], ids=["one-chunk", "many-chunks"])
+def test_direct_reads_without_a_digest_fill_scattered_ranges(stored, monkeypatch, chunk):
+    """Around the page cache, only the aligned chunks around the wanted ranges are read, and each lands whole."""
+    directory, tensors = stored
+    monkeypatch.setattr(sequential, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(sequential, "_BOUNCE", [])
+    reads = RangeReads(directory, direct=True)
+    out_z, out_a = torch.empty(7, dtype=torch.float64), torch.empty(3, dtype=torch.float32)
+    reads.add("z", [["f.safetensors", 0, 77]], 70, 77, out_z)
+    reads.add("a", [["f.safetensors", 0, 1000]], 997, 1000, out_a)
+    assert reads.read("f.safetensors") is None
+    assert torch.equal(out_z, tensors["z"][70:]) and torch.equal(out_a, tensors["a"][997:])
 
 
 def test_without_a_digest_only_the_ranges_are_read(stored, monkeypatch):

@@ -157,7 +157,7 @@ def _stage_optimizers(
     also checks the file's checksum; returns the state and the files so checked. The entries are read into the
     optimizer's own state tensors where it has them all (memory that is in use already: fresh memory's first
     touch cost 1-4 s per GB on the VMs measured), else into fresh tensors, the old state released first."""
-    reads = RangeReads(directory)
+    reads = RangeReads(directory, direct=True)  # read once: around the page cache
     staged: list[Staged] = []
     saved = (manifest.optimizer or {})["state"]
     with FileCache(directory) as cache:

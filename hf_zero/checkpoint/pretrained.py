@@ -64,7 +64,7 @@ class SafetensorsSource:
     def fill(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor) -> None:
         out.zero_()
         lo, _ = layout.shard_range(shard_rank)
-        reads = RangeReads(self.directory)
+        reads = RangeReads(self.directory, direct=True)  # read once: around the page cache
         for index, start, end in layout.local_pieces(shard_rank):
             slot = layout.slots[index]
             key = self._key(params[index], slot.name)
