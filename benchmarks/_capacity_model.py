@@ -7,6 +7,7 @@ SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, n
 SEQ = 128
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 (Accelerate's setup)", "fsdp2_reduce_fp32": "FSDP2 (Accelerate, fp32 reduce)", "ds3": "DeepSpeed ZeRO-3 (HF Trainer's config)",
           "ds3_raw": "DeepSpeed ZeRO-3 (its defaults)", "ds3_nvme": "DeepSpeed ZeRO-Infinity (NVMe, HF config)",
+          "ds3_nvme_lean": "DeepSpeed ZeRO-Infinity (NVMe, sub_group_size and max_in_cpu 1e8)",
           "hf_zero3": "hf_zero ZeRO-3", "hf_zero3_disk": "hf_zero ZeRO-3 + offload_dir",
           "hf_zero3_disk_params": "hf_zero ZeRO-3 + offload_dir + offload_params"}
 GIB = 2**30

@@ -78,7 +78,8 @@ def compare_section(report: dict) -> list[str]:
 
 RATIOS = [("hf_zero3", "fsdp2"), ("hf_zero3", "ddp"), ("hf_zero3", "ds3"), ("hf_zero3", "ds3_raw"),
           ("hf_zero3_disk", "hf_zero3"),
-          ("hf_zero3_disk_params", "hf_zero3"), ("hf_zero3_disk_params", "ds3_nvme")]
+          ("hf_zero3_disk_params", "hf_zero3"), ("hf_zero3_disk_params", "ds3_nvme"),
+          ("hf_zero3_disk", "ds3_nvme_lean"), ("hf_zero3_disk_params", "ds3_nvme_lean")]
 
 
 def ratio_lines(runs: list[dict]) -> list[str]:

@@ -159,10 +159,11 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
 
         from _peers import deepspeed_config
 
-        offload = {"ds3_offload": "cpu", "ds3_nvme": "nvme"}.get(engine)
+        offload = {"ds3_offload": "cpu", "ds3_nvme": "nvme", "ds3_nvme_lean": "nvme"}.get(engine)
         ds_config = deepspeed_config(config.hidden_size, micro=1, bf16=bf16,
                                      flavor="raw" if engine == "ds3_raw" else "hf", offload=offload,
-                                     nvme_path=str(Path(args.work) / "offload") if offload == "nvme" else None)
+                                     nvme_path=str(Path(args.work) / "offload") if offload == "nvme" else None,
+                                     lean=engine == "ds3_nvme_lean")
         PEER_CONFIG.update(ds_config)
         if offload == "nvme":
             (Path(args.work) / "offload").mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,10 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.1  # the AdamW every 
 
 
 def deepspeed_config(hidden: int, *, micro: int, bf16: bool, flavor: str = "hf", offload: str | None = None,
-                     nvme_path: str | None = None, clip: float = 1.0) -> dict[str, Any]:
-    """The DeepSpeed ZeRO-3 configuration a user of `flavor` runs (see the module's docstring)."""
+                     nvme_path: str | None = None, clip: float = 1.0, lean: bool = False) -> dict[str, Any]:
+    """The DeepSpeed ZeRO-3 configuration a user of `flavor` runs (see the module's docstring). `lean` (NVMe):
+    the documented knobs a user short of host memory turns down: `sub_group_size` 1e8 (the optimizer state
+    swapped in per group: 1e9 elements hold 16 GB) and `max_in_cpu` 1e8 (parameters kept in host memory)."""
     if flavor not in ("hf", "raw"):
         raise ValueError(f"flavor must be 'hf' or 'raw', not {flavor!r}")
     zero: dict[str, Any] = {"stage": 3}
@@ -53,6 +55,9 @@ def deepspeed_config(hidden: int, *, micro: int, bf16: bool, flavor: str = "hf",
                                  "buffer_size": int(1e8), "max_in_cpu": int(1e9)}
         config["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                          "overlap_events": True}
+        if lean:
+            zero["sub_group_size"] = int(1e8)
+            zero["offload_param"]["max_in_cpu"] = int(1e8)
     elif offload is not None:
         raise ValueError(f"offload must be None, 'cpu' or 'nvme', not {offload!r}")
     if offload:  # DeepSpeed builds DeepSpeedCPUAdam for an offloaded AdamW

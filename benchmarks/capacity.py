@@ -17,6 +17,7 @@ trains one sequence of 128 tokens per step. Engines:
   ZeRO-3 file with "auto" filled from the model), built under `deepspeed.zero.Init`; checkpoint: its
   `save_checkpoint`. `ds3_raw`: DeepSpeed's own defaults (`{"stage": 3}`): larger buckets, fewer collectives.
   `ds3_nvme`: ZeRO-Infinity as documented: parameters and optimizer state on NVMe (`aio`), DeepSpeedCPUAdam.
+  `ds3_nvme_lean`: the same with the documented memory knobs turned down (`sub_group_size`, `max_in_cpu` 1e8).
   Each run records its peer's configuration (`peer_config`).
 - `hf_zero3`: hf_zero ZeRO-3 in memory, loaded with `hf_zero.from_pretrained` (each rank reads its slices);
   `hf_zero3_disk`: the same with `offload_optimizer=True, offload_dir=...`; `hf_zero3_disk_params`: with
@@ -52,12 +53,14 @@ HERE = Path(__file__).resolve().parent
 PLAN = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 17], "fsdp2_reduce_fp32": [12, 16, 17], "ds3_raw": [4, 8, 12],
         "ds3": [4, 8, 12, 16],
         "ds3_nvme": [4, 8, 16, 32],  # DeepSpeed's AIO op needs libaio-dev: `ensure_libaio` installs it
+        "ds3_nvme_lean": [4, 8, 16],
         "hf_zero3": [16, 20, 21], "hf_zero3_disk": [32, 52, 55],
         "hf_zero3_disk_params": [52, 66]}  # 66 layers (3.04B) is what this disk holds: offload files + checkpoint
 # fp32 (`--precision fp32`, for CPUs without bf16 matrix instructions): no bf16 copies anywhere, so DDP and FSDP2
 # hold their fp32 weights whole / gathered; `fsdp2_reduce_fp32` is `fsdp2` there and is not run.
-PLAN_FP32 = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 18], "ds3_raw": [4, 8, 12], "ds3": [8, 12, 16, 18],
-             "ds3_nvme": [4, 8, 16, 32], "hf_zero3": [16, 19, 20], "hf_zero3_disk": [32, 48, 52],
+PLAN_FP32 = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 18], "ds3_raw": [4, 8, 12], "ds3": [4, 6, 8, 10, 12],
+             "ds3_nvme": [4, 8, 16, 32], "ds3_nvme_lean": [8, 12, 16], "hf_zero3": [16, 19, 20, 21],
+             "hf_zero3_disk": [32, 40, 44, 48],
              "hf_zero3_disk_params": [52, 66]}
 ENGINES = list(PLAN)
 
@@ -287,7 +290,7 @@ def main() -> None:
     engines = ["hf_zero3", "hf_zero3_disk"] if args.compare else args.engines.split(",")
     if args.precision == "fp32":
         engines = [e for e in engines if e != "fsdp2_reduce_fp32"]  # the same as fsdp2 without bf16
-    if "ds3_nvme" in engines:
+    if any(e.startswith("ds3_nvme") for e in engines):
         ensure_libaio()
     if args.precision == "bf16" and not cpu_has_bf16():
         print("warning: this CPU has no bf16 matrix instructions (AVX-512 BF16 / AMX): every engine's bf16 steps "
