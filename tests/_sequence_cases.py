@@ -100,16 +100,19 @@ def split_run(stage: int, size: int, checkpointing: bool = False) -> dict[str, A
 
 def logits_without_labels(size: int) -> dict[str, Any]:
     """Without labels, the logits come back whole (gathered along the sequence), equal to the unsplit model's;
-    a loss the caller computes from them trains as the unsplit model does (its gradient flows back through the
-    gather)."""
+    `generate` (a cache, lengths that do not split) gives the unsplit model's tokens on every rank."""
     torch.set_num_threads(1)
     plain = make_model("llama")
     batch = batches(1)[0][0][0]
     expected = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    prompt = batch["input_ids"][:1, :5]  # generation (a cache, odd lengths): runs unsplit on every rank
+    plain_tokens = plain.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
     model = make_model("llama")
     model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3, sequence_parallel=size))
     got = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return {"shape": list(got.shape), "err": float((got - expected).abs().max())}
+    tokens = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return {"shape": list(got.shape), "err": float((got - expected).abs().max()),
+            "generated": tokens.tolist() == plain_tokens.tolist()}
 
 
 class _ScaledLogits(LlamaForCausalLM):

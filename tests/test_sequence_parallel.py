@@ -64,9 +64,10 @@ def test_a_model_whose_layers_share_the_root_unit(pools):
         assert abs(r["loss"] - r["expected"]) <= 1e-6 * abs(r["expected"]), r
 
 
-def test_logits_without_labels_come_back_whole(pools):
+def test_logits_without_labels_come_back_whole_and_generate_runs_unsplit(pools):
     for r in pools(2).values(cases.logits_without_labels, 2):
         assert r["shape"] == [2, cases.SEQ, 256] and r["err"] < 1e-5
+        assert r["generated"]
 
 
 @pytest.mark.parametrize(

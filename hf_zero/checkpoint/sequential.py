@@ -36,27 +36,14 @@ from typing import Any
 
 import torch
 
+from .direct import BLOCK, O_DIRECT
 from .format import Digest
+from .stream import DTYPE_NAMES
 
 CHUNK_BYTES = 64 << 20  # one pread, and one hashed range, at most
-BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and memory
-O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _BOUNCE: list[mmap.mmap] = []  # the two aligned buffers of direct reads, made at the first one and kept
 _BOUNCE_LOCK = threading.Lock()
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # safetensors' names, as the writer uses them
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from .direct import DirectSink
 
 PIECE_NUMEL = 1 << 22  # elements copied to the host at a time (16 MiB of fp32)
 
-_DTYPES = {
+DTYPE_NAMES = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -101,10 +101,10 @@ def write_streamed(path: Path, entries: list[Entry], metadata: dict[str, str] | 
         header["__metadata__"] = metadata
     offset = 0
     for e in entries:
-        if e.dtype not in _DTYPES:
+        if e.dtype not in DTYPE_NAMES:
             raise TypeError(f"hf_zero cannot store {e.name} of dtype {e.dtype} in a safetensors file.")
         header[e.name] = {
-            "dtype": _DTYPES[e.dtype],
+            "dtype": DTYPE_NAMES[e.dtype],
             "shape": list(e.shape),
             "data_offsets": [offset, offset + e.nbytes],
         }

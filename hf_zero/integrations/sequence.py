@@ -12,18 +12,23 @@ registry (`AttentionInterface`), by one that exchanges, with an all-to-all over 
 every head for every token of 1/N of the heads (the Ulysses scheme); runs the model's own attention
 implementation (sdpa, eager, flash) on whole sequences with causal masking over global positions, and the
 padding mask of the whole batch where there is one; and exchanges back. Any decoder that calls its attention
-through the registry (LLaMA, Mistral, Qwen2, Falcon, ...) works without model code; the attention and
-key-value head counts must be multiples of N.
+through the registry (LLaMA, Mistral, Qwen2, Gemma, ...; not Falcon, whose attention is its own code) works
+without model code; the attention heads must be a multiple of N, the key-value heads a multiple or a divisor
+(then each rank gets a copy of the ones its query heads use).
 
 The loss: each rank's cross-entropy is summed over its tokens and divided by the number of labelled tokens of
 the whole micro-batch (every rank of the group holds all the labels, so no collective is needed to count
 them). The value returned is the group's sum of those parts (one scalar all-reduce): the loss of the whole
 micro-batch, the same on every rank of the group. Its gradient is N times the rank's own part, so that the
 engine's reduction, which averages over all ranks, sums over the group and averages over the data-parallel
-replicas. Without labels, and in evaluation, the logits are gathered along the sequence (differentiably) so
-that a caller's own loss or metric sees every token; in training with labels they stay split (the memory the
-split saves is mostly theirs). Evaluation and generation with a cache, or a sequence that does not divide by N outside
-training, run unsplit on every rank (correct, without the memory saving).
+replicas. In training with labels the LM head computes the loss itself, in tiles ([Note: tiled loss]): no
+logits are returned. Without labels, and in evaluation, the logits are gathered along the sequence
+(differentiably) so that a caller's own loss or metric sees every token.
+
+Generation (any forward that asks for a cache), or a sequence that does not divide by N outside training,
+runs unsplit on every rank (correct, without the memory saving): for that forward the model's own attention
+implementation is set back in its config, so its masks and attention are exactly the unsplit model's; each
+forward sets the one it uses.
 """
 
 from __future__ import annotations
@@ -172,14 +177,17 @@ def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     state = _owner(module)
     state.active = None
     group = state.group
+    config: Any = module.config
+    config._attn_implementation = state.inner  # unsplit: the model exactly as it was (attention and masks)
     kwargs = dict(kwargs)
     if args:  # input_ids given positionally
         kwargs["input_ids"], args = args[0], args[1:]
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
-    if tokens is None or kwargs.get("past_key_values") is not None:
-        return args, kwargs  # generation with a cache: unsplit
+    cached = kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True
+    if tokens is None or cached or kwargs.get("cache_position") is not None:
+        return args, kwargs  # generation (it asks for a cache): unsplit, on every rank
     length = tokens.shape[1]
     if length % group.size:
         if module.training:
@@ -220,6 +228,7 @@ def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     kwargs["use_cache"] = False
     kwargs[ATTENTION] = split
     state.active = split
+    config._attn_implementation = ATTENTION  # split: attention through `_attention`
     return args, kwargs
 
 
