@@ -76,7 +76,7 @@ def test_corrupted_optimizer_file_is_found_before_the_model_changes(pools, saved
     _expect(pools, ckpt, "ValueError", "optim-rank00001-of-00002.safetensors is corrupted: its checksum")
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_load_into_a_trained_optimizer_reads_in_place_and_resumes_exactly(pools, tmp_path, stage):
     """[Note: one-pass load]: loading into an optimizer that has state reads the moments into its own tensors
     (no fresh memory), and the two steps after the load repeat the two steps after the save exactly; a damaged

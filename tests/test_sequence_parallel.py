@@ -17,7 +17,7 @@ def reference_one_group():
     return cases.reference(1)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])  # stage 2: its reduction is stage 1's per micro-batch
 def test_two_ranks_one_sequence_equal_single_process(pools, reference_one_group, stage):
     ref = reference_one_group
     results = pools(2).values(cases.split_run, stage, 2)
@@ -37,7 +37,7 @@ def test_two_ranks_with_gradient_checkpointing(pools, reference_one_group):
         assert rel_err(r["state"][name], value) <= 1e-5, name
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])  # stage 1 on 2 ranks above
 def test_sequence_2_by_data_2_on_four_ranks(pools, stage):
     ref = cases.reference(2)
     results = pools(4).values(cases.split_run, stage, 2)
