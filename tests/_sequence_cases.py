@@ -184,3 +184,41 @@ def one_unit_model_loss(size: int) -> dict[str, Any]:
     got = model(**batch).loss
     got.backward()
     return {"loss": float(got.detach()), "expected": float(expected.detach())}
+
+
+def user_loops(size: int) -> dict[str, Any]:
+    """Two ways a DDP user's loop reaches the split model, each beside the unsplit model on the same micro-batches:
+    two forwards before one backward, then torch's own `clip_grad_norm_` over `model.parameters()`; and a peft
+    LoRA model (the split hooks on the peft wrapper, the head found through it), its loss and gradient norm."""
+    from tests._training import with_lora
+
+    torch.set_num_threads(1)
+    first, second = batches(1)[0][0]
+    plain = make_model("llama")
+    (plain(**first).loss + plain(**second).loss).backward()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9))
+    model = make_model("llama")
+    config = hf_zero.ZeroConfig(stage=3, sequence_parallel=size)
+    model, _ = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
+    model.train()
+    (model(**first).loss + model(**second).loss).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+
+    plain_lora = with_lora(make_model("llama"), "llama")
+    expected_lora = plain_lora(**first).loss
+    expected_lora.backward()
+    expected_lora_norm = float(torch.nn.utils.clip_grad_norm_(plain_lora.parameters(), 1e9))
+    lora = with_lora(make_model("llama"), "llama")
+    lora, _ = hf_zero.initialize(lora, None, config)
+    lora.train()
+    loss = lora(**first).loss
+    loss.backward()
+    lora_norm = float(torch.nn.utils.clip_grad_norm_(lora.parameters(), 1e9))
+    return {
+        "norm": norm,
+        "expected_norm": expected_norm,
+        "lora_loss": float(loss.detach()),
+        "expected_lora_loss": float(expected_lora.detach()),
+        "lora_norm": lora_norm,
+        "expected_lora_norm": expected_lora_norm,
+    }

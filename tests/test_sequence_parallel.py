@@ -64,6 +64,14 @@ def test_a_model_whose_layers_share_the_root_unit(pools):
         assert abs(r["loss"] - r["expected"]) <= 1e-6 * abs(r["expected"]), r
 
 
+def test_a_ddp_users_loop_and_a_peft_model_train_as_unsplit(pools):
+    """Two forwards before one backward with torch's clip_grad_norm_, and a LoRA model: as on the whole sequences."""
+    for r in pools(2).values(cases.user_loops, 2):
+        for got, expected, tol in (("norm", "expected_norm", 1e-5), ("lora_loss", "expected_lora_loss", 1e-6),
+                                   ("lora_norm", "expected_lora_norm", 1e-5)):
+            assert abs(r[got] - r[expected]) <= tol * abs(r[expected]), (got, r)
+
+
 def test_logits_without_labels_come_back_whole_and_generate_runs_unsplit(pools):
     for r in pools(2).values(cases.logits_without_labels, 2):
         assert r["shape"] == [2, cases.SEQ, 256] and r["err"] < 1e-5
