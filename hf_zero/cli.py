@@ -3,7 +3,7 @@
 hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]
 hf-zero leftovers RUN_DIR [--remove]
 hf-zero preemptible OUTPUT_DIR -- LAUNCH COMMAND...
-hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L] [--micro-batch B]
+hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L] [--micro-batch B] [--attention sdpa]
                  [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB] [--host-memory 1TB]
                  [--disk 4TB]
 """
@@ -106,6 +106,7 @@ def _estimate(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         gradient_checkpointing=args.gradient_checkpointing,
         sequence_parallel=args.sequence_parallel,
+        attention=args.attention,
     )
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
     rows = estimate(
@@ -120,7 +121,7 @@ def _estimate(args: argparse.Namespace) -> int:
     n = sum(p.numel() for p in model.parameters())
     print(
         f"{type(model).__name__}: {n / 1e9:.2f}B parameters; {args.world_size} ranks on {args.nodes} node(s); "
-        f"micro-batch {args.micro_batch} x {args.seq_len} tokens; compute {args.dtype}, "
+        f"micro-batch {args.micro_batch} x {args.seq_len} tokens; {args.attention} attention; compute {args.dtype}, "
         f"{'fp32 Adam on flat shards' if args.optimizer == 'adamw' else 'Adafactor on whole parameters'}; "
         f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}"
         + (f"; sequence parallelism {args.sequence_parallel}" if args.sequence_parallel > 1 else "")
@@ -260,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="ranks per sequence (ZeroConfig.sequence_parallel): activations per rank for seq-len / N tokens",
+    )
+    e.add_argument(
+        "--attention",
+        choices=["sdpa", "eager"],
+        default="sdpa",
+        help="the model's attention implementation: sdpa (transformers' default; also for flash attention) keeps "
+        "no attention probabilities, eager keeps heads x seq-len per token and layer (default sdpa)",
     )
     e.add_argument("--micro-batch", type=int, default=1, help="sequences per device per micro-batch")
     e.add_argument("--gradient-checkpointing", action="store_true")

@@ -14,26 +14,30 @@ On top of model states, a device holds, at its peak (the start of the backward p
 - unsharded gradients (stages 2-3): those of the root, the running unit and the unit whose
   reduction is in flight (at most one), plus a cast copy for the reduction when the reduce
   dtype differs from the compute dtype;
-- activations of a decoder LLM (eager attention): each layer saves, per token, 8h + 3I elements
-  in the compute dtype and aL attention probabilities in fp32 (plus their compute-dtype copy
-  under bf16/fp16), h hidden, I intermediate, a heads, L sequence length. Without activation
-  checkpointing the peak is at the start of the backward pass, with every layer's activations
-  saved; with it, each layer keeps only its input (h per token), and the peak is inside one
-  layer's backward, with that layer's activations recomputed.
+- activations of a decoder LLM: each layer saves, per token, 8h + 3I elements in the compute
+  dtype and, under eager attention, aL attention probabilities in fp32 (plus their compute-dtype
+  copy under bf16/fp16), h hidden, I intermediate, a heads, L sequence length; sdpa and flash
+  attention keep no probabilities (their kernels save one statistic per row: nothing beside 8h).
+  Without activation checkpointing the peak is at the start of the backward pass, with every
+  layer's activations saved; with it, each layer keeps only its input (h per token), and the peak
+  is inside one layer's backward, with that layer's activations recomputed.
   The logits add B·L·V elements in the compute dtype, an fp32 copy when that is not fp32 (the
   loss upcasts), and fp32 log-probabilities. With sequence parallelism over N ranks every
-  per-token term counts L/N tokens (a rank's attention holds 1/N of the heads over all L);
+  per-token term counts L/N tokens (a rank's eager attention holds 1/N of the heads over all L),
+  and the loss is computed in tiles ([Note: tiled loss]): one tile's fp32 logits and softmax and
+  its gradient in the compute dtype, not the rank's whole logits;
 - stages 0-1: a reduction buffer of the largest unit in the reduce dtype.
 An input embedding's gradient is sparse rows, not a dense buffer ([Note: sparse lookup gradients]).
 The activation coefficients were fitted on measured CPU runs of LLaMA (one configuration, with
-and without checkpointing) and checked on others: tests/test_estimate.py states the method.
+and without checkpointing; the model ran sdpa attention, so the probabilities term is not
+measured) and checked on others, up to 2048 tokens: tests/test_estimate.py states the method.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -45,6 +49,7 @@ from .engine.step.pieces import chunk_bounds
 from .engine.step.whole import deal
 from .engine.unit import split_frozen
 from .engine.wrap import UnitSpec, units_for
+from .integrations.tiled_loss import tile_rows
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DISK_BUFFER_BYTES = 7 * 3 * 16 * 2**20  # [Note: disk offload]: windows in flight x (master + 2 moments) x 16 MiB
@@ -59,6 +64,7 @@ class Workload:
     seq_len: int = 2048
     gradient_checkpointing: bool = False
     sequence_parallel: int = 1  # ranks per sequence: each holds seq_len / N tokens ([Note: sequence parallelism])
+    attention: Literal["eager", "sdpa"] = "eager"  # "sdpa" also for flash attention: no probabilities kept
 
 
 @dataclass(frozen=True)
@@ -182,12 +188,17 @@ def activation_bytes(config: Any, workload: Workload, dtype_bytes: int) -> int:
     b, seq = workload.micro_batch, workload.seq_len
     tokens = -(-seq // workload.sequence_parallel)  # this rank's; its attention rows still span the sequence
     upcast = 4 if dtype_bytes < 4 else 0  # an fp32 copy made from a bf16/fp16 tensor
-    per_layer = b * tokens * ((8 * h + 3 * inter) * dtype_bytes + heads * seq * (4 + dtype_bytes * (upcast > 0)))
+    rows = heads * seq * (4 + dtype_bytes * (upcast > 0)) if workload.attention == "eager" else 0
+    per_layer = b * tokens * ((8 * h + 3 * inter) * dtype_bytes + rows)
     if workload.gradient_checkpointing:
         layer_total = layers * b * tokens * h * dtype_bytes + per_layer
     else:
         layer_total = layers * per_layer
-    logits = b * tokens * config.vocab_size * (dtype_bytes + upcast + 4)
+    vocab = config.vocab_size
+    if workload.sequence_parallel > 1:  # [Note: tiled loss]: one tile's logits at a time
+        logits = min(b * tokens, tile_rows(vocab)) * vocab * (4 + 4 + dtype_bytes)
+    else:
+        logits = b * tokens * vocab * (dtype_bytes + upcast + 4)
     return layer_total + logits
 
 

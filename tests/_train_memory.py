@@ -49,7 +49,8 @@ def main() -> None:
     hf_config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf_config)
-    rows = estimate(meta, hf_config, world_size=world, workload=Workload(batch, seq, checkpointing),
+    attention = "eager" if model.config._attn_implementation == "eager" else "sdpa"  # what the model ran
+    rows = estimate(meta, hf_config, world_size=world, workload=Workload(batch, seq, checkpointing, attention=attention),
                     mixed_precision="no")
     row = next(r for r in rows if r.stage == stage and r.offload == "none")
     # One writer: two ranks printing to one pipe can interleave their lines.
