@@ -50,6 +50,11 @@ def worker(args: argparse.Namespace) -> None:
     zc = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16" if dtype == torch.bfloat16 else "no",
                             sequence_parallel=args.sequence_parallel)
     model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5), zc)
+    if args.tiled_only:  # the control: the tiled loss on whole sequences, nothing split ([Note: tiled loss])
+        from hf_zero.engine.collectives.group import CommGroup
+        from hf_zero.integrations import sequence
+
+        sequence.enable(model, CommGroup.single())
     model.train()
     replica = rank // args.sequence_parallel
     g = torch.Generator().manual_seed(replica)
@@ -83,15 +88,23 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def run(args: argparse.Namespace, length: int, sp: int, work: Path) -> dict:
-    out = work / f"sp{sp}-{length}.json"
+MODES = {  # mode -> (sequence parallelism, tiled loss without a split, what the row is)
+    "whole": (1, False, "ZeRO-3, no sequence parallelism (the model's own loss: whole logits)"),
+    "tiled": (1, True, "ZeRO-3, no sequence parallelism, hf_zero's tiled loss (the control)"),
+    "split": (2, False, "ZeRO-3 + sequence parallelism 2 (tiled loss)"),
+}
+
+
+def run(args: argparse.Namespace, length: int, mode: str, work: Path) -> dict:
+    sp, tiled, _ = MODES[mode]
+    out = work / f"{mode}-{length}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
            "--worker", "--length", str(length), "--sequence-parallel", str(sp), "--layers", str(args.layers),
-           "--hidden", str(args.hidden), "--dtype", args.dtype, "--result", str(out)]
+           "--hidden", str(args.hidden), "--dtype", args.dtype, "--result", str(out)] + (["--tiled-only"] if tiled else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     limit = int(1.3 * args.budget_gib * GIB)
     started = time.time()
-    with open(work / f"sp{sp}-{length}.log", "w") as log:
+    with open(work / f"{mode}-{length}.log", "w") as log:
         job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         killed = None
         while job.poll() is None:
@@ -110,9 +123,10 @@ def run(args: argparse.Namespace, length: int, sp: int, work: Path) -> dict:
                 job.wait()
                 break
             time.sleep(0.1)
+    base = {"mode": mode, "length": length, "sequence_parallel": sp}
     if killed or not out.exists():
-        return {"length": length, "sequence_parallel": sp, "ok": False, "why": killed or f"exit {job.returncode}"}
-    r = json.loads(out.read_text())
+        return base | {"ok": False, "why": killed or f"exit {job.returncode}"}
+    r = base | json.loads(out.read_text())
     fits = max(r["peaks"]) <= args.budget_gib * GIB
     r.update(ok=fits, why="" if fits else f"peak {max(r['peaks']) / GIB:.2f} GiB over the budget")
     return r
@@ -144,28 +158,49 @@ def _ranks_rss(root: int) -> list[int]:
 def report(args: argparse.Namespace, runs: list[dict]) -> str:
     lines = [f"# Sequence parallelism: longest sequence trained, 2 ranks, {args.budget_gib} GiB per rank", "",
              f"LLaMA {args.layers} layers x hidden {args.hidden} (32k vocabulary), ZeRO-3, {args.dtype}, gradient "
-             "checkpointing, AdamW, 2 steps; peak resident memory per rank (VmHWM, process baseline included).", "",
-             "| sequence parallelism | length | result | peak GiB (rank 0, 1) | last step (s) | tokens/s |",
-             "|---|---|---|---|---|---|"]
+             "checkpointing, AdamW, 2 steps of one sequence per data-parallel replica; peak resident memory per rank "
+             "(VmHWM, process baseline included). A ladder stops at its first length that does not fit.", "",
+             "| run | length | result | peak GiB (rank 0, 1) | last step (s) | tokens/s |", "|---|---|---|---|---|---|"]
     for r in runs:
         peaks = ", ".join(f"{p / GIB:.2f}" for p in r.get("peaks", [])) if r.get("peaks") else ""
         step = f"{r['step_s'][-1]:.1f}" if r.get("step_s") else ""
         tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else ""
-        lines.append(f"| {r['sequence_parallel']} | {r['length']} | {'fits' if r['ok'] else r['why']} | {peaks} | "
-                     f"{step} | {tps} |")
-    longest = {sp: max([r["length"] for r in runs if r["ok"] and r["sequence_parallel"] == sp] or [0]) for sp in (1, 2)}
-    lines += ["", f"Longest that fits: {longest[1]} tokens without, {longest[2]} with sequence parallelism 2"
-              + (f" ({longest[2] / longest[1]:.2f}x)." if longest[1] else ".")]
-    both = sorted({r["length"] for r in runs if r["ok"] and r["sequence_parallel"] == 1}
-                  & {r["length"] for r in runs if r["ok"] and r["sequence_parallel"] == 2})
+        lines.append(f"| {r['mode']} | {r['length']} | {'fits' if r['ok'] else r['why']} | {peaks} | {step} | {tps} |")
+    lines += ["", "Runs: " + "; ".join(f"`{m}`: {what}" for m, (_, _, what) in MODES.items()) + ".", ""]
+    longest = {m: max([r["length"] for r in runs if r["ok"] and r["mode"] == m] or [0]) for m in MODES}
+    stopped = {m: next((r["why"] for r in runs if r["mode"] == m and not r["ok"]), "the ladder's end") for m in MODES}
+    for m in MODES:
+        lines.append(f"- longest `{m}`: {longest[m]} tokens (next: {stopped[m]})")
+    if longest["whole"]:
+        lines.append(f"- sequence parallelism 2 / without: {longest['split'] / longest['whole']:.2f}x; "
+                     f"against the tiled-loss control: {longest['split'] / max(longest['tiled'], 1):.2f}x")
+    fit = {m: {r["length"]: r for r in runs if r["ok"] and r["mode"] == m} for m in MODES}
+    both = sorted(set(fit["whole"]) & set(fit["split"]))
     if both:
         at = both[-1]
-        one = next(r for r in runs if r["ok"] and r["length"] == at and r["sequence_parallel"] == 1)
-        two = next(r for r in runs if r["ok"] and r["length"] == at and r["sequence_parallel"] == 2)
-        lines.append(f"At {at} tokens, which both take: {two['tokens_per_s']:.0f} tokens/s with sequence parallelism "
-                     f"against {one['tokens_per_s']:.0f} without ({two['tokens_per_s'] / one['tokens_per_s']:.2f}x; "
-                     "with it the two ranks train one sequence, without it two).")
+        one, two = fit["whole"][at], fit["split"][at]
+        lines.append(f"- at {at} tokens, which both take: {two['tokens_per_s']:.0f} tokens/s with sequence "
+                     f"parallelism against {one['tokens_per_s']:.0f} without ({two['tokens_per_s'] / one['tokens_per_s']:.2f}x;"
+                     " with it the two ranks train one sequence, without it two)")
     return "\n".join(lines) + "\n"
+
+
+def chart(runs: list[dict], path: Path, budget_gib: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m, (_, _, what) in MODES.items():
+        done = [r for r in runs if r["mode"] == m and r.get("peaks")]
+        ax.plot([r["length"] for r in done], [max(r["peaks"]) / GIB for r in done], marker="o", label=what)
+    ax.axhline(budget_gib, color="grey", linestyle="--", label="budget per rank")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("peak GiB per rank")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def main() -> None:
@@ -176,19 +211,21 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=3.0)
     ap.add_argument("--lengths", default="2048,4096,8192,12288,16384")
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--modes", default=",".join(MODES), help="which ladders, of " + ", ".join(MODES))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--sequence-parallel", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tiled-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     work = Path(tempfile.mkdtemp(prefix="hf_zero-sequence-"))
     runs = []
-    for sp in (1, 2):
+    for mode in args.modes.split(","):
         for length in [int(x) for x in args.lengths.split(",")]:
-            r = run(args, length, sp, work)
+            r = run(args, length, mode, work)
             runs.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "losses"}), flush=True)
             if not r["ok"]:
@@ -200,6 +237,7 @@ def main() -> None:
         (args.out / "sequence.md").write_text(text)
         (args.out / "sequence.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": runs},
                                                            indent=1, default=str))
+        chart(runs, args.out / "sequence.png", args.budget_gib)
 
 
 if __name__ == "__main__":
