@@ -107,7 +107,7 @@ def test_accelerate_deals_batches_to_data_parallel_groups(pools):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_loss_equals_the_whole_logits_loss(monkeypatch, dtype):
     """[Note: tiled loss]: tiles of 5 tokens give the loss, and the gradients of the hidden states, the head's
-    weight and bias, that the whole (tokens x vocabulary) logits give (fp32: 1e-6; bf16: the head's matmuls in
+    weight and bias (for a loss scaled after it), that the whole (tokens x vocabulary) logits give (fp32: 1e-6; bf16: the head's matmuls in
     bf16 either way), with ignored labels."""
     from hf_zero.integrations import tiled_loss
 
@@ -118,13 +118,16 @@ def test_tiled_loss_equals_the_whole_logits_loss(monkeypatch, dtype):
     labels = torch.randint(0, 50, (2, 13), generator=g)
     labels[0, :4] = -100
     count = (labels != -100).sum()
+    with torch.no_grad():  # the loss only
+        plain = tiled_loss.tiled_cross_entropy(hidden, head, labels, count)
     got = tiled_loss.tiled_cross_entropy(hidden, head, labels, count)
-    got.backward()
+    assert not plain.requires_grad and torch.equal(plain, got.detach())
+    (got * 0.5).backward()  # the gradients computed in the forward, scaled by the one the backward receives
     grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
     hidden.grad = head.weight.grad = head.bias.grad = None
     logits = head(hidden).float()
     want = torch.nn.functional.cross_entropy(logits.view(-1, 50), labels.view(-1), ignore_index=-100, reduction="sum")
-    (want / count).backward()
+    (want / count * 0.5).backward()
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want / count, rtol=tol, atol=tol)
     for a, b in zip(grads, [hidden.grad, head.weight.grad, head.bias.grad]):

@@ -6,10 +6,14 @@ to fp32 and takes log-probabilities: per token 10 bytes per vocabulary entry und
 the bf16 logits), 320 KB per token for a 32k vocabulary, more than a 0.84B LLaMA's checkpointed layers keep per
 token. Under sequence parallelism ([Note: sequence parallelism]) in training with labels, the head's forward
 is replaced for the call by `tiled_cross_entropy`: tiles of `tile_rows` tokens go through the head and the
-cross-entropy one at a time, only their summed loss is kept; the backward recomputes each tile's logits and
-gives the hidden states and the head's weight their gradients. The engine's hooks see the head's module called
-as usual (gathered for the forward and again for the backward at stage 3). The result is the sum over the
-rank's labelled tokens divided by the micro-batch's count, as transformers' loss with `num_items_in_batch`.
+cross-entropy one at a time, and while a tile's logits exist their gradient (softmax minus the label, in the
+logits' memory) is turned into the gradients of the hidden states and the head's weight and bias; only the
+summed loss and those gradients are kept, and the backward scales them by the gradient it receives. So the
+vocabulary matmul runs three times per token (as without tiles), not four, and the gradients are held from the
+head's forward to its backward, which the model's backward reaches first. Under `no_grad` only the loss is
+computed. The engine's hooks see the head's module called as usual (gathered for the forward and again for the
+backward at stage 3). The result is the sum over the rank's labelled tokens divided by the micro-batch's count,
+as transformers' loss with `num_items_in_batch`.
 The model returns it as its logits and computes no loss of its own (it was given no labels); the model's
 output must be the head's output itself (a model that scales or caps its logits after the head is refused).
 """
@@ -31,6 +35,10 @@ def tile_rows(vocab: int) -> int:
 
 
 class _TiledCrossEntropy(torch.autograd.Function):
+    """Forward: the loss and, when a gradient is wanted, the gradients of the hidden states and the head's
+    weight and bias per unit of loss, from the same tile of logits (no second pass over the vocabulary in the
+    backward); backward: those gradients times the incoming scalar."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -40,40 +48,44 @@ class _TiledCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         count: torch.Tensor,
         rows: int,
+        grads: bool,
     ) -> torch.Tensor:
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for lo in range(0, flat.shape[0], rows):
-            logits = F.linear(flat[lo : lo + rows], weight, bias).float()
-            total += F.cross_entropy(logits, targets[lo : lo + rows], ignore_index=IGNORE, reduction="sum")
-        ctx.save_for_backward(hidden, weight, bias, labels, count)
-        ctx.rows = rows
-        return total / count.to(total.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        hidden, weight, bias, labels, count = ctx.saved_tensors
-        rows = ctx.rows
-        flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
-        scale = grad.float() / count.to(grad.device)
-        d_hidden = torch.empty_like(flat)
-        d_weight = torch.zeros_like(weight, dtype=torch.float32)
-        d_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
+        d_hidden = torch.empty_like(flat) if grads else None
+        d_weight = torch.zeros_like(weight, dtype=torch.float32) if grads else None
+        d_bias = torch.zeros_like(bias, dtype=torch.float32) if grads and bias is not None else None
         for lo in range(0, flat.shape[0], rows):
             part, target = flat[lo : lo + rows], targets[lo : lo + rows]
-            probs = torch.softmax(F.linear(part, weight, bias).float(), dim=-1)
+            logits = F.linear(part, weight, bias).float()
             kept = target != IGNORE
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+            total += torch.where(kept, lse - picked, 0.0).sum()
+            if d_hidden is None or d_weight is None:
+                continue
+            probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in the logits' memory
             probs[kept, target[kept]] -= 1.0  # d(cross-entropy)/d(logits) of a labelled token
             probs[~kept] = 0.0
-            g = (probs * scale).to(weight.dtype)
+            g = probs.to(weight.dtype)
             d_hidden[lo : lo + rows] = g @ weight
             d_weight += (g.t() @ part).float()
             if d_bias is not None:
                 d_bias += g.float().sum(0)
-        return (
-            d_hidden.view_as(hidden),
-            d_weight.to(weight.dtype),
-            None if d_bias is None else d_bias.to(bias.dtype),
+        ctx.save_for_backward(
+            d_hidden.view_as(hidden) if d_hidden is not None else None,
+            d_weight.to(weight.dtype) if d_weight is not None else None,
+            d_bias.to(bias.dtype) if d_bias is not None and bias is not None else None,
+            count,
+        )
+        return total / count.to(total.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        d_hidden, d_weight, d_bias, count = ctx.saved_tensors
+        scale = grad.float() / count.to(grad.device)
+        return tuple(None if d is None else (d * scale).to(d.dtype) for d in (d_hidden, d_weight, d_bias)) + (
+            None,
             None,
             None,
             None,
@@ -89,5 +101,8 @@ def tiled_cross_entropy(
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"hf_zero's tiled loss needs an LM head with a weight tensor; {type(head).__name__} has none.")
     bias = getattr(head, "bias", None)
-    out: torch.Tensor = _TiledCrossEntropy.apply(hidden, weight, bias, labels, count, tile_rows(int(weight.shape[0])))
+    params = (hidden, weight) if bias is None else (hidden, weight, bias)
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in params)  # no gradients under no_grad
+    rows = tile_rows(int(weight.shape[0]))
+    out: torch.Tensor = _TiledCrossEntropy.apply(hidden, weight, bias, labels, count, rows, grads)
     return out
