@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -95,6 +96,32 @@ def test_train_clm_with_accelerate_launch_and_zero_stage_3(assets, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
     generated = model.generate(**tokenizer("json.dumps(obj)", return_tensors="pt"), max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > 2
+
+
+def test_train_clm_with_sequence_parallelism_on_long_blocks(assets, tmp_path):
+    """[Note: sequence parallelism]: the example as a user with long documents runs it, `--zero_sequence_parallel
+    2` with blocks 16x the base model's pretraining length and gradient checkpointing: it trains, evaluates before
+    and after, and saves a model that from_pretrained loads."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    done = _run(ACCELERATE + [
+        "examples/train_clm.py", "--model_name_or_path", str(assets / "base"),
+        "--train_files", str(assets / "corpus" / "train.jsonl"), "--validation_files",
+        str(assets / "corpus" / "held_out.jsonl"), "--output_dir", str(out), "--zero_stage", "3",
+        "--zero_sequence_parallel", "2", "--block_size", "2048", "--gradient_checkpointing",
+        "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3",
+        "--max_steps", "2", "--save_steps", "2", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
+        "--disable_tqdm", "true",
+    ])
+    metrics = json.loads((out / "domain_adaptation.json").read_text())
+    assert metrics["perplexity_after"] < metrics["perplexity_before"], metrics
+    assert "held-out perplexity" in done.stdout
+    settings = json.loads((out / "checkpoint-2" / "hf_zero" / "hf_zero_manifest.json").read_text())
+    assert settings["world_size"] == 2 and settings["stage"] == 3
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    assert model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, 12)
 
 
 def _accelerate_run(assets: Path, out: Path, max_steps: int, *extra: str) -> None:
