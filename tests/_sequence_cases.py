@@ -140,15 +140,22 @@ def refused(size: int, what: str) -> dict[str, Any]:
     return {"type": None, "error": None}
 
 
-def accelerate_batches(size: int) -> dict[str, Any]:
-    """The samples a `ZeroAccelerator` data loader gives this rank under `zero_sequence_parallel`, and the loss of
-    one step through it (the loss of the whole batch, on every rank of a group)."""
+def accelerate_batches(size: int, via: str = "plugin") -> dict[str, Any]:
+    """The samples a `ZeroAccelerator` data loader gives this rank under `zero_sequence_parallel` (or Accelerate's
+    `ParallelismConfig(sp_size=)`, `via="parallelism_config"`), and the loss of one step through it (the loss of
+    the whole batch, on every rank of a group)."""
+    from accelerate import ParallelismConfig
     from torch.utils.data import DataLoader
 
     from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 
     torch.set_num_threads(1)
-    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(zero_stage=3, zero_sequence_parallel=size))
+    if via == "plugin":
+        accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(zero_stage=3, zero_sequence_parallel=size))
+    else:
+        accelerator = ZeroAccelerator(
+            zero_plugin=ZeroPlugin(zero_stage=3), parallelism_config=ParallelismConfig(sp_size=size)
+        )
     samples = [{"input_ids": torch.full((SEQ,), i), "labels": torch.full((SEQ,), i)} for i in range(8)]
     model = make_model("llama")
     opt = make_optimizer(model, 1e-3)

@@ -70,3 +70,27 @@ def test_zero_arguments_mixin_keeps_the_host_configs_defaults(host):
         if f.init:
             assert getattr(a, f.name) == getattr(b, f.name), f.name
     assert a.zero_stage == hf_zero.ZeroConfig().stage and a.to_zero_config().mixed_precision == ("bf16" if b.bf16 else "no")
+
+
+def test_accelerates_parallelism_config_asks_for_sequence_parallelism(tmp_path):
+    """[Note: sequence parallelism] `ParallelismConfig(sp_size=N)` or `cp_size=N`, given to the Trainer's arguments
+    or to `ZeroAccelerator`, is hf_zero's `sequence_parallel=N`; what hf_zero does not do (tensor parallelism,
+    replicas outside its hybrid sharding) or a size that contradicts --zero_sequence_parallel is
+    refused, naming the setting to use (Accelerate itself refuses sp and cp together)."""
+    from accelerate import ParallelismConfig
+
+    from hf_zero.integrations.settings import sequence_size
+
+    args = hf_zero.ZeroTrainingArguments(output_dir=str(tmp_path), use_cpu=True, zero_stage=3,
+                                         parallelism_config=ParallelismConfig(sp_size=2))
+    assert args.to_zero_config().sequence_parallel == 2
+    assert sequence_size(ParallelismConfig(cp_size=4), 1) == 4
+    assert sequence_size(ParallelismConfig(sp_size=2), 2) == 2 and sequence_size(ParallelismConfig(), 2) == 2
+    assert sequence_size(None, 2) == 2
+    for config, requested, message in [
+        (ParallelismConfig(tp_size=2), 1, "does not split layers by tensor parallelism"),
+        (ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), 1, "--zero_hybrid_shard"),
+        (ParallelismConfig(sp_size=4), 2, "asks for sequence parallelism 4 and zero_sequence_parallel is 2"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            sequence_size(config, requested)

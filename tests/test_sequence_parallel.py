@@ -94,10 +94,12 @@ def test_what_cannot_be_split_is_refused_on_every_rank(pools, size, what, messag
         assert r["type"] == ("RuntimeError" if what == "scaled" else "ValueError") and message in r["error"], r
 
 
-def test_accelerate_deals_batches_to_data_parallel_groups(pools):
-    """`ZeroPlugin(zero_sequence_parallel=2)` on 4 ranks: ranks 0-1 see the same samples, ranks 2-3 the same
-    others, together every sample once; every rank of a group reports its group's loss."""
-    results = pools(4).values(cases.accelerate_batches, 2)
+@pytest.mark.parametrize("via", ["plugin", "parallelism_config"])
+def test_accelerate_deals_batches_to_data_parallel_groups(pools, via):
+    """`ZeroPlugin(zero_sequence_parallel=2)` (or Accelerate's `ParallelismConfig(sp_size=2)`) on 4 ranks: ranks
+    0-1 see the same samples, ranks 2-3 the same others, together every sample once; every rank of a group reports
+    its group's loss."""
+    results = pools(4).values(cases.accelerate_batches, 2, via)
     assert all(r["sequence_parallel"] == 2 for r in results)
     assert results[0]["seen"] == results[1]["seen"] and results[2]["seen"] == results[3]["seen"]
     assert sorted(results[0]["seen"] + results[2]["seen"]) == list(range(8))

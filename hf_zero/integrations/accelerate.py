@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, make_dataclass
+from dataclasses import dataclass, make_dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -39,7 +39,7 @@ from ..config import ZeroConfig
 from ..engine.module import get_engine, is_sharded
 from ..engine.step.optim import ShardedOptimizer
 from .preemption import SignalRecorder
-from .settings import field_specs, launch_env, save_specs, snapshot_budget, to_zero_config
+from .settings import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
 
 CHECKPOINT_SUBDIR = "hf_zero"
 
@@ -125,7 +125,11 @@ class ZeroAccelerator(Accelerator):
         if "cpu" not in kwargs and not torch.cuda.is_available():
             kwargs["cpu"] = True
         self.zero_plugin = zero_plugin or ZeroPlugin()
-        self.zero_config = self.zero_plugin.to_zero_config(str(requested).lower())
+        config = self.zero_plugin.to_zero_config(str(requested).lower())
+        # Accelerate's ParallelismConfig(sp_size= / cp_size=) asks for hf_zero's sequence parallelism; Accelerate
+        # itself is not given it (its meshes and DeepSpeed's sequence parallelism are not the engine here)
+        sequence = sequence_size(kwargs.pop("parallelism_config", None), config.sequence_parallel)
+        self.zero_config = replace(config, sequence_parallel=sequence)
         self._signals: SignalRecorder | None = None
         if getattr(self.zero_plugin, "zero_save_on_preemption", False):  # [Note: preemption]
             self._signals = SignalRecorder()

@@ -129,3 +129,31 @@ def to_zero_config(values: Any, mixed_precision: str, **overrides: Any) -> ZeroC
         kwargs["wrap"] = "auto"
     kwargs.update(overrides)
     return ZeroConfig(mixed_precision=mixed_precision, **kwargs)  # type: ignore[arg-type]  # a str the caller checked against the Literal
+
+
+def sequence_size(parallelism: Any, requested: int) -> int:
+    """The sequence-parallel size of a run given Accelerate's `ParallelismConfig` (`parallelism`, or None) beside
+    hf_zero's own `requested` setting ([Note: sequence parallelism]): a `sp_size` or `cp_size` above 1 asks for
+    sequence parallelism over that many ranks; its other dimensions are hf_zero's to choose or are refused."""
+    if parallelism is None:
+        return requested
+    size = {name: int(getattr(parallelism, f"{name}_size", None) or 1) for name in ("tp", "sp", "cp", "dp_replicate")}
+    if size["tp"] > 1:
+        raise ValueError(
+            f"ParallelismConfig(tp_size={size['tp']}): hf_zero does not split layers by tensor parallelism; it "
+            "shards the model states over every rank (ZeRO). Drop tp_size."
+        )
+    if size["dp_replicate"] > 1:
+        raise ValueError(
+            f"ParallelismConfig(dp_replicate_size={size['dp_replicate']}): hf_zero's hybrid sharding is "
+            "--zero_hybrid_shard (or --zero_shard_group_size N); drop dp_replicate_size."
+        )
+    asked = max(size["sp"], size["cp"])  # ParallelismConfig refuses both above 1
+    if asked == 1:
+        return requested
+    if requested > 1 and requested != asked:
+        raise ValueError(
+            f"ParallelismConfig asks for sequence parallelism {asked} and zero_sequence_parallel is {requested}; "
+            "give one of them (or the same size)."
+        )
+    return asked

@@ -103,6 +103,9 @@ class ZeroTrainerMixin(_TrainerBase):
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
         args["mixed_precision"] = "no"  # the engine owns precision (and the fp16 loss scale)
+        # --parallelism_config's sequence size is the engine's (to_zero_config); the Trainer's own sequence- and
+        # context-parallel paths (DeepSpeed's Ulysses, FSDP2's ring attention) must not see it
+        args.pop("parallelism_config", None)
         return args
 
     def _zero_model(self) -> nn.Module:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainingArguments
 
 from ..config import ZeroConfig
-from .settings import field_specs, launch_env, save_specs, snapshot_budget, to_zero_config
+from .settings import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
 
 
 class _ZeroArguments:
@@ -44,7 +44,9 @@ class _ZeroArguments:
         fsdp: Any
         optim: Any
         save_total_limit: int | None
+        parallelism_config: Any
         zero_shard_group_size: int | None  # the fields the mixin adds
+        zero_sequence_parallel: int
         zero_hybrid_shard: bool
         zero_save_model_weights: bool
         zero_async_save: bool
@@ -115,7 +117,8 @@ class _ZeroArguments:
                     "--zero_hybrid_shard takes the group size from LOCAL_WORLD_SIZE, which the launcher (accelerate "
                     "launch, torchrun) sets; it is not set here. Pass --zero_shard_group_size N instead."
                 )
-        return to_zero_config(self, mixed, shard_group_size=group_size)
+        sequence = sequence_size(getattr(self, "parallelism_config", None), self.zero_sequence_parallel)
+        return to_zero_config(self, mixed, shard_group_size=group_size, sequence_parallel=sequence)
 
 
 # [Note: one source of truth] in settings.py: every ZeroConfig field as --zero_<field>, derived. The mixin
