@@ -22,32 +22,35 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
 
 
-def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _config(args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig
 
-    import hf_zero
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     hidden = args.hidden
     config = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64, num_hidden_layers=args.layers,
                          num_attention_heads=hidden // 64, num_key_value_heads=max(2, hidden // 512), vocab_size=32000,
                          max_position_embeddings=max(args.length, 2048), tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
+    return config
+
+
+def _hf_zero_step(args: argparse.Namespace) -> tuple[Callable[[Any], float], Any]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import hf_zero
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(_config(args))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    zc = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16" if dtype == torch.bfloat16 else "no",
+    zc = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16" if args.dtype == "bf16" else "no",
                             sequence_parallel=args.sequence_parallel)
     model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5), zc)
     if args.tiled_only:  # the control: the tiled loss on whole sequences, nothing split ([Note: tiled loss])
@@ -56,6 +59,83 @@ def worker(args: argparse.Namespace) -> None:
 
         sequence.enable(model, CommGroup.single())
     model.train()
+
+    def step(ids: Any) -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    return step, model
+
+
+def _ulysses_step(args: argparse.Namespace) -> tuple[Callable[[Any], float], Any]:
+    """DeepSpeed's Ulysses (ALST) as its tutorial sets it up: the attention registered with transformers, ZeRO-3
+    with the HF Trainer's values, each rank feeding its slice of the tokens with global positions and shifted
+    labels, the loss averaged over the group weighted by each rank's labelled tokens."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from torch.distributed.nn.functional import all_gather
+    from transformers import LlamaForCausalLM
+
+    sys.path.insert(0, str(HERE))
+    from _peers import deepspeed_config
+
+    config = _config(args)
+    ds_config = deepspeed_config(config.hidden_size, micro=1, bf16=args.dtype == "bf16")
+    ds_config["sequence_parallel_size"] = args.sequence_parallel
+    PEER_CONFIG.update(ds_config)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=args.sequence_parallel,
+        micro_batch_size=1, seq_length=args.length, seq_length_is_variable=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), mpu=mpu)
+    group, size = mpu.get_sequence_parallel_group(), args.sequence_parallel
+    part = args.length // size
+    lo = dist.get_rank(group) * part
+    engine.train()
+
+    def step(ids: Any) -> float:
+        shifted = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)[:, lo : lo + part]
+        positions = torch.arange(args.length).unsqueeze(0)[:, lo : lo + part]
+        loss = engine(input_ids=ids[:, lo : lo + part], position_ids=positions, labels=shifted,
+                      shift_labels=shifted).loss
+        good = (shifted != -100).sum().reshape(1)
+        goods = [torch.zeros_like(good) for _ in range(size)]
+        dist.all_gather(goods, good, group=group)
+        losses = all_gather(loss, group=group)
+        total = sum(losses[r] * goods[r] for r in range(size)) / sum(goods)
+        engine.backward(total)
+        engine.step()
+        return float(total.detach())
+
+    return step, model
+
+
+PEER_CONFIG: dict = {}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if args.ulysses:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    step, model = (_ulysses_step if args.ulysses else _hf_zero_step)(args)
     replica = rank // args.sequence_parallel
     g = torch.Generator().manual_seed(replica)
     times, losses = [], []
@@ -63,14 +143,9 @@ def worker(args: argparse.Namespace) -> None:
         ids = torch.randint(0, 32000, (1, args.length), generator=g)
         dist.barrier()
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
+        losses.append(step(ids))
         dist.barrier()
         times.append(time.perf_counter() - start)
-        losses.append(float(loss.detach()))
         if rank == 0:
             print(f"step {len(times)}: {times[-1]:.1f} s", flush=True)
     with open("/proc/self/status") as f:
@@ -81,8 +156,8 @@ def worker(args: argparse.Namespace) -> None:
         replicas = dist.get_world_size() // args.sequence_parallel
         Path(args.result).write_text(json.dumps({
             "length": args.length, "sequence_parallel": args.sequence_parallel, "peaks": peaks, "step_s": times,
-            "losses": losses, "tokens_per_s": replicas * args.length / times[-1],
-            "params": sum(p.numel() for p in model.parameters())}))
+            "losses": losses, "tokens_per_s": replicas * args.length / times[-1], "peer_config": PEER_CONFIG,
+            "params": sum(p.numel() for p in model.parameters()) if not args.ulysses else None}))
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)
@@ -92,6 +167,7 @@ MODES = {  # mode -> (sequence parallelism, tiled loss without a split, what the
     "whole": (1, False, "ZeRO-3, no sequence parallelism (the model's own loss: whole logits)"),
     "tiled": (1, True, "ZeRO-3, no sequence parallelism, hf_zero's tiled loss (the control)"),
     "split": (2, False, "ZeRO-3 + sequence parallelism 2 (tiled loss)"),
+    "ulysses": (2, False, "DeepSpeed ZeRO-3 (the HF Trainer's values) + its Ulysses sequence parallelism 2"),
 }
 
 
@@ -101,6 +177,7 @@ def run(args: argparse.Namespace, length: int, mode: str, work: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
            "--worker", "--length", str(length), "--sequence-parallel", str(sp), "--layers", str(args.layers),
            "--hidden", str(args.hidden), "--dtype", args.dtype, "--result", str(out)] + (["--tiled-only"] if tiled else [])
+    cmd += ["--ulysses"] if mode == "ulysses" else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     limit = int(1.3 * args.budget_gib * GIB)
     started = time.time()
@@ -166,12 +243,13 @@ def report(args: argparse.Namespace, runs: list[dict]) -> str:
         step = f"{r['step_s'][-1]:.1f}" if r.get("step_s") else ""
         tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else ""
         lines.append(f"| {r['mode']} | {r['length']} | {'fits' if r['ok'] else r['why']} | {peaks} | {step} | {tps} |")
-    lines += ["", "Runs: " + "; ".join(f"`{m}`: {what}" for m, (_, _, what) in MODES.items()) + ".", ""]
+    ran = [m for m in MODES if any(r["mode"] == m for r in runs)]
+    lines += ["", "Runs: " + "; ".join(f"`{m}`: {MODES[m][2]}" for m in ran) + ".", ""]
     longest = {m: max([r["length"] for r in runs if r["ok"] and r["mode"] == m] or [0]) for m in MODES}
-    stopped = {m: next((r["why"] for r in runs if r["mode"] == m and not r["ok"]), "the ladder's end") for m in MODES}
-    for m in MODES:
+    stopped = {m: next((r["why"] for r in runs if r["mode"] == m and not r["ok"]), "the ladder's end") for m in ran}
+    for m in ran:
         lines.append(f"- longest `{m}`: {longest[m]} tokens (next: {stopped[m]})")
-    if longest["whole"]:
+    if longest["whole"] and longest["split"]:
         lines.append(f"- sequence parallelism 2 / without: {longest['split'] / longest['whole']:.2f}x; "
                      f"against the tiled-loss control: {longest['split'] / max(longest['tiled'], 1):.2f}x")
     fit = {m: {r["length"]: r for r in runs if r["ok"] and r["mode"] == m} for m in MODES}
@@ -194,6 +272,8 @@ def chart(runs: list[dict], path: Path, budget_gib: float) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for m, (_, _, what) in MODES.items():
         done = [r for r in runs if r["mode"] == m and r.get("peaks")]
+        if not done:
+            continue
         ax.plot([r["length"] for r in done], [max(r["peaks"]) / GIB for r in done], marker="o", label=what)
     ax.axhline(budget_gib, color="grey", linestyle="--", label="budget per rank")
     ax.set_xlabel("sequence length (tokens)")
@@ -211,13 +291,14 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=3.0)
     ap.add_argument("--lengths", default="2048,4096,8192,12288,16384")
     ap.add_argument("--timeout", type=int, default=900)
-    ap.add_argument("--modes", default=",".join(MODES), help="which ladders, of " + ", ".join(MODES))
+    ap.add_argument("--modes", default="whole,tiled,split", help="which ladders, of " + ", ".join(MODES))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--sequence-parallel", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tiled-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ulysses", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
-TILE_BYTES = 256 << 20  # fp32 logits of one tile
+TILE_BYTES = 64 << 20  # fp32 logits of one tile
 
 
 def tile_rows(vocab: int) -> int:
