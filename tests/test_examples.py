@@ -184,8 +184,9 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(assets, 
         np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("stage, sync", [(3, False), pytest.param(3, True, marks=pytest.mark.slow)],
-                         ids=["dpo", "tr-dpo"])
+# the slow tier (44 s each on 2 cores): TRL stays in the main tier through the SFT example
+@pytest.mark.parametrize("stage, sync", [pytest.param(3, False, marks=pytest.mark.slow),
+                                         pytest.param(3, True, marks=pytest.mark.slow)], ids=["dpo", "tr-dpo"])
 def test_dpo_at_stage_3_matches_stock_dpo_trainer_under_ddp(assets, tmp_path, stage, sync):
     """TRL's DPOTrainer with hf_zero mixed in (reference model built by TRL and sharded at stage 3 as well,
     fused log-probabilities) against
