@@ -134,3 +134,11 @@ def test_tiled_loss_equals_the_whole_logits_loss(monkeypatch, dtype):
     torch.testing.assert_close(got, want / count, rtol=tol, atol=tol)
     for a, b in zip(grads, [hidden.grad, head.weight.grad, head.bias.grad]):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    expected = hidden.grad.clone()
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    head.requires_grad_(False)  # a frozen head (LoRA): the hidden states' gradient only, none computed for it
+    frozen = tiled_loss.tiled_cross_entropy(hidden, head, labels, count)
+    assert [t is None for t in frozen.grad_fn.saved_tensors[:3]] == [False, True, True]  # nothing held for the head
+    (frozen * 0.5).backward()
+    assert head.weight.grad is None and head.bias.grad is None
+    torch.testing.assert_close(hidden.grad.float(), expected.float(), rtol=tol, atol=tol)

@@ -11,9 +11,10 @@ logits' memory) is turned into the gradients of the hidden states and the head's
 summed loss and those gradients are kept, and the backward scales them by the gradient it receives. So the
 vocabulary matmul runs three times per token (as without tiles), not four, and the gradients are held from the
 head's forward to its backward, which the model's backward reaches first. Under `no_grad` only the loss is
-computed. The engine's hooks see the head's module called as usual (gathered for the forward and again for the
-backward at stage 3). The result is the sum over the rank's labelled tokens divided by the micro-batch's count,
-as transformers' loss with `num_items_in_batch`.
+computed, and a frozen head (LoRA) gets no weight gradient computed or held. The engine's hooks see the head's
+module called as usual (gathered for the forward and again for the backward at stage 3). The result is the sum
+over the rank's labelled tokens divided by the micro-batch's count, as transformers' loss with
+`num_items_in_batch`.
 The model returns it as its logits and computes no loss of its own (it was given no labels); the model's
 output must be the head's output itself (a model that scales or caps its logits after the head is refused).
 """
@@ -52,9 +53,10 @@ class _TiledCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        d_hidden = torch.empty_like(flat) if grads else None
-        d_weight = torch.zeros_like(weight, dtype=torch.float32) if grads else None
-        d_bias = torch.zeros_like(bias, dtype=torch.float32) if grads and bias is not None else None
+        wants = [grads and bool(ctx.needs_input_grad[i]) for i in range(3)]  # a frozen head (LoRA): none for it
+        d_hidden = torch.empty_like(flat) if wants[0] else None
+        d_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
+        d_bias = torch.zeros_like(bias, dtype=torch.float32) if wants[2] and bias is not None else None
         for lo in range(0, flat.shape[0], rows):
             part, target = flat[lo : lo + rows], targets[lo : lo + rows]
             logits = F.linear(part, weight, bias).float()
@@ -62,14 +64,16 @@ class _TiledCrossEntropy(torch.autograd.Function):
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
             total += torch.where(kept, lse - picked, 0.0).sum()
-            if d_hidden is None or d_weight is None:
+            if not any(wants):
                 continue
             probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in the logits' memory
             probs[kept, target[kept]] -= 1.0  # d(cross-entropy)/d(logits) of a labelled token
             probs[~kept] = 0.0
             g = probs.to(weight.dtype)
-            d_hidden[lo : lo + rows] = g @ weight
-            d_weight += (g.t() @ part).float()
+            if d_hidden is not None:
+                d_hidden[lo : lo + rows] = g @ weight
+            if d_weight is not None:
+                d_weight += (g.t() @ part).float()
             if d_bias is not None:
                 d_bias += g.float().sum(0)
         ctx.save_for_backward(
