@@ -162,7 +162,13 @@ def accelerate_batches(size: int, via: str = "plugin") -> dict[str, Any]:
     model, opt, loader = accelerator.prepare(model, opt, DataLoader(samples, batch_size=1))
     seen = [int(batch["input_ids"][0, 0]) for batch in loader]
     loss = float(model(**next(iter(loader))).loss)
-    return {"seen": seen, "loss": loss, "sequence_parallel": model.zero_engine.config.sequence_parallel}
+    held_out = accelerator.prepare(DataLoader(samples[:7], batch_size=2))  # 7: the last global batch is short
+    gathered, objects = [], []
+    for batch in held_out:
+        gathered += accelerator.gather_for_metrics(batch["input_ids"][:, 0]).tolist()
+        objects += accelerator.gather_for_metrics([f"sample {int(i)}" for i in batch["input_ids"][:, 0]])
+    return {"seen": seen, "loss": loss, "sequence_parallel": model.zero_engine.config.sequence_parallel,
+            "gathered": gathered, "objects": objects}
 
 
 def one_unit_model_loss(size: int) -> dict[str, Any]:

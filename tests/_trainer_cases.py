@@ -116,6 +116,8 @@ class Job:
     oom: str | None = None  # --auto_find_batch_size with a simulated out-of-memory error: "step_end" or "forward"
     best_model: bool = False  # evaluate every save_steps, load the best at the end
     eval_steps: int | None = None  # evaluate every that many steps (without best_model)
+    eval_rows: int | None = None  # held-out samples (default: global_batch)
+    counts: bool = False  # compute_metrics (how many samples, their label sum, accuracy) and tokens seen
 
     @property
     def accum(self) -> int:
@@ -228,7 +230,15 @@ def _common(job: Job) -> dict[str, Any]:
                 metric_for_best_model="eval_loss") if job.best_model else {}),
         **(dict(eval_strategy="steps", eval_steps=job.eval_steps) if job.eval_steps else {}),
         gradient_checkpointing=job.checkpointing, dataloader_num_workers=0, auto_find_batch_size=job.oom is not None,
+        include_num_input_tokens_seen="all" if job.counts else "no",
     )
+
+
+def _counts(prediction: Any) -> dict[str, float]:
+    """What the evaluation saw: every sample once, whatever the ranks' layout."""
+    logits, labels = prediction.predictions, prediction.label_ids
+    hits = logits[:, :-1].argmax(-1) == labels[:, 1:]
+    return {"samples": float(len(labels)), "label_sum": float(labels.sum()), "accuracy": float(hits.mean())}
 
 
 def run(job: Job, zero: bool = True) -> dict[str, Any]:
@@ -264,11 +274,14 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         train_data: Dataset = PointsDataset(job.global_batch * job.steps, seed=1, dim=BLOCKLESS[job.kind])
         eval_data: Dataset = PointsDataset(job.global_batch, seed=2, dim=BLOCKLESS[job.kind])
     else:
-        train_data, eval_data = TokenDataset(job.global_batch * job.steps, 16, seed=1), TokenDataset(job.global_batch, 16, seed=2)
+        train_data = TokenDataset(job.global_batch * job.steps, 16, seed=1)
+        eval_data = TokenDataset(job.eval_rows or job.global_batch, 16, seed=2)
     trainer = trainer_cls(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
-                          processing_class=tokenizer, callbacks=callbacks or None)
+                          processing_class=tokenizer, callbacks=callbacks or None,
+                          compute_metrics=_counts if job.counts else None)
     trainer.train(resume_from_checkpoint=job.resume_from)
-    eval_loss = trainer.evaluate()["eval_loss"]
+    metrics = trainer.evaluate()
+    eval_loss = metrics["eval_loss"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     if job.save_model_to:
@@ -279,6 +292,8 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         "losses": losses, "norms": [float(n) for n in norms], "eval_loss": eval_loss,
         "eval_losses": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
         "world": trainer.args.world_size,
+        "counts": {k: metrics[f"eval_{k}"] for k in ("samples", "label_sum", "accuracy")} if job.counts else None,
+        "tokens_seen": trainer.state.num_input_tokens_seen,
         "state": {k: v.detach().cpu().clone() for k, v in state.items()} if main else None,
         "checkpoints": sorted(os.listdir(job.out_dir)) if main and os.path.isdir(job.out_dir) else None,
         "window": window.samples if window is not None else None,

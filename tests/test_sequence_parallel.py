@@ -98,8 +98,12 @@ def test_what_cannot_be_split_is_refused_on_every_rank(pools, size, what, messag
 def test_accelerate_deals_batches_to_data_parallel_groups(pools, via):
     """`ZeroPlugin(zero_sequence_parallel=2)` (or Accelerate's `ParallelismConfig(sp_size=2)`) on 4 ranks: ranks
     0-1 see the same samples, ranks 2-3 the same others, together every sample once; every rank of a group reports
-    its group's loss."""
+    its group's loss. `gather_for_metrics` gives every rank each held-out sample once (7 samples: the last batch is
+    short), as tensors and as objects."""
     results = pools(4).values(cases.accelerate_batches, 2, via)
+    for r in results:
+        assert sorted(r["gathered"]) == list(range(7)), r["gathered"]
+        assert sorted(r["objects"]) == [f"sample {i}" for i in range(7)], r["objects"]
     assert all(r["sequence_parallel"] == 2 for r in results)
     assert results[0]["seen"] == results[1]["seen"] and results[2]["seen"] == results[3]["seen"]
     assert sorted(results[0]["seen"] + results[2]["seen"]) == list(range(8))

@@ -57,11 +57,18 @@ def test_zero_trainer_matches_stock_trainer(pools, tmp_path, kind, stage):
 def test_sequence_parallel_trains_and_evaluates_as_the_stock_trainer(pools, tmp_path):
     """`--zero_sequence_parallel 2` on 2 ranks ([Note: sequence parallelism]): each rank holds half of every
     sequence, the two ranks get the same batches, and the losses, gradient norms, eval loss and weights are the
-    stock Trainer's on one process."""
-    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), zero_args=(("zero_sequence_parallel", 2),))
+    stock Trainer's on one process. The evaluation's metrics see each held-out sample once (7 of them: the last
+    batch is short) and the tokens-seen count is the stock one, not once per rank of the group."""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), zero_args=(("zero_sequence_parallel", 2),),
+                 eval_rows=7, counts=True)
     got = pools(2).values(tc.run, job)[0]
     assert len(got["losses"]) == job.steps
-    _assert_close_to_reference(got, _reference(_ref_key(job)))
+    ref = _reference(_ref_key(job))
+    _assert_close_to_reference(got, ref)
+    assert got["counts"]["samples"] == ref["counts"]["samples"] == 7
+    assert got["counts"]["label_sum"] == ref["counts"]["label_sum"]
+    np.testing.assert_allclose(got["counts"]["accuracy"], ref["counts"]["accuracy"], rtol=TOL)
+    assert got["tokens_seen"] == ref["tokens_seen"] > 0
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

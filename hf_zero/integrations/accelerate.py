@@ -169,6 +169,13 @@ class ZeroAccelerator(Accelerator):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         return deal_to_groups(self, data_loader, size, device_placement, slice_fn_for_dispatch)
 
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """As Accelerate's; with sequence parallelism each sample once, not once per rank of its sequence group."""
+        size = self.zero_config.sequence_parallel
+        if size == 1:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        return gather_once_per_group(self, size, input_data, use_gather_object)
+
     # ---- gradients --------------------------------------------------------------------------
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2
@@ -329,3 +336,37 @@ def deal_to_groups(
     )
     accelerator._dataloaders.append(prepared)
     return prepared
+
+
+def gather_once_per_group(accelerator: Accelerator, size: int, input_data: Any, use_gather_object: bool = False) -> Any:
+    """`accelerator.gather_for_metrics` when the ranks of each sequence group hold the same samples: every sample
+    comes back once (from the group's first rank), and the last batch loses the samples the sampler repeated to
+    fill it, as with plain data parallelism ([Note: sequence parallelism]). Without this, each sample is counted
+    once per rank of its group, and on several groups the last batch's truncation keeps the wrong samples."""
+    from accelerate.utils import gather_object, recursively_apply
+
+    try:
+        recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+        tensors = True
+    except TypeError:
+        tensors = False
+    leader = accelerator.process_index % size == 0
+    if use_gather_object or not tensors:
+        data = gather_object(input_data if leader else type(input_data)())  # a list per rank, rank order
+    else:
+        world = accelerator.num_processes
+
+        def first_of_each_group(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.shape[0] % world:
+                raise RuntimeError(
+                    f"[rank {accelerator.process_index}] hf_zero: gathered {tensor.shape[0]} rows from {world} ranks"
+                )
+            return tensor.unflatten(0, (world, -1))[::size].flatten(0, 1)
+
+        data = recursively_apply(first_of_each_group, accelerator.gather(input_data))
+    state = accelerator.gradient_state
+    if state.end_of_dataloader and state.remainder > 0:
+        if use_gather_object or not tensors:
+            return data[: state.remainder]
+        return recursively_apply(lambda tensor: tensor[: state.remainder], data)
+    return data

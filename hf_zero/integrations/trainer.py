@@ -42,7 +42,7 @@ from ..checkpoint.consolidate import save_pretrained_async
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
 from ..engine.step.optim import ShardedOptimizer
-from .accelerate import deal_to_groups
+from .accelerate import deal_to_groups, gather_once_per_group
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, clear_marker, write_marker
 from .settings import snapshot_budget
 from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
@@ -95,10 +95,14 @@ class ZeroTrainerMixin(_TrainerBase):
                 "hf_zero is the sharding engine here. Launch with a plain multi-process config instead."
             )
         self._zero_resume_from: str | None = None
-        size = self.args.to_zero_config().sequence_parallel
+        size = self._zero_sequence = self.args.to_zero_config().sequence_parallel
         if size > 1:  # [Note: sequence parallelism]: the ranks of a sequence group read the same batches
             accelerator = self.accelerator
             accelerator.prepare_data_loader = functools.partial(deal_to_groups, accelerator, size=size)
+            accelerator.gather_for_metrics = functools.partial(gather_once_per_group, accelerator, size)
+            self.gather_function = functools.partial(
+                accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+            )
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
@@ -107,6 +111,14 @@ class ZeroTrainerMixin(_TrainerBase):
         # context-parallel paths (DeepSpeed's Ulysses, FSDP2's ring attention) must not see it
         args.pop("parallelism_config", None)
         return args
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        """`--include_num_input_tokens_seen`: the ranks of a sequence group read the same tokens; each counts once."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        if self._zero_sequence > 1:
+            seen = self.state.num_input_tokens_seen - before
+            self.state.num_input_tokens_seen = before + seen // self._zero_sequence
 
     def _zero_model(self) -> nn.Module:
         """The Trainer's model (set by the time any of these methods runs)."""
