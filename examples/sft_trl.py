@@ -9,6 +9,9 @@ prompt-completion format: the loss is taken on the completion only). `make demo`
 from the domain corpus: "What does `json.dumps(obj, ...)` do?" answered by the first paragraph of
 the docstring.
 
+Long examples: `--zero_sequence_parallel 2 --pad_to_multiple_of 2` splits every sequence over two ranks (the
+two read the same batches; TRL's fused loss and its metrics see whole sequences).
+
 The only hf_zero-specific lines are the two classes below: TRL's `SFTConfig` and `SFTTrainer`
 with hf_zero's `--zero_*` settings and engine mixed in. `--use_stock_trainer` runs the same job with
 TRL's own classes (plain DDP under the same launcher), for comparison.
@@ -72,6 +75,9 @@ def main() -> None:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         with open(os.path.join(config.output_dir, "losses.json"), "w") as f:
             json.dump(losses, f)
+        accuracy = [h["mean_token_accuracy"] for h in trainer.state.log_history if "mean_token_accuracy" in h]
+        with open(os.path.join(config.output_dir, "accuracy.json"), "w") as f:
+            json.dump(accuracy, f)
         print(f"trained {result.global_step} steps; losses {losses}")
 
 

@@ -162,7 +162,9 @@ def test_train_accelerate_interrupted_and_resumed(assets, tmp_path):
 def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(assets, tmp_path):
     """`examples/sft_trl.py` (TRL's SFTTrainer with hf_zero mixed in, its default fused loss) under `accelerate
     launch`, 2 processes: the logged losses equal the same script's with TRL's stock SFTTrainer under DDP
-    (1e-5 relative), and the saved model loads with `from_pretrained`, equal to the stock run's weights."""
+    (1e-5 relative), and the saved model loads with `from_pretrained`, equal to the stock run's weights. The same
+    with `--zero_sequence_parallel 2` (both ranks read the same 4 samples, each holds half of every sequence; TRL's
+    fused log-probabilities come back whole): the stock run's losses, token accuracy and weights."""
     pytest.importorskip("trl")
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -175,13 +177,20 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(assets, 
     zero, stock = tmp_path / "zero", tmp_path / "stock"
     _run(ACCELERATE + common + ["--output_dir", str(zero), "--zero_stage", "3"])
     _run(ACCELERATE + common + ["--output_dir", str(stock), "--use_stock_trainer"], baseline=True)
-    got, want = json.loads((zero / "losses.json").read_text()), json.loads((stock / "losses.json").read_text())
-    assert len(got) == 4
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
-    AutoModelForCausalLM.from_pretrained(zero / "final")
-    a, b = load_file(zero / "final" / "model.safetensors"), load_file(stock / "final" / "model.safetensors")
-    for name in b:
-        np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    split = tmp_path / "split"
+    _run(ACCELERATE + common + ["--output_dir", str(split), "--zero_stage", "3", "--zero_sequence_parallel", "2",
+                                "--per_device_train_batch_size", "4", "--pad_to_multiple_of", "2"])
+    want = json.loads((stock / "losses.json").read_text())
+    for run in (zero, split):
+        got = json.loads((run / "losses.json").read_text())
+        assert len(got) == 4
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=0, err_msg=run.name)
+        AutoModelForCausalLM.from_pretrained(run / "final")
+        a, b = load_file(run / "final" / "model.safetensors"), load_file(stock / "final" / "model.safetensors")
+        for name in b:
+            np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    accuracy = [json.loads((run / "accuracy.json").read_text()) for run in (stock, split)]
+    np.testing.assert_allclose(accuracy[1], accuracy[0], rtol=1e-5, atol=0)
 
 
 # the slow tier (44 s each on 2 cores): TRL stays in the main tier through the SFT example

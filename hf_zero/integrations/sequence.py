@@ -23,7 +23,10 @@ micro-batch, the same on every rank of the group. Its gradient is N times the ra
 engine's reduction, which averages over all ranks, sums over the group and averages over the data-parallel
 replicas. In training with labels the LM head computes the loss itself, in tiles ([Note: tiled loss]): no
 logits are returned. Without labels, and in evaluation, the logits are gathered along the sequence
-(differentiably) so that a caller's own loss or metric sees every token.
+(differentiably) so that a caller's own loss or metric sees every token. TRL's fused LM head
+(`fused_lm_head=True`: per-token log-probabilities, entropy, label mask) computes on the rank's tokens; each
+per-token field comes back whole the same way, so TRL's losses and metrics see every token. Metrics gathered over
+ranks (`gather_for_metrics`) take each sample from one rank of its group (`gather_once_per_group`).
 
 Generation (any forward that asks for a cache), or a sequence that does not divide by N outside training,
 runs unsplit on every rank (correct, without the memory saving): for that forward the model's own attention
@@ -221,7 +224,8 @@ def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         kwargs["labels"] = kwargs["shift_labels"] = shifted[:, lo:hi].contiguous()
         if kwargs.get("num_items_in_batch") is None:
             kwargs["num_items_in_batch"] = (shifted != IGNORE).sum()
-        if module.training and state.head is not None:  # [Note: tiled loss]: the head computes it, in tiles
+        fused = bool(kwargs.get("fused_lm_head"))  # TRL's fused head: per-token outputs of this rank's tokens
+        if module.training and state.head is not None and not fused:  # [Note: tiled loss]: the head, in tiles
             count = kwargs.pop("num_items_in_batch")
             split = SequenceSplit(group, padding, labels=kwargs.pop("labels"), count=torch.as_tensor(count))
             kwargs.pop("shift_labels")
@@ -272,7 +276,24 @@ def _join_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
     if logits is not None and (loss is None or not module.training):  # whole for the caller's own use
         output["logits"] = gather_dim(logits, split.group, dim=1)
+    if kwargs.get("fused_lm_head") and isinstance(output, dict):
+        _gather_per_token(output, split, kwargs["position_ids"].shape[-1])
     return output
+
+
+def _gather_per_token(output: dict[str, Any], split: SequenceSplit, part: int) -> None:
+    """TRL's fused LM head (`fused_lm_head=True`) returns per-token fields (log-probabilities, entropy, the label
+    mask, ...) of this rank's tokens: each comes back whole along the sequence, so that the caller's loss, sums per
+    sequence and metrics see every token; the gradient of a loss computed from them on every rank of the group is
+    the gather's sum, N times the rank's own part, as the model's own loss's is."""
+    for key, value in list(output.items()):
+        per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == part
+        if key in ("loss", "logits") or not per_token:
+            continue
+        if value.dtype == torch.bool:
+            output[key] = gather_dim(value.to(torch.uint8), split.group, dim=1).bool()
+        else:
+            output[key] = gather_dim(value, split.group, dim=1)
 
 
 def _tiled_part(output: Any, split: SequenceSplit) -> torch.Tensor:
