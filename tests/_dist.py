@@ -19,6 +19,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -194,12 +195,17 @@ class DistPool:
         return [r.value for r in results]
 
     def close(self) -> None:
+        """Ask every worker to leave; those still there after a few seconds (a rank stuck in a collective its
+        peer left, or in `destroy_process_group`) are killed: nothing of theirs is needed any more."""
         for q in self._tasks:
             q.put(None)
+        deadline = time.monotonic() + 3.0
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
 
 
 class Pools:

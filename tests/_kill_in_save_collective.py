@@ -51,13 +51,13 @@ def die_at(k: int) -> None:
 
 
 def main(out: str, k: int) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
     die_at(k)
     status: dict = {"error": None}
     start = time.monotonic()
     try:
         sharded_run(Scenario(model="llama", stage=3, world=2, steps=1, accum=1, save_to=os.path.join(out, "ckpt"),
-                             config_overrides=(("group_timeout_s", 20.0),)))
+                             config_overrides=(("group_timeout_s", 10.0),)))
     except Exception as e:  # noqa: BLE001 - reported to the test
         status["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     status["seconds"] = time.monotonic() - start
