@@ -51,7 +51,7 @@ def _hf_zero_step(args: argparse.Namespace) -> tuple[Callable[[Any], float], Any
     model = LlamaForCausalLM(_config(args))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     zc = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16" if args.dtype == "bf16" else "no",
-                            sequence_parallel=args.sequence_parallel)
+                            sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp)
     model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5), zc)
     if args.tiled_only:  # the control: the tiled loss on whole sequences, nothing split ([Note: tiled loss])
         from hf_zero.engine.collectives.group import CommGroup
@@ -163,21 +163,23 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-MODES = {  # mode -> (sequence parallelism, tiled loss without a split, what the row is)
-    "whole": (1, False, "ZeRO-3, no sequence parallelism (the model's own loss: whole logits)"),
-    "tiled": (1, True, "ZeRO-3, no sequence parallelism, hf_zero's tiled loss (the control)"),
-    "split": (2, False, "ZeRO-3 + sequence parallelism 2 (tiled loss)"),
-    "ulysses": (2, False, "DeepSpeed ZeRO-3 (the HF Trainer's values) + its Ulysses sequence parallelism 2"),
+MODES = {  # mode -> (sequence parallelism, tiled loss without a split, tiled MLP, what the row is)
+    "whole": (1, False, False, "ZeRO-3, no sequence parallelism (the model's own loss: whole logits)"),
+    "tiled": (1, True, False, "ZeRO-3, no sequence parallelism, hf_zero's tiled loss (the control)"),
+    "split": (2, False, False, "ZeRO-3 + sequence parallelism 2 (tiled loss)"),
+    "split_mlp": (2, False, True, "ZeRO-3 + sequence parallelism 2 (tiled loss) + `tiled_mlp`"),
+    "ulysses": (2, False, False, "DeepSpeed ZeRO-3 (the HF Trainer's values) + its Ulysses sequence parallelism 2"),
 }
 
 
 def run(args: argparse.Namespace, length: int, mode: str, work: Path) -> dict:
-    sp, tiled, _ = MODES[mode]
+    sp, tiled, mlp, _ = MODES[mode]
     out = work / f"{mode}-{length}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
            "--worker", "--length", str(length), "--sequence-parallel", str(sp), "--layers", str(args.layers),
            "--hidden", str(args.hidden), "--dtype", args.dtype, "--result", str(out)] + (["--tiled-only"] if tiled else [])
     cmd += ["--ulysses"] if mode == "ulysses" else []
+    cmd += ["--tiled-mlp"] if mlp else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     limit = int(1.3 * args.budget_gib * GIB)
     started = time.time()
@@ -244,7 +246,7 @@ def report(args: argparse.Namespace, runs: list[dict]) -> str:
         tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else ""
         lines.append(f"| {r['mode']} | {r['length']} | {'fits' if r['ok'] else r['why']} | {peaks} | {step} | {tps} |")
     ran = [m for m in MODES if any(r["mode"] == m for r in runs)]
-    lines += ["", "Runs: " + "; ".join(f"`{m}`: {MODES[m][2]}" for m in ran) + ".", ""]
+    lines += ["", "Runs: " + "; ".join(f"`{m}`: {MODES[m][3]}" for m in ran) + ".", ""]
     longest = {m: max([r["length"] for r in runs if r["ok"] and r["mode"] == m] or [0]) for m in MODES}
     stopped = {m: next((r["why"] for r in runs if r["mode"] == m and not r["ok"]), "the ladder's end") for m in ran}
     for m in ran:
@@ -260,6 +262,13 @@ def report(args: argparse.Namespace, runs: list[dict]) -> str:
         lines.append(f"- at {at} tokens, which both take: {two['tokens_per_s']:.0f} tokens/s with sequence "
                      f"parallelism against {one['tokens_per_s']:.0f} without ({two['tokens_per_s'] / one['tokens_per_s']:.2f}x;"
                      " with it the two ranks train one sequence, without it two)")
+    for at in sorted(set(fit["split"]) & set(fit["split_mlp"])):
+        plain, tiled = fit["split"][at], fit["split_mlp"][at]
+        lines.append(f"- at {at} tokens, `tiled_mlp`: peak {max(tiled['peaks']) / GIB:.2f} GiB against "
+                     f"{max(plain['peaks']) / GIB:.2f} GiB, {tiled['tokens_per_s'] / plain['tokens_per_s']:.2f}x the "
+                     "tokens/s")
+    if longest["split"] and longest["split_mlp"]:
+        lines.append(f"- `tiled_mlp` / sequence parallelism alone: {longest['split_mlp'] / longest['split']:.2f}x")
     return "\n".join(lines) + "\n"
 
 
@@ -270,7 +279,7 @@ def chart(runs: list[dict], path: Path, budget_gib: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for m, (_, _, what) in MODES.items():
+    for m, (_, _, _, what) in MODES.items():
         done = [r for r in runs if r["mode"] == m and r.get("peaks")]
         if not done:
             continue
@@ -299,6 +308,7 @@ def main() -> None:
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tiled-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ulysses", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiled-mlp", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)

@@ -133,6 +133,10 @@ def initialize(
             )
         if cfg.sequence_parallel > 1:
             _check_sequence_parallel(model, cfg.sequence_parallel, world.size)
+        if cfg.tiled_mlp:
+            from .integrations import tiled_mlp
+
+            tiled_mlp.check(model)
         specs = units_for(model, cfg)
         if weights_from is not None:
             source = SafetensorsSource(weights_from, model)
@@ -151,6 +155,10 @@ def initialize(
         from .integrations import sequence
 
         sequence.enable(model, sequence_group(world, cfg.sequence_parallel, cfg.group_timeout_s))
+    if cfg.tiled_mlp:  # [Note: tiled MLP]
+        from .integrations import tiled_mlp
+
+        tiled_mlp.enable(model)
     return model, shard_optimizers(optimizer, engine)
 
 

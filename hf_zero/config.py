@@ -121,6 +121,11 @@ class ZeroConfig:
             Every rank of a group must be given the same batch; the sequence length must be a
             multiple of N, and the model's attention and key-value heads too. Must divide the
             world size. 1: off.
+        tiled_mlp (`bool`, *optional*, defaults to `False`):
+            Compute each decoder MLP (a submodule named `mlp`) over the sequence in tiles, each recomputed in its
+            own backward ([Note: tiled MLP]): in training at long sequences the MLP's activations, the largest of
+            a layer, are those of one tile (16 MB) instead of the whole sequence's, for one more MLP forward per
+            step. Exact; with or without `sequence_parallel`.
         collectives (`str`, *optional*, defaults to `"auto"`):
             How the parameter all-gathers and gradient reduce-scatters travel: `"native"` uses the
             backend's own collectives; `"composed"` builds them from faster primitives (an
@@ -263,6 +268,13 @@ class ZeroConfig:
             "holding 1/N of every sequence (Ulysses all-to-all around attention); must divide the world size."
         },
     )
+    tiled_mlp: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute each decoder MLP over the sequence in tiles recomputed in the backward: long sequences "
+            "hold one tile's MLP activations, for one more MLP forward per step."
+        },
+    )
     collectives: Collectives = field(
         default="auto",
         metadata={
@@ -331,6 +343,7 @@ class ZeroConfig:
             "no_sync_keeps_grads",
             "quantized_weights",
             "quantized_gradients",
+            "tiled_mlp",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ZeroConfig.{name} must be a bool; got {getattr(self, name)!r}.")

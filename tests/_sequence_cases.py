@@ -63,22 +63,42 @@ def reference(groups: int) -> dict[str, Any]:
     }
 
 
-def split_run(stage: int, size: int, checkpointing: bool = False) -> dict[str, Any]:
-    """Each group of `size` ranks trains on its group's micro-batches, each rank on 1/size of every sequence."""
+def split_run(stage: int, size: int, checkpointing: bool = False, tiled: bool = False) -> dict[str, Any]:
+    """Each group of `size` ranks trains on its group's micro-batches, each rank on 1/size of every sequence;
+    `tiled`: with `tiled_mlp`, tiles of 3 tokens ([Note: tiled MLP]), the tiles run counted."""
+    from hf_zero.integrations import tiled_mlp
+
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model("llama")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = make_optimizer(model, 1e-3)
-    model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage, sequence_parallel=size))
+    config = hf_zero.ZeroConfig(stage=stage, sequence_parallel=size, tiled_mlp=tiled)
+    model, opt = hf_zero.initialize(model, opt, config)
+    tiles = [0]
+    saved = tiled_mlp.TILE_BYTES, tiled_mlp.checkpoint
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        tiles[0] += 1
+        return saved[1](*args, **kwargs)
+
+    tiled_mlp.TILE_BYTES, tiled_mlp.checkpoint = MICRO * 128 * 4 * 3, counted  # (batch, intermediate, fp32, tokens)
+    try:
+        result = _train_split(model, opt, rank, world, size)
+    finally:
+        tiled_mlp.TILE_BYTES, tiled_mlp.checkpoint = saved
+    return {**result, "tiles": tiles[0]}
+
+
+def _train_split(model: Any, opt: Any, rank: int, world: int, size: int) -> dict[str, Any]:
     model.train()
     losses, norms, local_losses = [], [], []
     for step in batches(world // size):
         micro = []
         for batch in step[rank // size]:
             out = model(**batch)
-            if out.logits is not None:  # [Note: tiled loss]: no logits in training with labels
+            if size > 1 and out.logits is not None:  # [Note: tiled loss]: no logits in training with labels
                 raise RuntimeError("the split model returned logits in training")
             (out.loss / ACCUM).backward()
             micro.append(out.loss.detach())

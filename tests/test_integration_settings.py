@@ -14,6 +14,7 @@ _NON_DEFAULT = {
     "prefetch": ("2", 2), "bucket_size_mb": ("7.5", 7.5), "shard_group_size": ("1", 1), "collectives": ("native", "native"),
     "group_timeout_s": ("30", 30.0), "no_sync_keeps_grads": (None, True), "initial_loss_scale": ("1024", 1024.0),
     "loss_scale_window": ("10", 10), "quantization_block": ("64", 64), "sequence_parallel": ("2", 2),
+    "tiled_mlp": (None, True),
 }
 _NON_DEFAULT_STAGE3 = {"offload_optimizer": (None, True), "offload_params": (None, True),  # need stage 3
                        "offload_dir": ("/nvme/offload", "/nvme/offload"),

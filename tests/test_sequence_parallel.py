@@ -37,6 +37,87 @@ def test_two_ranks_with_gradient_checkpointing(pools, reference_one_group):
         assert rel_err(r["state"][name], value) <= 1e-5, name
 
 
+@pytest.mark.parametrize("size", [2, 1], ids=["sequence-parallel", "data-parallel"])
+def test_tiled_mlp_trains_as_the_whole_mlp(pools, size):
+    """[Note: tiled MLP]: `tiled_mlp=True` at stage 3 with gradient checkpointing, tiles of 3 tokens (uneven: 8
+    tokens per rank under sequence parallelism 2, 16 without): losses, gradient norms and weights equal single-process
+    training of the untiled model (1e-5), with or without sequence parallelism; the tiles did run."""
+    ref = cases.reference(2 // size)
+    results = pools(2).values(cases.split_run, 3, size, True, True)
+    for r in results:
+        assert r["tiles"] > 0
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-6)
+        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5)
+    for name, value in ref["state"].items():
+        assert rel_err(results[0]["state"][name], value) <= 1e-5, name
+
+
+def test_tiled_mlp_holds_one_tiles_activations():
+    """[Note: tiled MLP], without any process group: a LLaMA MLP on 64 tokens in tiles of 8 saves for its backward
+    only its input (the whole sequence's gate, up and activation are not kept), and its outputs and gradients equal
+    the untiled MLP's; in eval and under no_grad it runs untiled."""
+    from hf_zero.integrations import tiled_mlp
+    from tests._training import make_model
+
+    model = make_model("llama")
+    mlp = model.model.layers[0].mlp
+    hidden = torch.randn(2, 64, 64, requires_grad=True)
+
+    def saved_bytes(fn):  # noqa: ANN001, ANN202
+        held = {}  # by storage: the tiles are views of the input
+
+        def pack(t):  # noqa: ANN001, ANN202
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        return out, sum(held.values())
+
+    whole, whole_bytes = saved_bytes(lambda: mlp(hidden))
+    (whole * torch.arange(64.0).view(1, 64, 1)).sum().backward()
+    expected = [hidden.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    hidden.grad = None
+    mlp.zero_grad()
+    assert tiled_mlp.enable(model) == 2
+    tiled_mlp.TILE_BYTES, before = 2 * 128 * 4 * 8, tiled_mlp.TILE_BYTES  # 8 tokens per tile
+    try:
+        tiled, tiled_bytes = saved_bytes(lambda: mlp(hidden))
+        (tiled * torch.arange(64.0).view(1, 64, 1)).sum().backward()
+        mlp.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(mlp(hidden), whole.detach(), rtol=1e-6, atol=1e-6)
+    finally:
+        tiled_mlp.TILE_BYTES = before
+    assert tiled_bytes <= hidden.untyped_storage().nbytes() < whole_bytes / 4, (tiled_bytes, whole_bytes)
+    torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=1e-6)
+    for got, want in zip([hidden.grad] + [p.grad for p in mlp.parameters()], expected):  # sums over other tiles
+        assert rel_err(got.numpy(), want.numpy()) <= 1e-6
+
+
+def test_tiled_mlp_refuses_what_it_cannot_tile():
+    """No decoder MLP: refused (at `initialize`, on every rank, through `check`); an `mlp` that returns more than
+    one tensor (a mixture of experts routing over the batch): refused at its first tiled forward."""
+    from hf_zero.integrations import tiled_mlp
+
+    with pytest.raises(ValueError, match="has no decoder MLP"):
+        tiled_mlp.check(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+    class Routed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(4, 4)
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return self.up(x), x.mean()
+
+    model = torch.nn.Module()
+    model.mlp = Routed()
+    tiled_mlp.enable(model)
+    with pytest.raises(ValueError, match="returns tuple, not one tensor"):
+        model.mlp(torch.randn(1, 10_000_000 // 4, 4))
+
+
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])  # stage 1 on 2 ranks above
 def test_sequence_2_by_data_2_on_four_ranks(pools, stage):
     ref = cases.reference(2)
