@@ -219,12 +219,15 @@ def test_sigterm_to_one_rank_saves_a_checkpoint_and_the_resumed_run_matches(tmp_
     assert resumed[0]["losses"] == straight[0]["losses"]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
-def test_a_preempted_job_exits_75_through_its_launcher(tmp_path, launcher):
+@pytest.mark.parametrize("launcher, requeue", [("torchrun", False), pytest.param("torchrun", True, marks=pytest.mark.slow),
+                                               pytest.param("accelerate", False, marks=pytest.mark.slow)])
+def test_a_preempted_job_exits_75_through_its_launcher(tmp_path, launcher, requeue):
     """[Note: preemption marker]: under `hf-zero preemptible OUT -- <launcher> ...`, SIGTERM to one rank mid-training
     ends the job with exit 75 (the launcher alone exits 1), leaving the marker that names the complete checkpoint;
-    the preempted ranks leave with the collector frozen ([Note: quick exit]); the requeued launch (torchrun) resumes
-    from it, removes the marker, exits 0 and logs the losses of an uninterrupted run, bit for bit."""
+    the preempted ranks leave with the collector frozen ([Note: quick exit]). With `requeue` (the slow tier; the
+    suite resumes Trainer checkpoints exactly in test_trainer_resumes_from_the_last_complete_checkpoint) the
+    requeued launch resumes from it, removes the marker, exits 0 and logs the losses of an uninterrupted run, bit
+    for bit."""
     import json
     import signal
 
@@ -254,7 +257,7 @@ def test_a_preempted_job_exits_75_through_its_launcher(tmp_path, launcher):
     assert marker["exit_code"] == 75 and checkpoint.name == f"checkpoint-{marker['step']}"
     assert (checkpoint / "hf_zero" / "hf_zero_manifest.json").is_file() and (checkpoint / "trainer_state.json").is_file()
     assert all(int((run / f"frozen-{r}").read_text()) > 0 for r in range(2))  # [Note: quick exit]
-    if launcher == "torchrun":  # the requeue: the same wrapper, resuming
+    if requeue:  # the same wrapper, resuming
         done = subprocess.run(wrapper + launch + script + ["resume", "8"], env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout[-3000:]
