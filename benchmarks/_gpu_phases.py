@@ -9,7 +9,8 @@
   ZeRO-Offload (pinned host masters), `offload_dir`, an asynchronous save (pinned snapshot) loaded at
   another stage, and its consolidation loaded with `from_pretrained` on the device.
 - `multi`: two processes sharing the one GPU (gloo between them, CUDA compute: host-staged collectives)
-  at stages 1-3 against single-process training of the whole batch.
+  at stages 1-3 against single-process training of the whole batch; and sequence parallelism over the two
+  (all-to-alls around attention, the tiled loss, `tiled_mlp` in 4-token tiles) against the same.
 - `trainer`: `ZeroTrainer` with `zero_stage=3` and bf16 for a few steps with checkpoints; a second run
   resumes from the middle one and must end where the uninterrupted run ended; the final model loads
   with `from_pretrained`.
@@ -71,11 +72,12 @@ def train_reference(sizes: Sizes, data: torch.Tensor, device: torch.device) -> d
 
 
 def train_zero(model: torch.nn.Module, optimizer: Any, sizes: Sizes, data: torch.Tensor, device: torch.device,
-               steps: range | None = None) -> dict[str, Any]:
-    """The same training on a sharded model: each rank its slice of every micro-batch, `no_sync` on all but the
-    last micro-batch, the sharded optimizer's clipping; losses averaged over the ranks."""
+               steps: range | None = None, same_rows: bool = False) -> dict[str, Any]:
+    """The same training on a sharded model: each rank its slice of every micro-batch (`same_rows`, sequence
+    parallelism over every rank: the whole micro-batch), `no_sync` on all but the last micro-batch, the sharded
+    optimizer's clipping; losses averaged over the ranks."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    rows_of = slice(rank * sizes.micro, (rank + 1) * sizes.micro)
+    rows_of = slice(None) if same_rows else slice(rank * sizes.micro, (rank + 1) * sizes.micro)
     losses, norms = [], []
     for step in steps or range(sizes.steps):
         micro = []
@@ -124,7 +126,7 @@ def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: di
     if on_device:
         model = model.to(device)
     model, optimizer = hf_zero.initialize(model, adamw(model), hf_zero.ZeroConfig(**config))
-    got = train_zero(model, optimizer, sizes, data, device)
+    got = train_zero(model, optimizer, sizes, data, device, same_rows=config.get("sequence_parallel", 1) > 1)
     state = hf_zero.full_state_dict(model, rank0_only=False)
     figures = compare(got, state, ref, BF16_TOL if config.get("mixed_precision") == "bf16" else FP32_TOL)
     figures["device"] = str(next(model.parameters()).device)
@@ -214,6 +216,13 @@ def phase_multi(args: argparse.Namespace, device: torch.device, cases: Cases) ->
                   lambda s=stage: sharded_case(sizes, data, device, ref, on_device=True, stage=s))
     cases.run(f"ZeRO-3 bf16, {dist.get_world_size()} ranks on one device vs PyTorch fp32",
               lambda: sharded_case(sizes, data, device, ref, on_device=True, stage=3, mixed_precision="bf16"))
+    from hf_zero.integrations import tiled_mlp
+
+    tiled_mlp.TILE_BYTES = sizes.micro * dist.get_world_size() * sizes.hidden * 2 * 4 * 4  # 4-token tiles
+    world = dist.get_world_size()
+    cases.run(f"ZeRO-3 fp32 + sequence_parallel {world} + tiled_mlp (all-to-all), {world} ranks vs PyTorch",
+              lambda: sharded_case(sizes, data, device, ref, on_device=True, stage=3, sequence_parallel=world,
+                                   tiled_mlp=True))
 
 
 def phase_trainer(args: argparse.Namespace, device: torch.device, cases: Cases) -> None:

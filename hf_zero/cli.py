@@ -107,6 +107,7 @@ def _estimate(args: argparse.Namespace) -> int:
         gradient_checkpointing=args.gradient_checkpointing,
         sequence_parallel=args.sequence_parallel,
         attention=args.attention,
+        tiled_mlp=args.tiled_mlp,
     )
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
     rows = estimate(
@@ -125,6 +126,7 @@ def _estimate(args: argparse.Namespace) -> int:
         f"{'fp32 Adam on flat shards' if args.optimizer == 'adamw' else 'Adafactor on whole parameters'}; "
         f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}"
         + (f"; sequence parallelism {args.sequence_parallel}" if args.sequence_parallel > 1 else "")
+        + ("; tiled MLP" if args.tiled_mlp else "")
         + f"{trainable_note}. "
         "GiB per device / per node:"
     )
@@ -268,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="sdpa",
         help="the model's attention implementation: sdpa (transformers' default; also for flash attention) keeps "
         "no attention probabilities, eager keeps heads x seq-len per token and layer (default sdpa)",
+    )
+    e.add_argument(
+        "--tiled-mlp",
+        action="store_true",
+        help="ZeroConfig.tiled_mlp: each layer's MLP intermediates are those of one 16 MB tile, not the sequence's",
     )
     e.add_argument("--micro-batch", type=int, default=1, help="sequences per device per micro-batch")
     e.add_argument("--gradient-checkpointing", action="store_true")

@@ -25,7 +25,8 @@ On top of model states, a device holds, at its peak (the start of the backward p
   loss upcasts), and fp32 log-probabilities. With sequence parallelism over N ranks every
   per-token term counts L/N tokens (a rank's eager attention holds 1/N of the heads over all L),
   and the loss is computed in tiles ([Note: tiled loss]): one tile's fp32 logits and softmax and
-  its gradient in the compute dtype, not the rank's whole logits;
+  its gradient in the compute dtype, not the rank's whole logits. With `tiled_mlp` ([Note: tiled MLP])
+  the 3I term of a layer is that of one tile (3 x 16 MB at most);
 - stages 0-1: a reduction buffer of the largest unit in the reduce dtype.
 An input embedding's gradient is sparse rows, not a dense buffer ([Note: sparse lookup gradients]).
 The activation coefficients were fitted on measured CPU runs of LLaMA (one configuration, with
@@ -50,6 +51,7 @@ from .engine.step.whole import deal
 from .engine.unit import split_frozen
 from .engine.wrap import UnitSpec, units_for
 from .integrations.tiled_loss import tile_rows
+from .integrations.tiled_mlp import TILE_BYTES
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DISK_BUFFER_BYTES = 7 * 3 * 16 * 2**20  # [Note: disk offload]: windows in flight x (master + 2 moments) x 16 MiB
@@ -65,6 +67,7 @@ class Workload:
     gradient_checkpointing: bool = False
     sequence_parallel: int = 1  # ranks per sequence: each holds seq_len / N tokens ([Note: sequence parallelism])
     attention: Literal["eager", "sdpa"] = "eager"  # "sdpa" also for flash attention: no probabilities kept
+    tiled_mlp: bool = False  # [Note: tiled MLP]: the MLP's intermediates of one tile at a time
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,10 @@ def activation_bytes(config: Any, workload: Workload, dtype_bytes: int) -> int:
     tokens = -(-seq // workload.sequence_parallel)  # this rank's; its attention rows still span the sequence
     upcast = 4 if dtype_bytes < 4 else 0  # an fp32 copy made from a bf16/fp16 tensor
     rows = heads * seq * (4 + dtype_bytes * (upcast > 0)) if workload.attention == "eager" else 0
-    per_layer = b * tokens * ((8 * h + 3 * inter) * dtype_bytes + rows)
+    mlp = 3 * b * tokens * inter * dtype_bytes
+    if workload.tiled_mlp:  # [Note: tiled MLP]: one tile's intermediates (its widest is TILE_BYTES)
+        mlp = min(mlp, 3 * TILE_BYTES)
+    per_layer = b * tokens * (8 * h * dtype_bytes + rows) + mlp
     if workload.gradient_checkpointing:
         layer_total = layers * b * tokens * h * dtype_bytes + per_layer
     else:

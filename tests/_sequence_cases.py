@@ -255,3 +255,37 @@ def user_loops(size: int) -> dict[str, Any]:
         "lora_norm": lora_norm,
         "expected_lora_norm": expected_lora_norm,
     }
+
+
+def trl_fused_head(size: int) -> dict[str, Any]:
+    """TRL's fused LM head (`add_fused_lm_head`; `fused_lm_head=True`, what DPO, KTO, GRPO and SFT compute their
+    log-probabilities with) on the split model, beside the unsplit one, in training on a padded micro-batch with
+    ignored labels: each sequence's summed log-probability (DPO's quantity), entropy and label mask, and the
+    gradient norm after a backward of the summed log-probabilities."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    torch.set_num_threads(1)
+    batch = batches(1)[0][0][0]
+    plain = make_model("llama")
+    add_fused_lm_head(plain, outputs=("log_probs", "entropy"))
+    plain.train()
+    want = plain(**batch, fused_lm_head=True)
+    want.log_probs.sum().backward()
+    want_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9))
+    model = make_model("llama")
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3, sequence_parallel=size))
+    model.zero_engine.use_directly(model.get_output_embeddings())  # TRL reads the head's weight (as ZeroTrainer sets)
+    model.train()
+    got = model(**batch, fused_lm_head=True)
+    got.log_probs.sum().backward()
+    norm = float(opt.clip_grad_norm_(1e9))
+    return {
+        "shape": list(got.log_probs.shape) == list(want.log_probs.shape),
+        "sums": (got.log_probs.sum(-1) - want.log_probs.sum(-1)).abs().max().item(),
+        "scale": want.log_probs.sum(-1).abs().max().item(),
+        "entropy": (got.entropy - want.entropy).abs().max().item(),
+        "mask": bool((got.label_mask == want.label_mask).all()),
+        "norm": norm,
+        "want_norm": want_norm,
+    }

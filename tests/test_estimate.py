@@ -251,12 +251,16 @@ def test_sequence_parallelism_divides_the_per_token_activations(tmp_path):
     )
     layers = 16384 * (80 * 8192 + 8 * 8192 + 3 * 28672) * 2
     assert sdpa == layers + tile
+    # [Note: tiled MLP]: the recomputed layer's MLP intermediates are one tile's (3 x 16 MB) instead of 16k tokens'
+    tiled = activation_bytes(config, Workload(seq_len=131072, gradient_checkpointing=True, sequence_parallel=8,
+                                              attention="sdpa", tiled_mlp=True), 2)
+    assert sdpa - tiled == 3 * (16384 * 28672 * 2 - (16 << 20))
     (tmp_path / "c.json").write_text(json.dumps(LLAMA_70B))
     done = _cli(["estimate", "--model", str(tmp_path / "c.json"), "--world-size", "8", "--sequence-parallel", "3"])
     assert done.returncode == 2 and "--sequence-parallel (3) must be a positive divisor of --world-size (8)" in done.stderr
     done = _cli(["estimate", "--model", str(tmp_path / "c.json"), "--world-size", "8", "--sequence-parallel", "2",
-                 "--seq-len", "8192", "--gradient-checkpointing"])
-    assert done.returncode == 0 and "sequence parallelism 2" in done.stdout and "sdpa attention" in done.stdout
+                 "--seq-len", "8192", "--gradient-checkpointing", "--tiled-mlp"])
+    assert done.returncode == 0 and "sequence parallelism 2; tiled MLP" in done.stdout and "sdpa attention" in done.stdout
 
 
 @pytest.mark.parametrize("flags", [["--lora-rank", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj"],

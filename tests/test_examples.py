@@ -32,11 +32,21 @@ def _run(cmd: list[str], timeout: int = 600, baseline: bool = False) -> subproce
     return done
 
 
+# The demo's assets, small: corpora, instructions and a base model pretrained for 2 steps, cached beside them
+ASSET_ARGS = ["--max_documents", "60", "--pretrain_steps", "2", "--vocab_size", "512", "--hidden", "64", "--layers",
+              "2", "--seq", "128"]
+
+
+def _make_assets(out: Path) -> subprocess.CompletedProcess:
+    cache = out.parent / "demo-cache"
+    return _run([sys.executable, "examples/make_demo_assets.py", "--out", str(out), "--cache", str(cache), *ASSET_ARGS])
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("assets")
-    _run([sys.executable, "examples/make_demo_assets.py", "--out", str(out), "--max_documents", "60",
-          "--pretrain_steps", "0", "--vocab_size", "512", "--hidden", "64", "--layers", "2", "--seq", "128"])
+    out = tmp_path_factory.mktemp("demo") / "assets"
+    made = _make_assets(out)
+    assert "pretraining on the general text for 2 steps" in made.stdout and "reused" not in made.stdout
     return out
 
 
@@ -44,30 +54,25 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_demo_assets_hold_out_unseen_modules_and_reuse_the_cached_base(tmp_path):
+def test_demo_assets_hold_out_unseen_modules_and_reuse_the_cached_base(assets):
     """The demo's corpora are real text split by module/package (no held-out group is trained on, no held-out
     entry is a near-copy of training text), and the pretrained base is cached: a second run reuses it."""
     sys.path.insert(0, str(ROOT / "examples"))
     from demo_corpus import MAX_SHARED_SHINGLES, Document, shared_shingle_fraction
     from safetensors.torch import load_file
 
-    cmd = [sys.executable, "examples/make_demo_assets.py", "--max_documents", "80", "--pretrain_steps", "2",
-           "--vocab_size", "400", "--hidden", "32", "--layers", "1", "--seq", "64", "--block_size", "32",
-           "--cache", str(tmp_path / "cache")]
-    first = _run(cmd + ["--out", str(tmp_path / "a")])
-    second = _run(cmd + ["--out", str(tmp_path / "b")])
-    assert "pretraining on the general text for 2 steps" in first.stdout and "reused" not in first.stdout
-    assert "reused the pretrained base" in second.stdout
-    a, b = load_file(tmp_path / "a" / "base" / "model.safetensors"), load_file(tmp_path / "b" / "base" / "model.safetensors")
+    again = assets.parent / "again"
+    assert "reused the pretrained base" in _make_assets(again).stdout
+    a, b = load_file(assets / "base" / "model.safetensors"), load_file(again / "base" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     for corpus in ("corpus", "general"):
-        train, held = (_records(tmp_path / "a" / corpus / f"{part}.jsonl") for part in ("train", "held_out"))
+        train, held = (_records(assets / corpus / f"{part}.jsonl") for part in ("train", "held_out"))
         assert train and held
         assert not {r["source"] for r in train} & {r["source"] for r in held}
         docs = {part: [Document(r["source"], (r["text"],)) for r in rows]
                 for part, rows in (("train", train), ("held", held))}
         assert shared_shingle_fraction(docs["held"], docs["train"]) <= MAX_SHARED_SHINGLES
-    pairs = _records(tmp_path / "a" / "instructions.jsonl")
+    pairs = _records(assets / "instructions.jsonl")
     assert pairs and all(p["prompt"].startswith("What does `") and p["completion"] for p in pairs)
 
 

@@ -95,6 +95,17 @@ def test_tiled_mlp_holds_one_tiles_activations():
         assert rel_err(got.numpy(), want.numpy()) <= 1e-6
 
 
+def test_trl_fused_log_probabilities_come_back_whole(pools):
+    """TRL's fused LM head on the split model (2 ranks, stage 3, training, padding and ignored labels): the
+    per-token log-probabilities, entropy and label mask are the unsplit model's over the whole sequence, and the
+    gradient of their sum has the unsplit model's norm."""
+    pytest.importorskip("trl")
+    for r in pools(2).values(cases.trl_fused_head, 2):
+        assert r["shape"] and r["mask"], r
+        assert r["sums"] <= 1e-5 * r["scale"] and r["entropy"] <= 1e-5, r
+        assert abs(r["norm"] - r["want_norm"]) <= 1e-5 * r["want_norm"], r
+
+
 def test_tiled_mlp_refuses_what_it_cannot_tile():
     """No decoder MLP: refused (at `initialize`, on every rank, through `check`); an `mlp` that returns more than
     one tensor (a mixture of experts routing over the batch): refused at its first tiled forward."""

@@ -62,7 +62,7 @@ class SequenceSplit:
     class, not a dataclass: hooks that map over a forward's inputs (the engine's, Accelerate's) rebuild
     dataclasses, and the attention would count on a copy."""
 
-    __slots__ = ("group", "padding", "calls", "labels", "count", "head_loss")
+    __slots__ = ("group", "padding", "calls", "labels", "count", "head_loss", "unshifted")
 
     def __init__(
         self,
@@ -77,6 +77,7 @@ class SequenceSplit:
         self.labels = labels  # this rank's shifted labels, when the head computes the loss in tiles
         self.count = count  # labelled tokens of the whole micro-batch (or the caller's num_items)
         self.head_loss: list[torch.Tensor] = []  # what the head returned ([Note: tiled loss])
+        self.unshifted = False  # TRL's fused head given `labels` only: it scores all but the last position
 
 
 @dataclass
@@ -219,6 +220,7 @@ def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     padding = None if mask is None or bool(mask.all()) else mask.bool()
     labels = kwargs.get("labels")
     split = SequenceSplit(group, padding)
+    split.unshifted = bool(kwargs.get("fused_lm_head")) and kwargs.get("shift_labels") is None
     if labels is not None:
         shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
         kwargs["labels"] = kwargs["shift_labels"] = shifted[:, lo:hi].contiguous()
@@ -277,23 +279,26 @@ def _join_outputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     if logits is not None and (loss is None or not module.training):  # whole for the caller's own use
         output["logits"] = gather_dim(logits, split.group, dim=1)
     if kwargs.get("fused_lm_head") and isinstance(output, dict):
-        _gather_per_token(output, split, kwargs["position_ids"].shape[-1])
+        _gather_per_token(output, split, kwargs["position_ids"].shape[-1], split.unshifted)
     return output
 
 
-def _gather_per_token(output: dict[str, Any], split: SequenceSplit, part: int) -> None:
+def _gather_per_token(output: dict[str, Any], split: SequenceSplit, part: int, unshifted: bool) -> None:
     """TRL's fused LM head (`fused_lm_head=True`) returns per-token fields (log-probabilities, entropy, the label
     mask, ...) of this rank's tokens: each comes back whole along the sequence, so that the caller's loss, sums per
     sequence and metrics see every token; the gradient of a loss computed from them on every rank of the group is
-    the gather's sum, N times the rank's own part, as the model's own loss's is."""
+    the gather's sum, N times the rank's own part, as the model's own loss's is. Given `labels` alone (`unshifted`)
+    the unsplit head scores every position but the last (whose label is past the sequence): the last is dropped,
+    so each field has the shape it would have unsplit."""
     for key, value in list(output.items()):
         per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == part
         if key in ("loss", "logits") or not per_token:
             continue
         if value.dtype == torch.bool:
-            output[key] = gather_dim(value.to(torch.uint8), split.group, dim=1).bool()
+            whole = gather_dim(value.to(torch.uint8), split.group, dim=1).bool()
         else:
-            output[key] = gather_dim(value, split.group, dim=1)
+            whole = gather_dim(value, split.group, dim=1)
+        output[key] = whole[:, :-1] if unshifted else whole
 
 
 def _tiled_part(output: Any, split: SequenceSplit) -> torch.Tensor:
