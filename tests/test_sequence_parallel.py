@@ -124,9 +124,15 @@ def test_tiled_mlp_refuses_what_it_cannot_tile():
 
     model = torch.nn.Module()
     model.mlp = Routed()
+    seen = []
+    installed = model.mlp.forward
+    model.mlp.forward = lambda x: (seen.append(x.shape), installed(x))[1]  # as Accelerate's hooks install one
     tiled_mlp.enable(model)
+    tiled_mlp.enable(model)  # again: still one tiling around the installed forward
+    assert model.mlp.forward.args[1].__name__ == "<lambda>"
     with pytest.raises(ValueError, match="returns tuple, not one tensor"):
         model.mlp(torch.randn(1, 10_000_000 // 4, 4))
+    assert seen, "the forward installed before tiled_mlp was dropped"
 
 
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])  # stage 1 on 2 ranks above

@@ -39,9 +39,11 @@ def enable(model: nn.Module) -> int:
     """Tile every decoder MLP of `model` ([Note: tiled MLP]); how many. `check` first."""
     mlps = _mlps(model)
     for mlp in mlps:
-        mlp.__dict__.pop("forward", None)
+        own = mlp.forward  # the module's, or a forward something else installed on it (Accelerate's hooks): kept
+        if isinstance(own, functools.partial) and own.func is _tiled_forward:
+            own = own.args[1]  # enabled before: not tiled twice
         width = max(m.out_features for m in mlp.modules() if isinstance(m, nn.Linear))
-        mlp.forward = functools.partial(_tiled_forward, mlp, mlp.forward, width)
+        mlp.forward = functools.partial(_tiled_forward, mlp, own, width)
     return len(mlps)
 
 
