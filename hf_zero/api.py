@@ -18,7 +18,7 @@ from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine
 from .engine.full_state import gathered_parameters as _gathered
 from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded
-from .engine.placement import validate_model
+from .engine.placement import check_compute_device, validate_model
 from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.wrap import UnitSpec, units_for
 from .model import attach, unshard_and_detach, use_sharder
@@ -33,6 +33,7 @@ def initialize(
     config: ZeroConfig | None = None,
     *,
     weights_from: str | os.PathLike[str] | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[M, None]: ...
 @overload
 def initialize(
@@ -41,6 +42,7 @@ def initialize(
     config: ZeroConfig | None = None,
     *,
     weights_from: str | os.PathLike[str] | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[M, ShardedOptimizer]: ...
 @overload
 def initialize(
@@ -49,6 +51,7 @@ def initialize(
     config: ZeroConfig | None = None,
     *,
     weights_from: str | os.PathLike[str] | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[M, list[ShardedOptimizer]]: ...
 @overload
 def initialize(
@@ -57,6 +60,7 @@ def initialize(
     config: ZeroConfig | None = None,
     *,
     weights_from: str | os.PathLike[str] | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[M, tuple[ShardedOptimizer, ...]]: ...
 def initialize(
     model: M,
@@ -64,6 +68,7 @@ def initialize(
     config: ZeroConfig | None = None,
     *,
     weights_from: str | os.PathLike[str] | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[M, Any]:
     """Shard `model` in place over the default process group and shard `optimizer` to match.
 
@@ -90,6 +95,11 @@ def initialize(
             reading only its own slices. The model may then live on the meta device (see
             `hf_zero.from_pretrained`, which builds it so); an optimizer built over its meta
             parameters is remapped to the real ones.
+        device (`torch.device` or `str`, *optional*):
+            The device to compute on: where the training loop puts its batches (the Trainer and the
+            Accelerate plugin pass theirs). By default the parameters' device, or for a model on the
+            host this rank's GPU when the backend communicates on one or the process runs alone and has
+            one, else the CPU ([Note: compute device]).
 
     Returns:
         `tuple[nn.Module, ShardedOptimizer | None]`: the same model object, sharded, and a
@@ -116,13 +126,13 @@ def initialize(
     ```
     """
     if is_sharded(model):
-        return _initialize_again(model, optimizer, config)
+        return _initialize_again(model, optimizer, config, device)
     world = CommGroup.world()
     error: Exception | None = None
     specs: list[UnitSpec] = []
     cfg = ZeroConfig()
     source: SafetensorsSource | None = None
-    device = torch.device("cpu")  # decided by validate_model below, once
+    compute = torch.device("cpu")  # decided by validate_model below, once
     try:
         _check_arguments(model, optimizer, config)
         cfg = config or cfg
@@ -141,7 +151,8 @@ def initialize(
         if weights_from is not None:
             source = SafetensorsSource(weights_from, model)
             source.check(specs)
-        device = validate_model(model, world, has_source=source is not None)
+        requested = _as_device(device)
+        compute = validate_model(model, world, has_source=source is not None, requested=requested)
         check_optimizers(optimizer_list(optimizer), model, cfg.offload_dir)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
@@ -149,7 +160,7 @@ def initialize(
     raise_if_any_failed(error, world, "hf_zero.initialize")
     if source is not None:
         source.load_buffers(model)
-    engine = ZeroEngine(model, specs, cfg, world, device, source)
+    engine = ZeroEngine(model, specs, cfg, world, compute, source)
     attach(model, engine)
     if cfg.sequence_parallel > 1:  # [Note: sequence parallelism]
         from .integrations import sequence
@@ -177,7 +188,10 @@ use_sharder(lambda model, config: initialize(model, None, config))  # [Note: re-
 
 
 def _initialize_again(
-    model: M, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, config: ZeroConfig | None
+    model: M,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    config: ZeroConfig | None,
+    device: torch.device | str | None,
 ) -> tuple[M, Any]:
     """`initialize` on a model it already sharded (a second Trainer, a second script stage): under the same
     settings (or `config=None`) the engine stays and `optimizer` is attached to it, releasing the one before;
@@ -185,6 +199,7 @@ def _initialize_again(
     engine = get_engine(model)
     if config is not None and not isinstance(config, ZeroConfig):
         raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
+    check_compute_device(engine.device, _as_device(device))
     if config is None or config == engine.config:
         return model, (attach_optimizer(model, optimizer) if optimizer is not None else None)
     for each in optimizer_list(optimizer):  # built over what the modules hold now (stand-ins at stage 3): the real ones
@@ -195,7 +210,20 @@ def _initialize_again(
 
         sequence.disable(model)
     unshard_and_detach(model)
-    return initialize(model, cast(Any, optimizer), config)  # one, several or none: the overloads cover each
+    return initialize(model, cast(Any, optimizer), config, device=device)  # one, several or none: overloads
+
+
+def _as_device(device: torch.device | str | None) -> torch.device | None:
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(
+            f"hf_zero.initialize expects device as a torch.device or a string; got {type(device).__name__}."
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"hf_zero.initialize: device={device!r} is not a device ({e}).") from None
 
 
 def _check_arguments(model: object, optimizer: object, config: object) -> None:

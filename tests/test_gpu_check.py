@@ -61,7 +61,7 @@ def test_rehearsal_runs_every_phase_from_no_index_within_budget(tmp_path):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OUT"):
         env.pop(var, None)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, str(SCRIPT), "--rehearse", "--size", "tiny", "--skip", "example",
+    done = subprocess.run([sys.executable, str(SCRIPT), "--rehearse", "--size", "tiny", "--skip", "example,profile",
                            "--wheels", str(wheels), "--out", str(out)], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=300)
     wall = time.perf_counter() - started

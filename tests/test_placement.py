@@ -113,3 +113,46 @@ def test_launch_env_reads_local_rank(monkeypatch):
     assert (launch_env().local_rank, launch_env().local_world_size) == (2, 4)
     monkeypatch.delenv("LOCAL_RANK")
     assert launch_env().local_rank is None
+
+
+# ---- where the engine computes ([Note: compute device] in hf_zero/engine/placement.py) ----------------------
+
+def test_the_training_loops_device_wins_and_a_model_elsewhere_is_refused():
+    from hf_zero.engine.placement import _requested_device, check_compute_device
+
+    assert _requested_device(torch.device("cpu"), torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"parameters are on cuda:1, but the training loop computes on cpu"):
+        _requested_device(torch.device("cuda", 1), torch.device("cpu"))
+    check_compute_device(torch.device("cuda", 0), torch.device("cuda"))  # no index: the current one
+    check_compute_device(torch.device("cpu"), None)
+    with pytest.raises(ValueError, match=r"sharded to compute on cpu, but the training loop puts its batches on "
+                                         r"cuda:0\. Shard it for cuda:0: pass device='cuda:0'"):
+        check_compute_device(torch.device("cpu"), torch.device("cuda", 0))
+
+
+def test_initialize_refuses_a_device_that_is_not_one():
+    import hf_zero
+
+    with pytest.raises(ValueError, match=r"device='gpu' is not a device"):
+        hf_zero.initialize(torch.nn.Linear(2, 2), None, hf_zero.ZeroConfig(stage=3), device="gpu")
+    with pytest.raises(TypeError, match=r"device as a torch.device or a string; got int"):
+        hf_zero.initialize(torch.nn.Linear(2, 2), None, hf_zero.ZeroConfig(stage=3), device=0)  # type: ignore[arg-type]
+
+
+def test_alone_on_a_gpu_machine_each_entry_point_computes_where_its_batches_go(tmp_path):
+    """A single process without torch.distributed (`accelerate launch` with `distributed_type: NO`) on a machine
+    with a GPU: `initialize` alone takes the GPU (as a model on the host does under NCCL); the Trainer (sharding
+    for an evaluation before training, as examples/train_clm.py does) and the Accelerator compute on the device
+    their batches go to. The GPU is faked (tests/_device_choice.py); the GPU check runs the real one."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "tests" / "_device_choice.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("DEVICES "))
+    seen = json.loads(line[len("DEVICES "):])
+    assert seen["initialize"] == ["cuda"]
+    assert seen["trainer"]["picked"] == [] and seen["trainer"]["engine"] == seen["trainer"]["args"] == "cpu"
+    assert seen["trainer"]["eval_after"] < seen["trainer"]["eval_before"]  # it trained
+    assert seen["accelerator"]["picked"] == [] and seen["accelerator"]["engine"] == "cpu"

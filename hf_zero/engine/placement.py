@@ -12,8 +12,17 @@ Each flat part is told its `Placement` once, at construction, and asks it instea
 Host buffers are pinned when the compute device is an accelerator (their copies are asynchronous), and
 a pinned gradient shard keeps its memory across steps (pinning again each step is slow). Frozen parts are
 never offloaded: they have no master, gradient or optimizer state to move. The compute device itself is
-chosen once per engine (`compute_device`): the model's, or, for a model on the host, the rank's
-accelerator when the backend communicates on one.
+chosen once per engine (`compute_device`).
+
+[Note: compute device]
+The engine computes where the training loop puts its batches. The Trainer and the Accelerate plugin say
+where (`args.device`, `Accelerator.device`) and that wins: a single process launched on a GPU machine
+without `torch.distributed` (`accelerate launch` with `distributed_type: NO`) computes on the GPU its
+batches go to, and `use_cpu` keeps it on the host. Called directly, `initialize` takes the parameters'
+device, or, for a model on the host, the rank's accelerator when the backend communicates on one (NCCL)
+or when the process runs alone and has one, as DDP users place a model on their GPU before wrapping it;
+gloo between several ranks computes on the host. (A single process used to compute on the host whatever
+the machine had: the Trainer then fed it CUDA batches, which failed at the first embedding.)
 """
 
 from __future__ import annotations
@@ -83,10 +92,17 @@ class Placement:
         return "host" if offloaded else str(tensor.device)
 
 
-def compute_device(model: nn.Module, world: CommGroup, has_source: bool = False) -> torch.device:
-    """The device the sharded model computes on: its parameters' one device, or for a model on the host the
-    rank's accelerator when the backend communicates on one (made current). Raises `ValueError` for meta
-    parameters without a source and for parameters on several devices."""
+def compute_device(
+    model: nn.Module, world: CommGroup, has_source: bool = False, requested: torch.device | None = None
+) -> torch.device:
+    """The device the sharded model computes on, decided once ([Note: compute device]).
+
+    `requested` (the device the caller puts batches on: the Trainer's `args.device`, the Accelerator's
+    `device`) wins; the model's parameters must then be on the host or on it. Without it: the parameters'
+    one device, or for a model on the host the rank's accelerator when the backend communicates on one, or
+    when the process runs alone (no `torch.distributed`) and has one; else the host. An accelerator chosen
+    is made current. Raises `ValueError` for meta parameters without a source, for parameters on several
+    devices and for parameters on a device other than `requested`."""
     devices = {p.device for p in model.parameters()}
     if has_source:
         devices.discard(torch.device("meta"))  # values come from the source, not from these tensors
@@ -101,10 +117,55 @@ def compute_device(model: nn.Module, world: CommGroup, has_source: bool = False)
             "Load the model without a multi-device device_map."
         )
     device = next(iter(devices)) if devices else torch.device("cpu")
+    if requested is not None:
+        return _requested_device(device, requested)
     if device.type != "cpu":
         return device
     comm = comm_device(world)
-    return comm if comm.type == "cpu" else _rank_accelerator(comm.type, world)
+    if comm.type != "cpu":
+        return _rank_accelerator(comm.type, world)
+    kind = _process_accelerator() if world.pg is None and world.size == 1 else None
+    return _rank_accelerator(kind, world) if kind is not None else comm
+
+
+def _process_accelerator() -> str | None:
+    """The kind of accelerator this process has ("cuda", "xpu"), if any."""
+    if not torch.accelerator.is_available():
+        return None
+    kind = torch.accelerator.current_accelerator()
+    return kind.type if kind is not None and kind.type in ("cuda", "xpu") else None
+
+
+def _requested_device(device: torch.device, requested: torch.device) -> torch.device:
+    """`requested`, with its index filled in (made current); `ValueError` when the model sits on another
+    accelerator than the one asked for."""
+    requested = torch.device(requested)
+    if requested.type in ("cuda", "xpu"):
+        module = getattr(torch, requested.type)
+        if requested.index is None:
+            requested = torch.device(requested.type, module.current_device())
+        module.set_device(requested)
+    if device.type != "cpu" and device != requested:
+        raise ValueError(
+            f"The model's parameters are on {device}, but the training loop computes on {requested} (the device "
+            f"its batches are put on). Load the model on the host (the engine moves it unit by unit) or on "
+            f"{requested}."
+        )
+    return requested
+
+
+def check_compute_device(current: torch.device, requested: torch.device | None) -> None:
+    """`ValueError` when a model already sharded to compute on `current` is used by a loop that puts its batches
+    on `requested` (a model sharded by `hf_zero.from_pretrained` on the host, handed to a Trainer on a GPU)."""
+    if requested is None:
+        return
+    same = current.type == requested.type and (requested.index is None or current.index == requested.index)
+    if not same:
+        raise ValueError(
+            f"The model was sharded to compute on {current}, but the training loop puts its batches on {requested}. "
+            f"Shard it for {requested}: pass device={str(requested)!r} to hf_zero.from_pretrained / hf_zero.initialize "
+            "(or let the Trainer or Accelerator shard it)."
+        )
 
 
 def _rank_accelerator(kind: str, world: CommGroup) -> torch.device:
@@ -136,10 +197,12 @@ def single_dtype(model: nn.Module) -> torch.dtype:
     return next(iter(dtypes)) if dtypes else torch.float32
 
 
-def validate_model(model: nn.Module, world: CommGroup, has_source: bool = False) -> torch.device:
+def validate_model(
+    model: nn.Module, world: CommGroup, has_source: bool = False, requested: torch.device | None = None
+) -> torch.device:
     """The device the model will compute on (`compute_device`, decided here once); `ValueError` for a model the
     engine cannot shard (meta weights with no source, mixed devices or dtypes)."""
-    device = compute_device(model, world, has_source)
+    device = compute_device(model, world, has_source, requested)
     single_dtype(model)
     return device
 

@@ -152,7 +152,7 @@ class ZeroAccelerator(Accelerator):
             )
         items = list(args)
         inner = [o.optimizer if isinstance(o, AcceleratedOptimizer) else o for o in (items[i] for i in optimizers)]
-        model, sharded = initialize(items[modules[0]], inner or None, self.zero_config)
+        model, sharded = initialize(items[modules[0]], inner or None, self.zero_config, device=self.device)
         items[modules[0]] = model
         self._zero_model, self._zero_optimizers = model, list(sharded or [])
         for i, each in zip(optimizers, self._zero_optimizers):

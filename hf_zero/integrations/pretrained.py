@@ -22,6 +22,7 @@ def from_pretrained(
     *,
     optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     dtype: str | torch.dtype = "auto",
+    device: torch.device | str | None = None,
 ) -> tuple[nn.Module, ShardedOptimizer | None]:
     """Load a Hugging Face model straight into shards: no rank ever holds the whole model.
 
@@ -38,6 +39,8 @@ def from_pretrained(
             (not yet sharded) model's parameters, e.g. `lambda m: torch.optim.AdamW(m.parameters())`.
         dtype (`str` or `torch.dtype`, *optional*, defaults to `"auto"`): the model's dtype; `"auto"`
             takes the one in `config.json`, as `from_pretrained` does.
+        device (`torch.device` or `str`, *optional*): the device to compute on, as `hf_zero.initialize`'s
+            (by default this rank's GPU when there is one).
 
     Returns:
         `tuple[nn.Module, ShardedOptimizer | None]`: as `hf_zero.initialize`.
@@ -72,4 +75,4 @@ def from_pretrained(
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     optimizer = optimizer_fn(model) if optimizer_fn is not None else None
-    return initialize(model, optimizer, config, weights_from=path)
+    return initialize(model, optimizer, config, weights_from=path, device=device)

@@ -41,6 +41,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait
 from ..checkpoint.consolidate import save_pretrained_async
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
+from ..engine.placement import check_compute_device
 from ..engine.step.optim import ShardedOptimizer
 from .accelerate import deal_to_groups, gather_once_per_group
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, clear_marker, write_marker
@@ -131,7 +132,9 @@ class ZeroTrainerMixin(_TrainerBase):
         config = self.args.to_zero_config()
         if not is_sharded(self.model):
             optimizer = self.optimizer if training else None
-            sharded_model, sharded = initialize(self._zero_model(), cast(Any, optimizer), config)
+            sharded_model, sharded = initialize(
+                self._zero_model(), cast(Any, optimizer), config, device=self.args.device
+            )
             self.model = sharded_model
             if sharded is not None:
                 self.optimizer = sharded
@@ -139,11 +142,13 @@ class ZeroTrainerMixin(_TrainerBase):
             reference = getattr(self, "ref_model", None)  # DPO-style trainers: a frozen copy used for inference
             if config.stage == 3 and isinstance(reference, nn.Module) and not is_sharded(reference):
                 reference.requires_grad_(False)  # inference only: frozen parts, compute dtype, no master copy
-                reference, _ = initialize(reference, None, config)
+                reference, _ = initialize(reference, None, config, device=self.args.device)
                 self._shard_for_direct_head(reference)
                 self._sync_sharded_reference()
-        elif training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
-            self.optimizer = attach_optimizer(self._zero_model(), self.optimizer)  # sharded for evaluation first
+        else:  # sharded before (hf_zero.from_pretrained, or for evaluation first): batches must go where it computes
+            check_compute_device(get_engine(self._zero_model()).device, self.args.device)
+            if training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
+                self.optimizer = attach_optimizer(self._zero_model(), self.optimizer)
         return self._zero_model()
 
     def _update_auto_batch_size(self, batch_size: int) -> None:
