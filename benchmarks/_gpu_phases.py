@@ -52,11 +52,16 @@ BF16_TOL = 2e-2  # bf16 compute (fp32 master, optimizer and reduction) against f
 RESUME_TOL = 1e-3  # a resumed bf16 run against the uninterrupted one on a GPU (nondeterministic attention backward)
 
 
-def train_reference(sizes: Sizes, data: torch.Tensor, device: torch.device, pieces: int = 1) -> dict[str, Any]:
+def train_reference(sizes: Sizes, data: torch.Tensor, device: torch.device, pieces: int = 1,
+                    tiled: bool = False) -> dict[str, Any]:
     """Plain PyTorch: the whole global batch per micro-step, accumulation, clipping at 1.0, AdamW. `pieces` > 1
     runs each micro-batch as that many row slices (the same mathematics in other matrix shapes: how far the
-    GPU's kernels alone move the result, the rounding floor)."""
+    GPU's kernels alone move the result, the rounding floor); `tiled` runs the MLPs in `tiled_mlp`'s tiles."""
     model = llama(sizes).to(device)
+    if tiled:
+        from hf_zero.integrations import tiled_mlp
+
+        tiled_mlp.enable(model)
     optimizer = adamw(model)
     losses, norms = [], []
     for step in range(sizes.steps):
@@ -103,12 +108,15 @@ def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def compare(got: dict[str, Any], state: dict[str, torch.Tensor], ref: dict[str, Any], tol: float) -> dict[str, Any]:
-    """Losses, clip norms and weights of a sharded run against the reference, within `tol` relative (a bf16 run:
-    its losses); the run must also have trained (its loss fell by more than twice the tolerance)."""
+def compare(got: dict[str, Any], state: dict[str, torch.Tensor], ref: dict[str, Any], tol: float,
+            weights_tol: float | None = None) -> dict[str, Any]:
+    """Losses, clip norms and weights (within `weights_tol`, default `tol`) of a sharded run against the
+    reference, within `tol` relative (a bf16 run: its losses); the run must also have trained (its loss fell by
+    more than twice the tolerance)."""
     figures = {
         "loss_rel": max(rel_diff(a, b) for a, b in zip(got["losses"], ref["losses"])),
         "norm_rel": max(rel_diff(a, b) for a, b in zip(got["norms"], ref["norms"])),
+        "first_norm_rel": rel_diff(got["norms"][0], ref["norms"][0]),
         "weights_rel": weights_diff(state, ref["state"]),
         "losses": [round(x, 5) for x in got["losses"]],
     }
@@ -117,14 +125,16 @@ def compare(got: dict[str, Any], state: dict[str, torch.Tensor], ref: dict[str, 
             + seen)
     if tol == FP32_TOL:  # bf16 is held to its losses, as the test suite does; its norms and weights are reported
         require(figures["norm_rel"] <= tol, f"clip norms differ by {figures['norm_rel']:.2e} relative" + seen)
-        require(figures["weights_rel"] <= tol, f"weights differ by {figures['weights_rel']:.2e} relative" + seen)
+        allowed = weights_tol or tol
+        require(figures["weights_rel"] <= allowed,
+                f"weights differ by {figures['weights_rel']:.2e} relative (allowed {allowed:.1e})" + seen)
     fell = (got["losses"][0] - got["losses"][-1]) / got["losses"][0]
     require(fell > 2 * tol, f"the loss did not fall ({got['losses']})")
     return figures
 
 
 def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: dict[str, Any],
-                 on_device: bool = False, **config: Any) -> dict[str, Any]:
+                 on_device: bool = False, weights_tol: float | None = None, **config: Any) -> dict[str, Any]:
     """Train a fresh model sharded with `config` and compare it with `ref` (bf16 at the looser tolerance)."""
     model = llama(sizes)
     if on_device:
@@ -132,7 +142,8 @@ def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: di
     model, optimizer = hf_zero.initialize(model, adamw(model), hf_zero.ZeroConfig(**config))
     got = train_zero(model, optimizer, sizes, data, device, same_rows=config.get("sequence_parallel", 1) > 1)
     state = hf_zero.full_state_dict(model, rank0_only=False)
-    figures = compare(got, state, ref, BF16_TOL if config.get("mixed_precision") == "bf16" else FP32_TOL)
+    figures = compare(got, state, ref, BF16_TOL if config.get("mixed_precision") == "bf16" else FP32_TOL,
+                      weights_tol)
     figures["device"] = str(next(model.parameters()).device)
     require(figures["device"].split(":")[0] == device.type, f"trained on {figures['device']}, not {device}")
     if config.get("offload_optimizer") and device.type == "cuda":
@@ -212,31 +223,40 @@ def save_load_case(sizes: Sizes, data: torch.Tensor, device: torch.device, tmp: 
 
 
 def phase_multi(args: argparse.Namespace, device: torch.device, cases: Cases) -> None:
+    """Two ranks against one process. Their weights after 4 AdamW steps are held to the larger of 1e-5 and 4x the
+    rounding floor measured in this run (the reference against itself in other matrix shapes): at this learning
+    rate AdamW turns last-bit differences of tiny gradients into whole steps (on an H100 the floor alone is
+    4.9e-6), so the first steps' clip norms and every loss carry the exactness (1e-5), the weights the trajectory."""
     sizes = SIZES[args.size]
     data = corpus(sizes, world=dist.get_world_size())
     ref = train_reference(sizes, data, device)
-    cases.run("rounding floor: PyTorch with each micro-batch in 2 row slices vs whole", lambda: floor_case(
-        sizes, data, device, ref))
+    floor = floor_figures(ref, train_reference(sizes, data, device, pieces=2))
+    cases.run("rounding floor: PyTorch with each micro-batch in 2 row slices vs whole", lambda: floor)
+    loose = max(FP32_TOL, 4 * floor["weights_rel"])
     for stage in (1, 2, 3):
         cases.run(f"ZeRO-{stage} fp32, {dist.get_world_size()} ranks on one device vs PyTorch",
-                  lambda s=stage: sharded_case(sizes, data, device, ref, on_device=True, stage=s))
+                  lambda s=stage: sharded_case(sizes, data, device, ref, on_device=True, weights_tol=loose, stage=s))
     cases.run(f"ZeRO-3 bf16, {dist.get_world_size()} ranks on one device vs PyTorch fp32",
               lambda: sharded_case(sizes, data, device, ref, on_device=True, stage=3, mixed_precision="bf16"))
     from hf_zero.integrations import tiled_mlp
 
-    tiled_mlp.TILE_BYTES = sizes.micro * dist.get_world_size() * sizes.hidden * 2 * 4 * 4  # 4-token tiles
     world = dist.get_world_size()
-    cases.run(f"ZeRO-3 fp32 + sequence_parallel {world} + tiled_mlp (all-to-all), {world} ranks vs PyTorch",
-              lambda: sharded_case(sizes, data, device, ref, on_device=True, stage=3, sequence_parallel=world,
-                                   tiled_mlp=True))
+    cases.run(f"ZeRO-3 fp32 + sequence_parallel {world} (all-to-all), {world} ranks vs PyTorch",
+              lambda: sharded_case(sizes, data, device, ref, on_device=True, weights_tol=loose, stage=3,
+                                   sequence_parallel=world))
+    tiled_mlp.TILE_BYTES = sizes.micro * dist.get_world_size() * sizes.hidden * 2 * 4 * 4  # 4-token tiles
+    tiled = train_reference(sizes, data, device, tiled=True)  # the same tiles: the same sums in the MLP's gradient
+    cases.run("rounding floor: PyTorch with 4-token MLP tiles vs whole", lambda: floor_figures(ref, tiled))
+    cases.run(f"ZeRO-3 fp32 + sequence_parallel {world} + tiled_mlp, {world} ranks vs PyTorch with the same tiles",
+              lambda: sharded_case(sizes, data, device, tiled, on_device=True, weights_tol=loose, stage=3,
+                                   sequence_parallel=world, tiled_mlp=True))
 
 
-def floor_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: dict[str, Any]) -> dict[str, Any]:
-    """The reference against itself in other matrix shapes: what the kernels' rounding alone gives (AdamW's first
-    steps turn a gradient's last-bit differences into whole learning-rate steps), reported beside the cases."""
-    other = train_reference(sizes, data, device, pieces=2)
+def floor_figures(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """The reference against itself computed in other shapes: what the kernels' rounding alone gives."""
     return {"loss_rel": max(rel_diff(a, b) for a, b in zip(other["losses"], ref["losses"])),
             "norm_rel": max(rel_diff(a, b) for a, b in zip(other["norms"], ref["norms"])),
+            "first_norm_rel": rel_diff(other["norms"][0], ref["norms"][0]),
             "weights_rel": weights_diff(other["state"], ref["state"])}
 
 
