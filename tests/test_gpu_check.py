@@ -75,7 +75,10 @@ def test_rehearsal_runs_every_phase_from_no_index_within_budget(tmp_path):
     assert report["total_s"] <= report["budget_s"] < 120 and wall < 150
     assert report["env"]["hf_zero_from"].startswith(str(ROOT))  # this tree, through PYTHONPATH
     cases = {p: [c["name"] for c in phases[p]["cases"] if c["ok"]] for p in phases}
-    assert len(cases["single"]) == 9 and len(cases["multi"]) == 4 and len(cases["trainer"]) == 1
+    assert len(cases["single"]) == 9 and len(cases["multi"]) == 8 and len(cases["trainer"]) == 1
+    multi = {c["name"]: c["figures"] for c in phases["multi"]["cases"]}
+    sequence = [f for name, f in multi.items() if "sequence_parallel" in name]
+    assert len(sequence) == 2 and all(f["first_norm_rel"] <= 1e-6 and f["loss_rel"] <= 1e-5 for f in sequence)
     single = {c["name"]: c["figures"] for c in phases["single"]["cases"]}
     assert single["ZeRO-3 fp32 vs PyTorch"]["weights_rel"] <= 1e-5
     assert all(not c["error"] for p in phases.values() for c in p["cases"])
