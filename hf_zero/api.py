@@ -81,7 +81,7 @@ def initialize(
     Args:
         model (`nn.Module`):
             The model, with materialized weights on the CPU or on this rank's device (they move
-            to the device of the process group's backend unit by unit: CUDA for NCCL).
+            to the compute device unit by unit: see `device`).
         optimizer (`torch.optim.Optimizer` or a list or tuple of them, *optional*):
             Any optimizer built over `model.parameters()`, with any param groups; it must not have
             stepped yet. Its groups and hyperparameters are kept. Elementwise optimizers step flat

@@ -156,3 +156,12 @@ def test_alone_on_a_gpu_machine_each_entry_point_computes_where_its_batches_go(t
     assert seen["trainer"]["picked"] == [] and seen["trainer"]["engine"] == seen["trainer"]["args"] == "cpu"
     assert seen["trainer"]["eval_after"] < seen["trainer"]["eval_before"]  # it trained
     assert seen["accelerator"]["picked"] == [] and seen["accelerator"]["engine"] == "cpu"
+
+
+def test_the_host_is_one_device_whatever_index_the_loop_gives_it():
+    """Accelerate's multi-process CPU runs put batches on `cpu:0`; host tensors say `cpu` (and the two differ)."""
+    from hf_zero.engine.placement import _requested_device, check_compute_device
+
+    assert _requested_device(torch.device("cpu"), torch.device("cpu", 0)) == torch.device("cpu")
+    assert str(_requested_device(torch.device("cpu"), torch.device("cpu", 0))) == "cpu"
+    check_compute_device(torch.device("cpu"), torch.device("cpu", 0))

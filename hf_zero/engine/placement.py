@@ -139,7 +139,7 @@ def _process_accelerator() -> str | None:
 def _requested_device(device: torch.device, requested: torch.device) -> torch.device:
     """`requested`, with its index filled in (made current); `ValueError` when the model sits on another
     accelerator than the one asked for."""
-    requested = torch.device(requested)
+    requested = _plain(requested)
     if requested.type in ("cuda", "xpu"):
         module = getattr(torch, requested.type)
         if requested.index is None:
@@ -159,6 +159,7 @@ def check_compute_device(current: torch.device, requested: torch.device | None) 
     on `requested` (a model sharded by `hf_zero.from_pretrained` on the host, handed to a Trainer on a GPU)."""
     if requested is None:
         return
+    requested = _plain(requested)
     same = current.type == requested.type and (requested.index is None or current.index == requested.index)
     if not same:
         raise ValueError(
@@ -166,6 +167,13 @@ def check_compute_device(current: torch.device, requested: torch.device | None) 
             f"Shard it for {requested}: pass device={str(requested)!r} to hf_zero.from_pretrained / hf_zero.initialize "
             "(or let the Trainer or Accelerator shard it)."
         )
+
+
+def _plain(device: torch.device) -> torch.device:
+    """`device`, with the host as `cpu` whatever index it came with (multi-process Accelerate says `cpu:0`;
+    host tensors say `cpu`, and the two do not compare equal)."""
+    device = torch.device(device)
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def _rank_accelerator(kind: str, world: CommGroup) -> torch.device:
