@@ -143,23 +143,23 @@ def _log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
-def test_train_accelerate_interrupted_and_resumed(assets, tmp_path):
-    """An uninterrupted 4-step run against one that stops after step 2 and resumes from its
-    step_2 checkpoint (saved in the background, `--zero_async_save`, its host copy bounded): steps 3-4 have the same
-    losses, and the final models are equal."""
+def test_train_accelerate_resumed_from_a_background_save(assets, tmp_path):
+    """A 4-step run saves every 2 steps in the background (`--zero_async_save`, its host copy bounded), so step_2
+    is written while steps 3-4 change the weights, and step_4 while the process ends (it waits for it); a second
+    run resumes from step_2: steps 3-4 have the same losses, and the final models are equal."""
     from safetensors.torch import load_file
 
-    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    straight.mkdir(), interrupted.mkdir()
-    _accelerate_run(assets, straight, 4)
-    background = ("--zero_async_save", "--zero_snapshot_budget", "64KB")  # the interrupted run saves in the background
-    _accelerate_run(assets, interrupted, 2, *background)
-    assert (interrupted / "step_2" / "hf_zero" / "hf_zero_manifest.json").is_file()
-    _accelerate_run(assets, interrupted, 4, "--resume_from_checkpoint", "latest", *background)
-    full, parts = _log(straight), _log(interrupted)
-    assert [e["step"] for e in parts] == [1, 2, 3, 4]
-    np.testing.assert_allclose([e["loss"] for e in parts], [e["loss"] for e in full], rtol=1e-6)
-    a, b = load_file(straight / "final" / "model.safetensors"), load_file(interrupted / "final" / "model.safetensors")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir(), resumed.mkdir()
+    background = ("--zero_async_save", "--zero_snapshot_budget", "64KB")
+    _accelerate_run(assets, straight, 4, *background)
+    for step in (2, 4):
+        assert (straight / f"step_{step}" / "hf_zero" / "hf_zero_manifest.json").is_file()
+    _accelerate_run(assets, resumed, 4, "--resume_from_checkpoint", str(straight / "step_2"), *background)
+    full, parts = _log(straight), _log(resumed)
+    assert [e["step"] for e in full] == [1, 2, 3, 4] and [e["step"] for e in parts] == [3, 4]
+    np.testing.assert_allclose([e["loss"] for e in parts], [e["loss"] for e in full[2:]], rtol=1e-6)
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     for name in a:
         np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
 
