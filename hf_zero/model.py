@@ -77,6 +77,29 @@ class ZeroModel:
         """The bytes of parameters, gradients and optimizer state this rank holds, by device."""
         return self.zero_engine.memory()
 
+    # ---- dtype and device -------------------------------------------------------------------
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """`model.to(...)`, `.cuda()`, `.cpu()`, `.half()`, `.bfloat16()`, `.float()` of a sharded model: allowed
+        where it changes nothing (Accelerate's `model.to(accelerator.device)`, a DDP loop's `model.to(device)`);
+        refused by name where it would change the parameters' dtype or device, which the engine owns. (Applied,
+        it would cast the buffers alone, so RoPE tables went bf16 under fp32 weights, and at stages 1-2 cut the
+        parameters loose from the engine's flat buffers: the backward then failed in autograd.)"""
+        first = next(iter(cast(nn.Module, self).parameters()), None)
+        if first is None:
+            return super()._apply(fn, recurse)  # type: ignore[misc]  # the mixin sits before nn.Module
+        probe = torch.empty(0, dtype=first.dtype, device=first.device)
+        converted = fn(probe)
+        if converted.dtype == probe.dtype and converted.device == probe.device:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        raise ValueError(
+            f"This model is sharded by hf_zero, whose engine owns its parameters (computing in {probe.dtype} on "
+            f"{probe.device}); a conversion to {converted.dtype} on {converted.device} (model.to / .half() / "
+            ".bfloat16() / .cuda() / .cpu()) cannot apply to them. To compute in bf16 or fp16, shard with "
+            "ZeroConfig(mixed_precision='bf16') (the Trainer's --bf16); to compute on another device, shard it "
+            "there (hf_zero.initialize(..., device=...)); for a plain copy in another dtype or place, load "
+            "hf_zero.full_state_dict(model) or a save_pretrained directory into a new model."
+        )
+
     # ---- whole weights ----------------------------------------------------------------------
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The full, unsharded state dict, as the unsharded model's, at every stage: master values,

@@ -476,6 +476,25 @@ def read_params_between_steps(loop: Loop) -> None:
             loop.note("weight", loop.model.head.weight.norm())
 
 
+@scenario()
+def move_to_its_own_device_between_steps(loop: Loop) -> None:
+    """`model.to(device)`, `.to(dtype)` to the dtype it has and `.float()` between steps, as DDP loops and Accelerate
+    do (changing nothing)."""
+    device = next(loop.model.parameters()).device
+    _steps(loop, before=lambda step: loop.model.to(device).to(torch.float32).float())
+
+
+@scenario()
+def cast_to_bf16_for_evaluation(loop: Loop) -> None:
+    """`model.to(torch.bfloat16)` after training, then an evaluation forward in bf16 (DDP's model is plain bf16
+    from then on); a sharded model's dtype is the engine's: refused, naming mixed_precision."""
+    _steps(loop, n=2)
+    loop.model.to(torch.bfloat16)
+    x, y = loop.batch(2)
+    with torch.no_grad():
+        loop.note("eval_loss", nn.functional.mse_loss(loop.model(x.to(torch.bfloat16)).float(), y))
+
+
 # ---- the runner ---------------------------------------------------------------------------------------
 def run_scenario(name: str, stage: int, **config: Any) -> dict[str, Any]:
     """Run scenario `name` under PlainDP and under hf_zero at `stage` on this rank; return both records, the final

@@ -15,6 +15,7 @@ TOL = 1e-5
 REFUSED: dict[str, dict[int, str]] = {
     "unfreeze_later": {s: "was frozen (requires_grad=False) when hf_zero.initialize ran" for s in (1, 2, 3)},
     "grad_scaler": {s: "mixed_precision='fp16'" for s in (1, 2, 3)},
+    "cast_to_bf16_for_evaluation": {s: "a conversion to torch.bfloat16 on cpu (model.to" for s in (1, 2, 3)},
     "torch_two_step_clipping": {s: "get_total_norm + clip_grads_with_norm_" for s in (1, 2, 3)},
     "torch_clip_bound_early": {s: "optimizer.clip_grad_norm_(max_norm)" for s in (1, 2, 3)},
     "unit_skipped_on_one_rank": {3: "units ['blocks.1'] ran their forward on some ranks and not on others"},

@@ -156,6 +156,7 @@ def test_zero_stage_parsed_from_the_command_line():
         ({"optim": "galore_adamw_layerwise", "optim_target_modules": ["mlp"]},
          "--optim galore_adamw_layerwise steps each parameter from a hook on it inside backward"),
         ({"optim": "lomo"}, "--optim lomo updates each parameter inside backward"),
+        ({"bf16_full_eval": True}, "--bf16_full_eval casts the whole model to bf16 for evaluation"),
     ],
 )
 def test_refused_combinations(kwargs, message):

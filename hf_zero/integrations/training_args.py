@@ -82,6 +82,14 @@ class _ZeroArguments:
                 "--zero_async_save with --save_total_limit 1 would delete the last complete checkpoint while the new "
                 "one is still being written. Use --save_total_limit 2 (or none)."
             )
+        for flag in ("bf16_full_eval", "fp16_full_eval"):
+            if getattr(self, flag, False):
+                precision = flag.split("_")[0]
+                raise ValueError(
+                    f"--{flag} casts the whole model to {precision} for evaluation, and a model sharded by hf_zero "
+                    f"keeps the dtype its engine owns. Drop --{flag}: with --{precision} the engine already evaluates "
+                    f"in {precision} (fp32 masters stay as they are)."
+                )
         optim = str(getattr(self.optim, "value", self.optim))
         if optim in ("lomo", "adalomo"):
             raise ValueError(
