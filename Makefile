@@ -47,9 +47,11 @@ test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
 
 # The slow tier (pyproject's `slow` marker): heavy repeats of what `make test` covers: the GPU check's CPU
-# rehearsal, more shapes of the memory estimate, the DPO runs (plain and sync-ref), the plain ZeRO-3 SFT example, the two-node launch, preemption under
-# accelerate launch and by direct launch and the preempted job's requeue, load_state on one rank, torchao's AdamW8bit, the loading-memory control; then the soaks (20 clean-exit launches, a rank
-# killed before each of the save path's 8 collectives).
+# rehearsal, more shapes of the memory estimate, the DPO runs (plain and sync-ref), the plain ZeRO-3 SFT example,
+# train_clm with sequence parallelism on long blocks, the two-node launch, preemption under accelerate launch and
+# by direct launch and the preempted job's requeue, load_state on one rank, torchao's AdamW8bit, the
+# loading-memory control; then the soaks (20 clean-exit launches, a rank killed before each of the save path's 8
+# collectives).
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -m slow
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 HF_ZERO_EXIT_LAUNCHES=20 HF_ZERO_SAVE_KILL_POINTS=0,1,2,3,4,5,6,7 \
@@ -62,7 +64,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # The CUDA + NCCL path on the one GPU a session is lent (docs/performance.md, "The GPU check"): runs with the
-# python3 there whose torch sees CUDA, hf_zero from this tree, nothing from a network (wheels from .whl/); six
+# python3 there whose torch sees CUDA, hf_zero from this tree, nothing from a network (wheels from .whl/); seven
 # phases in about 6 minutes; report.md / report.json in $$OUT (the device tool's) or outputs/gpu_check.
 # Without a GPU it says so and exits 0. gpu-rehearse runs the same phases here on the CPU, from no index.
 gpu-check:

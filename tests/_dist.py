@@ -197,9 +197,15 @@ class DistPool:
     def close(self) -> None:
         """Ask every worker to leave; those still there after a few seconds (a rank stuck in a collective its
         peer left, or in `destroy_process_group`) are killed: nothing of theirs is needed any more."""
+        self.ask_to_leave()
+        self.reap(time.monotonic() + 3.0)
+
+    def ask_to_leave(self) -> None:
         for q in self._tasks:
             q.put(None)
-        deadline = time.monotonic() + 3.0
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the workers until `deadline`, then kill those still there."""
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
@@ -224,6 +230,10 @@ class Pools:
         return pool
 
     def close(self) -> None:
+        """Every pool's workers asked to leave at once, then waited for under one deadline."""
         for pool in self._pools.values():
-            pool.close()
+            pool.ask_to_leave()
+        deadline = time.monotonic() + 3.0
+        for pool in self._pools.values():
+            pool.reap(deadline)
         self._pools.clear()

@@ -28,6 +28,16 @@ def _placement_request(request):
     _REQUESTED["device"] = "cpu"
 
 
+@pytest.fixture(autouse=True)
+def _in_process_on_the_host(monkeypatch):
+    """Tests that call `hf_zero.initialize` in the test process (no torch.distributed) compare with references on
+    the host: on a machine with a GPU the engine would take it ([Note: compute device]), so here it sees none. The
+    pools choose their own placement."""
+    from hf_zero.engine import placement
+
+    monkeypatch.setattr(placement, "_process_accelerator", lambda: None)
+
+
 @pytest.fixture(scope="session")
 def pools():
     """`pools(world_size)` gives a live pool of workers, one per rank (see tests/_dist.py): CPU + gloo, or

@@ -103,6 +103,9 @@ def test_train_clm_with_accelerate_launch_and_zero_stage_3(assets, tmp_path):
     assert generated.shape[1] > 2
 
 
+# the slow tier (21 s on 2 cores): sequence parallelism through the Trainer is in tests/test_trainer.py, through an
+# example in the SFT test below
+@pytest.mark.slow
 def test_train_clm_with_sequence_parallelism_on_long_blocks(assets, tmp_path):
     """[Note: sequence parallelism]: the example as a user with long documents runs it, `--zero_sequence_parallel
     2` with blocks 16x the base model's pretraining length and gradient checkpointing: it trains, evaluates before
