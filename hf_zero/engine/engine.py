@@ -535,9 +535,9 @@ def _power_sum(shard: torch.Tensor, norm_type: float) -> torch.Tensor:
     squares chunk by chunk in float64 took 117 ms).
 
     On an accelerator, of the whole shard: its kernel already reduces 64k-element blocks and then their partial
-    sums (the accuracy of `clip_grad_norm_`'s per-tensor norms there), and splitting on the host cost more than
-    the backward (an H100, 0.94B parameters at a world of one: 29k chunk views a step; clipping took 164 ms
-    where `clip_grad_norm_` takes 8).
+    sums (the accuracy of `clip_grad_norm_`'s per-tensor norms there), and splitting on the host would cost
+    more than the backward (an H100, 0.94B parameters at a world of one: 29k chunk views a step, 164 ms of
+    clipping against `clip_grad_norm_`'s 8).
     """
     pieces = list(shard.split(_NORM_CHUNK)) if shard.device.type == "cpu" else [shard]
     norms = torch._foreach_norm(pieces, norm_type, dtype=torch.float32)

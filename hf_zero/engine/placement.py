@@ -21,8 +21,8 @@ without `torch.distributed` (`accelerate launch` with `distributed_type: NO`) co
 batches go to, and `use_cpu` keeps it on the host. Called directly, `initialize` takes the parameters'
 device, or, for a model on the host, the rank's accelerator when the backend communicates on one (NCCL)
 or when the process runs alone and has one, as DDP users place a model on their GPU before wrapping it;
-gloo between several ranks computes on the host. (A single process used to compute on the host whatever
-the machine had: the Trainer then fed it CUDA batches, which failed at the first embedding.)
+gloo between several ranks computes on the host. A model sharded for one device and handed to a loop that
+puts its batches on another is refused by name (`check_compute_device`), not met at the first embedding.
 """
 
 from __future__ import annotations
