@@ -140,17 +140,17 @@ def _requested_device(device: torch.device, requested: torch.device) -> torch.de
     """`requested`, with its index filled in (made current); `ValueError` when the model sits on another
     accelerator than the one asked for."""
     requested = _plain(requested)
-    if requested.type in ("cuda", "xpu"):
-        module = getattr(torch, requested.type)
-        if requested.index is None:
-            requested = torch.device(requested.type, module.current_device())
-        module.set_device(requested)
+    accelerator = getattr(torch, requested.type) if requested.type in ("cuda", "xpu") else None
+    if accelerator is not None and requested.index is None:
+        requested = torch.device(requested.type, accelerator.current_device())
     if device.type != "cpu" and device != requested:
         raise ValueError(
             f"The model's parameters are on {device}, but the training loop computes on {requested} (the device "
             f"its batches are put on). Load the model on the host (the engine moves it unit by unit) or on "
             f"{requested}."
         )
+    if accelerator is not None:
+        accelerator.set_device(requested)
     return requested
 
 
