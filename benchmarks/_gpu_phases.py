@@ -140,10 +140,12 @@ def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: di
     if on_device:
         model = model.to(device)
     model, optimizer = hf_zero.initialize(model, adamw(model), hf_zero.ZeroConfig(**config))
+    moves = device_moves(model, device)
     got = train_zero(model, optimizer, sizes, data, device, same_rows=config.get("sequence_parallel", 1) > 1)
     state = hf_zero.full_state_dict(model, rank0_only=False)
     figures = compare(got, state, ref, BF16_TOL if config.get("mixed_precision") == "bf16" else FP32_TOL,
                       weights_tol)
+    figures["moves"] = moves
     figures["device"] = str(next(model.parameters()).device)
     require(figures["device"].split(":")[0] == device.type, f"trained on {figures['device']}, not {device}")
     if config.get("offload_optimizer") and device.type == "cuda":
@@ -157,6 +159,23 @@ def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: di
 
     wait_for_saves(model)
     return figures
+
+
+def device_moves(model: torch.nn.Module, device: torch.device) -> str:
+    """The moves users write after sharding: Accelerate's `model.to(accelerator.device)` and a DDP loop's
+    `model.to("cuda")` / `.cuda()` change nothing and must be accepted (whatever the offload: the parameters the
+    modules hold live on the compute device); `.half()` would change the dtype and must be refused by name."""
+    model.to(device)
+    if device.type == "cuda":
+        model.to("cuda")
+        model.cuda()
+    try:
+        model.half()
+    except ValueError as error:
+        require("mixed_precision" in str(error), f"model.half() refused without naming the fix: {error}")
+    else:
+        require(False, "model.half() on a sharded model was applied, not refused")
+    return ("to(device), to('cuda'), cuda()" if device.type == "cuda" else "to(device)") + " accepted; half() refused"
 
 
 def phase_single(args: argparse.Namespace, device: torch.device, cases: Cases) -> None:
