@@ -31,6 +31,9 @@ run's `--budget`); a failing phase does not stop the next:
 7. `profile`: where a step of each speed-phase engine goes (forward, backward, clipping, optimizer step,
    `zero_grad`, each timed between device synchronizations) and hf_zero's most costly operators under
    `torch.profiler` (`benchmarks/_gpu_profile.py`; `profile_ops.txt`).
+8. `peers`: the test suite's peer scenarios (DDP idioms: exact against plain data parallelism or refused by
+   name) at stages 1-3 with models, batches and engine on the GPU, two ranks sharing it over gloo
+   (`benchmarks/_gpu_peers.py`).
 
 Writes `<out>/report.json` and `<out>/report.md` after every phase (a run cut short still leaves what
 it finished; `--out` defaults to `$OUT` where the device tool sets it). Exits 1 when a phase failed or
@@ -60,12 +63,12 @@ WHEELS_PYTHON = "3.12"  # the lent machine's Python, which `make gpu-wheels` dow
 # Seconds each phase may take, by run: the GPU's (measured on the CPU rehearsal and sized for an H100 with
 # process starts of ~10 s) and the tiny CPU rehearsal's (what the CI test runs; the whole under 2 minutes).
 BUDGETS = {
-    "full": {"wheels": 15, "env": 30, "single": 80, "multi": 50, "trainer": 50, "speed": 110, "example": 75,
-             "profile": 60},
+    "full": {"wheels": 15, "env": 30, "single": 80, "multi": 50, "trainer": 50, "speed": 110, "example": 110,
+             "profile": 60, "peers": 90},
     "tiny": {"wheels": 10, "env": 25, "single": 30, "multi": 35, "trainer": 30, "speed": 30, "example": 45,
-             "profile": 25},
+             "profile": 25, "peers": 30},
 }
-TOTAL_BUDGET = {"full": 440, "tiny": 118}  # the tiny run (CI) skips example and profile
+TOTAL_BUDGET = {"full": 480, "tiny": 118}  # the tiny run (CI) skips example, profile and peers
 
 ENV_PROBE = r"""
 import json, sys, torch
@@ -270,6 +273,7 @@ def phase_commands(python: str, device: str, size: str, out: Path, site: Path,
         ("example", [python, str(BENCH / "_gpu_example.py"), "--size", size, *common]),
         ("profile", torchrun + ["--nproc_per_node", "1", str(BENCH / "_gpu_profile.py"), "--size", speed_size,
                                 *common]),
+        ("peers", torchrun + ["--nproc_per_node", "2", str(BENCH / "_gpu_peers.py"), "--size", size, *common]),
     ]
 
 

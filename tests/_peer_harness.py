@@ -18,6 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 D_IN, D, D_OUT = 6, 12, 3
+# Where the scenario models and their batches live: the host in the test suite; the GPU check's `peers` phase
+# (benchmarks/_gpu_peers.py) sets the GPU, the two ranks sharing it over gloo.
+DEVICE = torch.device("cpu")
 
 
 class Block(nn.Module):
@@ -88,7 +91,7 @@ class PlainDP:
         for p in self.model.parameters():
             if not p.requires_grad:
                 continue
-            has = torch.tensor([int(p.grad is not None)])
+            has = torch.tensor([int(p.grad is not None)], device=p.device)
             dist.all_reduce(has, op=dist.ReduceOp.MAX)
             if not has.item():
                 continue
@@ -120,7 +123,7 @@ class Loop:
 
     def batch(self, step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1000 * step + self.rank)
-        return torch.randn(n, D_IN, generator=g), torch.randn(n, D_OUT, generator=g)
+        return torch.randn(n, D_IN, generator=g).to(DEVICE), torch.randn(n, D_OUT, generator=g).to(DEVICE)
 
     def loss(self, step: int, **kwargs: Any) -> torch.Tensor:
         x, y = self.batch(step)
@@ -173,7 +176,7 @@ def _build(build: dict[str, Any]) -> nn.Module:
     for name, p in model.named_parameters():
         if any(name.startswith(f) for f in build.get("freeze", ())):
             p.requires_grad_(False)
-    return model
+    return model.to(DEVICE)
 
 
 def _optimizer(model: nn.Module, build: dict[str, Any]) -> torch.optim.Optimizer:

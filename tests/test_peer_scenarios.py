@@ -11,28 +11,7 @@ from tests import _peer_cases as peer
 
 TOL = 1e-5
 
-# Scenarios hf_zero refuses, with a piece of the message (every other scenario must be exact), by stage.
-REFUSED: dict[str, dict[int, str]] = {
-    "unfreeze_later": {s: "was frozen (requires_grad=False) when hf_zero.initialize ran" for s in (1, 2, 3)},
-    "grad_scaler": {s: "mixed_precision='fp16'" for s in (1, 2, 3)},
-    "cast_to_bf16_for_evaluation": {s: "a conversion to torch.bfloat16 on cpu (model.to" for s in (1, 2, 3)},
-    "torch_two_step_clipping": {s: "get_total_norm + clip_grads_with_norm_" for s in (1, 2, 3)},
-    "torch_clip_bound_early": {s: "optimizer.clip_grad_norm_(max_norm)" for s in (1, 2, 3)},
-    "unit_skipped_on_one_rank": {3: "units ['blocks.1'] ran their forward on some ranks and not on others"},
-    "last_unit_skipped_on_one_rank": {3: "units ['blocks.2'] ran their forward on some ranks and not on others"},
-    # in the first forward (no prefetch plan yet) the gathers themselves are checked, naming the units met
-    "accumulation_unit_skipped_on_one_rank": {3: "gather different units (['blocks.1', 'blocks.2'])"},
-}
-
-
-def _worst(reference: dict[str, list[float]], record: dict[str, list[float]]) -> float:
-    assert reference.keys() == record.keys(), (reference.keys(), record.keys())
-    worst = 0.0
-    for key, values in reference.items():
-        assert len(values) == len(record[key]), key
-        for a, b in zip(values, record[key]):
-            worst = max(worst, abs(a - b) / max(abs(a), 1e-6))
-    return worst
+REFUSED = peer.REFUSED
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -46,7 +25,7 @@ def test_peer_scenario_is_exact_or_refused(pools, name, stage):
             assert r["error"].startswith(("ValueError", "TypeError")), r["error"]
             continue
         assert r["error"] is None, (rank, r["error"])
-        assert _worst(r["reference"], r["record"]) <= TOL, (rank, r["reference"], r["record"])
+        assert peer.worst_difference(r["reference"], r["record"]) <= TOL, (rank, r["reference"], r["record"])
         assert not r["missing"], r["missing"]
         assert max(r["weights"].values()) <= TOL, (rank, {k: v for k, v in r["weights"].items() if v > TOL})
 
@@ -69,5 +48,5 @@ def test_stage_3_without_prefetch(pools, name):
             assert r["error"] is not None and "gather different units (['blocks.1', 'blocks.2'])" in r["error"], r
             continue
         assert r["error"] is None, r["error"]
-        assert _worst(r["reference"], r["record"]) <= TOL
+        assert peer.worst_difference(r["reference"], r["record"]) <= TOL
         assert max(r["weights"].values()) <= TOL
