@@ -20,6 +20,7 @@ tests/_peer_harness.py.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -356,6 +357,29 @@ def gradient_penalty(loop: Loop) -> None:
 
 
 @scenario()
+def gradient_penalty_built_on_another_thread(loop: Loop) -> None:
+    """The gradient penalty, its first backward run on another thread: autograd numbers the nodes each thread
+    creates on its own, so the graph that backward builds is numbered below the forward's, and the second
+    backward meets the second-order terms in another order. This is what every gradient penalty on a GPU does (the
+    first backward runs on the device's autograd thread); the GPU check found stages 1-2 refusing it there."""
+    for step in range(3):
+        x, y = loop.batch(step)
+        x.requires_grad_(True)
+        loop.dp.before_forward()
+        out = loop.model(x)
+        found: list[tuple[torch.Tensor, ...]] = []
+        worker = threading.Thread(target=lambda: found.append(torch.autograd.grad(out.sum(), x, create_graph=True)))
+        worker.start()
+        worker.join()
+        (gx,) = found[0]
+        loss = nn.functional.mse_loss(out, y) + 0.1 * gx.pow(2).mean()
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
 def grad_scaler(loop: Loop) -> None:
     """`torch.amp.GradScaler` around the loss and the step (the fp16 idiom)."""
     scaler = torch.amp.GradScaler(_peer_harness.DEVICE.type, init_scale=1024.0)
@@ -532,7 +556,7 @@ def run_scenario(name: str, stage: int, **config: Any) -> dict[str, Any]:
     ref = _build(build)
     ref_loop = Loop(ref, _optimizer(ref, build), PlainDP(ref), rank, stage, sharded=False)
     fn(ref_loop)
-    reference = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    reference = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
 
     model = _build(build)
     config = {"wrap": build.get("wrap", (build.get("block", Block).__name__,)), "bucket_size_mb": 0, **config}
@@ -548,7 +572,7 @@ def run_scenario(name: str, stage: int, **config: Any) -> dict[str, Any]:
         "error": None,
         "reference": ref_loop.record,
         "record": loop.record,
-        "weights": {k: float((state[k] - v).abs().max() / (v.abs().max() + 1e-12)) for k, v in reference.items()},
+        "weights": {k: float((state[k].cpu() - v).abs().max() / (v.abs().max() + 1e-12)) for k, v in reference.items()},
         "missing": sorted(set(reference) - set(state)),
     }
 

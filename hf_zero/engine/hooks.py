@@ -123,6 +123,7 @@ class UnitHooks:
         self._order_known = False
         self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
         self.graph_pins: list[Unit] = []  # [Note: double backward] units pinned for a graph a backward built
+        self.graph_built = False  # [Note: double backward] a backward built a graph that a later one may go through
         self._handles: list[RemovableHandle] = []
         self._register()
 
@@ -490,10 +491,15 @@ class UnitHooks:
         stage 3 its units are pinned as its backward gathers them, and stay whole until the final callback of
         the next backward pass that builds no graph (or an optimizer step, after which torch refuses that
         graph anyway); that pass, which runs the second-order terms in no fixed order, reduces every unit in
-        its final callback, in unit order.
+        its final callback, in unit order, at every stage. The order is not fixed because autograd runs ready
+        nodes by their sequence numbers, which each thread counts on its own: on a GPU the first backward runs on
+        the device's autograd thread, so the graph it built is numbered below the forward's, and a parameter's
+        second-order gradient can reach it after its unit's inputs' gradient (the end signal) is complete.
         """
         self.current.create_graph = torch.is_grad_enabled()
-        if self.graph_pins and not self.current.create_graph:
+        if self.current.create_graph:
+            self.graph_built = True
+        elif self.graph_built:
             self.current.deferred = True
         if self.current.ran_anywhere is not None:
             self.current.deferred = True
@@ -577,8 +583,10 @@ class UnitHooks:
             )
 
     def drop_graph_pins(self) -> None:
-        """[Note: double backward] unpin the units a create_graph backward kept whole, and free them."""
+        """[Note: double backward] forget the graph a create_graph backward built: unpin the units it kept whole,
+        and free them."""
         pins, self.graph_pins = self.graph_pins, []
+        self.graph_built = False
         for unit in pins:
             unit.unpin()
             if unit.training_state in (TrainingState.IDLE, TrainingState.REDUCING):
