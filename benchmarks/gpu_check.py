@@ -68,7 +68,7 @@ BUDGETS = {
     "tiny": {"wheels": 10, "env": 25, "single": 30, "multi": 35, "trainer": 30, "speed": 30, "example": 45,
              "profile": 25, "peers": 30},
 }
-TOTAL_BUDGET = {"full": 480, "tiny": 118}  # the tiny run (CI) skips example, profile and peers
+TOTAL_BUDGET = {"full": 480, "tiny": 118}  # the tiny run (the slow-tier test) skips example and profile
 
 ENV_PROBE = r"""
 import json, sys, torch

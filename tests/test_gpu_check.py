@@ -1,7 +1,7 @@
 """The GPU check (`benchmarks/gpu_check.py`) rehearsed on the CPU: the phases the lent GPU runs, here, from no index.
 
 The rehearsal runs every phase but the user-path example (tests/test_examples.py runs that script the same way
-on the CPU) at the tiny size, with pip allowed no index, and a wheel folder holding one wheel made here; the
+on the CPU) and the profile at the tiny size (the peers phase on 3 of its scenarios), with pip allowed no index, and a wheel folder holding one wheel made here; the
 report must show every case passed, each phase and the whole within their budgets (under 2 minutes). The
 orchestration's own guarantees (a failing phase does not stop the next; a phase over its time is killed with its
 children; the report is written after every phase) are checked on stand-in commands.
@@ -68,7 +68,7 @@ def test_rehearsal_runs_every_phase_from_no_index_within_budget(tmp_path):
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     phases = {p["name"]: p for p in report["phases"]}
-    assert list(phases) == ["wheels", "env", "single", "multi", "trainer", "speed"]
+    assert list(phases) == ["wheels", "env", "single", "multi", "trainer", "speed", "peers"]
     assert report["installed"] == ["hfzero_probe-1.0.dist-info"]  # installed from the folder, with no index
     for p in report["phases"]:
         assert p["ok"] and p["within_budget"], (p["name"], p["seconds"], p["budget"], p["tail"][-2000:])
@@ -76,6 +76,10 @@ def test_rehearsal_runs_every_phase_from_no_index_within_budget(tmp_path):
     assert report["env"]["hf_zero_from"].startswith(str(ROOT))  # this tree, through PYTHONPATH
     cases = {p: [c["name"] for c in phases[p]["cases"] if c["ok"]] for p in phases}
     assert len(cases["single"]) == 9 and len(cases["multi"]) == 8 and len(cases["trainer"]) == 1
+    peers = {c["name"]: c["figures"] for c in phases["peers"]["cases"]}
+    assert len(cases["peers"]) == len(peers) == 9  # 3 scenarios x stages 1-3, on the rehearsal's CPU
+    assert all(f == {"refused": "ValueError"} if "cast_to_bf16" in name else f["weights_rel"] <= 1e-5
+               for name, f in peers.items())
     multi = {c["name"]: c["figures"] for c in phases["multi"]["cases"]}
     sequence = [f for name, f in multi.items() if "sequence_parallel" in name]
     assert len(sequence) == 2 and all(f["first_norm_rel"] <= 1e-6 and f["loss_rel"] <= 1e-5 for f in sequence)
