@@ -134,9 +134,16 @@ def compare(got: dict[str, Any], state: dict[str, torch.Tensor], ref: dict[str, 
 
 
 def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: dict[str, Any],
-                 on_device: bool = False, weights_tol: float | None = None, **config: Any) -> dict[str, Any]:
-    """Train a fresh model sharded with `config` and compare it with `ref` (bf16 at the looser tolerance)."""
+                 on_device: bool = False, weights_tol: float | None = None, checkpointing: str = "",
+                 **config: Any) -> dict[str, Any]:
+    """Train a fresh model sharded with `config` and compare it with `ref` (bf16 at the looser tolerance).
+    `checkpointing`: "" (none), "hf" (`gradient_checkpointing_enable()`, transformers' default) or "reentrant"
+    (`use_reentrant=True`: the recomputed blocks' backward is a nested backward on the device's autograd thread)."""
     model = llama(sizes)
+    if checkpointing:
+        kwargs = {"use_reentrant": True} if checkpointing == "reentrant" else None
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.train()
     if on_device:
         model = model.to(device)
     model, optimizer = hf_zero.initialize(model, adamw(model), hf_zero.ZeroConfig(**config))
@@ -146,6 +153,9 @@ def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: di
     figures = compare(got, state, ref, BF16_TOL if config.get("mixed_precision") == "bf16" else FP32_TOL,
                       weights_tol)
     figures["moves"] = moves
+    if checkpointing:
+        require(bool(getattr(model, "is_gradient_checkpointing", False)), "gradient checkpointing is not on")
+        figures["checkpointing"] = checkpointing
     figures["device"] = str(next(model.parameters()).device)
     require(figures["device"].split(":")[0] == device.type, f"trained on {figures['device']}, not {device}")
     if config.get("offload_optimizer") and device.type == "cuda":
@@ -257,6 +267,10 @@ def phase_multi(args: argparse.Namespace, device: torch.device, cases: Cases) ->
                   lambda s=stage: sharded_case(sizes, data, device, ref, on_device=True, weights_tol=loose, stage=s))
     cases.run(f"ZeRO-3 bf16, {dist.get_world_size()} ranks on one device vs PyTorch fp32",
               lambda: sharded_case(sizes, data, device, ref, on_device=True, stage=3, mixed_precision="bf16"))
+    for kind in ("hf", "reentrant"):
+        cases.run(f"ZeRO-3 fp32 + gradient checkpointing ({kind}), {dist.get_world_size()} ranks vs PyTorch",
+                  lambda k=kind: sharded_case(sizes, data, device, ref, on_device=True, weights_tol=loose, stage=3,
+                                              checkpointing=k))
     from hf_zero.integrations import tiled_mlp
 
     world = dist.get_world_size()
