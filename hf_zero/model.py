@@ -100,6 +100,30 @@ class ZeroModel:
             "hf_zero.full_state_dict(model) or a save_pretrained directory into a new model."
         )
 
+    # ---- copies -------------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """`copy.deepcopy(model)` (what `torch.optim.swa_utils.AveragedModel`, an EMA or a frozen reference model
+        do): refused by name. The parameters are shards of a model every rank holds a part of, owned by the
+        engine and its process group, which a copy cannot share (unrefused, it failed on pickling the process
+        group, or at stage 3 on the first empty parameter)."""
+        raise TypeError(
+            "hf_zero: copy.deepcopy of a sharded model (AveragedModel, an EMA or a reference model copies it so): "
+            "its parameters are shards owned by the engine on every rank, which a copy cannot share. Make the copy "
+            "before hf_zero.initialize (`ema = copy.deepcopy(model)`), and update it from the fp32 master weights "
+            "on every rank: `full = hf_zero.full_state_dict(model, rank0_only=False, device=device)`, then "
+            "`p.lerp_(full[name], 1 - decay)` for each `name, p` of `ema.named_parameters()` under "
+            "`torch.no_grad()`; or load `hf_zero.full_state_dict(model)` into a model built afresh."
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickling a sharded model (`torch.save(model)`, handing it to another process): refused by name."""
+        raise TypeError(
+            "hf_zero: pickling a sharded model (torch.save(model, path), copy.copy, sending it to another "
+            "process): its parameters are shards owned by the engine on every rank. Save its weights instead: "
+            "model.save_pretrained(dir), or torch.save(model.state_dict(), path) (full tensors; every rank must "
+            "call state_dict), or hf_zero.save_checkpoint(...) for a state training can resume from."
+        )
+
     # ---- whole weights ----------------------------------------------------------------------
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The full, unsharded state dict, as the unsharded model's, at every stage: master values,

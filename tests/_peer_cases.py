@@ -20,6 +20,7 @@ tests/_peer_harness.py.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,7 @@ REFUSED: dict[str, dict[int, str]] = {
     "unfreeze_later": {s: "was frozen (requires_grad=False) when hf_zero.initialize ran" for s in (1, 2, 3)},
     "grad_scaler": {s: "mixed_precision='fp16'" for s in (1, 2, 3)},
     "cast_to_bf16_for_evaluation": {s: "a conversion to torch.bfloat16 on " for s in (1, 2, 3)},
+    "deepcopy_for_an_ema": {s: "copy.deepcopy of a sharded model" for s in (1, 2, 3)},
     "torch_two_step_clipping": {s: "get_total_norm + clip_grads_with_norm_" for s in (1, 2, 3)},
     "torch_clip_bound_early": {s: "optimizer.clip_grad_norm_(max_norm)" for s in (1, 2, 3)},
     "unit_skipped_on_one_rank": {3: "units ['blocks.1'] ran their forward on some ranks and not on others"},
@@ -547,6 +549,46 @@ def cast_to_bf16_for_evaluation(loop: Loop) -> None:
         loop.note("eval_loss", nn.functional.mse_loss(loop.model(x.to(torch.bfloat16)).float(), y))
 
 
+@scenario()
+def deepcopy_for_an_ema(loop: Loop) -> None:
+    """`torch.optim.swa_utils.AveragedModel(model)` after wrapping (it deep-copies the model, as an EMA or a frozen
+    reference model does); refused by name, with the recipe of the next scenario."""
+    ema = torch.optim.swa_utils.AveragedModel(loop.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+        ema.update_parameters(loop.model)
+        x, y = loop.batch(50 + step)
+        with torch.no_grad():
+            loop.note("ema_loss", nn.functional.mse_loss(ema(x), y))
+
+
+@scenario(twin=True)
+def ema_copied_before_initialize(loop: Loop) -> None:
+    """An EMA of the weights kept in a copy made before sharding, updated after every step from the full weights
+    (`hf_zero.full_state_dict(model, rank0_only=False)` on every rank: the fp32 masters), and evaluated."""
+    ema = loop.twin
+    assert ema is not None
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+        if loop.sharded:
+            full = hf_zero.full_state_dict(loop.model, rank0_only=False, device=_peer_harness.DEVICE)
+        else:
+            full = loop.model.state_dict()
+        with torch.no_grad():
+            for name, p in ema.named_parameters():
+                p.lerp_(full[name], 0.1)
+            x, y = loop.batch(50 + step)
+            loop.note("ema_loss", nn.functional.mse_loss(ema(x), y))
+
+
 # ---- the runner ---------------------------------------------------------------------------------------
 def run_scenario(name: str, stage: int, **config: Any) -> dict[str, Any]:
     """Run scenario `name` under PlainDP and under hf_zero at `stage` on this rank; return both records, the final
@@ -554,16 +596,18 @@ def run_scenario(name: str, stage: int, **config: Any) -> dict[str, Any]:
     build, fn = SCENARIOS[name]
     rank = dist.get_rank()
     ref = _build(build)
-    ref_loop = Loop(ref, _optimizer(ref, build), PlainDP(ref), rank, stage, sharded=False)
+    ref_twin = copy.deepcopy(ref) if build.get("twin") else None
+    ref_loop = Loop(ref, _optimizer(ref, build), PlainDP(ref), rank, stage, sharded=False, twin=ref_twin)
     fn(ref_loop)
     reference = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
 
     model = _build(build)
     config = {"wrap": build.get("wrap", (build.get("block", Block).__name__,)), "bucket_size_mb": 0, **config}
     zcfg = hf_zero.ZeroConfig(stage=stage, **config)
+    twin = copy.deepcopy(model) if build.get("twin") else None
     try:
         model, opt = hf_zero.initialize(model, _optimizer(model, build), zcfg)
-        loop = Loop(model, opt, Idle(), rank, stage, sharded=True)
+        loop = Loop(model, opt, Idle(), rank, stage, sharded=True, twin=twin)
         fn(loop)
         state = hf_zero.full_state_dict(model, rank0_only=False)
     except Exception as e:  # noqa: BLE001 - the refusal goes back to the test

@@ -120,6 +120,7 @@ class Loop:
     stage: int
     sharded: bool
     record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    twin: nn.Module | None = None  # a copy of the model made before sharding (`scenario(twin=True)`)
 
     def batch(self, step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1000 * step + self.rank)
@@ -144,7 +145,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Scenario]] = {}
 
 def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
     """Register a scenario; `build`: the model's constructor arguments and `freeze` (names frozen before
-    initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay)."""
+    initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay), `twin` (a copy of the model made
+    before initialize, in `loop.twin`)."""
 
     def register(fn: Scenario) -> Scenario:
         SCENARIOS[fn.__name__] = (build, fn)

@@ -119,3 +119,24 @@ def test_meta_model_is_refused():
         model = make_model("llama")
     with pytest.raises(ValueError, match="meta device"):
         hf_zero.initialize(model)
+
+
+def test_pickling_or_copying_a_sharded_model_is_refused_naming_what_to_save():
+    """`torch.save(model)`, `copy.copy` and `copy.deepcopy` of a sharded model raise a TypeError that says what to do
+    (unrefused: a pickling error about the process group, or an empty parameter at stage 3); the model still trains
+    and its state dict still saves."""
+    import copy
+    import io
+
+    model, optimizer = hf_zero.initialize(make_model("llama"), None, hf_zero.ZeroConfig(stage=3))
+    with pytest.raises(TypeError, match=r"pickling a sharded model .* model.save_pretrained\(dir\)"):
+        torch.save(model, io.BytesIO())
+    with pytest.raises(TypeError, match="pickling a sharded model"):
+        copy.copy(model)
+    with pytest.raises(TypeError, match=r"copy.deepcopy of a sharded model .* before hf_zero.initialize"):
+        copy.deepcopy(model)
+    batch = torch.randint(0, 256, (1, 8))
+    model(input_ids=batch, labels=batch).loss.backward()
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    assert buffer.tell() > 0
