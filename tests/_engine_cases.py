@@ -199,3 +199,45 @@ def optimizer_chunks(stage: int, chunk: int, tmp: str) -> dict[str, Any]:
     )
     out["scale"] = max(float(v.abs().max()) for v in ref.values())
     return out
+
+
+class FeatureRegressor(torch.nn.Module):
+    """A model fed floating-point features (not token ids) with float regression targets as `labels`, as a
+    custom model or one fed `inputs_embeds` is; it records the dtypes its forward receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(2))
+        self.head = torch.nn.Linear(16, 1)
+        self.seen: list[tuple[torch.dtype, ...]] = []
+
+    def forward(self, features: torch.Tensor, extra: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        self.seen.append((features.dtype, extra["scale"].dtype, extra["ids"].dtype, labels.dtype))
+        h = self.inp(features) * extra["scale"]
+        for block in self.blocks:
+            h = h + block(h)
+        return torch.nn.functional.mse_loss(self.head(h).squeeze(-1).float(), labels)
+
+
+def float_inputs_under_mixed_precision(stage: int, precision: str) -> dict[str, Any]:
+    """Train a FeatureRegressor at `stage` in `precision` on every rank's copy of one batch (4 steps), beside
+    the same model in fp32 in this process: the sharded losses, and the dtypes its forward received."""
+    g = torch.Generator().manual_seed(3)
+    features, labels = torch.randn(8, 6, generator=g), torch.randn(8, generator=g) * 3
+    extra = {"scale": torch.full((1, 16), 0.5), "ids": torch.arange(8)}
+    reference = FeatureRegressor()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    model = FeatureRegressor()
+    model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    hf_zero.ZeroConfig(stage=stage, mixed_precision=precision, wrap=["Sequential"]))
+    losses, ref_losses = [], []
+    for _ in range(4):
+        for net, optimizer, out in ((model, opt, losses), (reference, ref_opt, ref_losses)):
+            loss = net(features, extra, labels=labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(float(loss))
+    return {"losses": losses, "reference": ref_losses, "seen": [str(d) for d in model.seen[0]]}

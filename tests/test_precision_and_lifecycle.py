@@ -129,3 +129,24 @@ def test_frozen_unit_is_resharded_as_soon_as_its_backward_is_through(pools):
     by the time the embedding (the next unit in backward) gets its gradient, the block is sharded again."""
     for r in pools(2).values(lifecycle_cases.frozen_block_state_at_embedding_grad):
         assert r["frozen"] and r["block0_at_embedding_grad"] == ["sharded", "sharded"], r
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_floating_inputs_are_cast_to_the_compute_dtype(pools, stage, precision):
+    """[Note: input dtype] a model fed fp32 features (in a dict too) under mixed precision: they reach its forward in
+    the compute dtype, as FSDP2's default casts them (before: "mat1 and mat2 must have the same dtype" at the first
+    matrix product); token ids stay integers and float `labels` stay fp32. bf16 losses track the fp32 model's within
+    2e-2 relative over a trajectory that falls; fp16's first steps are skipped while the loss scale settles, so
+    its loss is held to falling."""
+    from tests import _engine_cases as engine_cases
+
+    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+    for r in pools(2).values(engine_cases.float_inputs_under_mixed_precision, stage, precision):
+        assert r["seen"] == [dtype, dtype, "torch.int64", "torch.float32"], r["seen"]
+        assert r["reference"][-1] < 0.8 * r["reference"][0], r["reference"]
+        if precision == "fp16":
+            assert r["losses"][-1] < r["losses"][0], r["losses"]
+            continue
+        for got, want in zip(r["losses"], r["reference"]):
+            assert abs(got - want) <= 2e-2 * abs(want), (r["losses"], r["reference"])

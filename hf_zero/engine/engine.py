@@ -127,6 +127,7 @@ class ZeroEngine:
             root_output_fn=self.scaler.scale_outputs if self.scaler else None,
             world=world,
             on_root_forward=self._before_forward,
+            input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
         )
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
         self.pieces: list[Piece] = [piece for part in self.parts for piece in pieces_of(part)]

@@ -105,6 +105,7 @@ class HookSettings:
     root_output_fn: Callable[[Any], Any] | None = None
     world: CommGroup | None = None
     on_root_forward: Callable[[], None] | None = None  # told as the root's forward begins (outside backward)
+    input_dtype: torch.dtype | None = None  # [Note: input dtype] the root's floating inputs' dtype, or None
 
 
 class UnitHooks:
@@ -172,12 +173,15 @@ class UnitHooks:
             self._prefetch_after(unit, forward=True)
         if unit.sparse_lookup:
             cast(Any, unit.spec.module).sparse = True  # [Note: sparse lookup gradients]; switched back after forward
+        cast_any = False
+        if unit is self.root and not recompute and self.settings.input_dtype is not None:
+            args, kwargs, cast_any = cast_floating_inputs(args, kwargs, self.settings.input_dtype)
         if not torch.is_grad_enabled():
-            return None
+            return (args, kwargs) if cast_any else None
         args, kwargs, wrapped = self._carry_end_signal(unit, args, kwargs)
         if wrapped and not recompute:
             unit.expect_signal()
-        return (args, kwargs) if wrapped else None
+        return (args, kwargs) if wrapped or cast_any else None
 
     def _begin_root_forward(self) -> None:
         """The root's pre-forward: forget a pass an exception stopped, free a unit no backward used, learn the
@@ -591,6 +595,29 @@ class UnitHooks:
             unit.unpin()
             if unit.training_state in (TrainingState.IDLE, TrainingState.REDUCING):
                 unit.release()
+
+
+def cast_floating_inputs(args: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any, bool]:
+    """[Note: input dtype]
+    Under mixed precision every parameter computes in `dtype` (bf16 or fp16), so a floating-point input in
+    another dtype would meet them in the first matrix product and fail there ("mat1 and mat2 must have the same
+    dtype"): a model fed features, pixels or `inputs_embeds` in fp32. The root's floating-point tensor inputs, in
+    any container, are cast to `dtype` before its forward, as FSDP2 does by default
+    (`MixedPrecisionPolicy(cast_forward_inputs=True)`); the cast is differentiable, so an input that requires grad
+    gets its gradient in its own dtype. Targets passed as `labels` (or `label`, `*_labels`) keep theirs: they meet
+    the outputs in the loss, where type promotion computes in the wider dtype. Integer and bool inputs (token ids,
+    masks) are left alone. Returns the new args and kwargs and whether anything was cast."""
+    targets = {k: v for k, v in kwargs.items() if k in ("labels", "label") or k.endswith("_labels")}
+    leaves, rebuild = flatten((args, {k: v for k, v in kwargs.items() if k not in targets}))
+    cast_any = False
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
+            leaves[i] = leaf.to(dtype)
+            cast_any = True
+    if not cast_any:
+        return args, kwargs, False
+    new_args, new_kwargs = rebuild(leaves)
+    return tuple(new_args), {**new_kwargs, **targets}, True
 
 
 def _sizes(units: list[Unit]) -> frozenset[int]:
