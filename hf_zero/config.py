@@ -38,7 +38,8 @@ class ZeroConfig:
             `"no"`, `"bf16"` or `"fp16"`. With bf16/fp16 the parameters the model computes with
             (and gathers, at stage 3) are in that dtype, while the master weights, the optimizer
             state and (by default) the gradient reduction stay in fp32. fp16 applies dynamic
-            loss scaling.
+            loss scaling. The model's floating-point inputs (features, `inputs_embeds`) are cast to
+            that dtype before its forward, `labels` excepted, as FSDP2 does by default.
         reduce_dtype (`str`, *optional*):
             Dtype of the gradient reduction: `"fp32"`, `"bf16"` or `"fp16"`. Defaults to fp32
             under mixed precision and to the parameters' dtype otherwise. A low-precision

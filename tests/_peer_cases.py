@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from tests._peer_harness import (
     SCENARIOS,
     Block,
     D,
+    D_OUT,
     DataclassBlock,
     Idle,
     Loop,
@@ -53,6 +55,8 @@ REFUSED: dict[str, dict[int, str]] = {
     "grad_scaler": {s: "mixed_precision='fp16'" for s in (1, 2, 3)},
     "cast_to_bf16_for_evaluation": {s: "a conversion to torch.bfloat16 on " for s in (1, 2, 3)},
     "deepcopy_for_an_ema": {s: "copy.deepcopy of a sharded model" for s in (1, 2, 3)},
+    "grad_rows_zeroed_before_step": {s: "'head.weight'.grad of a model sharded by hf_zero" for s in (1, 2, 3)},
+    "grad_norms_logged_from_p_grad": {s: ".grad of a model sharded by hf_zero" for s in (1, 2, 3)},
     "torch_two_step_clipping": {s: "get_total_norm + clip_grads_with_norm_" for s in (1, 2, 3)},
     "torch_clip_bound_early": {s: "optimizer.clip_grad_norm_(max_norm)" for s in (1, 2, 3)},
     "unit_skipped_on_one_rank": {3: "units ['blocks.1'] ran their forward on some ranks and not on others"},
@@ -71,6 +75,10 @@ def worst_difference(reference: dict[str, list[float]], record: dict[str, list[f
         if len(values) != len(record[key]):
             raise ValueError(f"{key}: {len(values)} values in the reference, {len(record[key])} in the run")
         for a, b in zip(values, record[key]):
+            if math.isnan(a) or math.isnan(b):  # max() would pass a NaN over
+                if not (math.isnan(a) and math.isnan(b)):
+                    return math.inf
+                continue
             worst = max(worst, abs(a - b) / max(abs(a), 1e-6))
     return worst
 
@@ -547,6 +555,111 @@ def cast_to_bf16_for_evaluation(loop: Loop) -> None:
     x, y = loop.batch(2)
     with torch.no_grad():
         loop.note("eval_loss", nn.functional.mse_loss(loop.model(x.to(torch.bfloat16)).float(), y))
+
+
+@scenario()
+def user_autocast(loop: Loop) -> None:
+    """`torch.autocast(device_type, dtype=torch.bfloat16)` around the forward and loss of an fp32 model (Accelerate's
+    `mixed_precision` in a plain loop): autocast casts per operation, the weights and gradients stay fp32."""
+    for step in range(3):
+        with torch.autocast(device_type=_peer_harness.DEVICE.type, dtype=torch.bfloat16):
+            loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def module_full_backward_hook(loop: Loop) -> None:
+    """`block.register_full_backward_hook(...)` recording the gradient of the block's output (a probe users add to
+    watch gradients flow)."""
+    seen: list[float] = []
+    loop.model.blocks[1].register_full_backward_hook(lambda m, gin, gout: seen.append(float(gout[0].abs().sum())))
+    _steps(loop)
+    for value in seen:
+        loop.note("output_grad", value)
+
+
+@scenario()
+def optimizer_step_with_closure(loop: Loop) -> None:
+    """`optimizer.step(closure)`, the closure zeroing, computing the loss and its backward (LBFGS' and SAM's form)."""
+    for step in range(3):
+
+        def closure() -> torch.Tensor:
+            loop.opt.zero_grad()
+            loss = loop.loss(step)
+            loop.backward(loss)
+            return loss
+
+        loop.note("loss", loop.opt.step(closure))
+        loop.opt.zero_grad()
+
+
+@scenario()
+def backward_twice_with_retain_graph(loop: Loop) -> None:
+    """`loss.backward(retain_graph=True)`, then a second backward through the same graph before the step."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loss.backward(retain_graph=True)
+        loop.backward(loss * 0.5)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def lr_scheduler_one_cycle(loop: Loop) -> None:
+    """`OneCycleLR` stepped after the optimizer, the learning rate read back."""
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(loop.opt, max_lr=0.05, total_steps=3)
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        scheduler.step()
+        loop.opt.zero_grad()
+        loop.note("lr", loop.opt.param_groups[0]["lr"])
+
+
+@scenario()
+def grad_rows_zeroed_before_step(loop: Loop) -> None:
+    """Rows of a gradient zeroed between backward and step, guarded by `if p.grad is not None` (training only some
+    rows: new token embeddings). DDP's `.grad` is the averaged gradient; a sharded model's is a stand-in that
+    refuses by name ([Note: resting gradients]): left None, the guard skipped the edit and training went silently
+    different."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        grad = loop.model.head.weight.grad
+        if grad is not None:
+            grad[:2].zero_()
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def grad_norms_logged_from_p_grad(loop: Loop) -> None:
+    """Per-step gradient norm summed from `p.grad` with the usual guard (left None, it logged 0 on every step)."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        total = sum(float(p.grad.norm()) ** 2 for p in loop.model.parameters() if p.grad is not None)
+        loop.note("grad_norm", total**0.5)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def grad_rows_zeroed_in_a_hook(loop: Loop) -> None:
+    """The way that works on a sharded model: `p.register_hook` before the backward zeroes the rows (on each rank's
+    gradient before the mean, which masking commutes with)."""
+    mask = torch.ones(D_OUT, 1, device=_peer_harness.DEVICE)
+    mask[:2] = 0
+    loop.model.head.weight.register_hook(lambda grad: grad * mask)
+    _steps(loop)
 
 
 @scenario()

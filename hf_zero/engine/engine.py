@@ -127,6 +127,7 @@ class ZeroEngine:
             root_output_fn=self.scaler.scale_outputs if self.scaler else None,
             world=world,
             on_root_forward=self._before_forward,
+            on_backward=self._wake_grads,
             input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
         )
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
@@ -215,6 +216,13 @@ class ZeroEngine:
     def _mark_has_grads(self) -> None:
         self.has_grads = True
         self.steps.on_reduced()
+        for part in self.parts:
+            part.rest_grads()  # [Note: resting gradients]
+
+    def _wake_grads(self) -> None:
+        """[Note: resting gradients] before a forward with grad or a backward pass, and at `zero_grad`."""
+        for part in self.parts:
+            part.wake_grads()
 
     @property
     def defers_reduction_in_no_sync(self) -> bool:
@@ -242,6 +250,7 @@ class ZeroEngine:
         and broadcast the buffers ([Note: buffer broadcast])."""
         if not torch.is_grad_enabled():
             return
+        self._wake_grads()
         self._refuse_unfrozen()
         if self.config.broadcast_buffers and self.world.size > 1 and not self.in_no_sync:
             self._broadcast_buffers()
@@ -284,6 +293,7 @@ class ZeroEngine:
         if abandon_pass:
             self.hooks.reset()
         self.hooks.wait_reductions()
+        self._wake_grads()
         for part in self.parts:
             part.grads.zero()
             self.plan.grads.drop(part)

@@ -187,6 +187,21 @@ class FlatPart(ReadsPartSettings):
 
         return pending.and_then(release_workspace)
 
+    @property
+    def grad_holders(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per parameter, the objects users reach it by: the parameter, and at stage 3 its stand-in."""
+        if self.module_slots is None:
+            return [(p,) for p in self.params]
+        return list(zip(self.params, self.module_slots.resting))
+
+    def rest_grads(self) -> None:
+        """[Note: resting gradients] the gradients reached the engine: `.grad` stand-ins for trainable parameters."""
+        self.grads.rest(self.grad_holders, self.spec.param_names)
+
+    def wake_grads(self) -> None:
+        """[Note: resting gradients] remove the `.grad` stand-ins."""
+        FlatGrads.wake(self.grad_holders)
+
     def bind(self, real: bool) -> None:
         """Register the real parameters (gathered) or their stand-ins (freed) in the modules ([Note: resting
         parameters])."""

@@ -46,6 +46,7 @@ from .collectives.sparse import coalesced_rows, scatter_rows_
 from .layout import FlatLayout
 from .lifecycle import GradState
 from .placement import Placement
+from .resting import ShardedGrad
 from .settings import PartSettings, ReadsPartSettings
 
 
@@ -178,6 +179,25 @@ class FlatGrads(ReadsPartSettings):
                     if p.grad is not None:  # a gradient from outside the engine: keep it
                         view.add_(p.grad.to(view.dtype))
                     p.grad = view
+
+    def rest(self, holders: list[tuple[torch.Tensor, ...]], names: tuple[str, ...]) -> None:
+        """[Note: resting gradients] after a backward pass whose gradients reached this part: give every trainable
+        parameter's `.grad` (on each object users reach it by, `holders[i]`) a `ShardedGrad` stand-in."""
+        if not self.has_trainable or (self.is_zero and self._unsharded is None):
+            return
+        for p, objects, name in zip(self.params, holders, names):
+            if p.requires_grad:
+                for obj in objects:
+                    if obj.grad is None:
+                        obj.grad = ShardedGrad(obj, name)
+
+    @staticmethod
+    def wake(holders: list[tuple[torch.Tensor, ...]]) -> None:
+        """[Note: resting gradients] remove the stand-ins: back to `.grad = None`."""
+        for objects in holders:
+            for obj in objects:
+                if isinstance(obj.grad, ShardedGrad):
+                    obj.grad = None
 
     def collect(self) -> None:
         """After the unit's backward: keep a lookup's sparse gradient, or adopt autograd's dense one as

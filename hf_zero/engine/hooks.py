@@ -106,6 +106,7 @@ class HookSettings:
     world: CommGroup | None = None
     on_root_forward: Callable[[], None] | None = None  # told as the root's forward begins (outside backward)
     input_dtype: torch.dtype | None = None  # [Note: input dtype] the root's floating inputs' dtype, or None
+    on_backward: Callable[[], None] | None = None  # told as a backward pass begins, before any unit's gradients
 
 
 class UnitHooks:
@@ -314,6 +315,8 @@ class UnitHooks:
         self._pre_backward(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
+        if not self.current.in_backward and self.settings.on_backward is not None:
+            self.settings.on_backward()  # [Note: resting gradients]: autograd must not meet the stand-ins
         if unit is not self.root:
             self._settle_units_check()  # before anything this unit issues
         if not unit.begin_backward():

@@ -103,6 +103,61 @@ class ShardedParameter(torch.Tensor):
     tolist = item = numpy = __reduce_ex__ = __deepcopy__ = __array__ = _refuse  # all refuse alike
 
 
+def _grad_message(name: str) -> str:
+    return (
+        f"'{name}'.grad of a model sharded by hf_zero: after the backward each rank holds only its shard of the "
+        "averaged gradient, so `.grad` has no value to read or change ([Note: resting gradients]). To change "
+        "gradients, register `param.register_hook(fn)` before the backward (fn gets this rank's gradient before the "
+        "mean over ranks: scaling and masking commute with it). To clip, call "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) after `import hf_zero`, or "
+        "optimizer.clip_grad_norm_(max_norm), not torch's get_total_norm + clip_grads_with_norm_ or a "
+        "clip_grad_norm_ bound before the import; its return value is the global gradient norm (max_norm=inf "
+        "only measures it)."
+    )
+
+
+class ShardedGrad(torch.Tensor):
+    """[Note: resting gradients]
+    What a trainable parameter's `.grad` is on a sharded model between the end of a backward and the next
+    `zero_grad`, forward or backward: the gradient itself lives in the engine's shards (each rank a part of the
+    mean over ranks), so under DDP's semantics `.grad` would be the whole averaged gradient, which no rank holds.
+    Left `None` (as DeepSpeed leaves it), code written for DDP went silently wrong: `if p.grad is not None: ...`
+    skipped every edit (rows of an embedding's gradient zeroed, gradient noise, a scale) and every norm it
+    logged was 0. This stand-in has the parameter's shape, dtype and device, so `p.grad is not None` holds where
+    DDP's would, and any read or write of a value raises a `TypeError` that names the parameter and the ways
+    that work: a gradient hook before the backward, hf_zero's clipping and the norm it returns. The engine
+    removes it at `zero_grad`, at the next forward with grad and at the start of the next backward pass, so
+    autograd never accumulates into it.
+    """
+
+    _hf_zero_name: str
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, name: str) -> ShardedGrad:
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        t._hf_zero_name = name
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub types it as an instance method
+        names = [a._hf_zero_name for a in _flat(args, kwargs) if isinstance(a, ShardedGrad)]
+        raise TypeError(f"{_grad_message(names[0] if names else 'a parameter')} (operation: {func})")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own idiom for subclasses
+
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]  # torch's stub names a keyword-only `Any`
+        return f"ShardedGrad('{self._hf_zero_name}', shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_grad_message(self._hf_zero_name))
+
+    tolist = item = numpy = __reduce_ex__ = __deepcopy__ = __array__ = _refuse  # all refuse alike
+    # Python's operators reach no dispatch on a subclass with torch functions disabled: refused here by name
+    __add__ = __radd__ = __iadd__ = __sub__ = __rsub__ = __isub__ = __mul__ = __rmul__ = __imul__ = _refuse
+    __truediv__ = __rtruediv__ = __itruediv__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __float__ = __int__ = __bool__ = _refuse
+
+
 def _flat(args: Any, kwargs: Any) -> list[Any]:
     out: list[Any] = []
     for obj in (args, kwargs or {}):

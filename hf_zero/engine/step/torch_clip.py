@@ -2,9 +2,9 @@
 
 [Note: torch clipping]
 `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` is the unchanged line of every DDP loop.
-On a sharded model it would see no gradient: after the backward every parameter's `.grad` is None (the
-gradients live in flat shards, [Note: gradients] in grads.py), so torch would return a norm of 0 and clip
-nothing, silently. `install()` (run when hf_zero is imported) replaces `clip_grad_norm_` and
+On a sharded model it would see no gradient: after the backward every parameter's `.grad` is a stand-in with
+no value (the gradients live in flat shards, [Note: gradients] in grads.py, [Note: resting gradients] in
+resting.py); were it None, torch would return a norm of 0 and clip nothing, silently. `install()` (run when hf_zero is imported) replaces `clip_grad_norm_` and
 `clip_grad_value_` in `torch.nn.utils` and `torch.nn.utils.clip_grad` by functions that, for the parameters
 of a sharded model (all or some of them, real ones or stand-ins), clip its gradient shards: the norm is the
 global one over every rank's shards (a collective: every rank must call it, as every rank calls it under
@@ -109,8 +109,8 @@ def _clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.T
     params = _as_list(parameters)
     if _owner(params, "clip_grads_with_norm_") is not None:
         raise ValueError(
-            "torch's gradient clipping got the parameters of a model sharded by hf_zero, whose .grad is None (the "
-            "gradients live in flat shards), through a copy of torch.nn.utils.clip_grad_norm_ bound before hf_zero "
+            "torch's gradient clipping got the parameters of a model sharded by hf_zero, whose .grad holds no value "
+            "(the gradients live in flat shards), through a copy of torch.nn.utils.clip_grad_norm_ bound before hf_zero "
             "was imported, or through get_total_norm + clip_grads_with_norm_. Call "
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) after `import hf_zero`, or "
             "optimizer.clip_grad_norm_(max_norm) (the optimizer hf_zero.initialize returned)."
