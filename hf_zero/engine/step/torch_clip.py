@@ -4,12 +4,12 @@
 `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` is the unchanged line of every DDP loop.
 On a sharded model it would see no gradient: after the backward every parameter's `.grad` is a stand-in with
 no value (the gradients live in flat shards, [Note: gradients] in grads.py, [Note: resting gradients] in
-resting.py); were it None, torch would return a norm of 0 and clip nothing, silently. `install()` (run when hf_zero is imported) replaces `clip_grad_norm_` and
-`clip_grad_value_` in `torch.nn.utils` and `torch.nn.utils.clip_grad` by functions that, for the parameters
-of a sharded model (all or some of them, real ones or stand-ins), clip its gradient shards: the norm is the
-global one over every rank's shards (a collective: every rank must call it, as every rank calls it under
-DDP), equal to what torch returns for the unsharded gradients, and the value clip is elementwise on the
-shards. Parameters of no sharded model go to torch's own functions unchanged.
+resting.py); were it None, torch would return a norm of 0 and clip nothing, silently. `install()` (run when
+hf_zero is imported) replaces `clip_grad_norm_` and `clip_grad_value_` in `torch.nn.utils` and
+`torch.nn.utils.clip_grad` by functions that, for the parameters of a sharded model (all or some of them, real
+ones or stand-ins), clip its gradient shards: the norm is the global one over every rank's shards (a
+collective: every rank must call it, as every rank calls it under DDP), equal to what torch returns for the
+unsharded gradients, and the value clip is elementwise on the shards. Parameters of no sharded model go to torch's own functions unchanged.
 
 A copy of torch's `clip_grad_norm_` bound before hf_zero was imported (`from torch.nn.utils import
 clip_grad_norm_` above `import hf_zero`), and torch's two-step `get_total_norm` + `clip_grads_with_norm_`,
