@@ -9,7 +9,8 @@ hf_zero is imported) replaces `clip_grad_norm_` and `clip_grad_value_` in `torch
 `torch.nn.utils.clip_grad` by functions that, for the parameters of a sharded model (all or some of them, real
 ones or stand-ins), clip its gradient shards: the norm is the global one over every rank's shards (a
 collective: every rank must call it, as every rank calls it under DDP), equal to what torch returns for the
-unsharded gradients, and the value clip is elementwise on the shards. Parameters of no sharded model go to torch's own functions unchanged.
+unsharded gradients, and the value clip is elementwise on the shards. Parameters of no sharded model go to
+torch's own functions unchanged.
 
 A copy of torch's `clip_grad_norm_` bound before hf_zero was imported (`from torch.nn.utils import
 clip_grad_norm_` above `import hf_zero`), and torch's two-step `get_total_norm` + `clip_grads_with_norm_`,
@@ -109,9 +110,9 @@ def _clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.T
     params = _as_list(parameters)
     if _owner(params, "clip_grads_with_norm_") is not None:
         raise ValueError(
-            "torch's gradient clipping got the parameters of a model sharded by hf_zero, whose .grad holds no value "
-            "(the gradients live in flat shards), through a copy of torch.nn.utils.clip_grad_norm_ bound before hf_zero "
-            "was imported, or through get_total_norm + clip_grads_with_norm_. Call "
+            "torch's gradient clipping got the parameters of a model sharded by hf_zero, whose .grad holds no "
+            "value (the gradients live in flat shards), through a copy of torch.nn.utils.clip_grad_norm_ bound "
+            "before hf_zero was imported, or through get_total_norm + clip_grads_with_norm_. Call "
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) after `import hf_zero`, or "
             "optimizer.clip_grad_norm_(max_norm) (the optimizer hf_zero.initialize returned)."
         )
