@@ -663,6 +663,23 @@ def grad_rows_zeroed_in_a_hook(loop: Loop) -> None:
 
 
 @scenario()
+def eval_under_inference_mode(loop: Loop) -> None:
+    """An evaluation forward under `torch.inference_mode()` before each training step (Lightning's validation,
+    transformers' pipelines): the buffers it gathers into are not inference tensors the training forward reuses."""
+    for step in range(3):
+        loop.model.eval()
+        x, y = loop.batch(100 + step)
+        with torch.inference_mode():
+            loop.note("eval_loss", nn.functional.mse_loss(loop.model(x), y))
+        loop.model.train()
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
 def deepcopy_for_an_ema(loop: Loop) -> None:
     """`torch.optim.swa_utils.AveragedModel(model)` after wrapping (it deep-copies the model, as an EMA or a frozen
     reference model does); refused by name, with the recipe of the next scenario."""
