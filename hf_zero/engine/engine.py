@@ -116,6 +116,7 @@ class ZeroEngine:
         parts = iter(self.parts)
         self.units = [Unit([next(parts) for _ in split], self.plan.params, self.plan.grads) for split in grouped]
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
+        self._grads_resting = False  # [Note: resting gradients] some `.grad` holds a stand-in
         self.in_no_sync = False  # inside no_sync(): DDP broadcasts no buffers there
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
@@ -218,11 +219,14 @@ class ZeroEngine:
         self.steps.on_reduced()
         for part in self.parts:
             part.rest_grads()  # [Note: resting gradients]
+        self._grads_resting = True
 
     def _wake_grads(self) -> None:
         """[Note: resting gradients] before a forward with grad or a backward pass, and at `zero_grad`."""
-        for part in self.parts:
-            part.wake_grads()
+        if self._grads_resting:
+            for part in self.parts:
+                part.wake_grads()
+            self._grads_resting = False
 
     @property
     def defers_reduction_in_no_sync(self) -> bool:

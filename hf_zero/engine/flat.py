@@ -36,7 +36,7 @@ from .collectives import (
 from .collectives.quant import gather_int8, gather_workspace_numels
 from .grads import FlatGrads, SlabShard
 from .pool import transient_nbytes
-from .resting import ModuleSlots
+from .resting import ModuleSlots, ShardedGrad
 from .settings import PartSettings, ReadsPartSettings
 from .step.master import MasterStore, MemoryMaster
 from .wrap import UnitSpec
@@ -92,6 +92,7 @@ class FlatPart(ReadsPartSettings):
 
         # [Note: gradients] in grads.py: the unsharded buffer, a lookup's sparse gradient, the reduced shard
         self.grads = FlatGrads(settings, self.params, spec.backward_reads_params, grad_shard)
+        self._grad_stand_ins: list[tuple[tuple[torch.Tensor, ShardedGrad], ...]] | None = None
 
     def _gather_shard(self, on_disk: bool) -> torch.Tensor:
         """Stage 3: the shard a gather sends ([Note: cast on gather]), taken before the master's store is chosen."""
@@ -188,19 +189,26 @@ class FlatPart(ReadsPartSettings):
         return pending.and_then(release_workspace)
 
     @property
-    def grad_holders(self) -> list[tuple[torch.Tensor, ...]]:
-        """Per parameter, the objects users reach it by: the parameter, and at stage 3 its stand-in."""
-        if self.module_slots is None:
-            return [(p,) for p in self.params]
-        return list(zip(self.params, self.module_slots.resting))
+    def grad_stand_ins(self) -> list[tuple[tuple[torch.Tensor, ShardedGrad], ...]]:
+        """Per parameter, each object users reach it by (the parameter, and at stage 3 its stand-in) with the
+        `ShardedGrad` its `.grad` holds at rest ([Note: resting gradients]); made once."""
+        if self._grad_stand_ins is None:
+            slots = self.module_slots
+            holders = [(p,) for p in self.params] if slots is None else list(zip(self.params, slots.resting))
+            self._grad_stand_ins = [
+                tuple((obj, ShardedGrad(obj, name)) for obj in objs)
+                for objs, name in zip(holders, self.spec.param_names)
+            ]
+        return self._grad_stand_ins
 
     def rest_grads(self) -> None:
         """[Note: resting gradients] the gradients reached the engine: `.grad` stand-ins for trainable parameters."""
-        self.grads.rest(self.grad_holders, self.spec.param_names)
+        self.grads.rest(self.grad_stand_ins)
 
     def wake_grads(self) -> None:
         """[Note: resting gradients] remove the `.grad` stand-ins."""
-        FlatGrads.wake(self.grad_holders)
+        if self._grad_stand_ins is not None:
+            FlatGrads.wake(self._grad_stand_ins)
 
     def bind(self, real: bool) -> None:
         """Register the real parameters (gathered) or their stand-ins (freed) in the modules ([Note: resting

@@ -180,22 +180,23 @@ class FlatGrads(ReadsPartSettings):
                         view.add_(p.grad.to(view.dtype))
                     p.grad = view
 
-    def rest(self, holders: list[tuple[torch.Tensor, ...]], names: tuple[str, ...]) -> None:
+    def rest(self, stand_ins: list[tuple[tuple[torch.Tensor, ShardedGrad], ...]]) -> None:
         """[Note: resting gradients] after a backward pass whose gradients reached this part: give every trainable
-        parameter's `.grad` (on each object users reach it by, `holders[i]`) a `ShardedGrad` stand-in."""
+        parameter's `.grad`, on each object users reach it by, its `ShardedGrad` stand-in (`stand_ins[i]`: the
+        (object, stand-in) pairs of parameter i, made once)."""
         if not self.has_trainable or (self.is_zero and self._unsharded is None):
             return
-        for p, objects, name in zip(self.params, holders, names):
+        for p, pairs in zip(self.params, stand_ins):
             if p.requires_grad:
-                for obj in objects:
+                for obj, stand_in in pairs:
                     if obj.grad is None:
-                        obj.grad = ShardedGrad(obj, name)
+                        obj.grad = stand_in
 
     @staticmethod
-    def wake(holders: list[tuple[torch.Tensor, ...]]) -> None:
+    def wake(stand_ins: list[tuple[tuple[torch.Tensor, ShardedGrad], ...]]) -> None:
         """[Note: resting gradients] remove the stand-ins: back to `.grad = None`."""
-        for objects in holders:
-            for obj in objects:
+        for pairs in stand_ins:
+            for obj, _ in pairs:
                 if isinstance(obj.grad, ShardedGrad):
                     obj.grad = None
 

@@ -56,7 +56,7 @@ from .lifecycle import TrainingState
 from .passes import Pass
 from .pool import BufferPool
 from .stages import StagePlan
-from .tree import flatten, tensors
+from .tree import cast_floating_inputs, flatten, tensors
 from .unit import Prefetch, Unit
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
@@ -598,29 +598,6 @@ class UnitHooks:
             unit.unpin()
             if unit.training_state in (TrainingState.IDLE, TrainingState.REDUCING):
                 unit.release()
-
-
-def cast_floating_inputs(args: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any, bool]:
-    """[Note: input dtype]
-    Under mixed precision every parameter computes in `dtype` (bf16 or fp16), so a floating-point input in
-    another dtype would meet them in the first matrix product and fail there ("mat1 and mat2 must have the same
-    dtype"): a model fed features, pixels or `inputs_embeds` in fp32. The root's floating-point tensor inputs, in
-    any container, are cast to `dtype` before its forward, as FSDP2 does by default
-    (`MixedPrecisionPolicy(cast_forward_inputs=True)`); the cast is differentiable, so an input that requires grad
-    gets its gradient in its own dtype. Targets passed as `labels` (or `label`, `*_labels`) keep theirs: they meet
-    the outputs in the loss, where type promotion computes in the wider dtype. Integer and bool inputs (token ids,
-    masks) are left alone. Returns the new args and kwargs and whether anything was cast."""
-    targets = {k: v for k, v in kwargs.items() if k in ("labels", "label") or k.endswith("_labels")}
-    leaves, rebuild = flatten((args, {k: v for k, v in kwargs.items() if k not in targets}))
-    cast_any = False
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
-            leaves[i] = leaf.to(dtype)
-            cast_any = True
-    if not cast_any:
-        return args, kwargs, False
-    new_args, new_kwargs = rebuild(leaves)
-    return tuple(new_args), {**new_kwargs, **targets}, True
 
 
 def _sizes(units: list[Unit]) -> frozenset[int]:

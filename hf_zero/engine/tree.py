@@ -68,3 +68,26 @@ def partial_dataclass(template: Any, rebuild_fields: Callable[[list[Any]], Any])
 def tensors(obj: Any) -> list[torch.Tensor]:
     """Every tensor in `obj` ([Note: containers])."""
     return [leaf for leaf in flatten(obj)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def cast_floating_inputs(args: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any, bool]:
+    """[Note: input dtype]
+    Under mixed precision every parameter computes in `dtype` (bf16 or fp16), so a floating-point input in
+    another dtype would meet them in the first matrix product and fail there ("mat1 and mat2 must have the same
+    dtype"): a model fed features, pixels or `inputs_embeds` in fp32. The root's floating-point tensor inputs, in
+    any container, are cast to `dtype` before its forward, as FSDP2 does by default
+    (`MixedPrecisionPolicy(cast_forward_inputs=True)`); the cast is differentiable, so an input that requires grad
+    gets its gradient in its own dtype. Targets passed as `labels` (or `label`, `*_labels`) keep theirs: they meet
+    the outputs in the loss, where type promotion computes in the wider dtype. Integer and bool inputs (token ids,
+    masks) are left alone. Returns the new args and kwargs and whether anything was cast."""
+    targets = {k: v for k, v in kwargs.items() if k in ("labels", "label") or k.endswith("_labels")}
+    leaves, rebuild = flatten((args, {k: v for k, v in kwargs.items() if k not in targets}))
+    cast_any = False
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
+            leaves[i] = leaf.to(dtype)
+            cast_any = True
+    if not cast_any:
+        return args, kwargs, False
+    new_args, new_kwargs = rebuild(leaves)
+    return tuple(new_args), {**new_kwargs, **targets}, True
