@@ -57,6 +57,7 @@ REFUSED: dict[str, dict[int, str]] = {
     "deepcopy_for_an_ema": {s: "copy.deepcopy of a sharded model" for s in (1, 2, 3)},
     "grad_rows_zeroed_before_step": {s: "'head.weight'.grad of a model sharded by hf_zero" for s in (1, 2, 3)},
     "grad_norms_logged_from_p_grad": {s: ".grad of a model sharded by hf_zero" for s in (1, 2, 3)},
+    "optimizer_built_after_initialize": {s: "hf_zero.attach_optimizer" for s in (1, 2, 3)},
     "torch_two_step_clipping": {s: "get_total_norm + clip_grads_with_norm_" for s in (1, 2, 3)},
     "torch_clip_bound_early": {s: "optimizer.clip_grad_norm_(max_norm)" for s in (1, 2, 3)},
     "unit_skipped_on_one_rank": {3: "units ['blocks.1'] ran their forward on some ranks and not on others"},
@@ -677,6 +678,22 @@ def eval_under_inference_mode(loop: Loop) -> None:
         loop.backward(loss)
         loop.opt.step()
         loop.opt.zero_grad()
+
+
+@scenario()
+def optimizer_built_after_initialize(loop: Loop) -> None:
+    """A second optimizer over the head built after `initialize` and never given to hf_zero (a probe's, a GAN's):
+    under DDP it steps the head again from `.grad`; on a sharded model it is refused at its first step, naming
+    `hf_zero.attach_optimizer` (its `.grad` was None: it stepped nothing, silently)."""
+    head_optimizer = torch.optim.SGD(loop.model.head.parameters(), lr=0.1)
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        head_optimizer.step()
+        loop.opt.zero_grad()
+        head_optimizer.zero_grad()
 
 
 @scenario()

@@ -87,18 +87,27 @@ class PlainDP:
                 dist.broadcast(b, 0)
 
     def after_backward(self) -> None:
+        """Average the gradients over the ranks: which parameters have one anywhere in one collective, then their
+        gradients in one flat all-reduce (elementwise sums: the same numbers as one collective per parameter)."""
         world = dist.get_world_size()
-        for p in self.model.parameters():
-            if not p.requires_grad:
-                continue
-            has = torch.tensor([int(p.grad is not None)], device=p.device)
-            dist.all_reduce(has, op=dist.ReduceOp.MAX)
-            if not has.item():
-                continue
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            return
+        has = torch.tensor([int(p.grad is not None) for p in params], device=params[0].device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        got = [p for p, anywhere in zip(params, has.tolist()) if anywhere]
+        for p in got:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad.div_(world)
+        if not got:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in got])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        offset = 0
+        for p in got:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 class Idle:

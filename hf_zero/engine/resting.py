@@ -89,7 +89,11 @@ class ShardedParameter(torch.Tensor):
         first = args[0] if args else None
         if func in _METADATA_OPS and isinstance(first, ShardedParameter):
             return ShardedParameter(first, first._hf_zero_name)
-        names = [a._hf_zero_name for a in _flat(args, kwargs) if isinstance(a, ShardedParameter)]
+        flat = _flat(args, kwargs)
+        grads = [a._hf_zero_name for a in flat if isinstance(a, ShardedGrad)]
+        if grads:  # an optimizer hf_zero never saw, stepping a resting parameter by its `.grad`: the gradient's word
+            raise TypeError(f"{_grad_message(grads[0])} (operation: {func})")
+        names = [a._hf_zero_name for a in flat if isinstance(a, ShardedParameter)]
         raise RuntimeError(f"{_message(names[0] if names else 'a parameter')} (operation: {func})")
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own idiom for subclasses
@@ -112,7 +116,8 @@ def _grad_message(name: str) -> str:
         "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) after `import hf_zero`, or "
         "optimizer.clip_grad_norm_(max_norm), not torch's get_total_norm + clip_grads_with_norm_ or a "
         "clip_grad_norm_ bound before the import; its return value is the global gradient norm (max_norm=inf "
-        "only measures it)."
+        "only measures it). An optimizer reads `.grad` too: build it before hf_zero.initialize and pass it there "
+        "(or to hf_zero.attach_optimizer), which steps the shards."
     )
 
 
