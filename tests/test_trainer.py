@@ -71,7 +71,8 @@ def test_sequence_parallel_trains_and_evaluates_as_the_stock_trainer(pools, tmp_
     assert got["tokens_seen"] == ref["tokens_seen"] > 0
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# stage 2 in the slow tier, as above
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("kind, world", [("scalars", 1), ("scalars", 2), ("mlp", 1), ("mlp", 2)])
 def test_models_without_blocks_train_and_resume_as_the_stock_trainer(pools, tmp_path, kind, world, stage):
     """[Note: units without blocks]: the upstream Trainer tests' model (two scalar parameters on the root, no
@@ -321,7 +322,8 @@ def test_model_weights_off_and_best_model_loading(pools, tmp_path):
         assert torch.equal(loaded[name], value), name
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# stage 2 in the slow tier: it shares stage 1's persistent parameters and stage 3's gradient shards
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("oom", ["step_end", "forward"])
 def test_auto_find_batch_size_halves_and_trains_as_the_stock_trainer(pools, tmp_path, stage, oom):
     """`--auto_find_batch_size` with an out-of-memory error at the first batch size, raised at the end of the first
