@@ -36,7 +36,6 @@ from tests._peer_harness import (
     SCENARIOS,
     Block,
     D,
-    D_OUT,
     DataclassBlock,
     Idle,
     Loop,
@@ -47,7 +46,6 @@ from tests._peer_harness import (
     _steps,
     scenario,
 )
-
 
 # Scenarios hf_zero refuses, with a piece of the message (every other scenario must be exact), by stage.
 REFUSED: dict[str, dict[int, str]] = {
@@ -511,229 +509,7 @@ def param_grad_hook(loop: Loop) -> None:
     _steps(loop)
 
 
-@scenario()
-def state_dict_round_trip(loop: Loop) -> None:
-    """`model.load_state_dict(model.state_dict())` between steps."""
-    for step in range(3):
-        if step == 1:
-            loop.model.load_state_dict({k: v.clone() for k, v in loop.model.state_dict().items()})
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
-
-
-@scenario()
-def read_params_between_steps(loop: Loop) -> None:
-    """A parameter read inside `hf_zero.gathered_parameters` (stage 3) or directly: a weight norm per step."""
-    for step in range(3):
-        loss = loop.loss(step)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
-        if loop.sharded:
-            with hf_zero.gathered_parameters(loop.model):
-                loop.note("weight", loop.model.head.weight.norm())
-        else:
-            loop.note("weight", loop.model.head.weight.norm())
-
-
-@scenario()
-def move_to_its_own_device_between_steps(loop: Loop) -> None:
-    """`model.to(device)`, `.to(dtype)` to the dtype it has and `.float()` between steps, as DDP loops and Accelerate
-    do (changing nothing)."""
-    device = next(loop.model.parameters()).device
-    _steps(loop, before=lambda step: loop.model.to(device).to(torch.float32).float())
-
-
-@scenario()
-def cast_to_bf16_for_evaluation(loop: Loop) -> None:
-    """`model.to(torch.bfloat16)` after training, then an evaluation forward in bf16 (DDP's model is plain bf16
-    from then on); a sharded model's dtype is the engine's: refused, naming mixed_precision."""
-    _steps(loop, n=2)
-    loop.model.to(torch.bfloat16)
-    x, y = loop.batch(2)
-    with torch.no_grad():
-        loop.note("eval_loss", nn.functional.mse_loss(loop.model(x.to(torch.bfloat16)).float(), y))
-
-
-@scenario()
-def user_autocast(loop: Loop) -> None:
-    """`torch.autocast(device_type, dtype=torch.bfloat16)` around the forward and loss of an fp32 model (Accelerate's
-    `mixed_precision` in a plain loop): autocast casts per operation, the weights and gradients stay fp32."""
-    for step in range(3):
-        with torch.autocast(device_type=_peer_harness.DEVICE.type, dtype=torch.bfloat16):
-            loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
-
-
-@scenario()
-def module_full_backward_hook(loop: Loop) -> None:
-    """`block.register_full_backward_hook(...)` recording the gradient of the block's output (a probe users add to
-    watch gradients flow)."""
-    seen: list[float] = []
-    loop.model.blocks[1].register_full_backward_hook(lambda m, gin, gout: seen.append(float(gout[0].abs().sum())))
-    _steps(loop)
-    for value in seen:
-        loop.note("output_grad", value)
-
-
-@scenario()
-def optimizer_step_with_closure(loop: Loop) -> None:
-    """`optimizer.step(closure)`, the closure zeroing, computing the loss and its backward (LBFGS' and SAM's form)."""
-    for step in range(3):
-
-        def closure() -> torch.Tensor:
-            loop.opt.zero_grad()
-            loss = loop.loss(step)
-            loop.backward(loss)
-            return loss
-
-        loop.note("loss", loop.opt.step(closure))
-        loop.opt.zero_grad()
-
-
-@scenario()
-def backward_twice_with_retain_graph(loop: Loop) -> None:
-    """`loss.backward(retain_graph=True)`, then a second backward through the same graph before the step."""
-    for step in range(3):
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loss.backward(retain_graph=True)
-        loop.backward(loss * 0.5)
-        loop.opt.step()
-        loop.opt.zero_grad()
-
-
-@scenario()
-def lr_scheduler_one_cycle(loop: Loop) -> None:
-    """`OneCycleLR` stepped after the optimizer, the learning rate read back."""
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(loop.opt, max_lr=0.05, total_steps=3)
-    for step in range(3):
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        scheduler.step()
-        loop.opt.zero_grad()
-        loop.note("lr", loop.opt.param_groups[0]["lr"])
-
-
-@scenario()
-def grad_rows_zeroed_before_step(loop: Loop) -> None:
-    """Rows of a gradient zeroed between backward and step, guarded by `if p.grad is not None` (training only some
-    rows: new token embeddings). DDP's `.grad` is the averaged gradient; a sharded model's is a stand-in that
-    refuses by name ([Note: resting gradients]): left None, the guard skipped the edit and training went silently
-    different."""
-    for step in range(3):
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        grad = loop.model.head.weight.grad
-        if grad is not None:
-            grad[:2].zero_()
-        loop.opt.step()
-        loop.opt.zero_grad()
-
-
-@scenario()
-def grad_norms_logged_from_p_grad(loop: Loop) -> None:
-    """Per-step gradient norm summed from `p.grad` with the usual guard (left None, it logged 0 on every step)."""
-    for step in range(3):
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        total = sum(float(p.grad.norm()) ** 2 for p in loop.model.parameters() if p.grad is not None)
-        loop.note("grad_norm", total**0.5)
-        loop.opt.step()
-        loop.opt.zero_grad()
-
-
-@scenario()
-def grad_rows_zeroed_in_a_hook(loop: Loop) -> None:
-    """The way that works on a sharded model: `p.register_hook` before the backward zeroes the rows (on each rank's
-    gradient before the mean, which masking commutes with)."""
-    mask = torch.ones(D_OUT, 1, device=_peer_harness.DEVICE)
-    mask[:2] = 0
-    loop.model.head.weight.register_hook(lambda grad: grad * mask)
-    _steps(loop)
-
-
-@scenario()
-def eval_under_inference_mode(loop: Loop) -> None:
-    """An evaluation forward under `torch.inference_mode()` before each training step (Lightning's validation,
-    transformers' pipelines): the buffers it gathers into are not inference tensors the training forward reuses."""
-    for step in range(3):
-        loop.model.eval()
-        x, y = loop.batch(100 + step)
-        with torch.inference_mode():
-            loop.note("eval_loss", nn.functional.mse_loss(loop.model(x), y))
-        loop.model.train()
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
-
-
-@scenario()
-def optimizer_built_after_initialize(loop: Loop) -> None:
-    """A second optimizer over the head built after `initialize` and never given to hf_zero (a probe's, a GAN's):
-    under DDP it steps the head again from `.grad`; on a sharded model it is refused at its first step, naming
-    `hf_zero.attach_optimizer` (its `.grad` was None: it stepped nothing, silently)."""
-    head_optimizer = torch.optim.SGD(loop.model.head.parameters(), lr=0.1)
-    for step in range(3):
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        head_optimizer.step()
-        loop.opt.zero_grad()
-        head_optimizer.zero_grad()
-
-
-@scenario()
-def deepcopy_for_an_ema(loop: Loop) -> None:
-    """`torch.optim.swa_utils.AveragedModel(model)` after wrapping (it deep-copies the model, as an EMA or a frozen
-    reference model does); refused by name, with the recipe of the next scenario."""
-    ema = torch.optim.swa_utils.AveragedModel(loop.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
-    for step in range(3):
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
-        ema.update_parameters(loop.model)
-        x, y = loop.batch(50 + step)
-        with torch.no_grad():
-            loop.note("ema_loss", nn.functional.mse_loss(ema(x), y))
-
-
-@scenario(twin=True)
-def ema_copied_before_initialize(loop: Loop) -> None:
-    """An EMA of the weights kept in a copy made before sharding, updated after every step from the full weights
-    (`hf_zero.full_state_dict(model, rank0_only=False)` on every rank: the fp32 masters), and evaluated."""
-    ema = loop.twin
-    assert ema is not None
-    for step in range(3):
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
-        if loop.sharded:
-            full = hf_zero.full_state_dict(loop.model, rank0_only=False, device=_peer_harness.DEVICE)
-        else:
-            full = loop.model.state_dict()
-        with torch.no_grad():
-            for name, p in ema.named_parameters():
-                p.lerp_(full[name], 0.1)
-            x, y = loop.batch(50 + step)
-            loop.note("ema_loss", nn.functional.mse_loss(ema(x), y))
+from tests import _peer_cases_loop  # noqa: E402, F401 - registers the rest of the scenarios
 
 
 # ---- the runner ---------------------------------------------------------------------------------------
@@ -800,6 +576,8 @@ def resume_growing_buffer(stage: int, path: str) -> dict[str, Any]:
         model.remember(torch.full((1, D), float(step + 1)))
     hf_zero.save_checkpoint(path, model, opt)
     fresh = GrowingMemory()
-    fresh, fresh_opt = hf_zero.initialize(fresh, _optimizer(fresh, {}), hf_zero.ZeroConfig(stage=stage, wrap=("Block",)))
+    fresh, fresh_opt = hf_zero.initialize(
+        fresh, _optimizer(fresh, {}), hf_zero.ZeroConfig(stage=stage, wrap=("Block",))
+    )
     hf_zero.load_checkpoint(path, fresh, fresh_opt)
     return {"saved": model.memory.tolist(), "loaded": fresh.memory.tolist()}
