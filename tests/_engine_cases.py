@@ -241,3 +241,24 @@ def float_inputs_under_mixed_precision(stage: int, precision: str) -> dict[str, 
             optimizer.zero_grad()
             out.append(float(loss))
     return {"losses": losses, "reference": ref_losses, "seen": [str(d) for d in model.seen[0]]}
+
+
+def replaced_param_data(stage: int) -> str:
+    """`param.data = tensor` between steps, then the next forward: the error it raises on this rank ("" if none)."""
+    from tests._peer_harness import Net
+
+    torch.manual_seed(0)
+    model = Net()
+    model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    hf_zero.ZeroConfig(stage=stage, wrap=["Block"]))
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.head.weight.data = model.head.weight.data.clone() * 0.5
+    try:
+        model(x)
+    except ValueError as e:
+        return str(e)
+    return ""

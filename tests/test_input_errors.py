@@ -140,3 +140,12 @@ def test_pickling_or_copying_a_sharded_model_is_refused_naming_what_to_save():
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     assert buffer.tell() > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_replacing_a_parameters_data_is_refused_at_the_next_forward_on_every_rank(pools, stage):
+    """[Note: replaced data] `param.data = tensor` after initialize (weight surgery written for a plain module) left the
+    module computing with the new tensor while the steps updated the flat buffer: weights 0.93 relative off DDP's
+    after one more step, silently. Now the next forward refuses it on every rank, naming the in-place way."""
+    for error in pools(2).values(engine_cases.replaced_param_data, stage):
+        assert "parameter 'head.weight' had its `.data` replaced" in error and "param.copy_(tensor)" in error, error

@@ -256,6 +256,7 @@ class ZeroEngine:
             return
         self._wake_grads()
         self._refuse_unfrozen()
+        self._refuse_replaced_data()
         if self.config.broadcast_buffers and self.world.size > 1 and not self.in_no_sync:
             self._broadcast_buffers()
 
@@ -275,6 +276,25 @@ class ZeroEngine:
                         "trainable at initialize, so it would never train. For progressive unfreezing, leave it "
                         "trainable at initialize (build the optimizer over it too) and freeze it with "
                         "requires_grad_(False) right after: hf_zero follows freezing and unfreezing from then on."
+                    )
+
+    def _refuse_replaced_data(self) -> None:
+        """[Note: replaced data]
+        At stages 0-2 every parameter is a view of its part's flat buffer for the engine's lifetime. `param.data =
+        tensor` (weight surgery written for a plain module) points the parameter elsewhere: the module would compute
+        with the new tensor while the steps update the flat buffer and the masters, silently apart. Refused at the
+        next forward with grad, on every rank (the same parameters on each), naming the in-place way."""
+        for part in self.parts:
+            if not part.persistent:
+                continue  # stage 3 swaps its parameters' storage at every gather
+            for name, p, ptr in zip(part.spec.param_names, part.params, part.param_data_ptrs):
+                if p.data_ptr() != ptr:
+                    raise ValueError(
+                        f"hf_zero: parameter '{name}' had its `.data` replaced (`param.data = tensor`) after "
+                        "hf_zero.initialize: its values live in the engine's flat buffer and fp32 master shards, so "
+                        "the module would compute with the new tensor while training updated the old one. Change it "
+                        "in place instead: `with torch.no_grad(): param.copy_(tensor)` on every rank, or "
+                        "model.load_state_dict(...)."
                     )
 
     def _broadcast_buffers(self) -> None:
