@@ -498,11 +498,8 @@ class UnitHooks:
         stage 3 its units are pinned as its backward gathers them, and stay whole until the final callback of
         the next backward pass that builds no graph (or an optimizer step, after which torch refuses that
         graph anyway); that pass, which runs the second-order terms in no fixed order, reduces every unit in
-        its final callback, in unit order, at every stage. The order is not fixed because autograd runs ready
-        nodes by their sequence numbers, which each thread counts on its own: on a GPU the first backward runs on
-        the device's autograd thread, so the graph it built is numbered below the forward's, and a parameter's
-        second-order gradient can reach it after its unit's inputs' gradient (the end signal) is complete.
-        """
+        its final callback, in unit order, at every stage (each thread numbers the nodes it creates: on a GPU that
+        graph comes from the device's autograd thread, and its terms may follow a unit's end signal)."""
         self.current.create_graph = torch.is_grad_enabled()
         if self.current.create_graph:
             self.graph_built = True
@@ -590,8 +587,7 @@ class UnitHooks:
             )
 
     def drop_graph_pins(self) -> None:
-        """[Note: double backward] forget the graph a create_graph backward built: unpin the units it kept whole,
-        and free them."""
+        """[Note: double backward] forget the graph a create_graph backward built; unpin and free its units."""
         pins, self.graph_pins = self.graph_pins, []
         self.graph_built = False
         for unit in pins:
