@@ -29,8 +29,10 @@ def _copy(saved: Path, tmp_path: Path) -> Path:
     return target
 
 
-def _expect(pools, ckpt: Path, error_type: str, message: str, kind: str = "llama", verify: bool = True) -> None:
-    for r in pools(2).values(checkpoint_cases.load_into_fresh_model, str(ckpt), kind, 3, verify):
+def _expect(
+    pools, ckpt: Path, error_type: str, message: str, kind: str = "llama", verify: bool = True, stage: int = 3
+) -> None:
+    for r in pools(2).values(checkpoint_cases.load_into_fresh_model, str(ckpt), kind, stage, verify):
         assert r["error_type"] == error_type, r
         assert message in r["error"], r["error"]
         assert r["unchanged"] and r["opt_state_empty"]
@@ -56,13 +58,17 @@ def test_truncated_file(pools, saved, tmp_path):
     _expect(pools, ckpt, "ValueError", "truncated", verify=False)  # sizes are checked even without verify
 
 
-def test_corrupted_file_same_size(pools, saved, tmp_path):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_corrupted_model_file_leaves_the_weights_as_they_were(pools, saved, tmp_path, stage):
+    """[Note: master backup]: the model files are read once, straight into the masters (at stages 1-2 in fp32
+    the parameters themselves); rank 0's damaged file is found after its masters changed, rank 1's loads
+    whole: both raise, both put their masters back."""
     ckpt = _copy(saved, tmp_path)
     path = ckpt / "model-rank00000-of-00002.safetensors"
     data = bytearray(path.read_bytes())
     data[-7] ^= 0xFF  # one flipped byte inside a tensor
     path.write_bytes(bytes(data))
-    _expect(pools, ckpt, "ValueError", "model-rank00000-of-00002.safetensors is corrupted: its checksum")
+    _expect(pools, ckpt, "ValueError", "model-rank00000-of-00002.safetensors is corrupted: its checksum", stage=stage)
 
 
 def test_corrupted_optimizer_file_is_found_before_the_model_changes(pools, saved, tmp_path):

@@ -2,9 +2,10 @@
 
 Each rank reads, from whichever files hold them, only the ranges of each parameter that its own
 shard covers now (over the manifest's slice index), so a checkpoint saved by 3 ranks at stage 3
-loads on 2 ranks at stage 2, and back. Everything is checked (manifest, names and shapes, files,
-sizes, checksums) and agreed on by all ranks before the model's weights are touched; the optimizer
-state is read into fresh tensors in the same pass as its files' checksums ([Note: one-pass load]).
+loads on 2 ranks at stage 2, and back. The manifest, names, shapes and sizes are checked and agreed on
+by all ranks before anything is read; then every file is read once, its checksum from the same bytes,
+the optimizer state first, the masters last, once a copy of them is held ([Note: one-pass load],
+[Note: master backup]): a failure on any rank puts every rank's masters back.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,10 +22,12 @@ from torch import nn
 
 from ..engine.collectives import raise_if_any_failed
 from ..engine.engine import ZeroEngine
+from ..engine.flat import FlatPart
 from ..engine.module import get_engine
 from ..engine.step.optim import ShardedOptimizer, sharded_list
 from ..engine.step.pieces import Piece
 from .background import finish_previous
+from .backup import MasterBackup
 from .format import BUFFERS_FILE, STATE_SEP, Digest, Manifest, check_checksum, check_files, check_sizes, optim_file_for
 from .owned_state import (
     PARAM,
@@ -58,7 +62,7 @@ def load_checkpoint(
         optimizer (`ShardedOptimizer` or a list or tuple of them, *optional*): restored too (state, param-group
             hyperparameters); several optimizers in the order they were saved.
         verify (`bool`, *optional*, defaults to `True`): check every file's checksum against the
-            manifest (from the bytes as they are read; the model files' before the weights change);
+            manifest (from the bytes as they are read; the weights are put back if one fails);
             sizes are always checked.
 
     Returns:
@@ -67,8 +71,8 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: no checkpoint (or an incomplete one) at `path`, or a file missing.
         ValueError: a damaged file, another model's checkpoint (names or shapes differ), an
-            unknown format version, or an optimizer that does not match. Raised on every rank,
-            before the model is modified; the optimizer's previous state may be gone by then
+            unknown format version, or an optimizer that does not match. Raised on every rank, the
+            model's weights as they were; the optimizer's previous state may be gone by then
             (it is being replaced, and is released before the new one is read, to keep memory flat).
 
     Example:
@@ -101,11 +105,18 @@ def load_checkpoint(
     raise_if_any_failed(error, engine.world, "hf_zero.load_checkpoint")
     if manifest is None:  # unreachable: a missing manifest raised above
         raise RuntimeError(f"[rank {engine.world.global_rank}] hf_zero.load_checkpoint read no manifest")
+    engine.hooks.wait_reductions()
     staged: list[Staged] = []
-    try:  # the checksums; the optimizer state read in the same pass where it can be ([Note: one-pass load])
-        read_already: set[str] = set()
+    backup: MasterBackup | None = None
+    in_pass = engine.disk is None  # the masters read in the one pass ([Note: master backup])
+    try:  # every file read once, checked from the same bytes ([Note: one-pass load])
+        reads = RangeReads(directory, direct=True)  # read once: around the page cache
         if optimizers and manifest.optimizer is not None and _one_pass(engine, optimizers):
-            staged, read_already = _stage_optimizers(engine, optimizers, manifest, directory, needed, verify)
+            staged = _stage_optimizers(engine, optimizers, manifest, reads)
+        if in_pass:
+            backup = MasterBackup(engine.parts) if verify else None
+            _plan_masters(engine, manifest, reads)
+        read_already = _read_all(reads, manifest, directory, needed, verify, backup)
         check_files(directory, manifest, [n for n in needed if n not in read_already], verify)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
@@ -114,19 +125,20 @@ def load_checkpoint(
     except Exception:
         for each in optimizers:  # read into in part: no rank keeps a state that is neither the old nor the new
             each.optimizer.state.clear()
+        if backup is not None:  # the masters as they were
+            backup.restore()
         raise
-
-    engine.hooks.wait_reductions()
+    finally:
+        if backup is not None:
+            backup.release()
     with torch.no_grad():
         for part in engine.parts:  # one unit's master at a time ([Note: disk offload])
             master = part.store.read()
-            reads = RangeReads(directory)  # the model files were just checked: from the page cache
-            for piece in engine.pieces:
-                if piece.part is part:
-                    out = master[piece.local[0] : piece.local[1]]
-                    reads.add(piece.name, manifest.slices[piece.name], piece.start, piece.end, out)
-            for file in list(reads.wants):
-                reads.read(file)
+            if not in_pass:  # the model files were just checked: from the page cache
+                reads = RangeReads(directory)
+                _plan_masters(engine, manifest, reads, part, master)
+                for file in list(reads.wants):
+                    reads.read(file)
             part.store.replace(master)
     with FileCache(directory) as cache:
         with torch.no_grad():
@@ -146,21 +158,14 @@ def _one_pass(engine: ZeroEngine, optimizers: list[ShardedOptimizer]) -> bool:
 
 
 def _stage_optimizers(
-    engine: ZeroEngine,
-    optimizers: list[ShardedOptimizer],
-    manifest: Manifest,
-    directory: Path,
-    needed: list[str],
-    verify: bool,
-) -> tuple[list[Staged], set[str]]:
-    """Every optimizer's state read, its elementwise entries in one ordered pass over each optimizer file that
-    also checks the file's checksum; returns the state and the files so checked. The entries are read into the
+    engine: ZeroEngine, optimizers: list[ShardedOptimizer], manifest: Manifest, reads: RangeReads
+) -> list[Staged]:
+    """Every optimizer's state, its elementwise entries planned in `reads` (read with the pass). They go into the
     optimizer's own state tensors where it has them all (memory that is in use already: fresh memory's first
     touch cost 1-4 s per GB on the VMs measured), else into fresh tensors, the old state released first."""
-    reads = RangeReads(directory, direct=True)  # read once: around the page cache
     staged: list[Staged] = []
     saved = (manifest.optimizer or {})["state"]
-    with FileCache(directory) as cache:
+    with FileCache(reads.directory) as cache:
         for optimizer in optimizers:
             inner = optimizer.optimizer
             group_of = {id(t): g for g in inner.param_groups for t in g["params"]}
@@ -179,15 +184,48 @@ def _stage_optimizers(
                 whole, flat = _piece_state(piece, saved[piece.name], manifest, cache, group, reads, live)
                 state.append((piece, whole, flat))
             staged.append(state)
-    read_already = set()
+    return staged
+
+
+def _plan_masters(
+    engine: ZeroEngine,
+    manifest: Manifest,
+    reads: RangeReads,
+    part: FlatPart | None = None,
+    master: torch.Tensor | None = None,
+) -> None:
+    """Plan the model files' bytes into the master shards (of one `part`, into `master`, or of every part)."""
+    for piece in engine.pieces:
+        if part is None or piece.part is part:
+            shard = piece.part.store.read() if master is None else master
+            out = shard[piece.local[0] : piece.local[1]]
+            reads.add(piece.name, manifest.slices[piece.name], piece.start, piece.end, out)
+
+
+def _read_all(
+    reads: RangeReads,
+    manifest: Manifest,
+    directory: Path,
+    needed: list[str],
+    verify: bool,
+    backup: MasterBackup | None,
+) -> set[str]:
+    """Read every planned file once, the optimizer files first, each checked from its bytes (with `verify`);
+    the model files, which write into the live masters, only once `backup` holds them. Returns the files
+    checked."""
+    checked = set()
     optimizer_files = [n for n in needed if n.startswith("optim-")]
     for file in optimizer_files + sorted(set(reads.wants) - set(optimizer_files)):
+        if file not in reads.wants:
+            continue
+        if backup is not None and not file.startswith("optim-"):
+            backup.wait()
         digest = Digest.matching(manifest.files[file].checksum) if verify and file in manifest.files else None
         checksum = reads.read(file, digest)
         if checksum is not None:
             check_checksum(directory, manifest, file, checksum)
-            read_already.add(file)
-    return staged, read_already
+            checked.add(file)
+    return checked
 
 
 def _elementwise(saved: dict[str, dict[str, str]], piece: Piece) -> list[str]:
@@ -328,6 +366,7 @@ def _load_optimizer(
     inner = optimizer.optimizer
     if staged is not None:  # [Note: one-pass load]: read and checked already
         for piece, whole, flat in staged:
+            whole = {k: v.value() if isinstance(v, _Unread) else v for k, v in whole.items()}
             _hand_over(inner, piece, whole, flat)
         return
     inner.state.clear()
@@ -380,7 +419,8 @@ def _piece_state(
     stored = [[owner, 0, 0]] if owner else [[optim_file_for(f), s, e] for f, s, e in manifest.slices[piece.name]]
     state: dict[str, Any] = {}
     flat: set[str] = set()
-    for key, kind in kinds.items():
+    # the elementwise entries first: they decide which files this rank reads (`add_whole` reads from those)
+    for key, kind in sorted(kinds.items(), key=lambda item: item[1] != "elementwise"):
         tkey = f"{piece.name}{STATE_SEP}{key}"
         chunks = _live_chunks(piece, key, live) if kind == "elementwise" and live is not None else None
         if chunks is not None and reads is not None:
@@ -401,6 +441,23 @@ def _piece_state(
                 piece.master.device
             )  # [Note: owned optimizer state]
             flat.add(key)
+        elif reads is not None:  # the file's bytes come with the pass: the value once they are read
+            read = reads.add_whole(tkey, [f for f, _, _ in stored])
+            state[key] = _Unread(key, kind, read, group, piece.master.device)
         else:
             state[key] = restore_value(key, kind, read_whole(cache, tkey, stored), group, piece.master.device)
-    return state, flat
+    return {key: state[key] for key in kinds}, flat  # in the saved order
+
+
+@dataclass(frozen=True)
+class _Unread:
+    """A non-elementwise state entry planned in the one pass, made the optimizer's value once read."""
+
+    key: str
+    kind: str
+    read: torch.Tensor
+    group: dict[str, Any]
+    device: torch.device
+
+    def value(self) -> Any:
+        return restore_value(self.key, self.kind, self.read, self.group, self.device)

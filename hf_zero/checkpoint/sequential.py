@@ -16,10 +16,11 @@ Where the filesystem takes it, `RangeReads(direct=True)` reads around the page c
 and copied into its tensors): a byte read once should not first take a page of the cache, which on the VMs
 measured costs as much as the read (buffered, the one-pass load ran at 0.33 of the disk's O_DIRECT speed).
 
-The tensors a one-pass read may fill are fresh ones (the optimizer state being loaded, not yet handed to the
-optimizer): a damaged file is found before anything the model trains with changes. The master shards, which
-are live, are filled only after every file is checked, from the model files the check just read (they are a
-third of a checkpoint's bytes and stay in the page cache between the two).
+What a load's pass fills: the optimizer state being loaded (the optimizer's own state tensors, or fresh ones not
+yet handed over; cleared if the load fails), its small entries (`step`) into fresh host tensors (`add_whole`:
+read with the file's bytes, not through a mapping, whose page faults on a cold cache cost ~10 ms each), then
+the live master shards, from the model files, once a copy of them is held ([Note: master backup] in backup.py):
+a damaged file is found after they changed, and puts them back.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Stored:
     dtype: torch.dtype
     numel: int
     begin: int  # absolute byte offset of its first element
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -79,15 +81,16 @@ def stored_tensors(path: Path) -> dict[str, Stored]:
             if key == "__metadata__":
                 continue
             dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(n) for n in info["shape"])
             numel = 1
-            for n in info["shape"]:
-                numel *= int(n)
+            for n in shape:
+                numel *= n
             begin, end = info["data_offsets"]
             if end - begin != numel * dtype.itemsize:
                 raise ValueError(f"{key} spans {end - begin} bytes for {numel} elements of {dtype}")
             if base + end > size:
                 raise ValueError(f"{key} ends at byte {base + end}, past the end of the file: it is truncated")
-            out[key] = Stored(dtype, numel, base + begin)
+            out[key] = Stored(dtype, numel, base + begin, shape)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"Cannot read {path}: {e}. The file is damaged or not a safetensors file.") from e
     return out
@@ -115,13 +118,29 @@ class RangeReads:
         # by file: (destination, what was read into host memory in the file's dtype)
         self._casts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def _stored(self, file: str, key: str) -> Stored:
+    def _header(self, file: str) -> dict[str, Stored]:
         header = self._headers.get(file)
         if header is None:
             header = self._headers[file] = stored_tensors(self.directory / file)
+        return header
+
+    def _stored(self, file: str, key: str) -> Stored:
+        header = self._header(file)
         if key not in header:
             raise ValueError(f"{self.directory / file} lacks {key}; the checkpoint is damaged.")
         return header[key]
+
+    def add_whole(self, key: str, files: list[str]) -> torch.Tensor:
+        """Plan the whole tensor `key`, from the first of `files` that holds it, into a fresh host tensor of its
+        shape and dtype, returned (filled when `read` reads that file). Files read already for other tensors
+        come first: a small tensor must not bring a whole file into the pass."""
+        for file in sorted(files, key=lambda f: f not in self.wants):
+            where = self._header(file).get(key)
+            if where is not None:
+                out = torch.empty(where.shape, dtype=where.dtype)
+                self.add(key, [[file, 0, where.numel]], 0, where.numel, out.view(-1))
+                return out
+        raise ValueError(f"No file of the checkpoint holds the optimizer state {key}; the checkpoint is damaged.")
 
     def add(self, key: str, stored: list[list[Any]], start: int, end: int, out: torch.Tensor) -> None:
         """Plan elements `[start, end)` of the flattened `key`, kept as 1D pieces `[[file, s, e], ...]`, into `out`

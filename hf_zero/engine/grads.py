@@ -132,6 +132,16 @@ class FlatGrads(ReadsPartSettings):
         """The gradient shard's tensor as it is (for accounting), or None before the first use."""
         return self._shard
 
+    def spare_shard_memory(self) -> torch.Tensor | None:
+        """The gradient shard's memory while it holds nothing (no gradient since `zero`, nothing in flight) and
+        is kept across `zero_grad` (a pinned host shard): scratch for a caller done with it before the next
+        backward (the next reduction overwrites it). None otherwise: the memory is released, or in use."""
+        if self._state is not GradState.EMPTY or self._in_flight or self._has_sum or self.releases_memory:
+            return None
+        if self._shard is None or self._shard.untyped_storage().nbytes() == 0:
+            return None
+        return self._shard
+
     def mark_used(self, param: torch.Tensor) -> None:
         """Record that `param` received a gradient ([Note: unused parameters] in engine.py)."""
         self.used[self._index[id(param)]] = True
