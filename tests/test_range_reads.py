@@ -92,3 +92,24 @@ def test_truncated_file_and_missing_key_raise(stored):
     path.write_bytes(path.read_bytes()[:-8])  # truncated between the plan and the read
     with pytest.raises(ValueError, match="truncated"):
         reads.read("f.safetensors", Digest())
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_a_whole_small_tensor_comes_from_a_file_read_already(tmp_path, direct):
+    """`add_whole` (a piece's `step`, held by every optimizer file of the piece): from the file this rank reads for
+    its elementwise state, not the first file listed, which would bring a whole other file into the pass."""
+    g = torch.Generator().manual_seed(0)
+    mine = {"p::step": torch.tensor(7.0), "p::exp_avg": torch.randn(64, generator=g)}
+    theirs = {"p::step": torch.tensor(-1.0), "p::exp_avg": torch.randn(64, generator=g)}
+    save_file(theirs, str(tmp_path / "theirs.safetensors"))
+    save_file(mine, str(tmp_path / "mine.safetensors"))
+    reads = RangeReads(tmp_path, direct=direct)
+    out = torch.empty(32)
+    reads.add("p::exp_avg", [["theirs.safetensors", 0, 32], ["mine.safetensors", 32, 96]], 40, 72, out)
+    step = reads.add_whole("p::step", ["theirs.safetensors", "mine.safetensors"])
+    assert sorted(reads.wants) == ["mine.safetensors"]
+    reads.read("mine.safetensors", Digest())
+    assert step.shape == () and step.item() == 7.0
+    assert torch.equal(out, mine["p::exp_avg"][8:40])
+    with pytest.raises(ValueError, match="No file of the checkpoint holds the optimizer state p::exp_avg_sq"):
+        reads.add_whole("p::exp_avg_sq", ["theirs.safetensors", "mine.safetensors"])
