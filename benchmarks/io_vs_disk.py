@@ -97,6 +97,38 @@ def disk_speed(work: Path, gib: float) -> dict:
     return result
 
 
+def _read_ranges(ranges: list[tuple[Path, int, int]]) -> int:
+    """Read each `(file, start, end)` with O_DIRECT in BLOCK-sized requests (aligned to 4 KiB); bytes read."""
+    buf = mmap.mmap(-1, BLOCK)
+    total = 0
+    for path, start, end in ranges:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            at = start // 4096 * 4096
+            while at < end:
+                n = os.preadv(fd, [buf], at)
+                if n <= 0:
+                    break
+                total += min(n, end - at)
+                at += n
+        finally:
+            os.close(fd)
+    return total
+
+
+def _my_ranges(files: list[Path], rank: int, world: int) -> list[tuple[Path, int, int]]:
+    """This rank's share of `files`: the files named for its rank where the names carry ranks (a checkpoint),
+    else its contiguous 1/world of each file's bytes (a model directory every rank reads a part of)."""
+    tag = f"rank{rank:05d}"
+    if any("-rank" in f.name for f in files):
+        return [(f, 0, f.stat().st_size) for f in files if tag in f.name]
+    out = []
+    for f in files:
+        size = f.stat().st_size
+        out.append((f, size * rank // world, size * (rank + 1) // world))
+    return out
+
+
 def _dir_bytes(path: Path, suffix: str = "") -> int:
     return sum(p.stat().st_size for p in path.rglob(f"*{suffix}") if p.is_file())
 
@@ -137,20 +169,34 @@ def worker(args: argparse.Namespace) -> None:
             print(f"{name}: {times[name]:.2f} s", flush=True)
 
     ckpt, out = work / "ckpt", work / "consolidated"
+    read_bytes: dict[str, int] = {}
+
+    def adjacent(name: str, directory: Path) -> None:  # the same files, read plainly, right beside the phase
+        files = sorted(p for p in directory.iterdir() if p.suffix == ".safetensors")
+        mine = _my_ranges(files, rank, dist.get_world_size())
+        phase(name, lambda: read_bytes.__setitem__(name, _read_ranges(mine)), drop=True)
+
     phase("save_checkpoint", lambda: hf_zero.save_checkpoint(ckpt, model, opt), drop=False)
+    adjacent("probe_before_load", ckpt)
     phase("load_checkpoint", lambda: hf_zero.load_checkpoint(ckpt, model, opt), drop=True)
+    adjacent("probe_after_load", ckpt)
     consolidate = (lambda: hf_zero.consolidate(ckpt, out, dtype="bf16", progress=False)) if rank == 0 else (lambda: 0)
     phase("consolidate", consolidate, drop=True)
     model = opt = None  # freed before the next model is built
     gc.collect()
+    adjacent("probe_before_from_pretrained", out)
     phase("from_pretrained", lambda: hf_zero.from_pretrained(AutoModelForCausalLM, str(out), config), drop=True)
+    adjacent("probe_after_from_pretrained", out)
+    probe_bytes = torch.tensor([read_bytes[k] for k in sorted(read_bytes)], dtype=torch.float64)
+    dist.all_reduce(probe_bytes)  # every rank's bytes: the aggregate speed
     if rank == 0:
         model_files = [p for p in ckpt.rglob("*") if p.is_file() and p.name.startswith("model")]
         result = {"layers": args.layers, "params": n_params(args.layers), "seconds": times, "cached": cached,
                   "bytes": {"save_checkpoint": _dir_bytes(ckpt), "load_checkpoint": _dir_bytes(ckpt),
                             "consolidate_read": sum(p.stat().st_size for p in model_files),
                             "consolidate_written": _dir_bytes(out, ".safetensors"),
-                            "from_pretrained": _dir_bytes(out, ".safetensors")}}
+                            "from_pretrained": _dir_bytes(out, ".safetensors")},
+                  "probe_bytes": dict(zip(sorted(read_bytes), probe_bytes.tolist()))}
         Path(args.result).write_text(json.dumps(result, indent=2))
     dist.barrier()
     dist.destroy_process_group()
@@ -180,6 +226,19 @@ def report(disk: dict, job: dict) -> tuple[str, dict]:
         note = " (page cache not dropped)" if job["cached"].get(name) else ""
         lines.append(f"| {name}{note} | {nbytes / 1e9:.2f} | {s[name]:.2f} | {gbps:.2f} | {label} {ref:.2f} | "
                      f"{gbps / ref:.2f} | {TARGETS[name]} |")
+    probes = job.get("probe_bytes", {})
+    if probes:
+        lines += ["", "Beside each read phase, the same files read plainly (each rank its share, O_DIRECT, 64 MiB "
+                  "requests, the cache dropped) just before and just after it: the disk's speed for those bytes at "
+                  "that moment, a reference that moves with the shared volume.", "",
+                  "| phase | GB/s | probe before | probe after | fraction of their mean |", "|---|---|---|---|---|"]
+        for name, pre, post in (("load_checkpoint", "probe_before_load", "probe_after_load"),
+                                ("from_pretrained", "probe_before_from_pretrained", "probe_after_from_pretrained")):
+            a, b = probes[pre] / 1e9 / s[pre], probes[post] / 1e9 / s[post]
+            figures[name]["adjacent_gbps"] = (a + b) / 2
+            figures[name]["adjacent_fraction"] = figures[name]["gbps"] / ((a + b) / 2)
+            lines.append(f"| {name} | {figures[name]['gbps']:.2f} | {a:.2f} | {b:.2f} | "
+                         f"{figures[name]['adjacent_fraction']:.2f} |")
     return "\n".join(lines) + "\n", figures
 
 
