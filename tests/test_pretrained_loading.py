@@ -84,3 +84,29 @@ def test_sharded_loading_peak_memory_per_rank(tmp_path, mode):
         assert max(growth) < 0.75 * full, (growth, full)
     else:
         assert min(growth) > 0.9 * full, (growth, full)
+
+
+@pytest.mark.parametrize("shard_rank", [0, 1, 2])
+def test_a_shard_is_filled_from_the_files_and_zero_in_its_padding(tmp_path, shard_rank):
+    """`SafetensorsSource.fill` zeroes only the padding (the reads write the rest): into memory holding anything,
+    the shard is the file's values where parameters lie and zero past them."""
+    from safetensors.torch import save_file
+
+    from hf_zero.checkpoint.pretrained import SafetensorsSource
+    from hf_zero.engine.layout import FlatLayout
+
+    g = torch.Generator().manual_seed(0)
+    weights = {"a.weight": torch.randn(5, 3, generator=g), "b.bias": torch.randn(4, generator=g)}
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Linear(3, 5, bias=False), torch.nn.Linear(1, 4)
+    del model.b.weight
+    params = (model.a.weight, model.b.bias)
+    layout = FlatLayout.build(("a.weight", "b.bias"), [p.shape for p in params], num_shards=3, align=4)
+    lo, hi = layout.shard_range(shard_rank)
+    flat = torch.cat([w.to(torch.bfloat16).float().reshape(-1) for w in weights.values()])
+    expected = torch.zeros(layout.padded_numel)
+    expected[: flat.numel()] = flat
+    out = torch.full((hi - lo,), float("nan"))
+    SafetensorsSource(tmp_path, model).fill(layout, params, shard_rank, out)
+    assert torch.equal(out, expected[lo:hi])
