@@ -19,7 +19,7 @@ from torch import nn
 from ..engine.layout import FlatLayout
 from ..engine.wrap import UnitSpec
 from .reader import FileCache, hf_weight_map
-from .sequential import RangeReads
+from .sequential import RangeReads, Staging
 
 
 class SafetensorsSource:
@@ -30,6 +30,7 @@ class SafetensorsSource:
         if not self.directory.is_dir():
             raise FileNotFoundError(f"No model directory at {self.directory}.")
         self.weight_map = hf_weight_map(self.directory)
+        self._staging = Staging()  # a file's dtype read before the cast into the shard, one unit at a time
         self._names: dict[int, list[str]] = {}  # id(param) -> every name it has (tied aliases)
         for name, p in model.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), []).append(name)
@@ -69,7 +70,8 @@ class SafetensorsSource:
             out[covered - lo : max(covered, start) - lo].zero_()
             covered = max(covered, end)
         out[covered - lo : hi - lo].zero_()
-        reads = RangeReads(self.directory, direct=True)  # read once: around the page cache
+        self._staging.reset()  # the previous unit's reads are cast into its shard already
+        reads = RangeReads(self.directory, direct=True, staging=self._staging)  # read once: around the page cache
         for index, start, end in pieces:
             slot = layout.slots[index]
             key = self._key(params[index], slot.name)

@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,7 @@ class Want:
     start: int
     end: int
     into: torch.Tensor
+    cast: tuple[torch.Tensor, torch.Tensor] | None = None  # (destination, `into` typed): copied once it is read
 
 
 def stored_tensors(path: Path) -> dict[str, Stored]:
@@ -110,13 +112,12 @@ class RangeReads:
     ```
     """
 
-    def __init__(self, directory: Path, direct: bool = False) -> None:
+    def __init__(self, directory: Path, direct: bool = False, staging: Staging | None = None) -> None:
         self.directory = directory
         self.direct = direct  # around the page cache where the filesystem takes it (bytes read once)
+        self.staging = staging  # host memory for reads cast or copied afterwards; fresh tensors without it
         self.wants: dict[str, list[Want]] = {}
         self._headers: dict[str, dict[str, Stored]] = {}
-        # by file: (destination, what was read into host memory in the file's dtype)
-        self._casts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _header(self, file: str) -> dict[str, Stored]:
         header = self._headers.get(file)
@@ -156,10 +157,16 @@ class RangeReads:
             size = where.dtype.itemsize
             dest = out.detach()[lo - start : hi - start]
             if where.dtype != out.dtype or dest.device.type != "cpu":  # read on the host, then copied
-                dest, target = torch.empty(hi - lo, dtype=where.dtype), dest
-                self._casts.setdefault(file, []).append((target, dest))
+                fresh = (
+                    self.staging.take(hi - lo, where.dtype) if self.staging else torch.empty(hi - lo, dtype=where.dtype)
+                )
+                cast: tuple[torch.Tensor, torch.Tensor] | None = (dest, fresh)
+                dest = fresh
+            else:
+                cast = None
             first = where.begin + (lo - s) * size
-            self.wants.setdefault(file, []).append(Want(first, first + (hi - lo) * size, dest.view(torch.uint8)))
+            want = Want(first, first + (hi - lo) * size, dest.view(torch.uint8), cast)
+            self.wants.setdefault(file, []).append(want)
             filled += hi - lo
         if filled != end - start:
             raise ValueError(
@@ -174,11 +181,51 @@ class RangeReads:
             if b.start < a.end:
                 raise RuntimeError(f"hf_zero: two reads overlap in {file} at byte {b.start}")
         path = self.directory / file
-        if not (self.direct and O_DIRECT and _read_direct(path, wants, digest)):
+        cast: set[int] = set()
+
+        def complete(want: Want) -> None:  # another dtype, or a device's memory: as soon as its bytes are in
+            if want.cast is not None and id(want) not in cast:
+                want.cast[0].copy_(want.cast[1])
+                cast.add(id(want))
+
+        if not (self.direct and O_DIRECT and _read_direct(path, wants, digest, complete)):
             _read_in_order(path, wants, digest)
-        for target, read in self._casts.pop(file, []):  # another dtype, or a device's memory
-            target.copy_(read)
+        for want in wants:
+            complete(want)
         return None if digest is None else digest.value()
+
+
+class Staging:
+    """Host memory reused by successive `RangeReads` for the bytes they read before casting or copying them (one
+    unit's shard after another, in `from_pretrained`): memory touched once, where a fresh buffer per unit costs
+    its first touch again each time (about what its read costs, on the VMs measured).
+
+    Example:
+
+    ```python
+    >>> staging = Staging()
+    >>> reads = RangeReads(directory, direct=True, staging=staging)   # then, for the next unit:
+    >>> staging.reset()
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`numel` elements of `dtype`, valid until `reset` (a larger buffer replaces one too small)."""
+        start = -(-self._used // 64) * 64  # aligned for any dtype
+        nbytes = numel * dtype.itemsize
+        if start + nbytes > self._buffer.numel():
+            self._buffer = torch.empty(max(nbytes, 2 * self._buffer.numel()), dtype=torch.uint8)
+            start = 0  # views taken earlier keep the old buffer alive
+        self._used = start + nbytes
+        return self._buffer[start : start + nbytes].view(dtype)
+
+    def reset(self) -> None:
+        """Every tensor taken so far is done with: the memory is taken again from its start."""
+        self._used = 0
 
 
 def _read_in_order(path: Path, wants: list[Want], digest: Digest | None) -> None:
@@ -213,9 +260,10 @@ def _read_in_order(path: Path, wants: list[Want], digest: Digest | None) -> None
         os.close(fd)
 
 
-def _read_direct(path: Path, wants: list[Want], digest: Digest | None) -> bool:
+def _read_direct(path: Path, wants: list[Want], digest: Digest | None, complete: Callable[[Want], None]) -> bool:
     """Read `wants` (sorted) with O_DIRECT, through the aligned buffers, and with `digest` the whole file through
-    it; False, with nothing read, where the filesystem refuses O_DIRECT."""
+    it, calling `complete` on each want once its last byte is in (while the next chunk is being read); False,
+    with nothing read, where the filesystem refuses O_DIRECT."""
     try:
         fd = os.open(path, os.O_RDONLY | O_DIRECT)
     except OSError as e:
@@ -255,6 +303,8 @@ def _read_direct(path: Path, wants: list[Want], digest: Digest | None) -> bool:
                         break
                     lo, hi = max(want.start, offset), min(want.end, end)
                     want.into[lo - want.start : hi - want.start].copy_(buffer[lo - offset : hi - offset])
+                    if hi == want.end:
+                        complete(want)
     finally:
         os.close(fd)
     return True
