@@ -246,8 +246,35 @@ def save_load_case(sizes: Sizes, data: torch.Tensor, device: torch.device, tmp: 
         a, b = pretrained(input_ids=rows, labels=rows).loss, reference(input_ids=rows, labels=rows).loss
     loss_rel = rel_diff(float(a), float(b))  # the same weights and kernels; 1e-6 leaves room for atomics on a GPU
     require(loss_rel <= 1e-6, f"from_pretrained loss {float(a)} != {float(b)}")
+
+    # hf_zero's own from_pretrained: each rank's ranges read and cast into shards on the device
+    sharded, _ = hf_zero.from_pretrained(AutoModelForCausalLM, tmp / "hf", config, dtype=torch.float32, device=device)
+    ours = hf_zero.full_state_dict(sharded, rank0_only=False)
+    ours_diff = weights_diff(ours, saved)
+    require(ours_diff == 0.0, f"hf_zero.from_pretrained weights differ from the saved masters by {ours_diff:.2e}")
+    shard_device = str(next(t for t in sharded.parameters()).device)
+
+    # a damaged model file: the load raises and the masters (on the device: their copy too) are put back
+    damaged = tmp / "damaged"
+    shutil.copytree(tmp / "ckpt", damaged)
+    if dist.get_rank() == 0:
+        path = next(damaged.glob("model-*.safetensors"))
+        raw = bytearray(path.read_bytes())
+        raw[-7] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    dist.barrier()
+    before = {k: v.clone() for k, v in hf_zero.full_state_dict(other, rank0_only=False).items()}
+    try:
+        hf_zero.load_checkpoint(damaged, other, other_opt)
+        raised = "nothing"
+    except ValueError as e:
+        raised = "corrupted" if "corrupted" in str(e) else str(e)
+    require(raised == "corrupted", f"a damaged model file raised {raised}")
+    kept = weights_diff(hf_zero.full_state_dict(other, rank0_only=False), before)
+    require(kept == 0.0, f"a failed load left the weights changed by {kept:.2e}")
     return {"load_weights_rel": load_diff, "step4_loss_rel": step4, "from_pretrained_loss_rel": loss_rel,
-            "from_pretrained_device": str(a.device),
+            "from_pretrained_device": str(a.device), "hf_zero_from_pretrained_rel": ours_diff,
+            "hf_zero_from_pretrained_device": shard_device, "damaged_load_weights_rel": kept,
             "files": sorted(p.name for p in (tmp / "hf").iterdir())}
 
 
