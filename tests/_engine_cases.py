@@ -262,3 +262,36 @@ def replaced_param_data(stage: int) -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+def replaced_data_in_gathered_parameters(stage: int) -> dict[str, Any]:
+    """Rank 0 replaces a parameter's `.data` inside `gathered_parameters(modifier_rank=0)`: the error each rank
+    raises, whether the weights stayed as they were, and the loss of a training step after it against one of a
+    model that never went through the block."""
+    from tests._peer_harness import Net
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = Net()
+        return hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  hf_zero.ZeroConfig(stage=stage, wrap=["Block"]))
+
+    x, y = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 3)
+    model, opt = build()
+    before = hf_zero.full_state_dict(model, rank0_only=False)
+    error = ""
+    try:
+        with hf_zero.gathered_parameters(model.head, modifier_rank=0):
+            if dist.get_rank() == 0:
+                model.head.weight.data = model.head.weight.data.clone() * 0.5
+    except ValueError as e:
+        error = str(e)
+    after = hf_zero.full_state_dict(model, rank0_only=False)
+    losses = []
+    for m, o in ((model, opt), build()):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        losses.append(float(torch.nn.functional.mse_loss(m(x), y)))
+    return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before), "losses": losses}

@@ -149,3 +149,16 @@ def test_replacing_a_parameters_data_is_refused_at_the_next_forward_on_every_ran
     after one more step, silently. Now the next forward refuses it on every rank, naming the in-place way."""
     for error in pools(2).values(engine_cases.replaced_param_data, stage):
         assert "parameter 'head.weight' had its `.data` replaced" in error and "param.copy_(tensor)" in error, error
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_replacing_a_parameters_data_inside_gathered_parameters_is_refused_on_every_rank(pools, stage):
+    """[Note: replaced data] `param.data = tensor` on the modifier rank inside `gathered_parameters` was dropped at
+    stage 3 without a word (the write-back reads the gathered buffer). Now every rank raises on leaving the block,
+    the weights as they were and the parameter pointing at the engine's buffer again: the next step trains as if
+    the block had not run."""
+    for r in pools(2).values(engine_cases.replaced_data_in_gathered_parameters, stage):
+        assert "parameter 'head.weight' had its `.data` replaced" in r["error"], r
+        assert "param.copy_(tensor)" in r["error"]
+        assert r["unchanged"], r
+        assert r["losses"][0] == r["losses"][1], r

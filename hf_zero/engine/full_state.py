@@ -107,7 +107,9 @@ def gathered_parameters(
         with torch.no_grad():
             yield
             if modifier_rank is not None:
-                for part in (part for unit in units for part in unit.parts):
+                parts = [part for unit in units for part in unit.parts]
+                raise_if_any_failed(_undo_replaced_data(parts), engine.world, "hf_zero.gathered_parameters")
+                for part in parts:
                     _write_back(engine, part, modifier_rank)
     finally:
         for unit in units:
@@ -115,6 +117,26 @@ def gathered_parameters(
         for unit in gathered_here:
             if not unit.pins:
                 unit.release()
+
+
+def _undo_replaced_data(parts: list[FlatPart]) -> ValueError | None:
+    """The error for a parameter whose `.data` the block replaced (`param.data = tensor`), which the write-back,
+    reading the gathered buffer, would drop without a word ([Note: replaced data] in engine.py), after pointing
+    every such parameter back at its view of the buffer; None if there is none."""
+    error = None
+    for part in parts:
+        full = part.unsharded_param
+        for slot, name, p in zip(part.layout.slots, part.spec.param_names, part.params):
+            view = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if slot.numel and p.data_ptr() != view.data_ptr():
+                p.data = view
+                error = error or ValueError(
+                    f"hf_zero.gathered_parameters: parameter '{name}' had its `.data` replaced (`param.data = "
+                    "tensor`) inside the block: the write-back reads the gathered buffer the parameter was a view "
+                    "of, so the new tensor would be dropped. Change it in place instead: `param.copy_(tensor)` "
+                    "(the block runs under torch.no_grad()). The weights are left as they were."
+                )
+    return error
 
 
 def _write_back(engine: ZeroEngine, part: FlatPart, modifier_rank: int) -> None:
