@@ -2,11 +2,10 @@
 
 [Note: master backup]
 `load_checkpoint` reads the model files once, straight into the live master shards, with their checksums from
-the same bytes ([Note: one-pass load] in sequential.py). Before it, the model files were read twice: checked
-(buffered, through the page cache), then read again into the masters; on the VMs measured, a page of the cache
-costs about what its read does, and the check alone took a third of the load. Reading once means a damaged
-model file is found after some masters have changed, so the masters are copied first and copied back when any
-rank fails: a failed load still leaves the weights as they were.
+the same bytes ([Note: one-pass load] in sequential.py): checking them first would read them twice, and on the
+VMs measured a page of the cache costs about what its read does. Reading once means a damaged model file is
+found after some masters have changed, so the masters are copied first and copied back when any rank fails: a
+failed load still leaves the weights as they were.
 
 The copy is made where it costs no memory beyond the training step's peak: into a gradient shard's memory kept
 across `zero_grad` (pinned host shards beside an accelerator) while it holds no gradient, else into fresh

@@ -24,18 +24,6 @@ lifecycle.py names the states):
    signal (units whose inputs need no gradient: the root, the embedding), in reverse unit order on
    every rank; wait for every issued reduction, add the means into the fp32 gradient shards,
    every unit back to IDLE, empty the buffer pool.
-
-[Note: recomputation]
-Activation checkpointing runs a unit's forward again inside its backward: HF's
-`gradient_checkpointing_enable` inside the block's `forward` (the block's own hooks stay outside),
-torch's `checkpoint_wrapper` / `checkpoint(layer, ...)` around the block's `__call__` (its hooks run
-again). A forward inside a backward (`torch._C._current_graph_task_id() != -1`) gathers what it
-needs and nothing more: no forward prefetch (the next unit's backward already ran), no reshard
-after it (the unit's backward follows at once) and no new end signal counted (a non-reentrant
-recomputation's graph is never backpropagated; a reentrant one's is, and its signal is the only
-one the unit gets, as its first forward ran without grad). So a unit is gathered at most twice per
-step. `reset()` discards the iteration state after an exception interrupted a backward pass; the
-root's pre_forward calls it when it finds one.
 """
 
 from __future__ import annotations
@@ -53,18 +41,13 @@ from torch.utils.hooks import RemovableHandle
 from .collectives import CommGroup, gather_flags, issue_flags_gather
 from .grads import GradReduction
 from .lifecycle import TrainingState
-from .passes import Pass
+from .passes import Pass, in_backward
 from .pool import BufferPool
 from .stages import StagePlan
 from .tree import cast_floating_inputs, flatten, tensors
 from .unit import Prefetch, Unit
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
-
-
-def _in_backward() -> bool:
-    """Whether this runs inside an autograd backward pass (a recomputation, [Note: recomputation])."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class _EndOfBackward(torch.autograd.Function):
@@ -154,7 +137,7 @@ class UnitHooks:
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        recompute = _in_backward()  # [Note: recomputation]
+        recompute = in_backward()  # [Note: recomputation] in passes.py
         if recompute:
             self._settle_units_check()
         if unit is self.root and not recompute:
@@ -202,13 +185,13 @@ class UnitHooks:
     def _member_pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         """A block of a bucketed unit other than its first, replayed alone inside backward: gather the unit
         (outside backward the first block's pre_forward has)."""
-        if _in_backward():
+        if in_backward():
             unit.before_compute()
 
     def _member_post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         """A block of a bucketed unit other than its last, replayed inside backward: its outputs' gradients
         begin the unit's backward, as the last block's do after a forward."""
-        if _in_backward() and torch.is_grad_enabled():
+        if in_backward() and torch.is_grad_enabled():
             self._hook_outputs(unit, output)
 
     def _carry_end_signal(self, unit: Unit, args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
@@ -279,7 +262,7 @@ class UnitHooks:
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if unit.sparse_lookup:
             cast(Any, unit.spec.module).sparse = False
-        if _in_backward():  # [Note: recomputation]: the unit's backward follows, keep it gathered
+        if in_backward():  # [Note: recomputation]: the unit's backward follows, keep it gathered
             if torch.is_grad_enabled():
                 self._hook_outputs(unit, output)
             return None

@@ -13,12 +13,26 @@ through `Pass`'s verbs, each checking where it may run; an illegal move raises w
 (The hooks reset a pass an exception interrupted before its next forward begins.)
 
 A pass ends by being replaced with a new one (`UnitHooks` makes it at the final callback, or at `reset`).
+
+[Note: recomputation]
+Activation checkpointing runs a unit's forward again inside its backward: HF's
+`gradient_checkpointing_enable` inside the block's `forward` (the block's own hooks stay outside),
+torch's `checkpoint_wrapper` / `checkpoint(layer, ...)` around the block's `__call__` (its hooks run
+again). A forward inside a backward (`torch._C._current_graph_task_id() != -1`) gathers what it
+needs and nothing more: no forward prefetch (the next unit's backward already ran), no reshard
+after it (the unit's backward follows at once) and no new end signal counted (a non-reentrant
+recomputation's graph is never backpropagated; a reentrant one's is, and its signal is the only
+one the unit gets, as its first forward ran without grad). So a unit is gathered at most twice per
+step. `UnitHooks.reset()` discards the iteration state after an exception interrupted a backward pass; the
+root's pre_forward calls it when it finds one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from .lifecycle import PassState
 
@@ -75,3 +89,8 @@ class Pass:
         if self._state is PassState.BACKWARD:
             raise self._illegal("begin_backward")
         self._state = PassState.BACKWARD
+
+
+def in_backward() -> bool:
+    """Whether this runs inside an autograd backward pass (a recomputation, [Note: recomputation])."""
+    return torch._C._current_graph_task_id() != -1
