@@ -169,3 +169,56 @@ def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dic
     outcome["seconds"] = time.monotonic() - start
     del errno_module
     return outcome
+
+
+def _buffered_classes() -> tuple[type, type]:
+    """A tiny transformers model whose one buffer only `_init_weights` fills (its `__init__` leaves zeros),
+    registered with AutoConfig as `hfz_buffered`."""
+    from torch import nn
+    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+    from transformers import initialization as init
+
+    class BufferedConfig(PretrainedConfig):
+        model_type = "hfz_buffered"
+
+        def __init__(self, width: int = 8, **kwargs: Any) -> None:
+            self.width = width
+            super().__init__(**kwargs)
+
+    class BufferedModel(PreTrainedModel):
+        config_class = BufferedConfig
+
+        def __init__(self, config: BufferedConfig) -> None:
+            super().__init__(config)
+            self.proj = nn.Linear(config.width, config.width)
+            self.register_buffer("scale", torch.zeros(config.width), persistent=False)
+            self.post_init()
+
+        def _init_weights(self, module: nn.Module) -> None:
+            super()._init_weights(module)
+            if module is self:
+                init.copy_(self.scale, torch.arange(1.0, self.config.width + 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) * self.scale
+
+    try:
+        AutoConfig.register("hfz_buffered", BufferedConfig)
+    except ValueError:  # registered already in this worker
+        pass
+    return BufferedConfig, BufferedModel
+
+
+def from_pretrained_buffers(path: str) -> dict[str, Any]:
+    """Save the buffered model at `path` (rank 0), then load it both ways; their buffers and outputs."""
+    config_class, model_class = _buffered_classes()
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(3)
+        model_class(config_class()).save_pretrained(path)
+    dist.barrier()
+    ordinary = model_class.from_pretrained(path)
+    sharded, _ = hf_zero.from_pretrained(model_class, path, hf_zero.ZeroConfig(stage=3))
+    x = torch.ones(2, 8)
+    with torch.no_grad():
+        return {"ordinary": ordinary.scale.clone(), "sharded": sharded.scale.clone(),
+                "same_output": torch.equal(ordinary(x), sharded(x))}

@@ -110,3 +110,10 @@ def test_a_shard_is_filled_from_the_files_and_zero_in_its_padding(tmp_path, shar
     out = torch.full((hi - lo,), float("nan"))
     SafetensorsSource(tmp_path, model).fill(layout, params, shard_rank, out)
     assert torch.equal(out, expected[lo:hi])
+
+
+def test_buffers_only_init_weights_fills_are_filled_as_from_pretrained_fills_them(pools, tmp_path):
+    """The parameters' initializers are skipped (they come from the files); the buffers still get theirs."""
+    for r in pools(2).values(checkpoint_cases.from_pretrained_buffers, str(tmp_path / "buffered")):
+        assert torch.equal(r["ordinary"], torch.arange(1.0, 9.0))
+        assert torch.equal(r["sharded"], r["ordinary"]) and r["same_output"]

@@ -54,7 +54,6 @@ def from_pretrained(
     ... )
     ```
     """
-    from accelerate import init_empty_weights
     from transformers import AutoConfig, GenerationConfig
 
     if not os.path.isdir(path):
@@ -65,14 +64,34 @@ def from_pretrained(
         dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be 'auto' or a torch.dtype; got {dtype!r}.")
-    with init_empty_weights(include_buffers=False):
-        build = getattr(model_class, "from_config", None) or model_class._from_config
-        model = build(hf_config, dtype=dtype)
-    # init_empty_weights re-creates each registered parameter, which unties tied weights: tie again.
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    model: Any = _build_empty(model_class, hf_config, dtype)
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     optimizer = optimizer_fn(model) if optimizer_fn is not None else None
     return initialize(model, optimizer, config, weights_from=path, device=device)
+
+
+def _build_empty(model_class: Any, hf_config: Any, dtype: torch.dtype) -> nn.Module:
+    """The model with its parameters on the meta device and its buffers real, initialized as
+    transformers' `from_pretrained` initializes them.
+
+    Parameters come from the files, so their initializers are skipped while the model is built (on the
+    meta device they would do nothing, yet in a fresh process their dispatch costs seconds); then, as
+    `from_pretrained` does, the parameters are marked initialized and `initialize_weights` runs for the
+    rest: the buffers (rotary tables, norms' running statistics).
+    """
+    from accelerate import init_empty_weights
+    from transformers import initialization
+
+    build = getattr(model_class, "from_config", None) or model_class._from_config
+    with init_empty_weights(include_buffers=False), initialization.no_init_weights():
+        model = build(hf_config, dtype=dtype)
+    for param in model.parameters():
+        param._is_hf_initialized = True
+    if hasattr(model, "initialize_weights"):
+        model.initialize_weights()
+    # init_empty_weights re-creates each registered parameter, which unties tied weights: tie again.
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
