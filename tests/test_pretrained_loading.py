@@ -117,3 +117,32 @@ def test_buffers_only_init_weights_fills_are_filled_as_from_pretrained_fills_the
     for r in pools(2).values(checkpoint_cases.from_pretrained_buffers, str(tmp_path / "buffered")):
         assert torch.equal(r["ordinary"], torch.arange(1.0, 9.0))
         assert torch.equal(r["sharded"], r["ordinary"]) and r["same_output"]
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (0, 2, 1), (2, 1, 0)])
+def test_units_filled_in_or_out_of_the_prepared_order_get_their_own_values(tmp_path, order):
+    """Told the units in advance, the source reads each next one ahead ([Note: read ahead]); a fill out of that
+    order reads its own unit, never the one read ahead for another."""
+    from safetensors.torch import save_file
+
+    from hf_zero.checkpoint.pretrained import SafetensorsSource
+    from hf_zero.engine.layout import FlatLayout
+
+    g = torch.Generator().manual_seed(1)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 3 + i, bias=False) for i in range(3)))
+    weights = {f"{i}.weight": torch.randn(3 + i, 4, generator=g) for i in range(3)}
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    units = []
+    for i in range(3):
+        params = (model[i].weight,)
+        units.append((FlatLayout.build((f"{i}.weight",), [params[0].shape], num_shards=2, align=4), params, 1))
+    source = SafetensorsSource(tmp_path, model)
+    source.prepare(units)
+    for i in order:
+        layout, params, shard_rank = units[i]
+        lo, hi = layout.shard_range(shard_rank)
+        expected = torch.zeros(layout.padded_numel)
+        expected[: weights[f"{i}.weight"].numel()] = weights[f"{i}.weight"].to(torch.bfloat16).float().reshape(-1)
+        out = torch.full((hi - lo,), float("nan"))
+        source.fill(layout, params, shard_rank, out)
+        assert torch.equal(out, expected[lo:hi]), i

@@ -5,13 +5,24 @@ only the bytes that its own shard of each unit covers (a range of a flattened ro
 range of the file), with `pread` straight into the shard ([Note: one-pass load] in sequential.py;
 through a host buffer where the file's dtype or the shard's device differs), so nothing is mapped and
 a node's host memory peak is about one copy of the model in total (its ranks' shards), not one per rank.
+
+[Note: read ahead]
+A unit's shard is fresh memory, and writing it the first time (the cast of the file's bf16 into fp32 masters) costs
+on the VMs measured about what reading its bytes does (0.4-0.9 s per GB of fp32). Read and cast one after the
+other, unit by unit, the load took their sum; a unit is mostly one 64 MiB read, too small for the read pipeline
+of `_read_direct` to overlap anything. Told every unit in advance (`prepare`, by the engine, in the order it
+builds them), the source reads the next unit's ranges on a thread into host memory of the files' dtypes (two
+`Staging` buffers, one per unit in turn) while the caller casts the present one into its shard. A `fill` out of
+that order reads its unit itself and drops the plan.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -19,7 +30,55 @@ from torch import nn
 from ..engine.layout import FlatLayout
 from ..engine.wrap import UnitSpec
 from .reader import FileCache, hf_weight_map
-from .sequential import RangeReads, Staging
+from .sequential import RangeReads
+
+_Unit = tuple[FlatLayout, tuple[nn.Parameter, ...], int]  # what `fill` is asked for: layout, params, shard rank
+
+
+class _Staged(NamedTuple):
+    """One piece of a unit read: elements `[start, end)` of the flat layout, in host memory of the file's dtype."""
+
+    start: int
+    end: int
+    values: torch.Tensor
+
+
+def _pieces(layout: FlatLayout, shard_rank: int) -> list[tuple[int, int, int]]:
+    """`(slot index, start, end)` of what lies in this shard, in the layout's order."""
+    return sorted(layout.local_pieces(shard_rank), key=lambda piece: piece[1])
+
+
+class Staging:
+    """Host memory reused unit after unit for the bytes read before their cast into a shard: memory touched once,
+    where a fresh buffer per unit costs its first touch again each time (about what its read costs, on the VMs
+    measured).
+
+    Example:
+
+    ```python
+    >>> staging = Staging()
+    >>> into = staging.take(4096, torch.bfloat16)   # read into, then cast from; then, for the next unit:
+    >>> staging.reset()
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`numel` elements of `dtype`, valid until `reset` (a larger buffer replaces one too small)."""
+        start = -(-self._used // 64) * 64  # aligned for any dtype
+        nbytes = numel * dtype.itemsize
+        if start + nbytes > self._buffer.numel():
+            self._buffer = torch.empty(max(nbytes, 2 * self._buffer.numel()), dtype=torch.uint8)
+            start = 0  # views taken earlier keep the old buffer alive
+        self._used = start + nbytes
+        return self._buffer[start : start + nbytes].view(dtype)
+
+    def reset(self) -> None:
+        """Every tensor taken so far is done with: the memory is taken again from its start."""
+        self._used = 0
 
 
 class SafetensorsSource:
@@ -30,7 +89,11 @@ class SafetensorsSource:
         if not self.directory.is_dir():
             raise FileNotFoundError(f"No model directory at {self.directory}.")
         self.weight_map = hf_weight_map(self.directory)
-        self._staging = Staging()  # a file's dtype read before the cast into the shard, one unit at a time
+        self._staging = (Staging(), Staging())  # the files' bytes before their cast, a unit in each in turn
+        self._plan: list[_Unit] = []  # [Note: read ahead] the units still to fill, in order
+        self._filled = 0  # how many of the planned units were filled
+        self._ahead: Future[list[_Staged]] | None = None  # the next unit's reads
+        self._reader: ThreadPoolExecutor | None = None
         self._names: dict[int, list[str]] = {}  # id(param) -> every name it has (tied aliases)
         for name, p in model.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), []).append(name)
@@ -62,31 +125,70 @@ class SafetensorsSource:
         if wrong:
             raise ValueError(f"{self.directory} holds weights of other shapes than this model: {wrong[:5]}.")
 
+    def prepare(self, units: list[tuple[FlatLayout, tuple[nn.Parameter, ...], int]]) -> None:
+        """The units `fill` will be asked for, in order, as `(layout, params, shard_rank)`: the first one's reads
+        start now, each next one's while the one before is cast into its shard ([Note: read ahead])."""
+        self._close()
+        self._plan, self._filled = list(units), 0
+        if self._plan:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-pretrained")
+            self._ahead = self._reader.submit(self._read_unit, *self._plan[0], self._staging[0])
+
     def fill(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor) -> None:
         lo, hi = layout.shard_range(shard_rank)
-        pieces = sorted(layout.local_pieces(shard_rank), key=lambda piece: piece[1])
-        covered = lo  # only the padding between and after the pieces is zeroed: the reads write the rest (a
-        for _, start, end in pieces:  # fresh shard's first touch is its costliest write on the VMs measured)
+        covered = lo  # only the padding between and after the pieces is zeroed: the copies write the rest (a
+        for _, start, end in _pieces(layout, shard_rank):  # fresh shard's first touch is its costliest write)
             out[covered - lo : max(covered, start) - lo].zero_()
             covered = max(covered, end)
         out[covered - lo : hi - lo].zero_()
-        self._staging.reset()  # the previous unit's reads are cast into its shard already
-        reads = RangeReads(self.directory, direct=True, staging=self._staging)  # read once: around the page cache
-        for index, start, end in pieces:
+        for start, end, staged in self._staged(layout, params, shard_rank):
+            out[start - lo : end - lo].copy_(staged)  # the cast, beside the next unit's reads
+
+    def _staged(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int) -> list[_Staged]:
+        """This unit's ranges read: by the thread when it is the planned next one (whose successor's reads start
+        now), else here, the plan dropped."""
+        k = self._filled
+        planned = k < len(self._plan) and self._plan[k][0] is layout and self._plan[k][2] == shard_rank
+        if not planned or self._ahead is None or self._reader is None:
+            self._close()
+            return self._read_unit(layout, params, shard_rank, self._staging[0])
+        try:
+            staged = self._ahead.result()
+        except BaseException:
+            self._close()
+            raise
+        self._filled = k + 1
+        if k + 1 < len(self._plan):
+            self._ahead = self._reader.submit(self._read_unit, *self._plan[k + 1], self._staging[(k + 1) % 2])
+        else:
+            self._close()
+        return staged
+
+    def _read_unit(
+        self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, staging: Staging
+    ) -> list[_Staged]:
+        """Read this rank's ranges of one unit into `staging`, in the files' dtypes, each with its place."""
+        staging.reset()  # the unit read into it before was cast into its shard already
+        reads = RangeReads(self.directory, direct=True)  # read once: around the page cache
+        staged = []
+        for index, start, end in _pieces(layout, shard_rank):
             slot = layout.slots[index]
             key = self._key(params[index], slot.name)
             if key is None:
                 raise ValueError(f"{self.directory} lacks the weight {slot.name}.")
-            numel = math.prod(slot.shape)
-            reads.add(
-                key,
-                [[self.weight_map[key], 0, numel]],
-                start - slot.offset,
-                end - slot.offset,
-                out[start - lo : end - lo],
-            )
+            file = self.weight_map[key]
+            into = staging.take(end - start, reads.stored(file, key).dtype)
+            reads.add(key, [[file, 0, math.prod(slot.shape)]], start - slot.offset, end - slot.offset, into)
+            staged.append(_Staged(start, end, into))
         for file in list(reads.wants):
             reads.read(file)
+        return staged
+
+    def _close(self) -> None:
+        """Drop the plan; a read under way finishes first (its buffer may be reused next)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+        self._plan, self._ahead, self._reader = [], None, None
 
     def load_buffers(self, model: nn.Module) -> None:
         """Copy persistent buffers that the files hold (most causal LMs have none)."""

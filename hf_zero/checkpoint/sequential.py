@@ -112,10 +112,9 @@ class RangeReads:
     ```
     """
 
-    def __init__(self, directory: Path, direct: bool = False, staging: Staging | None = None) -> None:
+    def __init__(self, directory: Path, direct: bool = False) -> None:
         self.directory = directory
         self.direct = direct  # around the page cache where the filesystem takes it (bytes read once)
-        self.staging = staging  # host memory for reads cast or copied afterwards; fresh tensors without it
         self.wants: dict[str, list[Want]] = {}
         self._headers: dict[str, dict[str, Stored]] = {}
 
@@ -125,7 +124,8 @@ class RangeReads:
             header = self._headers[file] = stored_tensors(self.directory / file)
         return header
 
-    def _stored(self, file: str, key: str) -> Stored:
+    def stored(self, file: str, key: str) -> Stored:
+        """Where `key`'s bytes lie in `file` (from its header, read once)."""
         header = self._header(file)
         if key not in header:
             raise ValueError(f"{self.directory / file} lacks {key}; the checkpoint is damaged.")
@@ -151,15 +151,13 @@ class RangeReads:
             lo, hi = max(s, start), min(e, end)
             if lo >= hi:
                 continue
-            where = self._stored(file, key)
+            where = self.stored(file, key)
             if where.numel != e - s:
                 raise ValueError(f"{self.directory / file} holds {where.numel} elements of {key}, its index {e - s}.")
             size = where.dtype.itemsize
             dest = out.detach()[lo - start : hi - start]
             if where.dtype != out.dtype or dest.device.type != "cpu":  # read on the host, then copied
-                fresh = (
-                    self.staging.take(hi - lo, where.dtype) if self.staging else torch.empty(hi - lo, dtype=where.dtype)
-                )
+                fresh = torch.empty(hi - lo, dtype=where.dtype)
                 cast: tuple[torch.Tensor, torch.Tensor] | None = (dest, fresh)
                 dest = fresh
             else:
@@ -193,39 +191,6 @@ class RangeReads:
         for want in wants:
             complete(want)
         return None if digest is None else digest.value()
-
-
-class Staging:
-    """Host memory reused by successive `RangeReads` for the bytes they read before casting or copying them (one
-    unit's shard after another, in `from_pretrained`): memory touched once, where a fresh buffer per unit costs
-    its first touch again each time (about what its read costs, on the VMs measured).
-
-    Example:
-
-    ```python
-    >>> staging = Staging()
-    >>> reads = RangeReads(directory, direct=True, staging=staging)   # then, for the next unit:
-    >>> staging.reset()
-    ```
-    """
-
-    def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._used = 0
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """`numel` elements of `dtype`, valid until `reset` (a larger buffer replaces one too small)."""
-        start = -(-self._used // 64) * 64  # aligned for any dtype
-        nbytes = numel * dtype.itemsize
-        if start + nbytes > self._buffer.numel():
-            self._buffer = torch.empty(max(nbytes, 2 * self._buffer.numel()), dtype=torch.uint8)
-            start = 0  # views taken earlier keep the old buffer alive
-        self._used = start + nbytes
-        return self._buffer[start : start + nbytes].view(dtype)
-
-    def reset(self) -> None:
-        """Every tensor taken so far is done with: the memory is taken again from its start."""
-        self._used = 0
 
 
 def _read_in_order(path: Path, wants: list[Want], digest: Digest | None) -> None:

@@ -95,6 +95,8 @@ class ZeroEngine:
         size, align = self.plan.shard_group.size, config.shard_alignment  # each part's layout, computed once
         layouts = [FlatLayout.build(s.param_names, [p.shape for p in s.params], size, align) for s in parts_specs]
         self.pool = _pool_for(layouts, size, config, self.param_dtype, self.reduce_dtype)
+        source = source or LiveParams(sync_from)  # [Note: read ahead] in checkpoint/pretrained.py: from here on
+        source.prepare([(layout, s.params, self.plan.shard_group.rank) for s, layout in zip(parts_specs, layouts)])
         # [Note: master stores] in step/master.py: the offload files' owner (if any) and the flat step, chosen once
         trained = {s.name: layout for layout, s in zip(layouts, parts_specs) if not s.frozen}
         self.disk = _disk_for(trained, config, world, self.device, self.master_dtype)
@@ -103,7 +105,7 @@ class ZeroEngine:
         trains = [bool(s.params) and not s.frozen for s in parts_specs]
         slab = iter(grad_slab([lt for lt, t in zip(layouts, trains) if t], self._placement(False), self.master_dtype))
         self.parts = [
-            self._part(s, layout, source or LiveParams(sync_from), next(slab) if t else None)
+            self._part(s, layout, source, next(slab) if t else None)
             for s, layout, t in zip(parts_specs, layouts, trains)
         ]
         # Parameters built on the meta device were replaced by views (see FlatPart._bind_params).

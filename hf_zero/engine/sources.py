@@ -17,7 +17,9 @@ from .layout import FlatLayout
 
 
 class ShardSource(Protocol):
-    """Fills one unit's master shard for `shard_rank` into `out`."""
+    """Fills one unit's master shard for `shard_rank` into `out`; told first which units it will fill, in order."""
+
+    def prepare(self, units: list[tuple[FlatLayout, tuple[nn.Parameter, ...], int]]) -> None: ...
 
     def fill(
         self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor
@@ -29,6 +31,9 @@ class LiveParams:
 
     def __init__(self, sync_from: CommGroup | None) -> None:
         self.sync_from = sync_from
+
+    def prepare(self, units: list[tuple[FlatLayout, tuple[nn.Parameter, ...], int]]) -> None:
+        """Nothing to read ahead: the values are in memory."""
 
     def fill(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor) -> None:
         full = torch.zeros(layout.padded_numel, dtype=out.dtype, device=out.device)  # one unit at a time
