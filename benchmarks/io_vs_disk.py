@@ -133,16 +133,112 @@ def _dir_bytes(path: Path, suffix: str = "") -> int:
     return sum(p.stat().st_size for p in path.rglob(f"*{suffix}") if p.is_file())
 
 
+def _write_probe(path: Path, nbytes: int) -> int:
+    """Write `nbytes` (rounded up to BLOCK) at `path` with O_DIRECT, fsync, remove it; bytes written."""
+    _direct_io(str(path), nbytes, write=True)
+    path.unlink()
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+class _Clock:
+    """Each phase of one round timed across ranks (barriers around it, the cache dropped first where asked),
+    with the bytes each probe moved summed over the ranks."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.seconds: dict[str, float] = {}
+        self.probe_bytes: dict[str, float] = {}
+        self.cached: dict[str, bool] = {}
+
+    def phase(self, name: str, fn, drop: bool) -> object:  # noqa: ANN001
+        import torch.distributed as dist
+
+        dist.barrier()
+        if drop:
+            ok = drop_caches() if self.rank == 0 else True
+            self.cached[name] = not ok
+        dist.barrier()
+        start = time.perf_counter()
+        value = fn()
+        dist.barrier()
+        self.seconds[name] = time.perf_counter() - start
+        if self.rank == 0:
+            print(f"{name}: {self.seconds[name]:.2f} s", flush=True)
+        return value
+
+    def probe(self, name: str, fn) -> None:  # noqa: ANN001
+        """A plain O_DIRECT probe: `fn` returns the bytes this rank moved; the aggregate is kept."""
+        import torch
+        import torch.distributed as dist
+
+        moved = torch.tensor([float(self.phase(name, fn, drop=True))], dtype=torch.float64)
+        dist.all_reduce(moved)
+        self.probe_bytes[name] = moved.item()
+
+
+def _one_round(clock: _Clock, model, opt, work: Path, config, layers: int) -> None:  # noqa: ANN001
+    """save, load, consolidate and from_pretrained, each between two plain probes of the same bytes."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import hf_zero
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt, out = work / "ckpt", work / "consolidated"
+    if rank == 0:  # a save into an existing directory would also time removing the old one
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    share = _saved_share(layers, rank, world)
+    clock.probe("probe_before_save", lambda: _write_probe(work / f"w{rank}", share))
+    clock.phase("save_checkpoint", lambda: hf_zero.save_checkpoint(ckpt, model, opt), drop=False)
+    clock.probe("probe_after_save", lambda: _write_probe(work / f"w{rank}", share))
+    mine = _my_ranges(sorted(ckpt.glob("*.safetensors")), rank, world)
+    clock.probe("probe_before_load", lambda: _read_ranges(mine))
+    clock.phase("load_checkpoint", lambda: hf_zero.load_checkpoint(ckpt, model, opt), drop=True)
+    clock.probe("probe_after_load", lambda: _read_ranges(mine))
+    clock.phase("consolidate", (lambda: hf_zero.consolidate(ckpt, out, dtype="bf16", progress=False))
+                if rank == 0 else (lambda: 0), drop=True)
+    model_files = [(p, 0, p.stat().st_size) for p in sorted(ckpt.glob("model*.safetensors"))]
+    written = _dir_bytes(out, ".safetensors")
+    clock.probe("probe_consolidate", (lambda: _read_ranges(model_files) + _write_probe(work / "w", written))
+                if rank == 0 else (lambda: 0))
+    mine = _my_ranges(sorted(out.glob("*.safetensors")), rank, world)
+    clock.probe("probe_before_from_pretrained", lambda: _read_ranges(mine))
+    clock.phase("from_pretrained", lambda: _built_and_dropped(AutoModelForCausalLM, out, config), drop=True)
+    clock.probe("probe_after_from_pretrained", lambda: _read_ranges(mine))
+
+
+def _saved_share(layers: int, rank: int, world: int) -> int:
+    """This rank's bytes of a ZeRO-3 bf16 AdamW checkpoint: fp32 masters and two moments (12 bytes each)."""
+    return 12 * n_params(layers) // world
+
+
+def _built_and_dropped(model_class, path: Path, config) -> None:  # noqa: ANN001
+    import hf_zero
+
+    model, _ = hf_zero.from_pretrained(model_class, str(path), config)
+    del model
+    gc.collect()
+
+
+def _first_touch(numel: int) -> int:
+    """Fresh host memory of `numel` fp32 elements written once: what a new master shard's pages cost."""
+    import torch
+
+    torch.empty(numel, dtype=torch.float32).zero_()
+    return 0
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_zero
 
     torch.set_num_threads(4)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     work = Path(args.work)
     config = hf_zero.ZeroConfig(stage=3, mixed_precision="bf16")
     torch.manual_seed(0)
@@ -152,51 +248,22 @@ def worker(args: argparse.Namespace) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad()
-    times: dict[str, float] = {}
-    cached: dict[str, bool] = {}
-
-    def phase(name: str, fn, drop: bool) -> None:  # noqa: ANN001
-        dist.barrier()
-        if drop:
-            ok = drop_caches() if rank == 0 else True
-            cached[name] = not ok
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        times[name] = time.perf_counter() - start
+    rounds = []
+    for i in range(args.rounds):
         if rank == 0:
-            print(f"{name}: {times[name]:.2f} s", flush=True)
-
-    ckpt, out = work / "ckpt", work / "consolidated"
-    read_bytes: dict[str, int] = {}
-
-    def adjacent(name: str, directory: Path) -> None:  # the same files, read plainly, right beside the phase
-        files = sorted(p for p in directory.iterdir() if p.suffix == ".safetensors")
-        mine = _my_ranges(files, rank, dist.get_world_size())
-        phase(name, lambda: read_bytes.__setitem__(name, _read_ranges(mine)), drop=True)
-
-    phase("save_checkpoint", lambda: hf_zero.save_checkpoint(ckpt, model, opt), drop=False)
-    adjacent("probe_before_load", ckpt)
-    phase("load_checkpoint", lambda: hf_zero.load_checkpoint(ckpt, model, opt), drop=True)
-    adjacent("probe_after_load", ckpt)
-    consolidate = (lambda: hf_zero.consolidate(ckpt, out, dtype="bf16", progress=False)) if rank == 0 else (lambda: 0)
-    phase("consolidate", consolidate, drop=True)
-    model = opt = None  # freed before the next model is built
-    gc.collect()
-    adjacent("probe_before_from_pretrained", out)
-    phase("from_pretrained", lambda: hf_zero.from_pretrained(AutoModelForCausalLM, str(out), config), drop=True)
-    adjacent("probe_after_from_pretrained", out)
-    probe_bytes = torch.tensor([read_bytes[k] for k in sorted(read_bytes)], dtype=torch.float64)
-    dist.all_reduce(probe_bytes)  # every rank's bytes: the aggregate speed
+            print(f"round {i + 1} of {args.rounds}", flush=True)
+        clock = _Clock(rank)
+        clock.phase("first_touch", lambda: _first_touch(n_params(args.layers) // world), drop=False)
+        _one_round(clock, model, opt, work, config, args.layers)
+        rounds.append({"seconds": clock.seconds, "probe_bytes": clock.probe_bytes, "cached": clock.cached})
     if rank == 0:
+        ckpt, out = work / "ckpt", work / "consolidated"
         model_files = [p for p in ckpt.rglob("*") if p.is_file() and p.name.startswith("model")]
-        result = {"layers": args.layers, "params": n_params(args.layers), "seconds": times, "cached": cached,
+        result = {"layers": args.layers, "params": n_params(args.layers), "rounds": rounds,
                   "bytes": {"save_checkpoint": _dir_bytes(ckpt), "load_checkpoint": _dir_bytes(ckpt),
                             "consolidate_read": sum(p.stat().st_size for p in model_files),
                             "consolidate_written": _dir_bytes(out, ".safetensors"),
-                            "from_pretrained": _dir_bytes(out, ".safetensors")},
-                  "probe_bytes": dict(zip(sorted(read_bytes), probe_bytes.tolist()))}
+                            "from_pretrained": _dir_bytes(out, ".safetensors")}}
         Path(args.result).write_text(json.dumps(result, indent=2))
     dist.barrier()
     dist.destroy_process_group()
@@ -204,48 +271,91 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def report(disk: dict, job: dict) -> tuple[str, dict]:
-    """The table, and each phase's GB/s and fraction of its reference speed."""
-    w, r = disk["write_gbps"], disk["read_gbps"]
-    b, s = job["bytes"], job["seconds"]
-    rows = {
-        "save_checkpoint": (b["save_checkpoint"], w, "write"),
-        "load_checkpoint": (b["load_checkpoint"], r, "read"),
-        "consolidate": (b["consolidate_read"] + b["consolidate_written"], min(w, r), "slower of the two"),
-        "from_pretrained": (b["from_pretrained"], r, "read"),
-    }
-    lines = [f"# Checkpoint I/O against the disk: {job['params'] / 1e9:.2f}B LLaMA, ZeRO-3 bf16, 2 ranks", "",
-             f"Disk (O_DIRECT, 64 MiB blocks, {disk['file_bytes'] / 2**30:.0f} GiB per process): write "
-             f"{disk['write_1']:.2f} GB/s with 1 process, {disk['write_2']:.2f} with 2; read {disk['read_1']:.2f} "
-             f"/ {disk['read_2']:.2f}. Reference: write {w:.2f} GB/s, read {r:.2f} GB/s.", "",
-             "| phase | GB moved | seconds | GB/s | reference | fraction | target |", "|---|---|---|---|---|---|---|"]
+# Each phase: its bytes' key, the run probe's direction, and the plain probes beside it.
+PHASES = {
+    "save_checkpoint": ("write", ("probe_before_save", "probe_after_save")),
+    "load_checkpoint": ("read", ("probe_before_load", "probe_after_load")),
+    "consolidate": ("slower", ("probe_consolidate",)),
+    "from_pretrained": ("read", ("probe_before_from_pretrained", "probe_after_from_pretrained")),
+}
+
+
+def _phase_bytes(job: dict, name: str) -> int:
+    b = job["bytes"]
+    return b["consolidate_read"] + b["consolidate_written"] if name == "consolidate" else b[name]
+
+
+def _round_figures(disk: dict, job: dict, one: dict) -> dict:
+    """One round's GB/s per phase, against the run's probe and against the plain probes beside it."""
+    reference = {"write": disk["write_gbps"], "read": disk["read_gbps"],
+                 "slower": min(disk["write_gbps"], disk["read_gbps"])}
+    s, moved = one["seconds"], one["probe_bytes"]
     figures = {}
-    for name, (nbytes, ref, label) in rows.items():
-        gbps = nbytes / 1e9 / s[name]
-        figures[name] = {"gbps": gbps, "fraction": gbps / ref}
-        note = " (page cache not dropped)" if job["cached"].get(name) else ""
-        lines.append(f"| {name}{note} | {nbytes / 1e9:.2f} | {s[name]:.2f} | {gbps:.2f} | {label} {ref:.2f} | "
-                     f"{gbps / ref:.2f} | {TARGETS[name]} |")
-    probes = job.get("probe_bytes", {})
-    if probes:
-        lines += ["", "Beside each read phase, the same files read plainly (each rank its share, O_DIRECT, 64 MiB "
-                  "requests, the cache dropped) just before and just after it: the disk's speed for those bytes at "
-                  "that moment, a reference that moves with the shared volume.", "",
-                  "| phase | GB/s | probe before | probe after | fraction of their mean |", "|---|---|---|---|---|"]
-        for name, pre, post in (("load_checkpoint", "probe_before_load", "probe_after_load"),
-                                ("from_pretrained", "probe_before_from_pretrained", "probe_after_from_pretrained")):
-            a, b = probes[pre] / 1e9 / s[pre], probes[post] / 1e9 / s[post]
-            figures[name]["adjacent_gbps"] = (a + b) / 2
-            figures[name]["adjacent_fraction"] = figures[name]["gbps"] / ((a + b) / 2)
-            lines.append(f"| {name} | {figures[name]['gbps']:.2f} | {a:.2f} | {b:.2f} | "
-                         f"{figures[name]['adjacent_fraction']:.2f} |")
-    return "\n".join(lines) + "\n", figures
+    for name, (direction, probes) in PHASES.items():
+        gbps = _phase_bytes(job, name) / 1e9 / s[name]
+        beside = [moved[p] / 1e9 / s[p] for p in probes]
+        adjacent = sum(beside) / len(beside)
+        figures[name] = {"seconds": s[name], "gbps": gbps, "fraction": gbps / reference[direction],
+                         "adjacent_gbps": beside, "adjacent_fraction": gbps / adjacent}
+    if "first_touch" in s:  # from_pretrained's other floor: the fresh pages of its fp32 master shards
+        read_s = _phase_bytes(job, "from_pretrained") / 1e9 / (sum(figures["from_pretrained"]["adjacent_gbps"]) / 2)
+        floor = max(read_s, s["first_touch"])
+        figures["from_pretrained"].update(first_touch_s=s["first_touch"], floor_s=floor,
+                                          floor_fraction=floor / s["from_pretrained"])
+    return figures
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def report(disk: dict, job: dict) -> tuple[str, dict]:
+    """Every round's table, the medians over the rounds, and the figures behind them."""
+    w, r = disk["write_gbps"], disk["read_gbps"]
+    per_round = [_round_figures(disk, job, one) for one in job["rounds"]]
+    lines = [f"# Checkpoint I/O against the disk: {job['params'] / 1e9:.2f}B LLaMA, ZeRO-3 bf16, 2 ranks, "
+             f"{len(per_round)} rounds", "",
+             f"Disk probe at the start (O_DIRECT, 64 MiB blocks, {disk['file_bytes'] / 2**30:.1f} GiB per process, "
+             f"written then read back): write {disk['write_1']:.2f} GB/s with 1 process, {disk['write_2']:.2f} with "
+             f"2; read {disk['read_1']:.2f} / {disk['read_2']:.2f}. Reference: write {w:.2f} GB/s, read {r:.2f}.", "",
+             "Beside each phase, the same bytes moved plainly (O_DIRECT, 64 MiB requests, cache dropped) just before "
+             "and just after it, each rank its share: save against writing its share of the checkpoint, load "
+             "against reading its checkpoint files, from_pretrained against reading its part of the model file, "
+             "consolidate (rank 0) against reading the model files and then writing the consolidated bytes in "
+             "series. That reference moves with the shared volume; the run's probe does not.", "",
+             "| round | phase | GB moved | seconds | GB/s | fraction of run probe | probes beside (GB/s) | "
+             "fraction of them | target |", "|---|---|---|---|---|---|---|---|---|"]
+    for i, figures in enumerate(per_round, 1):
+        for name, f in figures.items():
+            beside = " / ".join(f"{g:.2f}" for g in f["adjacent_gbps"])
+            lines.append(f"| {i} | {name} | {_phase_bytes(job, name) / 1e9:.2f} | {f['seconds']:.2f} | "
+                         f"{f['gbps']:.2f} | {f['fraction']:.2f} | {beside} | {f['adjacent_fraction']:.2f} | "
+                         f"{TARGETS[name]} |")
+    medians = {name: {key: _median([fig[name][key] for fig in per_round])
+                      for key in ("seconds", "gbps", "fraction", "adjacent_fraction")} for name in PHASES}
+    lines += ["", f"Medians over the {len(per_round)} rounds:", "",
+              "| phase | seconds | GB/s | fraction of run probe | fraction of the probes beside it | target |",
+              "|---|---|---|---|---|---|"]
+    for name, m in medians.items():
+        lines.append(f"| {name} | {m['seconds']:.2f} | {m['gbps']:.2f} | {m['fraction']:.2f} | "
+                     f"{m['adjacent_fraction']:.2f} | {TARGETS[name]} |")
+    touches = [fig["from_pretrained"] for fig in per_round if "first_touch_s" in fig["from_pretrained"]]
+    if touches:
+        medians["from_pretrained"]["floor_fraction"] = _median([t["floor_fraction"] for t in touches])
+        lines += ["", "from_pretrained's floor is the larger of its read at the speed beside it and the first touch "
+                  "of its fresh fp32 master shards (each rank its 1/2 of the parameters, both at once: "
+                  + ", ".join(f"{t['first_touch_s']:.2f}" for t in touches) + " s); the call's time against that "
+                  f"floor, median: {medians['from_pretrained']['floor_fraction']:.2f}."]
+    return "\n".join(lines) + "\n", {"rounds": per_round, "medians": medians}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=16, help="16: 0.84B parameters")
     ap.add_argument("--disk-gib", type=float, default=4.0, help="GiB each disk probe writes and reads")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the four phases, each between its probes")
     ap.add_argument("--out", type=Path, default=None, help="folder for io_vs_disk.json / io_vs_disk.md")
     ap.add_argument("--label", default="", help="appended to the result files' names (io_vs_disk<label>.md)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -260,7 +370,8 @@ def main() -> None:
         print(json.dumps(disk), flush=True)
         result_file = work / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-               "--worker", "--layers", str(args.layers), "--work", str(work), "--result", str(result_file)]
+               "--worker", "--layers", str(args.layers), "--rounds", str(args.rounds), "--work", str(work),
+               "--result", str(result_file)]
         env = {**os.environ, "OMP_NUM_THREADS": "4", "PYTHONPATH": str(HERE.parent)}
         done = subprocess.run(cmd, env=env)
         if done.returncode != 0 or not result_file.exists():
