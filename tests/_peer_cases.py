@@ -55,6 +55,7 @@ REFUSED: dict[str, dict[int, str]] = {
     "deepcopy_for_an_ema": {s: "copy.deepcopy of a sharded model" for s in (1, 2, 3)},
     "grad_rows_zeroed_before_step": {s: "'head.weight'.grad of a model sharded by hf_zero" for s in (1, 2, 3)},
     "grad_norms_logged_from_p_grad": {s: ".grad of a model sharded by hf_zero" for s in (1, 2, 3)},
+    "grad_norm_logged_under_no_sync": {s: "(under no_sync, its own sum, not yet averaged" for s in (1, 2, 3)},
     "optimizer_built_after_initialize": {s: "hf_zero.attach_optimizer" for s in (1, 2, 3)},
     "torch_two_step_clipping": {s: "get_total_norm + clip_grads_with_norm_" for s in (1, 2, 3)},
     "torch_clip_bound_early": {s: "optimizer.clip_grad_norm_(max_norm)" for s in (1, 2, 3)},

@@ -6,6 +6,8 @@ Registered in the same `SCENARIOS` when tests/_peer_cases.py imports this module
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -105,6 +107,26 @@ def grad_norms_logged_from_p_grad(loop: Loop) -> None:
         loop.backward(loss)
         total = sum(float(p.grad.norm()) ** 2 for p in loop.model.parameters() if p.grad is not None)
         loop.note("grad_norm", total**0.5)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def grad_norm_logged_under_no_sync(loop: Loop) -> None:
+    """Accumulation with DDP's idiom (the first micro-batch's backward under no_sync), the local gradient norm logged
+    from `p.grad` with the usual guard in between. DDP's `.grad` there is this rank's own sum; a sharded model's is
+    the stand-in that refuses by name (left None where no_sync defers the reduction, the guard logged 0)."""
+    for step in range(3):
+        for micro in range(2):
+            loss = loop.loss(10 * step + micro) / 2
+            loop.note("loss", loss)
+            if micro == 1:
+                loop.backward(loss)
+                continue
+            with loop.model.no_sync() if loop.sharded else contextlib.nullcontext():
+                loss.backward()
+            total = sum(float(p.grad.norm()) ** 2 for p in loop.model.parameters() if p.grad is not None)
+            loop.note("local_grad_norm", total**0.5)
         loop.opt.step()
         loop.opt.zero_grad()
 

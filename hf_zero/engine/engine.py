@@ -131,6 +131,7 @@ class ZeroEngine:
             world=world,
             on_root_forward=self._before_forward,
             on_backward=self._wake_grads,
+            on_deferred=self._rest_grads,
             input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
         )
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
@@ -219,8 +220,12 @@ class ZeroEngine:
     def _mark_has_grads(self) -> None:
         self.has_grads = True
         self.steps.on_reduced()
+        self._rest_grads()
+
+    def _rest_grads(self) -> None:
+        """[Note: resting gradients] after a backward pass, reduced or (under no_sync) only accumulated."""
         for part in self.parts:
-            part.rest_grads()  # [Note: resting gradients]
+            part.rest_grads()
         self._grads_resting = True
 
     def _wake_grads(self) -> None:

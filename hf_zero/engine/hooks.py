@@ -90,6 +90,7 @@ class HookSettings:
     on_root_forward: Callable[[], None] | None = None  # told as the root's forward begins (outside backward)
     input_dtype: torch.dtype | None = None  # [Note: input dtype] the root's floating inputs' dtype, or None
     on_backward: Callable[[], None] | None = None  # told as a backward pass begins, before any unit's gradients
+    on_deferred: Callable[[], None] | None = None  # told as a backward pass ends whose reductions no_sync deferred
 
 
 class UnitHooks:
@@ -411,6 +412,8 @@ class UnitHooks:
                 self._post_backward(unit)
         self.unsynced = not self.requires_grad_sync
         self.wait_reductions()
+        if self.unsynced and self.settings.on_deferred is not None:
+            self.settings.on_deferred()  # [Note: resting gradients]: accumulated, not reduced, `.grad` a stand-in too
         for unit in self.units:
             unit.end_pass()
         if not self.current.create_graph:

@@ -110,7 +110,8 @@ class ShardedParameter(torch.Tensor):
 def _grad_message(name: str) -> str:
     return (
         f"'{name}'.grad of a model sharded by hf_zero: after the backward each rank holds only its shard of the "
-        "averaged gradient, so `.grad` has no value to read or change ([Note: resting gradients]). To change "
+        "averaged gradient (under no_sync, its own sum, not yet averaged, in the engine's buffers), so `.grad` has "
+        "no value to read or change ([Note: resting gradients]). To change "
         "gradients, register `param.register_hook(fn)` before the backward (fn gets this rank's gradient before the "
         "mean over ranks: scaling and masking commute with it). To clip, call "
         "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) after `import hf_zero`, or "
