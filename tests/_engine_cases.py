@@ -295,3 +295,34 @@ def replaced_data_in_gathered_parameters(stage: int) -> dict[str, Any]:
         o.zero_grad()
         losses.append(float(torch.nn.functional.mse_loss(m(x), y)))
     return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before), "losses": losses}
+
+
+def grad_under_no_sync(stage: int, keeps_grads: bool) -> dict[str, Any]:
+    """A first micro-batch's backward under no_sync, then `p.grad` read; then the synchronising micro-batch and a
+    step. What the read gave, and whether the step equals that of a run that never read."""
+    from tests._peer_harness import Net
+
+    losses = []
+    for read in (True, False):
+        torch.manual_seed(0)
+        model = Net()
+        config = hf_zero.ZeroConfig(stage=stage, wrap=["Block"], no_sync_keeps_grads=keeps_grads)
+        model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        with model.no_sync():
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        seen = "None"
+        if read:
+            grad = model.head.weight.grad
+            try:
+                seen = "None" if grad is None else f"value {float(grad.norm())}"
+            except TypeError as e:
+                seen = str(e)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(torch.nn.functional.mse_loss(model(x), y)))
+        if read:
+            result = {"seen": seen}
+    return {**result, "losses": losses}

@@ -162,3 +162,13 @@ def test_replacing_a_parameters_data_inside_gathered_parameters_is_refused_on_ev
         assert "param.copy_(tensor)" in r["error"]
         assert r["unchanged"], r
         assert r["losses"][0] == r["losses"][1], r
+
+
+@pytest.mark.parametrize(("stage", "keeps_grads"), [(0, False), (1, False), (2, True), (3, True)])
+def test_grad_read_between_no_sync_micro_batches_is_refused_by_name(pools, stage, keeps_grads):
+    """[Note: resting gradients] where no_sync defers the reduction (stages 0-1, `no_sync_keeps_grads`), `.grad` after
+    the backward was None: DDP code's `if p.grad is not None` guard logged 0. It is the stand-in now, refusing by
+    name, and the accumulation trains exactly as without the read."""
+    for r in pools(2).values(engine_cases.grad_under_no_sync, stage, keeps_grads):
+        assert "'head.weight'.grad of a model sharded by hf_zero" in r["seen"] and "under no_sync" in r["seen"], r
+        assert r["losses"][0] == r["losses"][1], r
