@@ -2,9 +2,9 @@
 
 Each rank reads, from `model.safetensors` or the shards named by `model.safetensors.index.json`,
 only the bytes that its own shard of each unit covers (a range of a flattened row-major tensor is one
-range of the file), with `pread` straight into the shard ([Note: one-pass load] in sequential.py;
-through a host buffer where the file's dtype or the shard's device differs), so nothing is mapped and
-a node's host memory peak is about one copy of the model in total (its ranks' shards), not one per rank.
+range of the file), around the page cache into a reused host buffer in the file's dtype ([Note: one-pass
+load] in sequential.py), then cast or copied into the shard on its device; nothing is mapped, and a node's
+host memory peak is about one copy of the model in total (its ranks' shards), not one per rank.
 
 [Note: read ahead]
 A unit's shard is fresh memory, and writing it the first time (the cast of the file's bf16 into fp32 masters) costs
