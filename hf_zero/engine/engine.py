@@ -300,8 +300,8 @@ class ZeroEngine:
                         f"hf_zero: parameter '{name}' had its `.data` replaced (`param.data = tensor`) after "
                         "hf_zero.initialize: its values live in the engine's flat buffer and fp32 master shards, so "
                         "the module would compute with the new tensor while training updated the old one. Change it "
-                        "in place instead: `with torch.no_grad(): param.copy_(tensor)` on every rank, or "
-                        "model.load_state_dict(...)."
+                        "in place instead, where the masters see it: `with hf_zero.gathered_parameters([param], "
+                        "modifier_rank=0): param.copy_(tensor)` on every rank, or model.load_state_dict(...)."
                     )
 
     def _broadcast_buffers(self) -> None:
