@@ -326,3 +326,35 @@ def grad_under_no_sync(stage: int, keeps_grads: bool) -> dict[str, Any]:
         if read:
             result = {"seen": seen}
     return {**result, "losses": losses}
+
+
+def weights_edited_between_steps(stage: int, mixed_precision: str, how: str) -> dict[str, Any]:
+    """Three steps, each followed by every weight halved in place (`how`: under no_grad, through `.data`, inside
+    `gathered_parameters(modifier_rank=0)`, or not at all); the losses, the full state right after the first edit,
+    and the final full state."""
+    import contextlib
+
+    from tests._peer_harness import Net
+
+    torch.manual_seed(0)
+    model = Net()
+    config = hf_zero.ZeroConfig(stage=stage, wrap=["Block"], mixed_precision=mixed_precision)
+    model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    losses, after_first = [], None
+    for step in range(3):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        if how != "none":
+            params = list(model.parameters())
+            gathered = hf_zero.gathered_parameters(params, modifier_rank=0)
+            with gathered if how == "gathered" else contextlib.nullcontext(), torch.no_grad():
+                for p in params:
+                    (p.data if how == "data" else p).mul_(0.5)
+        if step == 0:
+            after_first = hf_zero.full_state_dict(model, rank0_only=False)
+    return {"losses": losses, "after_first": after_first, "final": hf_zero.full_state_dict(model, rank0_only=False)}

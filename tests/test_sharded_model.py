@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import _engine_cases as cases_engine
 from tests import _model_cases as cases
 from tests._training import make_model, make_optimizer, rel_err
 
@@ -152,3 +153,21 @@ def test_seq2seq_trainer_generation_is_synced_and_matches(pools, tmp_path):
         assert r["sharded"] and r["synced"] and all(s is True for s in r["synced"]), r["synced"]
         got = torch.tensor(r["predictions"])
         assert torch.equal(got[:, : want.shape[1]], want)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
+def test_weights_changed_in_place_between_steps_reach_the_masters(pools, stage, mixed_precision):
+    """[Note: edits between steps] every weight halved in place after each step (`p.mul_` under no_grad, or through
+    `p.data`), as DDP code does: the same losses and weights, bit for bit, as the same change made inside
+    `gathered_parameters(modifier_rank=0)` (which writes the changed elements into the masters), and a state dict
+    right after the change holds it. Under bf16 the change used to reach only the compute weights, and the next
+    step's publish wrote the fp32 masters over it."""
+    runs = {how: pools(2).values(cases_engine.weights_edited_between_steps, stage, mixed_precision, how)[0]
+            for how in ("none", "plain", "data", "gathered")}
+    for how in ("plain", "data"):
+        assert runs[how]["losses"] == runs["gathered"]["losses"], how
+        for name, value in runs["gathered"]["final"].items():
+            assert torch.equal(runs[how]["final"][name], value), (how, name)
+            assert torch.equal(runs[how]["after_first"][name], runs["gathered"]["after_first"][name]), (how, name)
+    assert runs["plain"]["losses"][2] != runs["none"]["losses"][2]

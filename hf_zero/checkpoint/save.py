@@ -114,7 +114,7 @@ def save_checkpoint(
         _check_json(metadata)
         _check_async(async_save, snapshot_budget_bytes)
     finish_previous(engine)  # [Note: asynchronous save] the next save starts after the previous one
-    engine.hooks.wait_reductions()
+    engine.settle_masters()  # [Note: edits between steps]
     with agreement(world, f"hf_zero.save_checkpoint (removing what killed saves left beside {target})"):
         leftovers.remove(leftovers.beside(target))  # [Note: leftovers]; every rank (node-local folders too)
     token = broadcast_object(uuid.uuid4().hex[:12], world)

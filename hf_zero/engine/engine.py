@@ -25,7 +25,7 @@ from .collectives import (
     max_scalar_,
     raise_if_any_failed,
 )
-from .flat import FlatPart
+from .flat import FlatPart, take_edits
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
@@ -120,6 +120,7 @@ class ZeroEngine:
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self._grads_resting = False  # [Note: resting gradients] some `.grad` holds a stand-in
         self.in_no_sync = False  # inside no_sync(): DDP broadcasts no buffers there
+        self._edit_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # [Note: edits between steps]
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
         settings = HookSettings(
@@ -392,6 +393,12 @@ class ZeroEngine:
 
     # ---- gathering --------------------------------------------------------------------------
     @torch.no_grad()
+    def settle_masters(self) -> None:
+        """Before the masters are read: the gradients reduced into their shards, and the parameters' changes since
+        the last publish taken into the masters ([Note: edits between steps] in flat.py)."""
+        self.hooks.wait_reductions()
+        self._edit_scratch = take_edits([part for part in self.parts if part.master_apart], self._edit_scratch)
+
     def gather_units(
         self,
         *,
@@ -406,7 +413,7 @@ class ZeroEngine:
         trainable parameter are skipped and only trainable parameters are yielded (e.g. a LoRA
         adapter). Peak memory: one unit, plus what the caller keeps.
         """
-        self.hooks.wait_reductions()
+        self.settle_masters()
         is_writer = self.world.rank == 0 or not rank0_only
         for part in self.parts:
             if trainable_only and not part.has_trainable:

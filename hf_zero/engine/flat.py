@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from .step.disk import DiskOffload
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit-for-bit comparisons
+
+
 class FlatPart(ReadsPartSettings):
     """The sharded and unsharded storage of one unit, and the primitive moves between them.
 
@@ -244,6 +247,46 @@ class FlatPart(ReadsPartSettings):
             own.copy_(master, non_blocking=True)
         return self.gather_persistent(async_op)
 
+    @property
+    def master_apart(self) -> bool:
+        """Whether this rank's master is a tensor of its own in the compute device's memory, beside its chunk of the
+        whole parameters (stages 0-2 under mixed precision): [Note: edits between steps]."""
+        return (
+            self.persistent
+            and not self.placement.offloaded
+            and self.param_shard().data_ptr() != (self.sharded_master.data_ptr())
+        )
+
+    def edited(self, cast: torch.Tensor, differs: torch.Tensor) -> torch.Tensor:
+        """[Note: edits between steps]
+        At stages 0-2 every parameter is whole on every rank, and code written for DDP changes it in place between
+        steps (`p.mul_(0.5)`, `p.data.clamp_(-c, c)`, a row of an embedding zeroed). Where the master is the
+        parameter itself (fp32, in memory) the change is the master's. Where it is apart (bf16 or fp16 mixed
+        precision) the change reached only the compute parameters, and the next step's publish wrote the fp32
+        masters over it, without a word. So before the masters are read (a step, a state dict, a save), the
+        engine asks each part whether its chunk still holds, bit for bit, its master's cast (chunk by chunk through
+        `cast` and `differs`, memory it keeps; a 0-d bool on the device, all parts answered in one sync) and has the
+        parts that changed take the changed elements into their masters (`take_edits`), the others keeping their
+        exact fp32 value, as `gathered_parameters` does on leaving its block. Masters offloaded to the host or to
+        files are not compared: that would move every shard each step."""
+        new, master = self.param_shard(), self.sharded_master
+        bits = _SAME_SIZE_INT[new.element_size()]
+        found = torch.zeros((), dtype=torch.bool, device=new.device)
+        for start in range(0, new.numel(), cast.numel()):
+            n = min(cast.numel(), new.numel() - start)
+            cast[:n].copy_(master[start : start + n])
+            torch.ne(new[start : start + n].view(bits), cast[:n].view(bits), out=differs[:n])
+            found |= differs[:n].any()
+        return found
+
+    def take_edits(self) -> None:
+        """[Note: edits between steps] the elements of this rank's chunk that differ from its master's cast, into it."""
+        new, master = self.param_shard(), self.sharded_master
+        changed = new.view(_SAME_SIZE_INT[new.element_size()]) != master.to(self.param_dtype).view(
+            _SAME_SIZE_INT[new.element_size()]
+        )
+        master[changed] = new[changed].to(master.dtype)
+
     def gather_persistent(self, async_op: bool = False) -> Pending:
         """Stages 0-2: all-gather every rank's chunk of the parameters after they were updated (stage 3:
         nothing; the next use gathers)."""
@@ -282,3 +325,25 @@ class FlatPart(ReadsPartSettings):
                 held.append(("gradients", g, where(g, on_host)))
         held.append(("optimizer_states", self.sharded_master, where(self.sharded_master, offloaded)))
         return held
+
+
+def take_edits(
+    apart: list[FlatPart], scratch: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """[Note: edits between steps] have each part in `apart` (masters apart) that changed take its changes, with
+    one sync for all; returns the scratch memory of the comparisons, made at the first call and kept (a fresh
+    buffer's first touch would cost more than the comparison)."""
+    if not apart:
+        return scratch
+    if scratch is None:
+        first = apart[0].param_shard()
+        chunk = min(1 << 22, max(part.param_shard().numel() for part in apart))
+        scratch = (
+            torch.empty(chunk, dtype=first.dtype, device=first.device),
+            torch.empty(chunk, dtype=torch.bool, device=first.device),
+        )
+    found = torch.stack([part.edited(*scratch) for part in apart]).tolist()
+    for part, edited in zip(apart, found):
+        if edited:
+            part.take_edits()
+    return scratch

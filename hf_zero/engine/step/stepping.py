@@ -43,6 +43,8 @@ class Sharded(Protocol):
 
     def release_gathered(self) -> None: ...
 
+    def settle_masters(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class Attached:
@@ -110,7 +112,7 @@ class OptimizerSteps:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped."""
         engine = self.engine
-        engine.hooks.wait_reductions()
+        engine.settle_masters()
         entry = self.attached_to(optimizer)
         if entry is None:
             raise RuntimeError(f"[rank {engine.world.rank}] hf_zero: step() of an optimizer this model does not hold")
@@ -149,7 +151,7 @@ class OptimizerSteps:
         """Publish every unit's master shard into its parameters after the optimizer moved the masters outside
         `step` (schedule-free's `train()` / `eval()`), and drop every copy gathered before."""
         engine = self.engine
-        engine.hooks.wait_reductions()
+        engine.settle_masters()
         for pending in [part.store.publish(async_op=True) for part in engine.parts]:
             pending.wait()
         engine.release_gathered()
