@@ -204,6 +204,37 @@ def phase_single(args: argparse.Namespace, device: torch.device, cases: Cases) -
             sizes, data, device, ref, stage=3, offload_optimizer=True, offload_dir=str(Path(tmp) / "offload")))
         cases.run("async save at ZeRO-3 bf16, load at ZeRO-1, consolidate, from_pretrained",
                   lambda: save_load_case(sizes, data, device, Path(tmp)))
+    cases.run("ZeRO-2 bf16: weights changed in place between steps reach the masters",
+              lambda: edits_case(sizes, data, device))
+
+
+def edits_case(sizes: Sizes, data: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """[Note: edits between steps] every weight scaled in place after each step, as DDP code does, at ZeRO-2 in bf16
+    (fp32 masters apart from the compute weights): the same losses and weights, bit for bit, as the same change made
+    inside `gathered_parameters(modifier_rank=0)`."""
+    runs = {}
+    for how in ("plain", "gathered"):
+        model = llama(sizes, seed=0)
+        config = hf_zero.ZeroConfig(stage=2, mixed_precision="bf16")
+        model, opt = hf_zero.initialize(model, adamw(model), config, device=device)
+        losses = []
+        for step in range(sizes.steps):
+            batch = data[step, 0].to(device)
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+            params = list(model.parameters())
+            block = hf_zero.gathered_parameters(params, modifier_rank=0) if how == "gathered" else None
+            with block or contextlib.nullcontext(), torch.no_grad():
+                for p in params:
+                    p.mul_(0.9)
+        runs[how] = (losses, hf_zero.full_state_dict(model))
+    require(runs["plain"][0] == runs["gathered"][0], f"losses {runs['plain'][0]} != {runs['gathered'][0]}")
+    diff = weights_diff(runs["plain"][1], runs["gathered"][1])
+    require(diff == 0.0, f"weights differ from the gathered_parameters run by {diff:.2e}")
+    return {"weights_rel": diff, "last_loss": round(runs["plain"][0][-1], 4)}
 
 
 def save_load_case(sizes: Sizes, data: torch.Tensor, device: torch.device, tmp: Path) -> dict[str, Any]:
