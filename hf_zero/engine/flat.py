@@ -267,8 +267,10 @@ class FlatPart(ReadsPartSettings):
         engine asks each part whether its chunk still holds, bit for bit, its master's cast (chunk by chunk through
         `cast` and `differs`, memory it keeps; a 0-d bool on the device, all parts answered in one sync) and has the
         parts that changed take the changed elements into their masters (`take_edits`), the others keeping their
-        exact fp32 value, as `gathered_parameters` does on leaving its block. Masters offloaded to the host or to
-        files are not compared: that would move every shard each step."""
+        exact fp32 value, as `gathered_parameters` does on leaving its block. The comparison holds only while the
+        masters are as last published: not where an optimizer moved them outside a step (schedulefree's `eval()`,
+        published by `publish_masters` without it). Masters offloaded to the host or to files are not compared:
+        that would move every shard each step."""
         new, master = self.param_shard(), self.sharded_master
         bits = _SAME_SIZE_INT[new.element_size()]
         found = torch.zeros((), dtype=torch.bool, device=new.device)

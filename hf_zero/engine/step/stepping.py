@@ -151,7 +151,7 @@ class OptimizerSteps:
         """Publish every unit's master shard into its parameters after the optimizer moved the masters outside
         `step` (schedule-free's `train()` / `eval()`), and drop every copy gathered before."""
         engine = self.engine
-        engine.settle_masters()
+        engine.hooks.wait_reductions()  # not settle_masters: the masters moved, so they no longer match the published
         for pending in [part.store.publish(async_op=True) for part in engine.parts]:
             pending.wait()
         engine.release_gathered()
