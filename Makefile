@@ -47,7 +47,7 @@ test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
 
 # The slow tier (pyproject's `slow` marker): heavy repeats of what `make test` covers: the GPU check's CPU
-# rehearsal, more shapes of the memory estimate, the DPO runs (plain and sync-ref), the SFT example with sequence parallelism,
+# rehearsal, more shapes of the memory estimate, train_accelerate resumed from a background save, the DPO runs (plain and sync-ref), the SFT example with sequence parallelism,
 # train_clm with sequence parallelism on long blocks, the two-node launch, preemption under accelerate launch and
 # by direct launch and the preempted job's requeue, load_state on one rank, torchao's AdamW8bit, the
 # loading-memory control, the Trainer's auto_find_batch_size and block-less models at stage 2; then the soaks (20 clean-exit launches, a rank killed before each of the save path's 8

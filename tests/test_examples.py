@@ -146,6 +146,9 @@ def _log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
+# the slow tier (39 s on 2 cores): the plugin's background save and resume stay in the suite through
+# tests/test_accelerate.py::test_save_state_and_load_state_resume (async_save) and the Trainer's in test_trainer.py
+@pytest.mark.slow
 def test_train_accelerate_resumed_from_a_background_save(assets, tmp_path):
     """A 4-step run saves every 2 steps in the background (`--zero_async_save`, its host copy bounded), so step_2
     is written while steps 3-4 change the weights, and step_4 while the process ends (it waits for it); a second
