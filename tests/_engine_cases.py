@@ -297,19 +297,25 @@ def replaced_data_in_gathered_parameters(stage: int) -> dict[str, Any]:
     return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before), "losses": losses}
 
 
+def _sharded_net(**config: Any) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
+    """The peer harness's `Net` (seed 0) sharded with AdamW under `ZeroConfig(wrap=["Block"], **config)`, and this
+    rank's batch."""
+    from tests._peer_harness import Net
+
+    torch.manual_seed(0)
+    model = Net()
+    zero = hf_zero.ZeroConfig(wrap=["Block"], **config)
+    model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), zero)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return model, opt, torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
 def grad_under_no_sync(stage: int, keeps_grads: bool) -> dict[str, Any]:
     """A first micro-batch's backward under no_sync, then `p.grad` read; then the synchronising micro-batch and a
     step. What the read gave, and whether the step equals that of a run that never read."""
-    from tests._peer_harness import Net
-
     losses = []
     for read in (True, False):
-        torch.manual_seed(0)
-        model = Net()
-        config = hf_zero.ZeroConfig(stage=stage, wrap=["Block"], no_sync_keeps_grads=keeps_grads)
-        model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        model, opt, x, y = _sharded_net(stage=stage, no_sync_keeps_grads=keeps_grads)
         with model.no_sync():
             torch.nn.functional.mse_loss(model(x), y).backward()
         seen = "None"
@@ -334,14 +340,7 @@ def weights_edited_between_steps(stage: int, mixed_precision: str, how: str) -> 
     and the final full state."""
     import contextlib
 
-    from tests._peer_harness import Net
-
-    torch.manual_seed(0)
-    model = Net()
-    config = hf_zero.ZeroConfig(stage=stage, wrap=["Block"], mixed_precision=mixed_precision)
-    model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    model, opt, x, y = _sharded_net(stage=stage, mixed_precision=mixed_precision)
     losses, after_first = [], None
     for step in range(3):
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
