@@ -206,17 +206,25 @@ def phase_single(args: argparse.Namespace, device: torch.device, cases: Cases) -
                   lambda: save_load_case(sizes, data, device, Path(tmp)))
     cases.run("ZeRO-2 bf16: weights changed in place between steps reach the masters",
               lambda: edits_case(sizes, data, device))
+    cases.run("ZeRO-2 bf16 offload_optimizer: in-place changes reach the host masters (fingerprints)",
+              lambda: edits_case(sizes, data, device, offload_optimizer=True))
 
 
-def edits_case(sizes: Sizes, data: torch.Tensor, device: torch.device) -> dict[str, Any]:
+def edits_case(
+    sizes: Sizes, data: torch.Tensor, device: torch.device, offload_optimizer: bool = False
+) -> dict[str, Any]:
     """[Note: edits between steps] every weight scaled in place after each step, as DDP code does, at ZeRO-2 in bf16
-    (fp32 masters apart from the compute weights): the same losses and weights, bit for bit, as the same change made
-    inside `gathered_parameters(modifier_rank=0)`."""
+    (fp32 masters apart from the compute weights; with `offload_optimizer`, on the host, where a fingerprint of each
+    chunk tells which changed): the same losses and weights, bit for bit, as the same change made inside
+    `gathered_parameters(modifier_rank=0)`."""
     runs = {}
     for how in ("plain", "gathered"):
         model = llama(sizes, seed=0)
-        config = hf_zero.ZeroConfig(stage=2, mixed_precision="bf16")
+        config = hf_zero.ZeroConfig(stage=2, mixed_precision="bf16", offload_optimizer=offload_optimizer)
         model, opt = hf_zero.initialize(model, adamw(model), config, device=device)
+        if offload_optimizer and device.type == "cuda":
+            parts = model.zero_engine.parts
+            require(all(p.fingerprinted for p in parts), "a part with its master on the host is not fingerprinted")
         losses = []
         for step in range(sizes.steps):
             batch = data[step, 0].to(device)

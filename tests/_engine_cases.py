@@ -334,13 +334,17 @@ def grad_under_no_sync(stage: int, keeps_grads: bool) -> dict[str, Any]:
     return {**result, "losses": losses}
 
 
-def weights_edited_between_steps(stage: int, mixed_precision: str, how: str) -> dict[str, Any]:
+def weights_edited_between_steps(stage: int, mixed_precision: str, how: str, offload_dir: str = "") -> dict[str, Any]:
     """Three steps, each followed by every weight halved in place (`how`: under no_grad, through `.data`, inside
-    `gathered_parameters(modifier_rank=0)`, or not at all); the losses, the full state right after the first edit,
+    `gathered_parameters(modifier_rank=0)`, or not at all), the masters in memory, offloaded to the host
+    (`offload_dir="host"`) or to files under `offload_dir`; the losses, the full state right after the first edit,
     and the final full state."""
     import contextlib
 
-    model, opt, x, y = _sharded_net(stage=stage, mixed_precision=mixed_precision)
+    offload: dict[str, Any] = {}
+    if offload_dir:
+        offload = {"offload_optimizer": True, **({} if offload_dir == "host" else {"offload_dir": offload_dir})}
+    model, opt, x, y = _sharded_net(stage=stage, mixed_precision=mixed_precision, **offload)
     losses, after_first = [], None
     for step in range(3):
         loss = torch.nn.functional.mse_loss(model(x).float(), y)

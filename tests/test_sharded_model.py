@@ -171,3 +171,58 @@ def test_weights_changed_in_place_between_steps_reach_the_masters(pools, stage, 
             assert torch.equal(runs[how]["final"][name], value), (how, name)
             assert torch.equal(runs[how]["after_first"][name], runs["gathered"]["after_first"][name]), (how, name)
     assert runs["plain"]["losses"][2] != runs["none"]["losses"][2]
+
+
+@pytest.mark.parametrize(
+    ("stage", "mixed_precision", "where"), [(1, "bf16", "host"), (2, "bf16", "disk"), (0, "no", "disk")]
+)
+def test_weights_changed_in_place_between_steps_reach_offloaded_masters(pools, tmp_path, stage, mixed_precision, where):
+    """[Note: edits between steps] the same halving with the masters offloaded: to the host (on this CPU the master
+    is a tensor beside the chunk, compared element by element) or to files (a fingerprint of the chunk taken at each
+    publish, and the master read, changed and written back only where it moved). Bit for bit the run that changes
+    the weights inside `gathered_parameters(modifier_rank=0)`; before, the change was dropped at the next step."""
+    offload_dir = "host" if where == "host" else str(tmp_path)
+    runs = {
+        how: pools(2).values(cases_engine.weights_edited_between_steps, stage, mixed_precision, how, offload_dir)[0]
+        for how in ("none", "plain", "data", "gathered")
+    }
+    for how in ("plain", "data"):
+        assert runs[how]["losses"] == runs["gathered"]["losses"], how
+        for name, value in runs["gathered"]["final"].items():
+            assert torch.equal(runs[how]["final"][name], value), (how, name)
+            assert torch.equal(runs[how]["after_first"][name], runs["gathered"]["after_first"][name]), (how, name)
+    assert runs["plain"]["losses"][2] != runs["none"]["losses"][2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fingerprint_moves_with_any_change_of_the_bits(dtype):
+    """[Note: edits between steps] the fingerprint of a chunk whose master is elsewhere: the same for the same bits,
+    different after one bit of one element flips (first, last, in the middle), after two elements swap places
+    (in one piece, or at the same offset of two pieces), and after 0.0 becomes -0.0."""
+    from hf_zero.engine.flat import _PRINT_PIECE, fingerprint
+
+    torch.manual_seed(0)
+    base = torch.randn(2 * _PRINT_PIECE + 7).to(dtype)
+    base[11] = 0.0
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    before = fingerprint(base)
+    assert fingerprint(base.clone()) == before
+
+    def changed(edit) -> bool:
+        edited = base.clone()
+        edit(edited)
+        return bool(fingerprint(edited) != before)
+
+    for index in (0, base.numel() - 1, _PRINT_PIECE + 3):
+        assert changed(lambda t, i=index: t.view(bits)[i].bitwise_xor_(1)), index
+
+    def swap(i: int, j: int):
+        def edit(t: torch.Tensor) -> None:
+            t[[i, j]] = t[[j, i]]
+
+        return edit
+
+    assert base[5] != base[9] and base[5] != base[5 + _PRINT_PIECE]
+    assert changed(swap(5, 9))
+    assert changed(swap(5, 5 + _PRINT_PIECE))
+    assert changed(lambda t: t[11].neg_())

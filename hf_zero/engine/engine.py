@@ -397,7 +397,9 @@ class ZeroEngine:
         """Before the masters are read: the gradients reduced into their shards, and the parameters' changes since
         the last publish taken into the masters ([Note: edits between steps] in flat.py)."""
         self.hooks.wait_reductions()
-        self._edit_scratch = take_edits([part for part in self.parts if part.master_apart], self._edit_scratch)
+        apart = [part for part in self.parts if part.master_apart]
+        fingerprinted = [part for part in self.parts if part.fingerprinted]
+        self._edit_scratch = take_edits(apart, fingerprinted, self._edit_scratch)
 
     def gather_units(
         self,

@@ -24,6 +24,7 @@ The gradients of a part live in its `FlatGrads` (grads.py).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,6 +85,13 @@ class FlatPart(ReadsPartSettings):
         if not persistent:
             self.sharded_param = self._gather_shard(on_disk=bool(disk))
         self.params = self._bind_params(spec.params)
+        # [Note: edits between steps]: the master in another device's memory or in files is not compared with the
+        # chunk; a fingerprint of the chunk, taken at each publish, tells whether it changed since
+        self.fingerprinted = (
+            persistent and placement.offloaded and (disk is not None or self.master_device != self.device)
+        )
+        self._published: torch.Tensor | None = None  # at the last publish
+        self._current: torch.Tensor | None = None  # at the last `fingerprint_changed`
         # [Note: resting parameters] in resting.py: what the modules hold while the unit is resharded
         self.module_slots = None if persistent else ModuleSlots(self.params, spec.param_names, spec.slots)
         if persistent:
@@ -250,10 +258,11 @@ class FlatPart(ReadsPartSettings):
     @property
     def master_apart(self) -> bool:
         """Whether this rank's master is a tensor of its own in the compute device's memory, beside its chunk of the
-        whole parameters (stages 0-2 under mixed precision): [Note: edits between steps]."""
+        whole parameters (stages 0-2 under mixed precision, or offloaded where the device is the host): compared
+        element by element in [Note: edits between steps]."""
         return (
             self.persistent
-            and not self.placement.offloaded
+            and not self.fingerprinted
             and self.param_shard().data_ptr() != (self.sharded_master.data_ptr())
         )
 
@@ -269,8 +278,14 @@ class FlatPart(ReadsPartSettings):
         parts that changed take the changed elements into their masters (`take_edits`), the others keeping their
         exact fp32 value, as `gathered_parameters` does on leaving its block. The comparison holds only while the
         masters are as last published: not where an optimizer moved them outside a step (schedulefree's `eval()`,
-        published by `publish_masters` without it). Masters offloaded to the host or to files are not compared:
-        that would move every shard each step."""
+        published by `publish_masters` without it).
+
+        Where the master is in another device's memory (offloaded from an accelerator to the host) or in files,
+        comparing would move every shard each step. There the part takes a fingerprint of its chunk at each publish
+        (`gather_persistent`: the chunk is then its master's cast) and again before the masters are read
+        (`fingerprint_changed`); only a part whose fingerprint moved reads its master and takes the changed elements
+        (`take_edits`), as above. A fingerprint that is stale (a path that wrote the chunk without publishing)
+        costs one needless comparison, never a value."""
         new, master = self.param_shard(), self.sharded_master
         bits = _SAME_SIZE_INT[new.element_size()]
         found = torch.zeros((), dtype=torch.bool, device=new.device)
@@ -281,19 +296,33 @@ class FlatPart(ReadsPartSettings):
             found |= differs[:n].any()
         return found
 
+    def fingerprint_changed(self) -> torch.Tensor:
+        """[Note: edits between steps] whether the chunk's fingerprint moved since the last publish (a 0-d bool on
+        the device); the new fingerprint is kept for `take_edits`."""
+        self._current = current = fingerprint(self.param_shard())
+        if self._published is None:
+            return torch.ones((), dtype=torch.bool, device=current.device)
+        return current != self._published
+
     def take_edits(self) -> None:
-        """[Note: edits between steps] the elements of this rank's chunk that differ from its master's cast, into it."""
-        new, master = self.param_shard(), self.sharded_master
-        changed = new.view(_SAME_SIZE_INT[new.element_size()]) != master.to(self.param_dtype).view(
-            _SAME_SIZE_INT[new.element_size()]
-        )
+        """[Note: edits between steps] the elements of this rank's chunk that differ from its master's cast, into it
+        (through the store where the master is elsewhere: read whole, changed, written back)."""
+        master = self.store.read()
+        new = self.param_shard().to(master.device)
+        bits = _SAME_SIZE_INT[new.element_size()]
+        changed = new.view(bits) != master.to(self.param_dtype).view(bits)
         master[changed] = new[changed].to(master.dtype)
+        self.store.write(master)
+        if self.fingerprinted:
+            self._published = self._current
 
     def gather_persistent(self, async_op: bool = False) -> Pending:
         """Stages 0-2: all-gather every rank's chunk of the parameters after they were updated (stage 3:
         nothing; the next use gathers)."""
         if not self.persistent:
             return Pending()
+        if self.fingerprinted:  # [Note: edits between steps]: the chunk is its master's cast now
+            self._published = fingerprint(self.param_shard())
         return all_gather_into(self.unsharded_param, self.param_shard(), self.shard_group, async_op)
 
     # ---- what the gradients are for --------------------------------------------------------------
@@ -330,22 +359,50 @@ class FlatPart(ReadsPartSettings):
 
 
 def take_edits(
-    apart: list[FlatPart], scratch: tuple[torch.Tensor, torch.Tensor] | None
+    apart: list[FlatPart], fingerprinted: list[FlatPart], scratch: tuple[torch.Tensor, torch.Tensor] | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """[Note: edits between steps] have each part in `apart` (masters apart) that changed take its changes, with
-    one sync for all; returns the scratch memory of the comparisons, made at the first call and kept (a fresh
-    buffer's first touch would cost more than the comparison)."""
-    if not apart:
+    """[Note: edits between steps] have each part in `apart` (masters apart, compared) and in `fingerprinted`
+    (masters elsewhere) that changed take its changes, with one sync for all; returns the scratch memory of the
+    comparisons, made at the first call and kept (a fresh buffer's first touch would cost more than the
+    comparison)."""
+    if not apart and not fingerprinted:
         return scratch
-    if scratch is None:
+    if scratch is None and apart:
         first = apart[0].param_shard()
         chunk = min(1 << 22, max(part.param_shard().numel() for part in apart))
         scratch = (
             torch.empty(chunk, dtype=first.dtype, device=first.device),
             torch.empty(chunk, dtype=torch.bool, device=first.device),
         )
-    found = torch.stack([part.edited(*scratch) for part in apart]).tolist()
-    for part, edited in zip(apart, found):
+    answers = [part.edited(*scratch) for part in apart] if scratch is not None else []
+    answers += [part.fingerprint_changed() for part in fingerprinted]  # on the compute device, as the comparisons
+    found = torch.stack(answers).tolist()
+    for part, edited in zip(apart + fingerprinted, found):
         if edited:
             part.take_edits()
     return scratch
+
+
+_PRINT_PIECE = 1 << 22  # elements a fingerprint multiplies at once (a 16 MiB int32 temporary)
+
+
+@functools.lru_cache(maxsize=4)
+def _print_weights(device: torch.device) -> torch.Tensor:
+    """The fixed pseudo-random int32 weights of `fingerprint`, made once per device."""
+    g = torch.Generator().manual_seed(0x5EED)
+    return torch.randint(-(2**31), 2**31 - 1, (_PRINT_PIECE,), generator=g, dtype=torch.int32).to(device)
+
+
+def fingerprint(values: torch.Tensor) -> torch.Tensor:
+    """[Note: edits between steps] a 0-d int64 on `values`' device that changes with any change of its bits (a
+    value, or a value moved to another place) but a contrived one: sum over pieces k of m_k * sum_i b_ki * w_i,
+    wrapping, with b the bits of the elements as integers, w fixed pseudo-random weights and m_k odd multipliers
+    per piece. No sync."""
+    weights = _print_weights(values.device)
+    bits = values.view(_SAME_SIZE_INT[values.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=values.device)
+    for k, start in enumerate(range(0, bits.numel(), _PRINT_PIECE)):
+        piece = bits[start : start + _PRINT_PIECE]
+        multiplier = ((k + 1) * 0x9E3779B97F4A7C15) % (1 << 62) | 1
+        total += torch.mul(piece, weights[: piece.numel()]).sum() * multiplier
+    return total
