@@ -48,6 +48,35 @@ def test_rank_killed_during_save_leaves_the_previous_checkpoint_and_resume_works
     assert not [p for p in tmp_path.rglob("*") if ".incomplete-" in p.name or p.name.endswith(".partial")]
 
 
+def test_leftovers_vanishing_while_removed_are_no_error(tmp_path, monkeypatch):
+    """[Note: leftovers] every rank removes the leftovers beside a target at once; in a shared folder another rank
+    deletes files (and whole leftovers) while this one sizes and removes them. That is no error (it failed a
+    2-rank save with FileNotFoundError), and what is left is removed."""
+    from collections import Counter
+    from pathlib import Path
+
+    from hf_zero.checkpoint import leftovers
+
+    staging = tmp_path / ".step_3.incomplete-0123abcd"
+    (staging / "sub").mkdir(parents=True)
+    for name in ("model-rank00000-of-00002.safetensors", "model-rank00001-of-00002.safetensors", "sub/x"):
+        (staging / name).write_bytes(b"w" * 100)
+    partial = tmp_path / ".model.safetensors.partial"
+    partial.write_bytes(b"p" * 10)
+    assert set(leftovers.beside(tmp_path / "step_3")) == {staging, partial}
+    real_stat, seen = Path.stat, Counter[str]()
+
+    def another_rank_got_there_first(self: Path, **kwargs):  # between this rank's look at a file and its size
+        seen[self.name] += 1
+        if self.name in ("model-rank00001-of-00002.safetensors", partial.name) and seen[self.name] == 2:
+            self.unlink()
+        return real_stat(self, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", another_rank_got_there_first)
+    assert leftovers.remove([staging, partial, tmp_path / ".gone.incomplete-1"]) == 200
+    assert not staging.exists() and not partial.exists()
+
+
 def test_leftovers_command_lists_and_removes_what_killed_saves_left(tmp_path, capsys):
     """`hf-zero leftovers RUN_DIR` lists staging folders and temporary files of killed saves anywhere under a run
     folder (never a complete checkpoint), and `--remove` deletes them."""

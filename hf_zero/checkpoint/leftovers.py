@@ -39,14 +39,25 @@ def under(root: Path) -> list[Path]:
     return sorted(set(found))
 
 
+def _bytes(path: Path) -> int:
+    """The size of a file, or of the files in a folder; what vanished meanwhile (another rank removing the same
+    leftover from a shared folder) counts 0."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            return sum(_bytes(p) for p in path.iterdir())
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def remove(paths: list[Path]) -> int:
-    """Delete `paths` (folders with their contents); the bytes freed. A path gone already is no error."""
+    """Delete `paths` (folders with their contents); the bytes freed. A path gone already, or going while it is
+    removed (every rank removes the leftovers beside a target in a shared folder at once), is no error."""
     freed = 0
     for path in paths:
-        if path.is_dir():
-            freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        freed += _bytes(path)
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
-        elif path.exists():
-            freed += path.stat().st_size
+        else:
             path.unlink(missing_ok=True)
     return freed
