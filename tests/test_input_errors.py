@@ -172,3 +172,13 @@ def test_grad_read_between_no_sync_micro_batches_is_refused_by_name(pools, stage
     for r in pools(2).values(engine_cases.grad_under_no_sync, stage, keeps_grads):
         assert "'head.weight'.grad of a model sharded by hf_zero" in r["seen"] and "under no_sync" in r["seen"], r
         assert r["losses"][0] == r["losses"][1], r
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_param_group_added_after_initialize_is_refused_with_the_way_to_unfreeze_later(pools, stage):
+    """`optimizer.add_param_group` after `initialize` (progressive unfreezing written for DDP) is refused on every
+    rank, naming the call and what to do instead; the optimizer is left as it was and steps as one never asked."""
+    for r in pools(2).values(engine_cases.param_group_added_after_initialize, stage):
+        assert "optimizer.add_param_group(...) after hf_zero.initialize" in r["error"], r
+        assert "requires_grad_(False)" in r["error"] and "hf_zero.initialize(model, new_optimizer" in r["error"], r
+        assert r["groups"][0] == r["groups"][1] and r["losses"][0] == r["losses"][1], r

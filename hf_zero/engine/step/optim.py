@@ -237,7 +237,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._initializing:
             return super().add_param_group(param_group)
         raise NotImplementedError(
-            "hf_zero cannot add a param group after initialize: build the optimizer with every group first."
+            "hf_zero: optimizer.add_param_group(...) after hf_zero.initialize is not supported: the optimizer steps "
+            "pieces of the flat shards fixed when it was attached. Build the optimizer with every group first; for "
+            "parameters to train later (progressive unfreezing), give them their group now and keep them frozen with "
+            "requires_grad_(False) until then (the step skips a parameter without a gradient), or attach a new "
+            "optimizer with hf_zero.initialize(model, new_optimizer, config) (the old one's state is released)."
         )
 
     @torch.no_grad()
