@@ -1,4 +1,5 @@
-"""Run under torchrun: peak RSS growth of one rank while it loads a model (sharded or ordinary way).
+"""Run under torchrun: peak RSS growth of one rank while it loads a model (sharded or ordinary way), above its
+peak once the modeling code is imported and built on the meta device.
 
 Rank 0 prints `rank peak_growth_bytes` for every rank. Not a test by itself: tests/test_pretrained_loading.py runs it.
 """
@@ -18,15 +19,14 @@ def main() -> None:
     path, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     config = hf_zero.ZeroConfig(stage=3)
-    if mode == "noop":  # imports and builds the modeling code only, for the baseline
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
 
-        with init_empty_weights():
-            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    elif mode == "sharded":
+    with init_empty_weights():  # the modeling code imported and built once on the meta device: not loading's cost
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if mode == "sharded":
         model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, path, config)
     else:
         model, _ = hf_zero.initialize(AutoModelForCausalLM.from_pretrained(path), None, config)

@@ -71,17 +71,17 @@ def _saved_base(path: Path) -> int:
 @pytest.mark.parametrize("mode", ["sharded", pytest.param("ordinary", marks=pytest.mark.slow)])
 def test_sharded_loading_peak_memory_per_rank(tmp_path, mode):
     """Method: a 16-layer LLaMA of hidden 512 (~144MB in fp32) is loaded at stage 3 on 2 ranks under
-    torchrun; each rank reports its peak RSS growth (ru_maxrss) during loading, minus that of a run
-    that only imports and builds the modeling code on the meta device. Sharded loading keeps each
-    rank well under one full copy (< 0.75x; its own shard is 0.5x; measured 0.54x), while the
-    ordinary path (from_pretrained on every rank; the method's control, in the slow tier) needs more than one
-    full copy per rank (measured 1.9-2.4x)."""
+    torchrun; each rank reports its peak RSS growth (ru_maxrss) during loading, above its peak once it has
+    imported and built the modeling code on the meta device. Sharded loading keeps each
+    rank under one full copy (< 0.85x; its own shard is 0.5x; measured 0.71-0.72x, 0.65x without the read-ahead of
+    the next unit, [Note: read ahead]), while the ordinary path (from_pretrained on every rank; the method's control,
+    in the slow tier) needs more than one full copy per rank (measured 1.9-2.4x; 2.05x in this
+    tree)."""
     full = _saved_base(tmp_path / "base")
-    imports = max(_load_growth(tmp_path / "base", "noop"))
-    growth = [g - imports for g in _load_growth(tmp_path / "base", mode)]
+    growth = _load_growth(tmp_path / "base", mode)
     assert len(growth) == 2
     if mode == "sharded":
-        assert max(growth) < 0.75 * full, (growth, full)
+        assert max(growth) < 0.85 * full, (growth, full)
     else:
         assert min(growth) > 0.9 * full, (growth, full)
 
