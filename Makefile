@@ -50,12 +50,12 @@ test: $(STAMP) lint
 # rehearsal, more shapes of the memory estimate, train_accelerate resumed from a background save, the DPO runs (plain and sync-ref), the SFT example with sequence parallelism,
 # train_clm with sequence parallelism on long blocks, the two-node launch, preemption under accelerate launch and
 # by direct launch and the preempted job's requeue, load_state on one rank, torchao's AdamW8bit, the
-# loading-memory control, the Trainer's auto_find_batch_size and block-less models at stage 2; then the soaks (20 clean-exit launches, a rank killed before each of the save path's 8
+# loading-memory control, a user script's clean exit (2 launches), the Trainer's auto_find_batch_size and block-less models at stage 2; then the soaks (20 clean-exit launches, a rank killed before each of the save path's 8
 # collectives).
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -m slow
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 HF_ZERO_EXIT_LAUNCHES=20 HF_ZERO_SAVE_KILL_POINTS=0,1,2,3,4,5,6,7 \
-		$(BIN)/python -m pytest -q tests/test_reliability.py -k "exits_0 or inside_the_save_path"
+		$(BIN)/python -m pytest -q -o addopts="" tests/test_reliability.py -k "exits_0 or inside_the_save_path"
 
 # Lint, format and type checks of the package (settings in pyproject.toml); `make test` runs them first.
 lint: $(STAMP)

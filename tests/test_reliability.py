@@ -176,6 +176,9 @@ def _run_user_scripts(tmp_path: Path, launches: list[list[str]]) -> list[tuple[i
 EXIT_LAUNCHES = int(os.environ.get("HF_ZERO_EXIT_LAUNCHES", "1"))
 
 
+# the slow tier (25 s on 2 cores; `make test-slow` repeats it 20 times): every `accelerate launch` of the suite
+# (train_clm, the TRL example) requires exit code 0 of the processes that run hf_zero too
+@pytest.mark.slow
 def test_a_user_script_exits_0_every_time(tmp_path):
     """[Note: clean exit]: train, save, load, destroy_process_group(), return: `EXIT_LAUNCHES` launches on 2 gloo
     ranks, and as many (at most 2) that return without destroying the process group, two launches at a time (so
