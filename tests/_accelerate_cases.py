@@ -13,18 +13,22 @@ from tests._training import make_model, make_optimizer
 
 
 def _fresh_accelerator(use_zero: bool, stage: int, accum: int, async_save: bool = False,
-                       budget: str | None = None) -> Any:
+                       budget: str | None = None, compile_backend: str | None = None) -> Any:
+    """`compile_backend`: Accelerate's dynamo plugin with that backend and regional compilation."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import TorchDynamoPlugin
 
     import hf_zero
 
     AcceleratorState._reset_state(True)  # each test builds its own accelerator in these long-lived workers
     GradientState._reset_state()
+    dynamo = {"dynamo_plugin": TorchDynamoPlugin(backend=compile_backend, use_regional_compilation=True)
+              } if compile_backend else {}
     if use_zero:
         plugin = hf_zero.ZeroPlugin(zero_stage=stage, zero_async_save=async_save, zero_snapshot_budget=budget)
-        return hf_zero.ZeroAccelerator(zero_plugin=plugin, gradient_accumulation_steps=accum)
-    return Accelerator(cpu=True, gradient_accumulation_steps=accum)
+        return hf_zero.ZeroAccelerator(zero_plugin=plugin, gradient_accumulation_steps=accum, **dynamo)
+    return Accelerator(cpu=True, gradient_accumulation_steps=accum, **dynamo)
 
 
 def _optimizers(model: torch.nn.Module, two: bool) -> list[torch.optim.Optimizer]:
@@ -41,12 +45,17 @@ def _optimizers(model: torch.nn.Module, two: bool) -> list[torch.optim.Optimizer
 def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at: int | None = None,
          save_dir: str | None = None, load_dir: str | None = None, resume_step: int = 0,
          seed: int = 0, train: bool = True, two_optimizers: bool = False, async_save: bool = False,
-         snapshot_budget: str | None = None) -> dict[str, Any]:
+         snapshot_budget: str | None = None, compile_backend: str | None = None) -> dict[str, Any]:
     """Train `steps` optimizer steps; optionally save_state after `save_at` steps or load_state first.
     `two_optimizers`: two optimizers over disjoint parameters (`_optimizers`), each with its scheduler; `async_save`:
     the plugin's zero_async_save (the save returns at once; the loop waits for it before returning), with
-    `snapshot_budget` as its zero_snapshot_budget; the snapshots taken are in the result (`snapshots`)."""
-    accelerator = _fresh_accelerator(use_zero, stage, accum, async_save, snapshot_budget)
+    `snapshot_budget` as its zero_snapshot_budget; the snapshots taken are in the result (`snapshots`).
+    `compile_backend`: the accelerator compiles the model's blocks with it (dynamo's compiled frames in the result)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    accelerator = _fresh_accelerator(use_zero, stage, accum, async_save, snapshot_budget, compile_backend)
     model = make_model("llama", seed=seed)
     optimizers = _optimizers(model, two_optimizers)
     world = accelerator.num_processes
@@ -84,7 +93,7 @@ def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at
     state = accelerator.get_state_dict(model)
     return {
         "losses": losses, "norms": norms, "world": world, "lr": [s.get_last_lr() for s in schedulers],
-        "snapshots": snapshots,
+        "snapshots": snapshots, "compiled_frames": counters["frames"]["ok"],
         "state": {k: v.detach().clone() for k, v in state.items()} if accelerator.is_main_process else None,
     }
 

@@ -118,6 +118,8 @@ class Job:
     eval_steps: int | None = None  # evaluate every that many steps (without best_model)
     eval_rows: int | None = None  # held-out samples (default: global_batch)
     counts: bool = False  # compute_metrics (how many samples, their label sum, accuracy) and tokens seen
+    compile_backend: str | None = None  # --torch_compile_backend (turns --torch_compile on)
+    regional_compile: bool = False  # Accelerate's use_regional_compilation (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION)
 
     @property
     def accum(self) -> int:
@@ -231,6 +233,7 @@ def _common(job: Job) -> dict[str, Any]:
         **(dict(eval_strategy="steps", eval_steps=job.eval_steps) if job.eval_steps else {}),
         gradient_checkpointing=job.checkpointing, dataloader_num_workers=0, auto_find_batch_size=job.oom is not None,
         include_num_input_tokens_seen="all" if job.counts else "no",
+        **(dict(torch_compile_backend=job.compile_backend) if job.compile_backend else {}),
     )
 
 
@@ -276,11 +279,21 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     else:
         train_data = TokenDataset(job.global_batch * job.steps, 16, seed=1)
         eval_data = TokenDataset(job.eval_rows or job.global_batch, 16, seed=2)
-    trainer = trainer_cls(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
-                          processing_class=tokenizer, callbacks=callbacks or None,
-                          compute_metrics=_counts if job.counts else None)
+    if job.compile_backend:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = str(job.regional_compile).lower()
+    try:
+        trainer = trainer_cls(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
+                              processing_class=tokenizer, callbacks=callbacks or None,
+                              compute_metrics=_counts if job.counts else None)
+    finally:
+        os.environ.pop("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", None)
     trainer.train(resume_from_checkpoint=job.resume_from)
     metrics = trainer.evaluate()
+    compiled = dict(counters["frames"]) if job.compile_backend else None
     eval_loss = metrics["eval_loss"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
@@ -302,6 +315,7 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         "best": trainer.state.best_model_checkpoint,
         "train_batch_size": trainer._train_batch_size,
         "attempts": (attempts.attempts, attempts.order, len(trainer.model.zero_engine.parts)) if attempts else None,
+        "compiled_frames": compiled,
     }
 
 

@@ -24,6 +24,38 @@ def test_accelerate_loop_matches_ddp(pools, stage, two_optimizers):
         assert rel_err(zero["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
+def test_a_dynamo_backend_compiles_the_sharded_blocks_and_trains_as_ddp_compiled(pools):
+    """[Note: compile] `Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="aot_eager",
+    use_regional_compilation=True))` (what `accelerate launch`'s dynamo settings give): ZeroAccelerator compiles the
+    sharded model's blocks (compiled frames on every rank; before, nothing was compiled) and trains as DDP compiled
+    the same way, at stage 3."""
+    zero = pools(2).values(ac.loop, True, 3, steps=2, compile_backend="aot_eager")
+    ddp = pools(2).values(ac.loop, False, steps=2, compile_backend="aot_eager")[0]
+    assert all(r["compiled_frames"] >= 1 for r in zero) and ddp["compiled_frames"] >= 1
+    np.testing.assert_allclose(zero[0]["losses"], ddp["losses"], rtol=TOL, atol=0)
+    np.testing.assert_allclose(zero[0]["norms"], ddp["norms"], rtol=TOL, atol=0)
+    for name, value in ddp["state"].items():  # Accelerate's regional compilation renames DDP's modules
+        ours = name.removeprefix("module.").replace("._orig_mod", "")
+        assert rel_err(zero[0]["state"][ours].numpy(), value.numpy()) <= TOL, name
+
+
+def test_compile_settings_that_cannot_hold_on_a_sharded_model_are_refused_by_name():
+    """[Note: compile] fullgraph (the hooks break the graph at every unit) and, at stage 3, the CUDA-graph modes are
+    refused before anything is compiled; no dynamo backend asks for nothing; the rest passes through."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    from hf_zero.integrations.compile import check_compile_request
+
+    assert check_compile_request(None, 3) is None and check_compile_request(TorchDynamoPlugin(), 3) is None
+    assert check_compile_request(TorchDynamoPlugin(backend="inductor", mode="reduce-overhead"), 2) == {
+        "backend": "inductor", "mode": "reduce-overhead"}
+    with pytest.raises(ValueError, match="fullgraph=True cannot compile a model sharded by hf_zero"):
+        check_compile_request(TorchDynamoPlugin(backend="inductor", fullgraph=True), 1)
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ValueError, match=f"mode='{mode}' records CUDA graphs.*max-autotune-no-cudagraphs"):
+            check_compile_request(TorchDynamoPlugin(backend="inductor", mode=mode), 3)
+
+
 @pytest.mark.parametrize("two_optimizers,async_save", [(False, False), (True, False), (False, True)],
                          ids=["one", "two-optimizers", "async-save"])
 def test_save_state_and_load_state_resume(pools, tmp_path, two_optimizers, async_save):

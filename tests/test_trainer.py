@@ -54,6 +54,25 @@ def test_zero_trainer_matches_stock_trainer(pools, tmp_path, kind, stage):
     _assert_close_to_reference(got, _reference(_ref_key(job)))
 
 
+# the whole model under aot_eager in the slow tier (39 s on 2 cores: AOT autograd at every graph break of the hooks)
+@pytest.mark.parametrize(("regional", "backend"), [(False, "eager"), (True, "aot_eager"),
+                                                   pytest.param(False, "aot_eager", marks=pytest.mark.slow)])
+def test_torch_compile_compiles_the_sharded_model_and_trains_as_the_stock_trainer(pools, tmp_path, regional, backend):
+    """[Note: compile] `--torch_compile_backend` at stage 3 (`eager`: dynamo alone; `aot_eager`: with AOT autograd;
+    neither generates code): the sharded model is compiled (dynamo compiled frames on every rank; before, the request
+    was dropped and none were) and the losses, norms, eval loss and weights are those of the stock Trainer compiled
+    the same way. With Accelerate's regional compilation, each block's forward is compiled and its hooks stay
+    outside."""
+    job = tc.Job(kind="llama", stage=3, world=2, steps=3, out_dir=str(tmp_path / "out"), compile_backend=backend,
+                 regional_compile=regional)
+    runs = pools(2).values(tc.run, job)
+    ref = _reference(_ref_key(job))
+    assert ref["compiled_frames"]["ok"] >= 1
+    for got in runs:
+        assert got["compiled_frames"].get("ok", 0) >= 1, got["compiled_frames"]
+    _assert_close_to_reference(runs[0], ref)
+
+
 def test_sequence_parallel_trains_and_evaluates_as_the_stock_trainer(pools, tmp_path):
     """`--zero_sequence_parallel 2` on 2 ranks ([Note: sequence parallelism]): each rank holds half of every
     sequence, the two ranks get the same batches, and the losses, gradient norms, eval loss and weights are the

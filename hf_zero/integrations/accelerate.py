@@ -38,6 +38,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait
 from ..config import ZeroConfig
 from ..engine.module import get_engine, is_sharded
 from ..engine.step.optim import ShardedOptimizer
+from .compile import check_compile_request, compile_as_requested
 from .preemption import SignalRecorder
 from .settings import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
 
@@ -135,6 +136,7 @@ class ZeroAccelerator(Accelerator):
             self._signals = SignalRecorder()
             self._signals.install()
         super().__init__(*args, mixed_precision="no", **kwargs)
+        check_compile_request(self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]: refused up front
         self._zero_model: nn.Module | None = None
         self._zero_optimizers: list[
             ShardedOptimizer
@@ -154,6 +156,7 @@ class ZeroAccelerator(Accelerator):
         inner = [o.optimizer if isinstance(o, AcceleratedOptimizer) else o for o in (items[i] for i in optimizers)]
         model, sharded = initialize(items[modules[0]], inner or None, self.zero_config, device=self.device)
         items[modules[0]] = model
+        compile_as_requested(model, self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]
         self._zero_model, self._zero_optimizers = model, list(sharded or [])
         for i, each in zip(optimizers, self._zero_optimizers):
             items[i] = _ShardedAcceleratedOptimizer(each, device_placement=False, scaler=None)

@@ -44,6 +44,7 @@ from ..engine.module import get_engine, is_sharded
 from ..engine.placement import check_compute_device
 from ..engine.step.optim import ShardedOptimizer
 from .accelerate import deal_to_groups, gather_once_per_group
+from .compile import compile_as_requested
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, clear_marker, write_marker
 from .settings import snapshot_budget
 from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
@@ -149,6 +150,8 @@ class ZeroTrainerMixin(_TrainerBase):
             check_compute_device(get_engine(self._zero_model()).device, self.args.device)
             if training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
                 self.optimizer = attach_optimizer(self._zero_model(), self.optimizer)
+        # [Note: compile]: --torch_compile reaches Accelerate's prepare_model, which never sees the sharded model
+        compile_as_requested(self._zero_model(), self.accelerator.state.dynamo_plugin, config.stage)
         return self._zero_model()
 
     def _update_auto_batch_size(self, batch_size: int) -> None:
