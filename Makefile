@@ -48,9 +48,10 @@ test: $(STAMP) lint
 
 # The slow tier (pyproject's `slow` marker): heavy repeats of what `make test` covers: the GPU check's CPU
 # rehearsal, more shapes of the memory estimate, train_accelerate resumed from a background save, the DPO runs (plain and sync-ref), the SFT example with sequence parallelism,
-# train_clm with sequence parallelism on long blocks, the two-node launch, preemption under accelerate launch and
-# by direct launch and the preempted job's requeue, load_state on one rank, torchao's AdamW8bit, the
-# loading-memory control, a user script's clean exit (2 launches), the Trainer's auto_find_batch_size and block-less models at stage 2; then the soaks (20 clean-exit launches, a rank killed before each of the save path's 8
+# train_clm with sequence parallelism on long blocks, the two-node launch, a preempted job's exit 75 through torchrun,
+# accelerate launch and direct launch and its requeue, load_state on one rank, torchao's AdamW8bit, the
+# loading-memory control, a user script's clean exit (2 launches), the Trainer's auto_find_batch_size and block-less models at stage 2, torch.compile of a whole llama
+# through the Trainer and of a sharded model at stage 1; then the soaks (20 clean-exit launches, a rank killed before each of the save path's 8
 # collectives).
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -m slow

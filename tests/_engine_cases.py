@@ -379,3 +379,26 @@ def param_group_added_after_initialize(stage: int) -> dict[str, Any]:
         opt.step()
         runs.append((error, len(opt.param_groups), float(torch.nn.functional.mse_loss(model(x), y))))
     return {"error": runs[0][0], "groups": [r[1] for r in runs], "losses": [r[2] for r in runs]}
+
+
+def compiled_steps(stage: int, backend: str) -> dict[str, Any]:
+    """Three steps of the sharded `Net` called through `torch.compile(model, backend=backend)` (a user's
+    `model = torch.compile(model)` after `initialize`) and through the model itself: the losses, the final states,
+    and dynamo's compiled frames."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    runs = []
+    for compiled in (True, False):
+        model, opt, x, y = _sharded_net(stage=stage)
+        call = torch.compile(model, backend=backend) if compiled else model
+        losses = []
+        for _ in range(3):
+            loss = torch.nn.functional.mse_loss(call(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        runs.append((losses, hf_zero.full_state_dict(model, rank0_only=False)))
+    return {"compiled": runs[0], "eager": runs[1], "frames": counters["frames"]["ok"]}

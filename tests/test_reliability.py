@@ -251,7 +251,10 @@ def test_sigterm_to_one_rank_saves_a_checkpoint_and_the_resumed_run_matches(tmp_
     assert resumed[0]["losses"] == straight[0]["losses"]
 
 
-@pytest.mark.parametrize("launcher, requeue", [("torchrun", False), pytest.param("torchrun", True, marks=pytest.mark.slow),
+# the slow tier (20 s each on 2 cores); the suite keeps SIGTERM to one rank saving and resuming exactly
+# (test_sigterm_to_one_rank_saves_a_checkpoint_and_the_resumed_run_matches) and the plugin's preemption stop
+@pytest.mark.parametrize("launcher, requeue", [pytest.param("torchrun", False, marks=pytest.mark.slow),
+                                               pytest.param("torchrun", True, marks=pytest.mark.slow),
                                                pytest.param("accelerate", False, marks=pytest.mark.slow)])
 def test_a_preempted_job_exits_75_through_its_launcher(tmp_path, launcher, requeue):
     """[Note: preemption marker]: under `hf-zero preemptible OUT -- <launcher> ...`, SIGTERM to one rank mid-training
