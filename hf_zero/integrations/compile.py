@@ -3,10 +3,10 @@
 [Note: compile]
 Accelerate compiles a model in `prepare_model`, and the Trainer's `--torch_compile` (`--torch_compile_backend`,
 `--torch_compile_mode`) and `accelerate launch`'s dynamo settings reach it there, as a dynamo plugin. A sharded model
-never goes through `prepare_model` (it is marked prepared: Accelerate must not wrap it in DDP or autocast), so the
-request was dropped without a word, as the Trainer once dropped it under DeepSpeed (transformers#23095). Here the
-integrations compile the sharded model themselves, in place (`nn.Module.compile`: the model the Trainer saves, the
-engine and the user's references stay the same objects): the whole model, or, with regional compilation
+never goes through `prepare_model` (it is marked prepared: Accelerate must not wrap it in DDP or autocast), where
+the request would be dropped without a word, as the Trainer once dropped it under DeepSpeed (transformers#23095).
+So the integrations compile the sharded model themselves, in place (`nn.Module.compile`: the model the Trainer
+saves, the engine and the user's references stay the same objects): the whole model, or, with regional compilation
 (`use_regional_compilation`), the forward of each of the engine's units but the root (the repeated blocks: one
 compilation reused; the units' hooks run outside the compiled code, so their graphs do not break there).
 
