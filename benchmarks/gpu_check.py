@@ -18,7 +18,8 @@ run's `--budget`); a failing phase does not stop the next:
 2. `single`: a world of one over NCCL: stages 1-3 x fp32/bf16 against plain PyTorch, ZeRO-Offload
    (pinned host masters), `offload_dir`, an async save (pinned snapshot) loaded at another stage,
    consolidated and loaded with `from_pretrained` on the GPU, weights changed in place between steps at ZeRO-2
-   bf16, with the masters in memory and offloaded to the host (`benchmarks/_gpu_phases.py`).
+   bf16, with the masters in memory and offloaded to the host, ZeRO-3 bf16 with each block compiled (inductor)
+   against eager (`benchmarks/_gpu_phases.py`).
 3. `multi`: two processes sharing the GPU (gloo between them, CUDA compute) at stages 1-3, and sequence
    parallelism over the two (with `tiled_mlp`).
 4. `trainer`: `ZeroTrainer`, ZeRO-3, bf16: checkpoints, a resume that ends where the uninterrupted run
