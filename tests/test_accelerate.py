@@ -40,8 +40,9 @@ def test_a_dynamo_backend_compiles_the_sharded_blocks_and_trains_as_ddp_compiled
 
 
 def test_compile_settings_that_cannot_hold_on_a_sharded_model_are_refused_by_name():
-    """[Note: compile] fullgraph (the hooks break the graph at every unit) and, at stage 3, the CUDA-graph modes are
-    refused before anything is compiled; no dynamo backend asks for nothing; the rest passes through."""
+    """[Note: compile] fullgraph on the whole model (the hooks break the graph at every unit) and, at stage 3, the
+    CUDA-graph modes are refused before anything is compiled; fullgraph with regional compilation (each block's
+    forward, no hooks inside) and the rest pass through; no dynamo backend asks for nothing."""
     from accelerate.utils import TorchDynamoPlugin
 
     from hf_zero.integrations.compile import check_compile_request
@@ -49,8 +50,10 @@ def test_compile_settings_that_cannot_hold_on_a_sharded_model_are_refused_by_nam
     assert check_compile_request(None, 3) is None and check_compile_request(TorchDynamoPlugin(), 3) is None
     assert check_compile_request(TorchDynamoPlugin(backend="inductor", mode="reduce-overhead"), 2) == {
         "backend": "inductor", "mode": "reduce-overhead"}
-    with pytest.raises(ValueError, match="fullgraph=True cannot compile a model sharded by hf_zero"):
+    with pytest.raises(ValueError, match="fullgraph=True cannot compile a whole model sharded by hf_zero"):
         check_compile_request(TorchDynamoPlugin(backend="inductor", fullgraph=True), 1)
+    regional = TorchDynamoPlugin(backend="inductor", fullgraph=True, use_regional_compilation=True)
+    assert check_compile_request(regional, 3) == {"backend": "inductor", "fullgraph": True}
     for mode in ("reduce-overhead", "max-autotune"):
         with pytest.raises(ValueError, match=f"mode='{mode}' records CUDA graphs.*max-autotune-no-cudagraphs"):
             check_compile_request(TorchDynamoPlugin(backend="inductor", mode=mode), 3)

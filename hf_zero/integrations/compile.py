@@ -13,9 +13,9 @@ compilation reused; the units' hooks run outside the compiled code, so their gra
 Compiling the whole model, the engine's hooks run inside the compiled frames, and dynamo breaks the graph at them
 (gathers, reductions, the graph-task checks of [Note: double backward]). Either way the numbers are the eager
 model's (tested with the `eager` and `aot_eager` backends against the stock Trainer compiled the same way). Two
-settings cannot hold and are refused at once, naming them: `fullgraph=True` (the graph breaks at every unit's hooks)
-and, at stage 3, the CUDA-graph modes (`"reduce-overhead"`, `"max-autotune"`), which replay fixed addresses where
-every gather gives a unit's parameters new memory.
+settings cannot hold and are refused at once, naming them: `fullgraph=True` on the whole model (the graph breaks at
+every unit's hooks; regional compilation holds it) and, at stage 3, the CUDA-graph modes (`"reduce-overhead"`,
+`"max-autotune"`), which replay fixed addresses where every gather gives a unit's parameters new memory.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def compile_as_requested(model: nn.Module, plugin: Any, stage: int) -> bool:
     anything is compiled. A model compiled before is left as it is.
 
     Raises:
-        ValueError: `fullgraph=True`, or a CUDA-graph mode at stage 3 ([Note: compile]).
+        ValueError: `fullgraph=True` on the whole model, or a CUDA-graph mode at stage 3 ([Note: compile]).
     """
     kwargs = check_compile_request(plugin, stage)
     if kwargs is None:
@@ -56,18 +56,19 @@ def check_compile_request(plugin: Any, stage: int) -> dict[str, Any] | None:
     sharded model ([Note: compile]).
 
     Raises:
-        ValueError: `fullgraph=True`, or a CUDA-graph mode at stage 3.
+        ValueError: `fullgraph=True` without regional compilation, or a CUDA-graph mode at stage 3.
     """
     from accelerate.utils import DynamoBackend
 
     if plugin is None or plugin.backend == DynamoBackend.NO:
         return None
     kwargs: dict[str, Any] = plugin.to_kwargs()
-    if kwargs.get("fullgraph"):
+    if kwargs.get("fullgraph") and not plugin.use_regional_compilation:
         raise ValueError(
-            "torch.compile with fullgraph=True cannot compile a model sharded by hf_zero: its hooks (the gathers and "
-            "reductions of each unit) break the graph at every unit. Drop fullgraph (dynamo_use_fullgraph) and keep "
-            "the backend and mode."
+            "torch.compile with fullgraph=True cannot compile a whole model sharded by hf_zero: its hooks (the "
+            "gathers and reductions of each unit) break the graph at every unit. Compile each block instead "
+            "(regional compilation: use_regional_compilation=True, ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=true), "
+            "whose forward holds no hooks, or drop fullgraph (dynamo_use_fullgraph)."
         )
     if stage == 3 and kwargs.get("mode") in CUDA_GRAPH_MODES:
         raise ValueError(
