@@ -154,8 +154,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Scenario]] = {}
 
 def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
     """Register a scenario; `build`: the model's constructor arguments and `freeze` (names frozen before
-    initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay), `twin` (a copy of the model made
-    before initialize, in `loop.twin`)."""
+    initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay), `adafactor` (torch's Adafactor),
+    `twin` (a copy of the model made before initialize, in `loop.twin`)."""
 
     def register(fn: Scenario) -> Scenario:
         SCENARIOS[fn.__name__] = (build, fn)
@@ -193,4 +193,6 @@ def _build(build: dict[str, Any]) -> nn.Module:
 def _optimizer(model: nn.Module, build: dict[str, Any]) -> torch.optim.Optimizer:
     if build.get("sgd"):
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if build.get("adafactor"):  # factored second moments: stepped on whole parameters ([Note: whole-parameter step])
+        return torch.optim.Adafactor(model.parameters(), lr=0.01)
     return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..engine import ZeroEngine
 from .optim_configs import carry_configs
+from .optim_state import PieceMap, described, to_load
 from .stepping import Attached
 from .whole import COUPLED, WholeStep, is_elementwise
 
@@ -43,34 +44,41 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
     optimizer.state.clear()
     group_names: list[list[str]] = []
     moved: list[tuple[int, int, torch.Tensor, list[torch.Tensor]]] = []
-    index = 0
+    targets: list[tuple[tuple[int, tuple[int, int] | None], ...]] = []  # [Note: optimizer state dicts]
+    index = stepped = 0
     for g, group in enumerate(optimizer.param_groups):
-        pieces, names = [], []
+        pieces: list[torch.Tensor] = []
+        names: list[str] = []
         for j, original in enumerate(group["params"]):
             param = params[index]  # built over meta parameters or stand-ins: the engine's own
             held: list[torch.Tensor] = []
+            spans: list[tuple[int, int] | None] = []
             if whole is not None:
                 stand_in = whole.stand_in(index)
                 held = [stand_in] if stand_in is not None else []
+                spans = [None] * len(held)
                 for t in held if initial[index] else []:  # [Note: state set at construction]
                     optimizer.state[t] = {k: _carried(v, t.device) for k, v in initial[index].items()}
             elif (
                 piece := by_param.get(id(param))
             ) is not None:  # in chunks ([Note: optimizer chunks]); `.grad` bound by each step
                 held = list(piece.optim_params)
-                for t, (a, b) in zip(held, piece.bounds) if initial[index] else []:  # [Note: state set at construction]
-                    span = (piece.start + a, piece.start + b)
+                spans = [(piece.start + a, piece.start + b) for a, b in piece.bounds]
+                for t, span in zip(held, spans) if initial[index] else []:  # [Note: state set at construction]
                     optimizer.state[t] = {k: _carried(v, t.device, span) for k, v in initial[index].items()}
+            targets.append(tuple((stepped + len(pieces) + k, span) for k, span in enumerate(spans)))
             pieces.extend(held)
             names.append(engine.name_of(param))
             moved.append((g, j, original, held))
             index += 1
         group["params"] = pieces
+        stepped += len(pieces)  # torch numbers the tensors of every group in turn
         group_names.append(names)
     carry_configs(optimizer, moved, engine.compute_param)  # [Note: per-parameter optimizer configs]
     parts = {id(part): part for part, _ in (where[id(p)] for p in params)}
     engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.parts if id(u) in parts)))
-    return ShardedOptimizer(optimizer, engine, group_names)
+    piece_map = PieceMap(tuple(targets), tuple(int(p.numel()) for p in params), tuple(map(len, group_names)))
+    return ShardedOptimizer(optimizer, engine, group_names, piece_map)
 
 
 def check_optimizer(
@@ -209,10 +217,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     _is_accelerate_prepared = True  # Accelerate must not wrap it again
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands its scale to step(), which refuses it
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, group_names: list[list[str]]) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, group_names: list[list[str]], pieces: PieceMap
+    ) -> None:
         self.optimizer = optimizer
         self._engine = engine
         self.group_param_names = group_names  # the parameter names of each group, on every rank
+        self._pieces = pieces  # [Note: optimizer state dicts]
         self._initializing = True
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._initializing = False
@@ -327,12 +338,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._engine.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the optimizer state, in torch's format over what this rank steps, with an
+        `"hf_zero"` entry naming the rank ([Note: optimizer state dicts]): `load_state_dict` takes it back on that
+        rank only. Save it on every rank (or use `hf_zero.save_checkpoint`, which any number of ranks resumes).
+
+        Example:
+
+        ```python
+        >>> torch.save(optimizer.state_dict(), f"optimizer-rank{rank}.pt")  # on every rank
+        ```
+        """
         self._refuse_on_disk("state_dict")
-        return self.optimizer.state_dict()
+        return described(self.optimizer.state_dict(), self.param_groups, self._engine.plan.shard_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load this rank's own `state_dict()`, or a plain (unsharded) optimizer's state dict over the same
+        parameters and groups, cut to this rank's pieces ([Note: optimizer state dicts]). A collective: every rank
+        calls it; one that cannot take its state dict raises on every rank."""
         self._refuse_on_disk("load_state_dict")
-        self.optimizer.load_state_dict(state_dict)
+        engine = self._engine
+        inner = to_load(state_dict, self.param_groups, self._pieces, engine.plan.shard_group, engine.world)
+        self.optimizer.load_state_dict(inner)
         # torch's load_state_dict replaces the inner optimizer's `param_groups` and `state` objects: follow them, so
         # a later change of a group's learning rate (by hand or by a scheduler holding this optimizer) reaches them.
         self.param_groups = self.optimizer.param_groups

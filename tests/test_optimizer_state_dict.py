@@ -1,0 +1,39 @@
+"""`optimizer.state_dict()` / `optimizer.load_state_dict(...)` of a sharded optimizer as DDP code uses them
+([Note: optimizer state dicts]): each rank's own part resumes exactly, a plain optimizer's state (a DDP run's) is cut
+to each rank's pieces, and one rank's part loaded on every rank is refused on every rank instead of resuming the
+others with rank 0's moments. 2 gloo ranks, fp32, against plain data parallelism (1e-5 relative)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import _optim_state_cases as cases
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_ranks_optimizer_state_loaded_on_every_rank_is_refused_on_every_rank(pools, tmp_path, stage):
+    results = pools(2).values(cases.saved_by_one_rank, stage, str(tmp_path / "optimizer.pt"))
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, rank
+        assert r["error"].startswith("ValueError"), r["error"]
+        assert "shard rank 0's part (of 2)" in r["error"] and "save it on every rank" in r["error"].lower(), r["error"]
+        assert r["unchanged"], rank
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_each_ranks_own_optimizer_state_resumes_exactly(pools, tmp_path, stage):
+    for r in pools(2).values(cases.own_files_resume, stage, str(tmp_path / "optimizer")):
+        went_on, resumed = r["losses"]
+        assert resumed == pytest.approx(went_on, rel=TOL), r
+        assert r["weights"] <= TOL, r
+
+
+@pytest.mark.parametrize("stage, build", [(1, {}), (2, {"sgd": True}), (3, {}), (3, {"adafactor": True})],
+                         ids=["stage1-adamw", "stage2-sgd", "stage3-adamw", "stage3-adafactor-whole"])
+def test_a_plain_optimizers_state_resumes_under_hf_zero_as_under_ddp(pools, stage, build):
+    for r in pools(2).values(cases.from_plain_optimizer, stage, build):
+        plain, sharded = r["losses"]
+        assert sharded == pytest.approx(plain, rel=TOL), r
+        assert r["weights"] <= TOL, r
