@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ..engine.calls import Call
 from ..engine.collectives import raise_if_any_failed
 from ..engine.engine import ZeroEngine
 from ..engine.flat import FlatPart
@@ -84,6 +85,7 @@ def load_checkpoint(
     ```
     """
     engine = get_engine(model)
+    engine.calls.begin(Call.LOAD_CHECKPOINT, read_now=True)  # [Note: call order]
     finish_previous(engine)  # [Note: asynchronous save]: a checkpoint being written is read once committed
     directory = Path(path)
     manifest: Manifest | None = None

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..dtypes import dtype_name
+from ..engine.calls import Call
 from ..engine.collectives import (
     CommGroup,
     agreement,
@@ -107,6 +108,7 @@ def save_checkpoint(
     ```
     """
     engine = get_engine(model)
+    engine.calls.begin(Call.SAVE_CHECKPOINT, read_now=True)  # [Note: call order]
     world = engine.world
     target = Path(path)
     with agreement(world, "hf_zero.save_checkpoint"):  # arguments may differ between ranks: agree first

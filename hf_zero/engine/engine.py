@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import ZeroConfig
 from .accounting import ModelStateMemory
+from .calls import Call, CallOrder
 from .collectives import (
     CommGroup,
     all_gather_into,
@@ -123,6 +124,7 @@ class ZeroEngine:
         self._edit_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # [Note: edits between steps]
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
+        self.calls = CallOrder(world)  # [Note: call order]
         settings = HookSettings(
             prefetch=config.prefetch,
             gate_on_reductions=not self.plan.shard_group.stream_ordered,
@@ -133,6 +135,7 @@ class ZeroEngine:
             on_root_forward=self._before_forward,
             on_backward=self._wake_grads,
             on_deferred=self._rest_grads,
+            before_waiting=self.calls.settle,
             input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
         )
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
@@ -258,9 +261,13 @@ class ZeroEngine:
             self.hooks.requires_grad_sync, self.in_no_sync = previous
 
     def _before_forward(self) -> None:
-        """As each forward of the model begins (not a recomputation): refuse parameters unfrozen after `initialize`,
-        and broadcast the buffers ([Note: buffer broadcast])."""
-        if not torch.is_grad_enabled():
+        """As each forward of the model begins (not a recomputation): the header of a forward that issues collectives
+        ([Note: call order]); then, with grad, refuse parameters unfrozen after `initialize` and broadcast the buffers
+        ([Note: buffer broadcast])."""
+        grad = torch.is_grad_enabled()
+        if grad or self.plan.params.uses_gather:
+            self.calls.begin(Call.FORWARD if grad else Call.FORWARD_NO_GRAD, read_now=False)
+        if not grad:
             return
         self._wake_grads()
         self._refuse_unfrozen()
@@ -415,6 +422,7 @@ class ZeroEngine:
         trainable parameter are skipped and only trainable parameters are yielded (e.g. a LoRA
         adapter). Peak memory: one unit, plus what the caller keeps.
         """
+        self.calls.begin(Call.GATHER_WEIGHTS, read_now=True)  # [Note: call order]
         self.settle_masters()
         is_writer = self.world.rank == 0 or not rank0_only
         for part in self.parts:

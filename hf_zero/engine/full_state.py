@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from .calls import Call
 from .collectives import broadcast_, raise_if_any_failed
 from .engine import StateDictOptions, ZeroEngine
 from .flat import FlatPart
@@ -36,6 +37,7 @@ def state_dict(engine: ZeroEngine, options: StateDictOptions) -> dict[str, torch
 def load_state_dict(engine: ZeroEngine, values: Mapping[str, torch.Tensor], strict: bool = True) -> _IncompatibleKeys:
     """Write a full state dict into every rank's shards, master weights included, as
     `nn.Module.load_state_dict` defines it (missing / unexpected keys, `strict`, shape checks)."""
+    engine.calls.begin(Call.LOAD_STATE_DICT, read_now=True)  # [Note: call order]
     expected = engine.module_state(with_params=True)
     error: Exception | None = None
     missing = [k for k in expected if k not in values]
@@ -84,6 +86,7 @@ def gathered_parameters(
     engine: ZeroEngine, params: Iterable[torch.Tensor], modifier_rank: int | None
 ) -> Iterator[None]:
     """The context behind `hf_zero.gathered_parameters` (see its docstring and [Note: write-back])."""
+    engine.calls.begin(Call.GATHERED_PARAMETERS, read_now=True)  # [Note: call order]
     error: Exception | None = None
     units: list[Unit] = []
     try:

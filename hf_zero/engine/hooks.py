@@ -91,6 +91,7 @@ class HookSettings:
     input_dtype: torch.dtype | None = None  # [Note: input dtype] the root's floating inputs' dtype, or None
     on_backward: Callable[[], None] | None = None  # told as a backward pass begins, before any unit's gradients
     on_deferred: Callable[[], None] | None = None  # told as a backward pass ends whose reductions no_sync deferred
+    before_waiting: Callable[[], None] | None = None  # told before the units check is waited for ([Note: call order])
 
 
 class UnitHooks:
@@ -522,6 +523,8 @@ class UnitHooks:
         check, self.current.units_check = self.current.units_check, None
         if check is None:
             return
+        if self.settings.before_waiting is not None:
+            self.settings.before_waiting()  # the forward's header first: it tells ranks apart ([Note: call order])
         inner = self.units[:-1]
         ran_on = check.rows()  # per rank, per unit
         anywhere = [any(column) for column in zip(*ran_on)]

@@ -19,6 +19,7 @@ from .group import (
 )
 from .ops import (
     GatheredFlags,
+    GatheredInts,
     all_gather_into,
     all_gather_rows,
     all_reduce_,
@@ -28,6 +29,7 @@ from .ops import (
     broadcast_tensors,
     gather_flags,
     issue_flags_gather,
+    issue_ints_gather,
     max_ints,
     max_scalar_,
     reduce_scatter_into,
@@ -53,8 +55,10 @@ __all__ = [
     "comm_device",
     "failed_ranks",
     "GatheredFlags",
+    "GatheredInts",
     "gather_flags",
     "issue_flags_gather",
+    "issue_ints_gather",
     "gather_objects",
     "host_side_group",
     "hybrid_groups",

@@ -226,28 +226,46 @@ def gather_flags(flags: Sequence[bool], group: CommGroup) -> list[list[bool]]:
     return issue_flags_gather(flags, group).rows()
 
 
-class GatheredFlags:
-    """An all-gather of every rank's flags in flight (`issue_flags_gather`); `rows()` waits for it."""
+class GatheredInts:
+    """An all-gather of every rank's small integers in flight (`issue_ints_gather`); `values()` waits for it."""
 
     def __init__(self, out: torch.Tensor, pending: Pending, size: int, mine: torch.Tensor | None = None) -> None:
         self._out, self._pending, self._size = out, pending, size
         self._mine = mine  # the input stays alive until the collective that reads it is waited for
 
+    def values(self) -> list[list[int]]:
+        """Every rank's integers, indexed by group rank (waits, then a host sync)."""
+        self._pending.wait()
+        return [[int(v) for v in row] for row in self._out.view(self._size, -1).tolist()]
+
+
+class GatheredFlags(GatheredInts):
+    """An all-gather of every rank's flags in flight (`issue_flags_gather`); `rows()` waits for it."""
+
     def rows(self) -> list[list[bool]]:
         """Every rank's flags, indexed by group rank (waits, then a host sync)."""
-        self._pending.wait()
-        return [[bool(v) for v in row] for row in self._out.view(self._size, -1).tolist()]
+        return [[bool(v) for v in row] for row in self.values()]
 
 
 def issue_flags_gather(flags: Sequence[bool], group: CommGroup) -> GatheredFlags:
     """Issue the all-gather of `gather_flags` without waiting: the ranks meet when `rows()` is called, so a rank
     that arrives early keeps computing instead of waiting for the others at the point of issue."""
     mine = torch.tensor([int(f) for f in flags], dtype=torch.uint8, device=comm_device(group))
+    return GatheredFlags(*_issue_gather(mine, group))
+
+
+def issue_ints_gather(values: Sequence[int], group: CommGroup) -> GatheredInts:
+    """Issue an all-gather of a few int64 from every rank (the same count on each) without waiting."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
+    return GatheredInts(*_issue_gather(mine, group))
+
+
+def _issue_gather(mine: torch.Tensor, group: CommGroup) -> tuple[torch.Tensor, Pending, int, torch.Tensor | None]:
     if group.size == 1:
-        return GatheredFlags(mine, Pending(), 1)
-    out = torch.empty(group.size * mine.numel(), dtype=torch.uint8, device=mine.device)
+        return mine, Pending(), 1, None
+    out = torch.empty(group.size * mine.numel(), dtype=mine.dtype, device=mine.device)
     work = _all_gather_single(out, mine, group=group.pg, async_op=True)
-    return GatheredFlags(out, Pending(work), group.size, mine)
+    return out, Pending(work), group.size, mine
 
 
 def all_reduce_(

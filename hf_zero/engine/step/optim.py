@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..calls import Call
 from ..engine import ZeroEngine
 from .optim_configs import carry_configs
 from .optim_state import PieceMap, described, to_load
@@ -357,6 +358,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         calls it; one that cannot take its state dict raises on every rank."""
         self._refuse_on_disk("load_state_dict")
         engine = self._engine
+        engine.calls.begin(Call.LOAD_OPTIMIZER_STATE, read_now=True)  # [Note: call order]
         inner = to_load(state_dict, self.param_groups, self._pieces, engine.plan.shard_group, engine.world)
         self.optimizer.load_state_dict(inner)
         # torch's load_state_dict replaces the inner optimizer's `param_groups` and `state` objects: follow them, so

@@ -1,0 +1,52 @@
+"""Rank functions for tests/test_call_order.py: DDP code that makes a collective call on rank 0 only ([Note: call
+order]), on the peer scenarios' model (tests/_peer_harness.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from tests._peer_harness import Block, Idle, Loop, _build, _optimizer
+
+
+def _on_rank_0(what: str, loop: Loop, path: str) -> None:
+    model = loop.model
+    if what == "state_dict":
+        torch.save(model.state_dict(), path)
+    elif what == "full_state_dict":
+        hf_zero.full_state_dict(model)
+    elif what == "gathered_parameters":
+        with hf_zero.gathered_parameters(model.head.parameters()):
+            float(model.head.weight.norm())
+    elif what == "save_checkpoint":
+        hf_zero.save_checkpoint(path, model, loop.opt)
+    elif what == "eval_forward":
+        with torch.no_grad():
+            model(loop.batch(99)[0])
+    else:
+        raise ValueError(what)
+
+
+def one_rank_calls(stage: int, what: str, path: str) -> dict[str, Any]:
+    """Two steps on every rank, `what` on rank 0 alone after the first, as DDP code does it. Returns the error
+    (every rank's, "Type: message") or the losses."""
+    rank = dist.get_rank()
+    model = _build({})
+    config = hf_zero.ZeroConfig(stage=stage, wrap=[Block.__name__], bucket_size_mb=0)
+    model, opt = hf_zero.initialize(model, _optimizer(model, {}), config)
+    loop = Loop(model, opt, Idle(), rank, stage, sharded=True)
+    try:
+        for step in range(3):
+            loss = loop.loss(step)
+            loop.note("loss", loss)
+            loop.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            if step == 0 and rank == 0 and what != "nothing":
+                _on_rank_0(what, loop, path)
+    except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
+        return {"error": f"{type(e).__name__}: {e}", "losses": loop.record.get("loss")}
+    return {"error": None, "losses": loop.record["loss"]}

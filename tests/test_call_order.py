@@ -1,0 +1,39 @@
+"""DDP code that makes one of hf_zero's collective calls on rank 0 only ([Note: call order]): refused at once on
+every rank, naming what each rank began, where before rank 0 waited in a collective the others never joined (a
+hang until the process group's timeout) or, at stage 3, paired gathers of the wrong units. A forward without grad
+at stages 1-2 involves no other rank: on rank 0 alone it is as local as under DDP."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import _call_order_cases as cases
+
+CALLS = {
+    "state_dict": "gathering the weights",
+    "full_state_dict": "gathering the weights",
+    "gathered_parameters": "hf_zero.gathered_parameters",
+    "save_checkpoint": "hf_zero.save_checkpoint",
+    "eval_forward": "a forward without grad",
+}
+
+
+@pytest.mark.parametrize("stage, what", [(1, "state_dict"), (2, "gathered_parameters"), (3, "state_dict"),
+                                         (3, "full_state_dict"), (1, "save_checkpoint"), (3, "eval_forward")])
+def test_a_collective_call_on_one_rank_is_refused_on_every_rank(pools, tmp_path, stage, what):
+    for rank, r in enumerate(pools(2).values(cases.one_rank_calls, stage, what, str(tmp_path / "out"))):
+        error = r["error"]
+        assert error is not None and error.startswith("ValueError"), (rank, error)
+        assert "the ranks are in different collective calls" in error, error
+        assert f"rank(s) [0] began {CALLS[what]}" in error, error
+        assert "rank(s) [1] began a forward with grad" in error, error
+        assert len(r["losses"]) == 1, r  # refused at the first call that differs: rank 1 in step 1's forward
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_forward_without_grad_on_one_rank_is_local_at_stages_1_and_2(pools, tmp_path, stage):
+    alone = pools(2).values(cases.one_rank_calls, stage, "eval_forward", str(tmp_path / "out"))
+    plain = pools(2).values(cases.one_rank_calls, stage, "nothing", str(tmp_path / "out"))
+    for got, want in zip(alone, plain):
+        assert got["error"] is None, got["error"]
+        assert got["losses"] == want["losses"]
