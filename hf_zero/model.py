@@ -12,6 +12,7 @@ sharded memory, or hang when ranks diverge, and do the sharded equivalent instea
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -313,11 +314,35 @@ def attach(model: nn.Module, engine: ZeroEngine) -> None:
     cls = type(model)
     sub = _SUBCLASSES.get(cls)
     if sub is None:
-        sub = type(cls.__name__, (ZeroModel, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "forward": _through_call(cls.forward),
+        }
+        sub = type(cls.__name__, (ZeroModel, cls), namespace)
         _SUBCLASSES[cls] = sub
     model.__class__ = sub
     model.__dict__[ENGINE_ATTR] = engine
     register_params(engine)
+
+
+def _through_call(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """[Note: forward called directly]
+    DDP does its work inside its `forward`, so DDP code may call `model.forward(...)` instead of `model(...)` and
+    still train correctly. hf_zero's work runs in the hooks `nn.Module.__call__` runs around `forward`: called
+    directly, the root's forward ran without them (at stage 3 its own parameters not gathered: an error about
+    sharded parameters; at stages 0-2 no buffer broadcast, no input cast, no units check, no call-order header).
+    So the sharded model's `forward`, called outside its `__call__`, goes through it; inside it (the hooks count
+    the root's forwards running, `UnitHooks.root_calls`) it is the model's own. `functools.wraps` keeps the
+    signature, which the Trainer reads to choose the dataset's columns."""
+
+    @functools.wraps(forward)
+    def routed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if get_engine(self).hooks.root_calls > 0:
+            return forward(self, *args, **kwargs)
+        return self(*args, **kwargs)
+
+    return routed
 
 
 def detach(model: nn.Module) -> None:

@@ -63,6 +63,8 @@ REFUSED: dict[str, dict[int, str]] = {
     "last_unit_skipped_on_one_rank": {3: "units ['blocks.2'] ran their forward on some ranks and not on others"},
     # in the first forward (no prefetch plan yet) the gathers themselves are checked, naming the units met
     "accumulation_unit_skipped_on_one_rank": {3: "gather different units (['blocks.1', 'blocks.2'])"},
+    "weight_changed_in_forward": {3: "the forward changed parameters ['blocks.0.lin.weight'"},
+    "root_weight_changed_in_forward": {3: "the forward changed parameters ['inp.weight'] in place"},
 }
 
 

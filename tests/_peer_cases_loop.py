@@ -259,3 +259,92 @@ def cast_to_bf16_for_evaluation(loop: Loop) -> None:
     x, y = loop.batch(2)
     with torch.no_grad():
         loop.note("eval_loss", nn.functional.mse_loss(loop.model(x.to(torch.bfloat16)).float(), y))
+
+
+@scenario()
+def forward_called_directly(loop: Loop) -> None:
+    """`model.forward(x)` instead of `model(x)` (DDP does its work inside `forward`, so such loops train under it): the
+    sharded model's forward goes through its `__call__` ([Note: forward called directly])."""
+    for step in range(3):
+        x, y = loop.batch(step)
+        loop.dp.before_forward()
+        loss = nn.functional.mse_loss(loop.model.forward(x), y)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+class RenormBlock(_peer_harness.Block):
+    """A block whose forward renormalizes its weight's rows in place (what `nn.Embedding(max_norm=...)` does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            norms = self.lin.weight.norm(dim=1, keepdim=True)
+            self.lin.weight.mul_(norms.clamp(max=0.5) / norms)
+        return super().forward(x)
+
+
+@scenario(block=RenormBlock)
+def weight_changed_in_forward(loop: Loop) -> None:
+    """Weights changed in place inside the forward: kept under DDP; at stage 3 the gathered copy the change went
+    to is freed after the forward, so it is refused ([Note: changed in forward])."""
+    _steps(loop)
+
+
+@scenario()
+def root_weight_changed_in_forward(loop: Loop) -> None:
+    """The same in the root's own module, from a forward pre-hook on it (the root unit holds embeddings)."""
+
+    def renorm(module: nn.Module, args: object) -> None:
+        with torch.no_grad():
+            module.weight.clamp_(-0.2, 0.2)
+
+    loop.model.inp.register_forward_pre_hook(renorm)
+    _steps(loop)
+
+
+@scenario()
+def hyperparameters_changed_between_steps(loop: Loop) -> None:
+    """`group["weight_decay"]` and `group["betas"]` changed between steps (schedules written by hand)."""
+
+    def change(step: int) -> None:
+        for group in loop.opt.param_groups:
+            group["weight_decay"], group["betas"] = (0.5, (0.5, 0.9)) if step == 1 else (0.1, (0.9, 0.999))
+
+    _steps(loop, before=change)
+
+
+@scenario()
+def optimizer_step_hooks(loop: Loop) -> None:
+    """`optimizer.register_step_pre_hook` / `register_step_post_hook` (an EMA or a logger driven by the step)."""
+    calls: list[int] = []
+    loop.opt.register_step_pre_hook(lambda opt, args, kwargs: calls.append(1))
+    loop.opt.register_step_post_hook(lambda opt, args, kwargs: calls.append(2))
+    _steps(loop)
+    loop.note("hook_calls", float(len(calls)))
+
+
+@scenario()
+def gradients_never_zeroed(loop: Loop) -> None:
+    """No `zero_grad()` at all: each step adds this backward's gradient to the last ones, as torch does."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+
+
+class WeightNormBlock(_peer_harness.Block):
+    """A block whose linear layer is reparametrized by `torch.nn.utils.parametrizations.weight_norm` (its
+    parameters are `parametrizations.weight.original0/1`, the weight computed from them at each use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.nn.utils.parametrizations.weight_norm(self.lin)
+
+
+@scenario(block=WeightNormBlock)
+def weight_norm_parametrization(loop: Loop) -> None:
+    """A parametrized weight (weight normalization): the originals are what shards, trains and saves."""
+    _steps(loop)

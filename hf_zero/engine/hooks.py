@@ -45,7 +45,7 @@ from .passes import Pass, in_backward
 from .pool import BufferPool
 from .stages import StagePlan
 from .tree import cast_floating_inputs, flatten, tensors
-from .unit import Prefetch, Unit
+from .unit import Prefetch, Unit, changed_in_forward_error
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
 
@@ -111,6 +111,7 @@ class UnitHooks:
         self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
         self.graph_pins: list[Unit] = []  # [Note: double backward] units pinned for a graph a backward built
         self.graph_built = False  # [Note: double backward] a backward built a graph that a later one may go through
+        self.root_calls = 0  # [Note: forward called directly] the root's forwards running inside its __call__
         self._handles: list[RemovableHandle] = []
         self._register()
 
@@ -144,6 +145,8 @@ class UnitHooks:
             self._settle_units_check()
         if unit is self.root and not recompute:
             self._begin_root_forward()
+        if unit is self.root:  # [Note: forward called directly] the model's forward runs inside its __call__
+            self.root_calls = 1 if not recompute else self.root_calls + 1
         elif not self._order_known and not recompute and unit is not self.root and unit not in self._forward_order:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
         if not recompute:
@@ -156,6 +159,8 @@ class UnitHooks:
             self._agree_on_gather(unit)
         unit.before_compute()
         if not recompute:
+            if not unit.persistent:
+                self.current.versions[id(unit)] = unit.param_versions()  # [Note: changed in forward]
             self._prefetch_after(unit, forward=True)
         if unit.sparse_lookup:
             cast(Any, unit.spec.module).sparse = True  # [Note: sparse lookup gradients]; switched back after forward
@@ -262,6 +267,8 @@ class UnitHooks:
         )
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if unit is self.root:
+            self.root_calls = max(0, self.root_calls - 1)
         if unit.sparse_lookup:
             cast(Any, unit.spec.module).sparse = False
         if in_backward():  # [Note: recomputation]: the unit's backward follows, keep it gathered
@@ -269,6 +276,10 @@ class UnitHooks:
                 self._hook_outputs(unit, output)
             return None
         unit.end_forward()
+        changed = self.current.note_changes(unit)  # [Note: changed in forward]
+        if changed and not torch.is_grad_enabled():  # no units check follows: refused on the ranks that changed
+            self.reset()
+            raise changed_in_forward_error(changed)
         if self._keeps_for_backward(unit):
             unit.hold()
         else:
@@ -515,7 +526,9 @@ class UnitHooks:
         world = self.settings.world
         if world is None or world.size == 1:
             return
-        self.current.units_check = issue_flags_gather([id(u) in self.current.ran for u in self.units[:-1]], world)
+        ran, changed = self.current.ran, self.current.changed  # bit 0: the unit ran; bit 1: it changed parameters
+        codes = [int(id(u) in ran) | int(id(u) in changed) << 1 for u in self.units]
+        self.current.units_check = issue_flags_gather(codes, world)
 
     def _settle_units_check(self) -> None:
         """[Note: units run on some ranks] wait for the check issued after the forward (if one is in flight) and
@@ -526,7 +539,12 @@ class UnitHooks:
         if self.settings.before_waiting is not None:
             self.settings.before_waiting()  # the forward's header first: it tells ranks apart ([Note: call order])
         inner = self.units[:-1]
-        ran_on = check.rows()  # per rank, per unit
+        codes = check.values()  # per rank, per unit (the root last)
+        if any(code & 2 for row in codes for code in row):  # [Note: changed in forward], on some rank
+            changed = sorted({n for names in self.current.changed.values() for n in names})
+            self.reset()
+            raise changed_in_forward_error(changed or ["(on another rank)"])
+        ran_on = [[bool(code & 1) for code in row[:-1]] for row in codes]
         anywhere = [any(column) for column in zip(*ran_on)]
         mixed = [u for u, column in zip(inner, zip(*ran_on)) if any(column) and not all(column)]
         if not mixed:

@@ -51,6 +51,8 @@ class Pass:
     finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
     gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
     ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
+    versions: dict[int, tuple[int, ...]] = field(default_factory=dict)  # [Note: changed in forward] at the gather
+    changed: dict[int, list[str]] = field(default_factory=dict)  # [Note: changed in forward] by unit, since then
     units_check: GatheredFlags | None = None  # [Note: units run on some ranks]: issued after the forward, not waited
     ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
     deferred: bool = False  # every post_backward waits for the final callback, in unit order
@@ -68,6 +70,15 @@ class Pass:
     @property
     def in_backward(self) -> bool:
         return self._state is PassState.BACKWARD
+
+    def note_changes(self, unit: Unit) -> list[str]:
+        """[Note: changed in forward] at a gathered unit's post-forward: the parameters its forward changed in
+        place, kept for the units check (with grad)."""
+        versions = self.versions.pop(id(unit), None)
+        changed = unit.changed_since(versions) if versions is not None else []
+        if changed and torch.is_grad_enabled():
+            self.changed.setdefault(id(unit), []).extend(changed)
+        return changed
 
     def _illegal(self, verb: str) -> RuntimeError:
         return RuntimeError(f"[rank {self.rank}] hf_zero: {verb} of the pass in state {self._state.value}")

@@ -228,6 +228,24 @@ class Unit:
         """Free the parameters if the stage gathers them and they are gathered."""
         self.residency.release(self)
 
+    def param_versions(self) -> tuple[int, ...]:
+        """[Note: changed in forward] the parameters' version counters (every in-place change bumps its tensor's)."""
+        return tuple(p._version for p in self.params)
+
+    def changed_since(self, versions: tuple[int, ...]) -> list[str]:
+        """[Note: changed in forward]
+        The names of the parameters changed in place since `versions` were taken. At stage 3 a unit's
+        parameters are gathered for its forward and freed after it: a change the forward makes to them in place
+        (`nn.Embedding(max_norm=...)` renormalizes the rows it looks up, a weight clamped or renormalized inside
+        `forward` under `torch.no_grad()`) would be dropped with the gathered copy, and the backward would
+        re-gather the old values, so the gradient and every later step would silently differ from DDP's (where
+        the change stays in the weight). The hooks take the versions when the unit is gathered for its forward
+        and compare them at its end; a change is reported in the forward's units check ([Note: units run on
+        some ranks] in hooks.py), so every rank refuses it before the backward reduces anything (a forward
+        without grad, which has no check, refuses it on the ranks that made it)."""
+        names = [n for part in self.parts for n in part.spec.param_names]
+        return [n for n, p, v in zip(names, self.params, versions) if p._version != v]
+
     def pin(self) -> None:
         """Gather and keep whole until `unpin` (`gathered_parameters`): `reshard` does nothing meanwhile."""
         self.unshard()
@@ -376,4 +394,15 @@ def _subset(spec: UnitSpec, indices: list[int], frozen: bool) -> UnitSpec:
         param_names=tuple(spec.param_names[i] for i in indices),
         slots=tuple(spec.slots[i] for i in indices) if spec.slots else (),
         frozen=frozen,
+    )
+
+
+def changed_in_forward_error(names: list[str]) -> ValueError:
+    """[Note: changed in forward] the refusal naming the parameters a stage-3 forward changed in place."""
+    return ValueError(
+        f"hf_zero: the forward changed parameters {names} in place (e.g. nn.Embedding(max_norm=...), or a weight "
+        "renormalized or clamped inside forward). At ZeRO stage 3 a unit's parameters are gathered for its forward "
+        "and freed after it, so the change would be lost and the backward would use the old values. Make the "
+        "change between steps, inside `with hf_zero.gathered_parameters(params, modifier_rank=0):`, or train "
+        "at ZeRO stage 1 or 2, where the parameters stay whole and such a change is kept."
     )

@@ -247,7 +247,7 @@ class GatheredFlags(GatheredInts):
         return [[bool(v) for v in row] for row in self.values()]
 
 
-def issue_flags_gather(flags: Sequence[bool], group: CommGroup) -> GatheredFlags:
+def issue_flags_gather(flags: Sequence[int], group: CommGroup) -> GatheredFlags:
     """Issue the all-gather of `gather_flags` without waiting: the ranks meet when `rows()` is called, so a rank
     that arrives early keeps computing instead of waiting for the others at the point of issue."""
     mine = torch.tensor([int(f) for f in flags], dtype=torch.uint8, device=comm_device(group))
