@@ -24,6 +24,9 @@ def test_accelerate_loop_matches_ddp(pools, stage, two_optimizers):
         assert rel_err(zero["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
+# the slow tier (12 s on 2 cores): the Trainer's regional compilation (tests/test_trainer.py) takes the same
+# `compile_as_requested`, and the refusals below reach ZeroAccelerator's own check
+@pytest.mark.slow
 def test_a_dynamo_backend_compiles_the_sharded_blocks_and_trains_as_ddp_compiled(pools):
     """[Note: compile] `Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="aot_eager",
     use_regional_compilation=True))` (what `accelerate launch`'s dynamo settings give): ZeroAccelerator compiles the
@@ -84,7 +87,9 @@ def test_save_state_and_load_state_resume(pools, tmp_path, two_optimizers, async
         np.testing.assert_array_equal(resumed["state"][name].numpy(), value.numpy())
 
 
-@pytest.mark.parametrize("resume_world", [pytest.param(1, marks=pytest.mark.slow), 3])
+# the slow tier (16 s on 2 cores): the same world size resumes in test_save_state_and_load_state_resume, another
+# world size through hf_zero.load_checkpoint in tests/test_checkpoint.py
+@pytest.mark.parametrize("resume_world", [pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_load_state_on_another_world_size(pools, tmp_path, resume_world):
     """State saved by 2 ranks loads on 1 or 3: the weights and the lr equal those saved, exactly.
     (Training on from there follows Accelerate's own rules for another world size: its scheduler

@@ -4,13 +4,12 @@ overlap rules, and the CLI. Its agreement with measured step times is benchmarks
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 
 from hf_zero.steptime import GPUS, Hardware, Job, ModelShape, predict
+from tests.test_estimate import _cli
 
 SHAPE = ModelShape(block_params=1000, layers=4, embedding_params=500, head_params=500, tied=False, hidden=10)
 P = 4 * 1000 + 500 + 500
@@ -99,8 +98,8 @@ def test_cli_time_table(tmp_path):
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "estimate", "--model", str(path), "--world-size", "8",
-                           "--seq-len", "128", "--time", "--world-sizes", "8,64"], capture_output=True, text=True)
+    done = _cli(["estimate", "--model", str(path), "--world-size", "8", "--seq-len", "128", "--time", "--world-sizes",
+                 "8,64"])  # in this process: the entry point's own start is tested in tests/test_estimate.py
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 8 |") or line.startswith("| 64 |")]
     assert len(rows) == 10 and "ZeRO-3 int8" in done.stdout and "MFU" in done.stdout
