@@ -25,6 +25,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,29 @@ def phase_single(args: argparse.Namespace, device: torch.device, cases: Cases) -
               lambda: edits_case(sizes, data, device, offload_optimizer=True))
     cases.run("ZeRO-3 bf16: torch.compile of each block (regional) vs eager",
               lambda: compile_case(sizes, data, device))
+    cases.run("units check and call-order header: queued on the device without a host sync",
+              lambda: queued_case(device))
+
+
+def queued_case(device: torch.device) -> dict[str, Any]:
+    """[Note: call order] the few integers the units check and the call-order header send at every forward are
+    queued on the device (pinned, non_blocking) instead of copied with a stream sync: behind a kernel that runs for
+    about a second, making them returns at once, where torch's plain `torch.tensor(..., device=)` waits for it. The
+    CPU rehearsal checks the values only (nothing is queued on the host)."""
+    from hf_zero.engine.collectives.ops import queued_tensor
+
+    timings = {}
+    for way in ("queued", "plain"):
+        if device.type == "cuda":
+            torch.cuda._sleep(2_000_000_000)  # cycles: about a second of a busy device
+        started = time.perf_counter()
+        t = queued_tensor([3, 1, 4], torch.int64, device) if way == "queued" else torch.tensor(
+            [3, 1, 4], dtype=torch.int64, device=device)
+        timings[way] = round(time.perf_counter() - started, 4)
+        require(t.tolist() == [3, 1, 4], f"{way}: the values came back as {t.tolist()}")
+    if device.type == "cuda":
+        require(timings["queued"] < 0.05, f"making the queued tensor waited {timings['queued']} s for the device")
+    return {"queued_s": timings["queued"], "plain_s": timings["plain"]}
 
 
 def compile_case(sizes: Sizes, data: torch.Tensor, device: torch.device) -> dict[str, Any]:

@@ -250,14 +250,26 @@ class GatheredFlags(GatheredInts):
 def issue_flags_gather(flags: Sequence[int], group: CommGroup) -> GatheredFlags:
     """Issue the all-gather of `gather_flags` without waiting: the ranks meet when `rows()` is called, so a rank
     that arrives early keeps computing instead of waiting for the others at the point of issue."""
-    mine = torch.tensor([int(f) for f in flags], dtype=torch.uint8, device=comm_device(group))
+    mine = queued_tensor([int(f) for f in flags], torch.uint8, comm_device(group))
     return GatheredFlags(*_issue_gather(mine, group))
 
 
 def issue_ints_gather(values: Sequence[int], group: CommGroup) -> GatheredInts:
     """Issue an all-gather of a few int64 from every rank (the same count on each) without waiting."""
-    mine = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
+    mine = queued_tensor(list(values), torch.int64, comm_device(group))
     return GatheredInts(*_issue_gather(mine, group))
+
+
+def queued_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A few integers on `device`, queued without a host sync: torch copies pageable host memory to a device
+    with a copy and then a stream synchronize, which at a forward's start or end (where the units check and the
+    call-order header are issued, [Note: call order]) would make the host wait for every kernel queued before it;
+    from pinned memory with `non_blocking` the copy is queued like a kernel (the pinned block is not reused before
+    it ran: torch's host allocator records the stream)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _issue_gather(mine: torch.Tensor, group: CommGroup) -> tuple[torch.Tensor, Pending, int, torch.Tensor | None]:
