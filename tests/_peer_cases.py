@@ -65,6 +65,7 @@ REFUSED: dict[str, dict[int, str]] = {
     "accumulation_unit_skipped_on_one_rank": {3: "gather different units (['blocks.1', 'blocks.2'])"},
     "weight_changed_in_forward": {3: "the forward changed parameters ['blocks.0.lin.weight'"},
     "root_weight_changed_in_forward": {3: "the forward changed parameters ['inp.weight'] in place"},
+    "clip_through_part_of_a_group": {s: "some of the tensors of an optimizer param group" for s in (1, 2, 3)},
 }
 
 

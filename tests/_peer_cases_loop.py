@@ -7,6 +7,7 @@ Registered in the same `SCENARIOS` when tests/_peer_cases.py imports this module
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -348,3 +349,34 @@ class WeightNormBlock(_peer_harness.Block):
 def weight_norm_parametrization(loop: Loop) -> None:
     """A parametrized weight (weight normalization): the originals are what shards, trains and saves."""
     _steps(loop)
+
+
+def _clip_groups(loop: Loop, pick: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        tensors = pick([p for group in loop.opt.param_groups for p in group["params"]])
+        loop.note("norm", torch.nn.utils.clip_grad_norm_(tensors, 0.05))
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def clip_through_optimizer_groups(loop: Loop) -> None:
+    """`torch.nn.utils.clip_grad_norm_` over the tensors of `optimizer.param_groups` (Lightning's clipping): the
+    sharded optimizer's tensors are pieces of this rank's shard, taken as their groups' parameters ([Note: torch
+    clipping]); before, a norm of 0 and nothing clipped."""
+    _clip_groups(loop, lambda tensors: tensors)
+
+
+@scenario(adafactor=True)
+def clip_through_optimizer_groups_whole(loop: Loop) -> None:
+    """The same with an optimizer stepped on whole parameters, each held by the rank that owns it."""
+    _clip_groups(loop, lambda tensors: tensors)
+
+
+@scenario()
+def clip_through_part_of_a_group(loop: Loop) -> None:
+    """Some tensors of a group: a different part of the parameters on each rank once sharded, refused."""
+    _clip_groups(loop, lambda tensors: tensors[:2])

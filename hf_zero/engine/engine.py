@@ -342,6 +342,10 @@ class ZeroEngine:
         self.steps.on_zero_grad()
         self.steps.keep_zeros(set_to_none)
 
+    def model_params_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """[Note: torch clipping] the model parameters that tensors of the attached optimizers' groups stand for."""
+        return self.steps.model_params_of(tensors)
+
     def owns(self, param: torch.Tensor) -> bool:
         """Whether `param` is one of this engine's parameters or stand-ins."""
         return id(param) in self._names

@@ -77,8 +77,10 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
         group_names.append(names)
     carry_configs(optimizer, moved, engine.compute_param)  # [Note: per-parameter optimizer configs]
     parts = {id(part): part for part, _ in (where[id(p)] for p in params)}
-    engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.parts if id(u) in parts)))
-    piece_map = PieceMap(tuple(targets), tuple(int(p.numel()) for p in params), tuple(map(len, group_names)))
+    sizes = tuple(map(len, group_names))
+    groups = tuple(tuple(params[sum(sizes[:g]) : sum(sizes[: g + 1])]) for g in range(len(sizes)))
+    engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.parts if id(u) in parts), groups))
+    piece_map = PieceMap(tuple(targets), tuple(int(p.numel()) for p in params), sizes)
     return ShardedOptimizer(optimizer, engine, group_names, piece_map)
 
 

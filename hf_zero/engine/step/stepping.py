@@ -54,6 +54,7 @@ class Attached:
     optimizer: torch.optim.Optimizer
     whole: WholeStep | None
     parts: tuple[FlatPart, ...]
+    groups: tuple[tuple[torch.Tensor, ...], ...] = ()  # each param group's model parameters, on every rank
 
 
 class OptimizerSteps:
@@ -102,6 +103,39 @@ class OptimizerSteps:
     def attached_to(self, optimizer: torch.optim.Optimizer) -> Attached | None:
         """The entry of an attached optimizer, or None (never attached, or released)."""
         return next((a for a in self.attached if a.optimizer is optimizer), None)
+
+    def model_params_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """[Note: torch clipping] `tensors` taken from attached optimizers' `param_groups` (pieces of this rank's
+        shards, or the whole parameters it owns): the model parameters of the groups they make up, the same on
+        every rank; None when none of them is an optimizer's. A group is taken whole or not at all (a group with
+        nothing on this rank counts as taken when every other group is)."""
+        given = {id(t) for t in tensors}
+        chosen: list[torch.Tensor] = []
+        for entry in self.attached:
+            held = [{id(t) for t in group["params"]} for group in entry.optimizer.param_groups]
+            hit = [bool(ids & given) for ids in held]
+            if not any(hit):
+                continue
+            every = all(h or not ids for h, ids in zip(hit, held))
+            for ids, h, params in zip(held, hit, entry.groups):
+                if h and not ids <= given:
+                    raise ValueError(
+                        "hf_zero: gradient clipping got some of the tensors of an optimizer param group: they are "
+                        "pieces of this rank's shard, and a part of a group is not the same part on every rank. "
+                        "Pass whole groups (`[p for g in optimizer.param_groups for p in g['params']]`) or the "
+                        "model's parameters (`model.parameters()`)."
+                    )
+                if h or (every and not ids):
+                    chosen.extend(params)
+            given -= set().union(*held)
+        if not chosen and len(given) == len(tensors):
+            return None
+        if given:
+            raise ValueError(
+                "hf_zero: gradient clipping got tensors of an optimizer's param groups together with other tensors; "
+                "pass the optimizer's groups or the model's parameters, not both."
+            )
+        return chosen
 
     def release(self) -> None:
         """Forget the attached optimizers (their state freed; they refuse to step): newer ones are being attached."""

@@ -35,6 +35,8 @@ class Clippable(Protocol):
 
     def owns(self, param: torch.Tensor) -> bool: ...
 
+    def model_params_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None: ...
+
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, params: Iterable[torch.Tensor] | None = None
     ) -> torch.Tensor: ...
@@ -51,8 +53,18 @@ def register(engine: Clippable) -> None:
     _engines.add(engine)
 
 
-def _owner(params: list[torch.Tensor], caller: str) -> Clippable | None:
-    """The one engine that owns `params`, or None when none of them belongs to a sharded model."""
+def _owner(params: list[torch.Tensor], caller: str) -> tuple[Clippable | None, list[torch.Tensor]]:
+    """The one engine that owns `params` (None when none of them belongs to a sharded model) and the model
+    parameters they stand for: themselves, or, for tensors of its optimizers' `param_groups` (Lightning clips
+    `optimizer.param_groups`' tensors), the parameters of those groups."""
+    for engine in _engines:
+        chosen = engine.model_params_of(params)
+        if chosen is not None:
+            return engine, chosen
+    return _model_owner(params, caller), params
+
+
+def _model_owner(params: list[torch.Tensor], caller: str) -> Clippable | None:
     owners = [next((e for e in _engines if e.owns(p)), None) for p in params]
     engines = {id(e): e for e in owners if e is not None}
     if not engines:
@@ -79,8 +91,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """torch's `clip_grad_norm_`; for a sharded model's parameters, the global norm of their gradient shards,
     clipped in place ([Note: torch clipping])."""
-    params = _as_list(parameters)
-    engine = _owner(params, "clip_grad_norm_")
+    engine, params = _owner(_as_list(parameters), "clip_grad_norm_")
     if engine is None:
         return _original["clip_grad_norm_"](params, max_norm, norm_type, error_if_nonfinite, foreach)
     norm_type = float(norm_type)
@@ -97,8 +108,7 @@ def clip_grad_norm_(
 
 def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
     """torch's `clip_grad_value_`; for a sharded model's parameters, their gradient shards clamped in place."""
-    params = _as_list(parameters)
-    engine = _owner(params, "clip_grad_value_")
+    engine, params = _owner(_as_list(parameters), "clip_grad_value_")
     if engine is None:
         return _original["clip_grad_value_"](params, clip_value, foreach)
     engine.clip_grad_value_(clip_value, params)
@@ -108,7 +118,7 @@ def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = 
 def _clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: Any = None) -> None:
     """torch's internal scaling step: refused for a sharded model's parameters ([Note: torch clipping])."""
     params = _as_list(parameters)
-    if _owner(params, "clip_grads_with_norm_") is not None:
+    if _owner(params, "clip_grads_with_norm_")[0] is not None:
         raise ValueError(
             "torch's gradient clipping got the parameters of a model sharded by hf_zero, whose .grad holds no "
             "value (the gradients live in flat shards), through a copy of torch.nn.utils.clip_grad_norm_ bound "
