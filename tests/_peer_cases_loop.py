@@ -380,3 +380,17 @@ def clip_through_optimizer_groups_whole(loop: Loop) -> None:
 def clip_through_part_of_a_group(loop: Loop) -> None:
     """Some tensors of a group: a different part of the parameters on each rank once sharded, refused."""
     _clip_groups(loop, lambda tensors: tensors[:2])
+
+
+@scenario()
+def grad_norm_logged_through_optimizer_groups(loop: Loop) -> None:
+    """A gradient norm logged from the tensors of `optimizer.param_groups` (`if p.grad is not None`), as DDP code
+    does: those tensors are pieces of this rank's shard, their `.grad` a stand-in that refuses the read by name
+    ([Note: optimizer tensors at rest]); before, None (a norm of 0, silently)."""
+    for step in range(2):
+        loss = loop.loss(step)
+        loop.backward(loss)
+        grads = [p.grad for group in loop.opt.param_groups for p in group["params"] if p.grad is not None]
+        loop.note("grad_norm", torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        loop.opt.step()
+        loop.opt.zero_grad()

@@ -230,6 +230,7 @@ class ZeroEngine:
         """[Note: resting gradients] after a backward pass, reduced or (under no_sync) only accumulated."""
         for part in self.parts:
             part.rest_grads()
+        self.steps.rest_grads()  # [Note: optimizer tensors at rest]
         self._grads_resting = True
 
     def _wake_grads(self) -> None:
@@ -237,6 +238,7 @@ class ZeroEngine:
         if self._grads_resting:
             for part in self.parts:
                 part.wake_grads()
+            self.steps.wake_grads()  # [Note: optimizer tensors at rest]
             self._grads_resting = False
 
     @property
@@ -338,6 +340,7 @@ class ZeroEngine:
             self.plan.grads.drop(part)
         for piece in self.pieces:
             piece.unbind_grads()
+        self.steps.wake_grads()  # [Note: optimizer tensors at rest], also after a step no backward preceded
         self.has_grads = False
         self.steps.on_zero_grad()
         self.steps.keep_zeros(set_to_none)

@@ -22,6 +22,7 @@ from ..collectives import CommGroup, comm_device, max_scalar_
 from ..flat import FlatPart
 from ..hooks import UnitHooks
 from ..pool import release_free_host_memory
+from ..resting import ShardedGrad
 from .master import FlatStep
 from .pieces import Piece
 from .scaler import LossScaler
@@ -68,6 +69,7 @@ class OptimizerSteps:
         self._zero_requests: set[int] = set()  # optimizers that called zero_grad this round
         self._kept: dict[int, list[bool]] = {}  # [Note: zero gradients kept]: per part, parameters whose grad is 0
         self._partial_zero = False  # new gradients arrived while only some of them had
+        self._grad_stand_ins: dict[int, tuple[torch.Tensor, ShardedGrad]] = {}  # [Note: optimizer tensors at rest]
 
     def on_reduced(self) -> None:
         """New gradients reached the shards: the next step decides anew."""
@@ -143,8 +145,49 @@ class OptimizerSteps:
             entry.optimizer.state.clear()
         self.attached = []
 
+    def rest_grads(self) -> None:
+        """[Note: optimizer tensors at rest]
+        What the attached optimizers step are pieces of this rank's shards (or the whole parameters it owns, [Note:
+        whole-parameter step]), and their `.grad` is bound to the gradient shards for the step only. Code written
+        for DDP reads `.grad` through `optimizer.param_groups` too (a norm logged, or clipping by hand over the
+        groups' tensors, guarded by `if p.grad is not None`): left `None` it would skip every one silently, and a
+        bound view would give this rank's part as if it were the whole. So after each backward and each step
+        every such tensor's `.grad` is a `ShardedGrad` stand-in that refuses any read by name ([Note: resting
+        gradients]), removed (None) when the model's stand-ins are, and replaced by the real views at the step."""
+        for t, stand_in in self._stand_ins():
+            t.grad = stand_in
+
+    def wake_grads(self) -> None:
+        """[Note: optimizer tensors at rest] remove the stand-ins (a forward with grad, a backward, zero_grad)."""
+        for t, _ in self._stand_ins():
+            if isinstance(t.grad, ShardedGrad):
+                t.grad = None
+
+    def _stand_ins(self) -> list[tuple[torch.Tensor, ShardedGrad]]:
+        """Each tensor of the attached optimizers' groups and its stand-in (made again when the tensors changed)."""
+        tensors = [
+            (g, i, t)
+            for entry in self.attached
+            for g, group in enumerate(entry.optimizer.param_groups)
+            for i, t in enumerate(group["params"])
+        ]
+        known = self._grad_stand_ins
+        if len(known) != len(tensors) or any(id(t) not in known for _, _, t in tensors):
+            name = "optimizer.param_groups[{}]['params'][{}]"
+            self._grad_stand_ins = {id(t): (t, ShardedGrad(t, name.format(g, i))) for g, i, t in tensors}
+        return list(self._grad_stand_ins.values())
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped."""
+        """Step `optimizer` on this rank's shards and publish the new parameters; False if skipped. Its tensors'
+        `.grad` rest as stand-ins afterwards ([Note: optimizer tensors at rest])."""
+        self.wake_grads()  # what steps sees only the gradients the step binds
+        try:
+            return self._step(optimizer)
+        finally:
+            if self.engine.has_grads:
+                self.rest_grads()
+
+    def _step(self, optimizer: torch.optim.Optimizer) -> bool:
         engine = self.engine
         engine.settle_masters()
         entry = self.attached_to(optimizer)
