@@ -139,6 +139,8 @@ def test_initialize_refuses_a_device_that_is_not_one():
         hf_zero.initialize(torch.nn.Linear(2, 2), None, hf_zero.ZeroConfig(stage=3), device=0)  # type: ignore[arg-type]
 
 
+# the slow tier (15 s on 2 cores: a process that fakes a GPU): the GPU check runs the real one on a lent GPU
+@pytest.mark.slow
 def test_alone_on_a_gpu_machine_each_entry_point_computes_where_its_batches_go(tmp_path):
     """A single process without torch.distributed (`accelerate launch` with `distributed_type: NO`) on a machine
     with a GPU: `initialize` alone takes the GPU (as a model on the host does under NCCL); the Trainer (sharding

@@ -229,7 +229,10 @@ def test_fingerprint_moves_with_any_change_of_the_bits(dtype):
     assert changed(lambda t: t[11].neg_())
 
 
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])  # stage 1: the slow tier
+# the slow tier (13 s a stage on 2 cores): compilation stays in the suite through the Trainer's regional compilation
+# (tests/test_trainer.py) and the refusals (tests/test_accelerate.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
 def test_a_sharded_model_called_through_torch_compile_trains_as_the_model_itself(pools, stage):
     """`model = torch.compile(model)` after `initialize` ([Note: compile]; the whole model: dynamo breaks the graph
     at the engine's hooks): compiled frames on every rank, and the same losses and weights, bit for bit, as the

@@ -122,6 +122,16 @@ def _grad_message(name: str) -> str:
     )
 
 
+GRAD_SCALER_MESSAGE = (
+    "hf_zero: torch.amp.GradScaler cannot drive a sharded optimizer: each rank holds a shard of the "
+    "gradients, so the scaler's overflow check would see a part of them, and ranks could disagree on "
+    "skipping a step. Drop the GradScaler (call loss.backward() and optimizer.step() directly) and set "
+    "ZeroConfig(mixed_precision='fp16'), whose loss scaling checks every shard on every rank; or use "
+    "bf16, which needs no loss scaling."
+)
+_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+
+
 class ShardedGrad(torch.Tensor):
     """[Note: resting gradients]
     What a trainable parameter's `.grad` is on a sharded model between the end of a backward and the next
@@ -146,6 +156,8 @@ class ShardedGrad(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub types it as an instance method
+        if func is _UNSCALE:  # GradScaler.unscale_ over the optimizer's tensors: the scaler itself is the mistake
+            raise ValueError(GRAD_SCALER_MESSAGE)
         names = [a._hf_zero_name for a in _flat(args, kwargs) if isinstance(a, ShardedGrad)]
         raise TypeError(f"{_grad_message(names[0] if names else 'a parameter')} (operation: {func})")
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..calls import Call
 from ..engine import ZeroEngine
+from ..resting import GRAD_SCALER_MESSAGE
 from .optim_configs import carry_configs
 from .optim_state import PieceMap, described, to_load
 from .stepping import Attached
@@ -380,13 +381,7 @@ def _refuse_grad_scaler(optimizer: ShardedOptimizer) -> None:
     (`_step_supports_amp_scaling`); ours refuses: the scaler would look for infinities in this rank's shards only,
     so ranks could disagree on skipping a step, and hf_zero's own fp16 scaling is exact."""
     if "grad_scale" in optimizer.__dict__ or "found_inf" in optimizer.__dict__:
-        raise ValueError(
-            "hf_zero: torch.amp.GradScaler cannot drive a sharded optimizer: each rank holds a shard of the "
-            "gradients, so the scaler's overflow check would see a part of them, and ranks could disagree on "
-            "skipping a step. Drop the GradScaler (call loss.backward() and optimizer.step() directly) and set "
-            "ZeroConfig(mixed_precision='fp16'), whose loss scaling checks every shard on every rank; or use "
-            "bf16, which needs no loss scaling."
-        )
+        raise ValueError(GRAD_SCALER_MESSAGE)
 
 
 def sharded_list(optimizer: Any, caller: str) -> list[ShardedOptimizer]:
