@@ -104,3 +104,27 @@ def _steps_from(loop: Loop, first: int, end: int) -> None:
 def _state_copy(opt: Any) -> dict[str, torch.Tensor]:
     return {f"{i}.{k}": v.clone() for i, s in enumerate(opt.state.values()) for k, v in s.items()
             if isinstance(v, torch.Tensor)}
+
+
+def other_pieces(stage: int, path: str) -> dict[str, Any]:
+    """A rank's own `optimizer.state_dict()` loaded into an optimizer over other param groups (the same model):
+    refused on every rank, the state unchanged."""
+    rank = dist.get_rank()
+    model, opt = _sharded(stage, {})
+    _steps(Loop(model, opt, Idle(), rank, stage, sharded=True), n=1)
+    torch.save(opt.state_dict(), f"{path}-rank{rank}.pt")
+    model2 = _build({})
+    head = list(model2.head.parameters())
+    rest = [p for p in model2.parameters() if all(p is not h for h in head)]
+    groups = [{"params": rest}, {"params": head, "lr": 0.001}]
+    config = hf_zero.ZeroConfig(stage=stage, wrap=[Block.__name__], bucket_size_mb=0)
+    model2, opt2 = hf_zero.initialize(model2, torch.optim.AdamW(groups, lr=0.01), config)
+    _steps(Loop(model2, opt2, Idle(), rank, stage, sharded=True), n=1)
+    before = _state_copy(opt2)
+    try:
+        opt2.load_state_dict(torch.load(f"{path}-rank{rank}.pt", weights_only=False))
+        error = None
+    except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
+        error = f"{type(e).__name__}: {e}"
+    after = _state_copy(opt2)
+    return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}

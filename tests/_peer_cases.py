@@ -66,6 +66,8 @@ REFUSED: dict[str, dict[int, str]] = {
     "weight_changed_in_forward": {3: "the forward changed parameters ['blocks.0.lin.weight'"},
     "root_weight_changed_in_forward": {3: "the forward changed parameters ['inp.weight'] in place"},
     "clip_through_part_of_a_group": {s: "some of the tensors of an optimizer param group" for s in (1, 2, 3)},
+    "optimizer_state_read_by_parameter": {s: "optimizer.state['head.weight'] (keyed by a model parameter)"
+                                          for s in (1, 2, 3)},
     "grad_norm_logged_through_optimizer_groups": {s: "'optimizer.param_groups[0]['params'][0]'.grad of a model"
                                                   for s in (1, 2, 3)},
 }

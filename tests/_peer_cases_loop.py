@@ -394,3 +394,16 @@ def grad_norm_logged_through_optimizer_groups(loop: Loop) -> None:
         loop.note("grad_norm", torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
         loop.opt.step()
         loop.opt.zero_grad()
+
+
+@scenario()
+def optimizer_state_read_by_parameter(loop: Loop) -> None:
+    """`optimizer.state[p]["exp_avg"]` logged per parameter (DDP's optimizer keys its state by parameter): a
+    sharded optimizer's is per piece of this rank's shard, so a parameter as the key is refused by name ([Note:
+    optimizer state by parameter]); before, a KeyError on the read and a silent no-op on `state[p] = {}`."""
+    for step in range(2):
+        loss = loop.loss(step)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+        loop.note("moment", loop.opt.state[loop.model.head.weight]["exp_avg"].norm())

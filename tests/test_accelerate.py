@@ -11,7 +11,9 @@ from tests._training import rel_err
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("stage, two_optimizers", [(1, False), (3, False), (3, True)])
+# stage 1 in the slow tier (its engine paths are the Trainer's and the peer scenarios'; Accelerate's are stage 3's)
+@pytest.mark.parametrize("stage, two_optimizers", [pytest.param(1, False, marks=pytest.mark.slow), (3, False),
+                                                   (3, True)])
 def test_accelerate_loop_matches_ddp(pools, stage, two_optimizers):
     """Two optimizers: Adafactor on the matrices (whole parameters) and AdamW on the rest, prepared together."""
     zero = pools(2).values(ac.loop, True, stage, two_optimizers=two_optimizers)[0]

@@ -37,3 +37,10 @@ def test_a_plain_optimizers_state_resumes_under_hf_zero_as_under_ddp(pools, stag
         plain, sharded = r["losses"]
         assert sharded == pytest.approx(plain, rel=TOL), r
         assert r["weights"] <= TOL, r
+
+
+def test_a_ranks_own_state_into_other_param_groups_is_refused(pools, tmp_path):
+    for r in pools(2).values(cases.other_pieces, 3, str(tmp_path / "optimizer")):
+        assert r["error"] is not None and r["error"].startswith("ValueError"), r
+        assert "over other pieces" in r["error"], r["error"]
+        assert r["unchanged"], r

@@ -343,12 +343,12 @@ def test_model_weights_off_and_best_model_loading(pools, tmp_path):
         assert torch.equal(loaded[name], value), name
 
 
-# stage 2 in the slow tier: it shares stage 1's persistent parameters and stage 3's gradient shards; stage 1's
-# out-of-memory at the step's end too (8 s): stage 1 keeps the one in the forward, stage 3 both
+# stage 2 in the slow tier: it shares stage 1's persistent parameters and stage 3's gradient shards; the suite keeps
+# stage 1's out-of-memory in the forward and stage 3's at the step's end
 @pytest.mark.parametrize("stage, oom", [(1, "forward"), pytest.param(1, "step_end", marks=pytest.mark.slow),
                                         pytest.param(2, "forward", marks=pytest.mark.slow),
                                         pytest.param(2, "step_end", marks=pytest.mark.slow),
-                                        (3, "forward"), (3, "step_end")])
+                                        pytest.param(3, "forward", marks=pytest.mark.slow), (3, "step_end")])
 def test_auto_find_batch_size_halves_and_trains_as_the_stock_trainer(pools, tmp_path, stage, oom):
     """`--auto_find_batch_size` with an out-of-memory error at the first batch size, raised at the end of the first
     step (transformers' own test double) or inside a decoder layer's forward on the second micro-batch (a pass

@@ -24,7 +24,7 @@ from ..calls import Call
 from ..engine import ZeroEngine
 from ..resting import GRAD_SCALER_MESSAGE
 from .optim_configs import carry_configs
-from .optim_state import PieceMap, described, to_load
+from .optim_state import OptimizerState, PieceMap, described, to_load
 from .stepping import Attached
 from .whole import COUPLED, WholeStep, is_elementwise
 
@@ -232,7 +232,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._initializing = False
         self.param_groups = optimizer.param_groups  # one list, shared with the inner optimizer
-        self.state = optimizer.state
+        self.state = OptimizerState(optimizer, engine)  # type: ignore[assignment]  # [Note: optimizer state by parameter]
         self.step_was_skipped = False
 
     @property
@@ -366,8 +366,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(inner)
         # torch's load_state_dict replaces the inner optimizer's `param_groups` and `state` objects: follow them, so
         # a later change of a group's learning rate (by hand or by a scheduler holding this optimizer) reaches them.
-        self.param_groups = self.optimizer.param_groups
-        self.state = self.optimizer.state
+        self.param_groups = self.optimizer.param_groups  # (the state view follows the inner optimizer's own)
 
     def _refuse_on_disk(self, what: str) -> None:
         self._engine.flat_step.refuse_state_access(  # [Note: master stores]

@@ -24,7 +24,8 @@ loaded anything.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Iterator, MutableMapping
+from typing import Any, Protocol
 
 import torch
 
@@ -163,3 +164,64 @@ def _piece(value: Any, device: torch.device, span: tuple[int, int] | None, numel
             "hf_zero.load_checkpoint, or build the optimizer's state anew."
         )
     return value.reshape(-1)[span[0] : span[1]].to(device, copy=True)
+
+
+class _Owner(Protocol):
+    def owns(self, param: torch.Tensor) -> bool: ...
+
+    def name_of(self, param: torch.Tensor) -> str: ...
+
+
+class OptimizerState(MutableMapping[Any, Any]):
+    """[Note: optimizer state by parameter]
+    `optimizer.state` of a sharded optimizer: the inner optimizer's own state (keyed by what this rank steps,
+    the tensors of `optimizer.param_groups`), through a view that follows it when torch's `load_state_dict`
+    replaces it. DDP code indexes it by model parameter: `optimizer.state[p]["exp_avg"]` to log a moment, or
+    `optimizer.state[p] = {}` to start a parameter's state afresh (after new token rows were initialized). Keyed by
+    a model parameter the inner state is an empty entry: a KeyError on a read, and a reset that changes nothing,
+    silently. So a model parameter as a key is refused by name (a `TypeError`), saying where its state is.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, owner: _Owner) -> None:
+        self._optimizer = optimizer
+        self._owner = owner
+
+    @property
+    def _inner(self) -> MutableMapping[Any, Any]:
+        return self._optimizer.state
+
+    def _refuse(self, key: Any) -> None:
+        if isinstance(key, torch.Tensor) and self._owner.owns(key):
+            raise TypeError(
+                f"hf_zero: optimizer.state['{self._owner.name_of(key)}'] (keyed by a model parameter): a sharded "
+                "optimizer keeps its state per piece of this rank's shard (the tensors of optimizer.param_groups), "
+                "not per model parameter, so no rank holds a parameter's whole state under that key. To save or "
+                "resume the state use hf_zero.save_checkpoint / hf_zero.load_checkpoint (or every rank's "
+                "optimizer.state_dict()); to start it afresh, attach a new optimizer with "
+                "hf_zero.initialize(model, new_optimizer, config)."
+            )
+
+    def __getitem__(self, key: Any) -> Any:
+        self._refuse(key)
+        return self._inner[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._refuse(key)
+        self._inner[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        self._refuse(key)
+        del self._inner[key]
+
+    def __contains__(self, key: object) -> bool:
+        self._refuse(key)
+        return key in self._inner
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __repr__(self) -> str:
+        return f"OptimizerState({len(self)} tensors of this rank)"
