@@ -27,6 +27,7 @@ from .collectives import (
     raise_if_any_failed,
 )
 from .flat import FlatPart, take_edits
+from .forward_checks import refuse_replaced_data, refuse_unfrozen
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
@@ -272,47 +273,10 @@ class ZeroEngine:
         if not grad:
             return
         self._wake_grads()
-        self._refuse_unfrozen()
-        self._refuse_replaced_data()
+        refuse_unfrozen(self._frozen_parts)
+        refuse_replaced_data(self.parts)
         if self.config.broadcast_buffers and self.world.size > 1 and not self.in_no_sync:
             self._broadcast_buffers()
-
-    def _refuse_unfrozen(self) -> None:
-        """[Note: requires_grad after initialize]
-        Which parameters can train is fixed at `initialize`: a parameter frozen then lives in a frozen part (its
-        only copy in the compute dtype, no master, no gradient buffer, no optimizer state: [Note: frozen
-        parameters] in unit.py). Freezing a trainable one later is followed (its gradient is `None` while it
-        is frozen, as in torch); unfreezing a frozen one is refused at the next forward, on every rank (the
-        same parameters on each), before it could silently not train."""
-        for part in self._frozen_parts:
-            for name, p in zip(part.spec.param_names, part.params):
-                if p.requires_grad:
-                    raise ValueError(
-                        f"hf_zero: parameter '{name}' was frozen (requires_grad=False) when hf_zero.initialize ran and "
-                        "now requires grad: hf_zero gives gradient, master and optimizer state only to the parameters "
-                        "trainable at initialize, so it would never train. For progressive unfreezing, leave it "
-                        "trainable at initialize (build the optimizer over it too) and freeze it with "
-                        "requires_grad_(False) right after: hf_zero follows freezing and unfreezing from then on."
-                    )
-
-    def _refuse_replaced_data(self) -> None:
-        """[Note: replaced data]
-        At stages 0-2 every parameter is a view of its part's flat buffer for the engine's lifetime. `param.data =
-        tensor` (weight surgery written for a plain module) points the parameter elsewhere: the module would compute
-        with the new tensor while the steps update the flat buffer and the masters, silently apart. Refused at the
-        next forward with grad, on every rank (the same parameters on each), naming the in-place way."""
-        for part in self.parts:
-            if not part.persistent:
-                continue  # stage 3 swaps its parameters' storage at every gather
-            for name, p, ptr in zip(part.spec.param_names, part.params, part.param_data_ptrs):
-                if p.data_ptr() != ptr:
-                    raise ValueError(
-                        f"hf_zero: parameter '{name}' had its `.data` replaced (`param.data = tensor`) after "
-                        "hf_zero.initialize: its values live in the engine's flat buffer and fp32 master shards, so "
-                        "the module would compute with the new tensor while training updated the old one. Change it "
-                        "in place instead, where the masters see it: `with hf_zero.gathered_parameters([param], "
-                        "modifier_rank=0): param.copy_(tensor)` on every rank, or model.load_state_dict(...)."
-                    )
 
     def _broadcast_buffers(self) -> None:
         """[Note: buffer broadcast]

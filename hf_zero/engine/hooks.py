@@ -38,14 +38,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .collectives import CommGroup, gather_flags, issue_flags_gather
+from .collectives import CommGroup, issue_flags_gather, issue_ints_gather
 from .grads import GradReduction
 from .lifecycle import TrainingState
 from .passes import Pass, in_backward
 from .pool import BufferPool
 from .stages import StagePlan
 from .tree import cast_floating_inputs, flatten, tensors
-from .unit import Prefetch, Unit, changed_in_forward_error
+from .unit import Prefetch, Unit, changed_in_forward_error, units_apart_error
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
 
@@ -551,11 +551,8 @@ class UnitHooks:
             return
         if self.plan.params.uses_gather:
             self.reset()
-            raise ValueError(
-                f"hf_zero: units {[u.name for u in mixed]} ran their forward on some ranks and not on others in this "
-                "step. At ZeRO stage 3 every rank must run the same units (each forward gathers their parameters "
-                "with the other ranks). Make the choice the same on every rank (draw LayerDrop or routing from a "
-                "seed shared by all ranks), run the skipped unit on zero-sized input, or use ZeroConfig(stage=2)."
+            raise units_apart_error(
+                f"units {[u.name for u in mixed]} ran their forward on some ranks and not on others"
             )
         self.current.ran_anywhere = [u for u, ran in zip(inner, anywhere) if ran]
         if self.current.in_backward:
@@ -578,20 +575,11 @@ class UnitHooks:
         gathers (a few bytes), so a unit one rank skips is refused here, naming it, instead of its gather meeting
         another unit's (wrong weights, or a hang)."""
         world = cast(CommGroup, self.settings.world)
-        index = self.units.index(unit)
-        bits = [bool(index >> b & 1) for b in range(max(1, len(self.units).bit_length()))]
-        rows = gather_flags(bits, world)
-        indices = [sum(int(bit) << b for b, bit in enumerate(row)) for row in rows]
+        indices = [row[0] for row in issue_ints_gather([self.units.index(unit)], world).values()]
         if len(set(indices)) > 1:
             names = sorted({self.units[i].name for i in indices})
             self.reset()
-            raise ValueError(
-                f"hf_zero: the ranks gather different units ({names}) at the same point of a forward: a unit ran "
-                "its forward on some ranks and not on others. At ZeRO stage 3 every rank must run the same units (each "
-                "forward gathers their parameters with the other ranks). Make the choice the same on every rank "
-                "(draw LayerDrop or routing from a seed shared by all ranks), run the skipped unit on zero-sized "
-                "input, or use ZeroConfig(stage=2)."
-            )
+            raise units_apart_error(f"the ranks gather different units ({names}) at the same point of a forward")
 
     def drop_graph_pins(self) -> None:
         """[Note: double backward] forget the graph a create_graph backward built; unpin and free its units."""

@@ -220,12 +220,6 @@ def max_ints(values: Sequence[int], group: CommGroup) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-def gather_flags(flags: Sequence[bool], group: CommGroup) -> list[list[bool]]:
-    """Every rank's `flags` (the same length on each), indexed by group rank: one all-gather of bytes (cheaper than
-    an all-reduce on gloo), and a host sync."""
-    return issue_flags_gather(flags, group).rows()
-
-
 class GatheredInts:
     """An all-gather of every rank's small integers in flight (`issue_ints_gather`); `values()` waits for it."""
 
@@ -248,8 +242,9 @@ class GatheredFlags(GatheredInts):
 
 
 def issue_flags_gather(flags: Sequence[int], group: CommGroup) -> GatheredFlags:
-    """Issue the all-gather of `gather_flags` without waiting: the ranks meet when `rows()` is called, so a rank
-    that arrives early keeps computing instead of waiting for the others at the point of issue."""
+    """Issue an all-gather of every rank's flags (small integers, the same count on each: one all-gather of bytes,
+    cheaper than an all-reduce on gloo) without waiting: the ranks meet when `rows()` is called, so a rank that
+    arrives early keeps computing instead of waiting for the others at the point of issue."""
     mine = queued_tensor([int(f) for f in flags], torch.uint8, comm_device(group))
     return GatheredFlags(*_issue_gather(mine, group))
 
