@@ -508,20 +508,17 @@ class UnitHooks:
 
     def _issue_units_check(self) -> None:
         """[Note: units run on some ranks]
-        A unit may run its forward on some ranks and not others in a step (LayerDrop drawn per rank, an
-        expert no token of a rank reached, a branch on the data). Its reduction would then be issued on some
-        ranks only and the collectives would pair up wrongly or hang. After every forward with grad mode on,
-        one all-gather of a byte per unit tells each rank which units ran on which rank since the last backward.
-        It is issued at the root's post-forward, the same point on every rank, and waited for
-        (`_settle_units_check`) only before the next thing that depends on it: the first hook of the backward
-        past the root's (before any reduction, and at stage 3 before any gather the root's own pre-backward
-        did not issue), a recomputed forward, the final callback, or the next forward. A rank that reaches the
-        end of its forward first goes on into the loss and the head's backward instead of waiting there for the
-        others (waiting at the point of issue costs 80-95 ms per step on the small preset, 2 ranks on gloo).
-        Where the ranks differ: at stages 0-2 the backward defers every reduction to its final callback, in
-        unit order, a rank that did not run a unit reducing zeros for it: exact, as DDP with
-        `find_unused_parameters=True`. At stage 3 the forward's gathers already depend on which units ran, so it
-        is refused, on every rank, naming the units."""
+        A unit may run its forward on some ranks and not others in a step (LayerDrop drawn per rank, an expert
+        no token of a rank reached, a branch on the data); its reduction would then be issued on some ranks only
+        and the collectives would pair up wrongly or hang. After every forward with grad, one all-gather of a
+        byte per unit (the root last; bit 0: it ran since the last backward, bit 1: its forward changed its
+        parameters in place, [Note: changed in forward]) is issued at the root's post-forward and waited for
+        (`_settle_units_check`) only before what depends on it: the first hook of the backward past the root's,
+        a recomputed forward, the final callback, or the next forward (waiting at the point of issue cost 80-95
+        ms per step on the small preset, 2 ranks on gloo). Where the ranks differ: at stages 0-2 the backward
+        defers every reduction to its final callback, in unit order, a rank that did not run a unit reducing
+        zeros for it (exact, as DDP with `find_unused_parameters=True`); at stage 3, whose gathers already
+        depend on which units ran, it is refused on every rank, naming the units."""
         self._settle_units_check()  # a second forward before a backward: the first one's check goes first
         world = self.settings.world
         if world is None or world.size == 1:
