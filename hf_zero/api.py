@@ -231,11 +231,32 @@ def _check_arguments(model: object, optimizer: object, config: object) -> None:
         raise TypeError(f"hf_zero.initialize expects an nn.Module as model; got {type(model).__name__}.")
     if config is not None and not isinstance(config, ZeroConfig):
         raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
+    _refuse_parallel_wrappers(model)
     for each in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
         if each is not None and not isinstance(each, torch.optim.Optimizer):
             raise TypeError(
                 "hf_zero.initialize expects a torch.optim.Optimizer, a list or tuple of them, or None; got "
                 f"{type(each).__name__}."
+            )
+
+
+def _refuse_parallel_wrappers(model: nn.Module) -> None:
+    """[Note: DDP around a sharded model] in model.py, the other way round: a model already inside DDP,
+    `nn.DataParallel` or FSDP (a DDP script's `model = DDP(model)` kept above `hf_zero.initialize`). DDP's reducer
+    would average the gradients a second time (at the second step it failed with DDP's message about unused
+    parameters), FSDP already shards the parameters hf_zero would shard: refused, naming where."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FullyShardedDataParallel, FSDPModule)
+    for name, module in model.named_modules():
+        if isinstance(module, wrappers):
+            kind = next(w.__name__ for w in wrappers if isinstance(module, w))
+            where = f"the model at '{name}' is" if name else "the model is"
+            raise TypeError(
+                f"hf_zero.initialize: {where} a {kind}: hf_zero does the data parallelism and the sharding itself, "
+                "and the wrapper would reduce (or shard) the same parameters again. Pass the plain model: leave out "
+                "the `DistributedDataParallel(model)` / `fully_shard(model)` line (for a DDP or DataParallel "
+                "wrapper, `wrapper.module` holds the same parameters, so an optimizer built over it stays valid)."
             )
 
 

@@ -78,6 +78,27 @@ class ZeroModel:
         """The bytes of parameters, gradients and optimizer state this rank holds, by device."""
         return self.zero_engine.memory()
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        """[Note: DDP around a sharded model]
+        `DistributedDataParallel(model)` around a sharded model (a DDP loop's line kept when moving to hf_zero):
+        hf_zero already is the data parallelism, averaging gradients over the ranks in its own reductions, so DDP
+        would reduce them a second time over the engine's stand-ins (at stages 1-2 it failed at the second step
+        with DDP's message about unused parameters; at stage 3 on reading a sharded parameter). DDP's constructor
+        reads this attribute before anything else, on every rank: refused there, by name. Setting it (TRL's DPO
+        script does, for DDP) is kept and harmless."""
+        raise TypeError(
+            "hf_zero: torch.nn.parallel.DistributedDataParallel around a model sharded by hf_zero: hf_zero already "
+            "is the data parallelism (it averages the gradients over the ranks in its own reductions), and DDP would "
+            "reduce them again. Use the model hf_zero.initialize returned as it is (`model(batch)`, "
+            "`loss.backward()`, `optimizer.step()`; `with model.no_sync():` for gradient accumulation, as with DDP); "
+            "Accelerate's prepare() does not wrap it."
+        )
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, value: Any) -> None:
+        self.__dict__["_hf_zero_ddp_ignored"] = value
+
     # ---- dtype and device -------------------------------------------------------------------
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """`model.to(...)`, `.cuda()`, `.cpu()`, `.half()`, `.bfloat16()`, `.float()` of a sharded model: allowed

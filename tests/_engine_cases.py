@@ -264,6 +264,26 @@ def replaced_param_data(stage: int) -> str:
     return ""
 
 
+def parallel_wrapper_before_initialize(kind: str) -> str:
+    """`hf_zero.initialize` given a model inside DDP or `nn.DataParallel` (`kind`), or holding one as a submodule
+    ("inner"): the error this rank raises ("" if none)."""
+    from tests._peer_harness import Net
+
+    torch.manual_seed(0)
+    model: torch.nn.Module = Net()
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif kind == "data_parallel":
+        model = torch.nn.DataParallel(model)
+    else:
+        model.blocks[1] = torch.nn.parallel.DistributedDataParallel(model.blocks[1])
+    try:
+        hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), hf_zero.ZeroConfig(stage=3))
+    except TypeError as e:
+        return str(e)
+    return ""
+
+
 def replaced_data_in_gathered_parameters(stage: int) -> dict[str, Any]:
     """Rank 0 replaces a parameter's `.data` inside `gathered_parameters(modifier_rank=0)`: the error each rank
     raises, whether the weights stayed as they were, and the loss of a training step after it against one of a

@@ -70,6 +70,13 @@ REFUSED: dict[str, dict[int, str]] = {
                                           for s in (1, 2, 3)},
     "grad_norm_logged_through_optimizer_groups": {s: "'optimizer.param_groups[0]['params'][0]'.grad of a model"
                                                   for s in (1, 2, 3)},
+    "ddp_around_the_sharded_model": {s: "DistributedDataParallel around a model sharded by hf_zero" for s in (1, 2, 3)},
+    "parameter_assigned_between_steps": {s: "the parameter at 'head.weight' is new since hf_zero.initialize"
+                                         for s in (1, 2, 3)},
+    "module_assigned_between_steps": {s: "the parameter at 'head.weight' is new since"
+                                      for s in (1, 2, 3)},
+    "block_deleted_between_steps": {s: "the submodules ['blocks.2'] were replaced or deleted (4 parameter entries gone)"
+                                    for s in (1, 2, 3)},
 }
 
 
@@ -518,6 +525,7 @@ def param_grad_hook(loop: Loop) -> None:
 
 
 from tests import _peer_cases_loop  # noqa: E402, F401 - registers the rest of the scenarios
+from tests import _peer_cases_model  # noqa: E402, F401
 
 
 # ---- the runner ---------------------------------------------------------------------------------------

@@ -151,6 +151,19 @@ def test_replacing_a_parameters_data_is_refused_at_the_next_forward_on_every_ran
         assert "parameter 'head.weight' had its `.data` replaced" in error and "param.copy_(tensor)" in error, error
 
 
+@pytest.mark.parametrize(
+    ("kind", "where"),
+    [("ddp", "the model is a DistributedDataParallel"), ("data_parallel", "the model is a DataParallel"),
+     ("inner", "the model at 'blocks.1' is a DistributedDataParallel")],
+)
+def test_a_model_inside_ddp_is_refused_at_initialize_on_every_rank(pools, kind, where):
+    """[Note: DDP around a sharded model] `model = DDP(model)` kept above `hf_zero.initialize`: DDP's reducer would
+    average the gradients a second time (it failed at the second step with DDP's message about unused
+    parameters). Refused by `initialize` on every rank, naming the wrapper, where it is, and `wrapper.module`."""
+    for error in pools(2).values(engine_cases.parallel_wrapper_before_initialize, kind):
+        assert where in error and "wrapper.module" in error, error
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_replacing_a_parameters_data_inside_gathered_parameters_is_refused_on_every_rank(pools, stage):
     """[Note: replaced data] `param.data = tensor` on the modifier rank inside `gathered_parameters` was dropped at

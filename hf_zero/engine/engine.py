@@ -27,7 +27,7 @@ from .collectives import (
     raise_if_any_failed,
 )
 from .flat import FlatPart, take_edits
-from .forward_checks import refuse_replaced_data, refuse_unfrozen
+from .forward_checks import ModelStructure, refuse_replaced_data, refuse_unfrozen
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
@@ -147,6 +147,7 @@ class ZeroEngine:
         self._persistent_buffers = [  # (module, name) of what state_dict holds besides parameters
             (m, name) for m in model.modules() for name in m._buffers if name not in m._non_persistent_buffers_set
         ]
+        self._structure = ModelStructure(model, self._names)  # [Note: parameters replaced after initialize]
         track(self)  # [Note: clean exit] in teardown.py
         register(self)  # [Note: torch clipping] in torch_clip.py
 
@@ -265,11 +266,12 @@ class ZeroEngine:
 
     def _before_forward(self) -> None:
         """As each forward of the model begins (not a recomputation): the header of a forward that issues collectives
-        ([Note: call order]); then, with grad, refuse parameters unfrozen after `initialize` and broadcast the buffers
-        ([Note: buffer broadcast])."""
+        ([Note: call order]) and the refusal of parameters assigned since `initialize`; then, with grad, refuse
+        parameters unfrozen or given new `.data` since, and broadcast the buffers ([Note: buffer broadcast])."""
         grad = torch.is_grad_enabled()
         if grad or self.plan.params.uses_gather:
             self.calls.begin(Call.FORWARD if grad else Call.FORWARD_NO_GRAD, read_now=False)
+            self._structure.refuse_changes()
         if not grad:
             return
         self._wake_grads()

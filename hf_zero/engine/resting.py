@@ -96,7 +96,22 @@ class ShardedParameter(torch.Tensor):
         names = [a._hf_zero_name for a in flat if isinstance(a, ShardedParameter)]
         raise RuntimeError(f"{_message(names[0] if names else 'a parameter')} (operation: {func})")
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own idiom for subclasses
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """[Note: backward to resting parameters]
+        `loss.backward(inputs=list(model.head.parameters()))` (a gradient for some parameters only): at stage 3
+        the modules hold the stand-ins by then, which autograd never saw, so the backward computed nothing for
+        them, without a word, and the step moved nothing. `torch.autograd.backward` offers its `inputs` to this
+        hook: the stand-ins become the real parameters, the ones the graph holds. Every other function goes on
+        as torch's idiom for subclasses does (with this hook off: to `__torch_dispatch__`)."""
+        if func is torch.autograd.backward and kwargs and kwargs.get("inputs") is not None:
+            inputs = tuple(getattr(t, "_hf_zero_param", t) for t in kwargs["inputs"])
+            return torch.autograd.backward(*args, **{**kwargs, "inputs": inputs})
+        if func is torch.autograd.grad:
+            outputs, inputs, *rest = args
+            inputs = tuple(getattr(t, "_hf_zero_param", t) for t in inputs)
+            return torch.autograd.grad(outputs, inputs, *rest, **(kwargs or {}))
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
     def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]  # torch's stub names a keyword-only `Any`
         return f"ShardedParameter('{self._hf_zero_name}', shape={tuple(self.shape)}, dtype={self.dtype})"

@@ -1,0 +1,126 @@
+"""Peer scenarios, continued (tests/_peer_cases.py has the runner): what DDP code does to the model object itself
+(wraps it in DDP, assigns new parameters or modules to it) and backward passes restricted to some parameters
+(`backward(inputs=...)`, `torch.autograd.grad`). Registered in the same `SCENARIOS` when tests/_peer_cases.py
+imports this module."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests._peer_harness import D_OUT, D, Loop, _steps, scenario
+
+
+@scenario()
+def ddp_around_the_sharded_model(loop: Loop) -> None:
+    """`model = DistributedDataParallel(model)` kept from a DDP script after `hf_zero.initialize`: DDP would reduce
+    the gradients a second time; refused in DDP's constructor by name ([Note: DDP around a sharded model]). Before,
+    at stages 1-2 the second step failed with DDP's message about unused parameters, at stage 3 on reading a
+    sharded parameter."""
+    if loop.sharded:
+        loop.model = nn.parallel.DistributedDataParallel(loop.model)
+    _steps(loop)
+
+
+def _assign_between_steps(loop: Loop, change: str) -> None:
+    def before(step: int) -> None:
+        if step == 1:
+            torch.manual_seed(5)
+            if change == "parameter":
+                loop.model.head.weight = nn.Parameter(torch.randn(D_OUT, D))
+            else:
+                loop.model.head = nn.Linear(D, D_OUT)
+
+    _steps(loop, before=before)
+
+
+@scenario()
+def parameter_assigned_between_steps(loop: Loop) -> None:
+    """`module.weight = nn.Parameter(t)` after `initialize` (weight surgery written for a plain module): not a
+    parameter the engine shards, reduces or steps; refused at the next forward ([Note: parameters replaced after
+    initialize]). Before, at stage 3 the next gather put the engine's parameter back: the new values were silently
+    dropped (losses 90% apart)."""
+    _assign_between_steps(loop, "parameter")
+
+
+@scenario()
+def module_assigned_between_steps(loop: Loop) -> None:
+    """`model.head = nn.Linear(...)` after `initialize` (a new head): refused at the next forward, naming it."""
+    _assign_between_steps(loop, "module")
+
+
+def _backward_to(loop: Loop, pick: str) -> None:
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        head = list(loop.model.head.parameters())
+        if pick == "head":
+            loss.backward(inputs=head)
+        else:
+            torch.autograd.backward(loss, inputs=[*loop.model.blocks[1].parameters(), head[0]])
+        loop.dp.after_backward()
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def backward_to_the_heads_parameters(loop: Loop) -> None:
+    """`loss.backward(inputs=list(model.head.parameters()))`: gradients for the head only. At stage 3 the modules
+    hold stand-ins after the forward, which autograd never saw: the backward computed nothing and the step moved
+    nothing, silently; now the stand-ins become the parameters the graph holds ([Note: backward to resting
+    parameters])."""
+    _backward_to(loop, "head")
+
+
+@scenario()
+def backward_to_a_units_parameters(loop: Loop) -> None:
+    """`torch.autograd.backward(loss, inputs=[...])` with one block's parameters and the head's weight."""
+    _backward_to(loop, "block")
+
+
+@scenario()
+def autograd_grad_to_parameters(loop: Loop) -> None:
+    """`torch.autograd.grad(loss, model.head.parameters(), allow_unused=True)`: this rank's gradients, returned
+    (not averaged, as under DDP), then the usual steps. Before, at stage 3 `None` for each (an error without
+    `allow_unused`)."""
+    loss = loop.loss(0)
+    grads = torch.autograd.grad(loss, list(loop.model.head.parameters()), allow_unused=True)
+    for g in grads:
+        loop.note("grad_norm", g.norm())
+    _steps(loop)
+
+
+@scenario()
+def parameterless_module_added_between_steps(loop: Loop) -> None:
+    """A module without parameters assigned after `initialize` (an activation swapped, a probe attached): no
+    parameter changes, so it trains on, as under DDP."""
+
+    def before(step: int) -> None:
+        if step == 1:
+            loop.model.probe = nn.Identity()
+
+    _steps(loop, before=before)
+
+
+@scenario()
+def checkpoint_wrapper_after_initialize(loop: Loop) -> None:
+    """torch's `apply_activation_checkpointing` around each block after `initialize` (the FSDP recipe's line): the
+    blocks move inside wrappers holding the same parameters; each block's forward runs again in the backward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from tests._peer_harness import Block
+
+    apply_activation_checkpointing(loop.model, check_fn=lambda m: isinstance(m, Block))
+    _steps(loop)
+
+
+@scenario()
+def block_deleted_between_steps(loop: Loop) -> None:
+    """`del model.blocks[2]` after `initialize` (layers pruned): refused, naming the submodules and how many
+    parameter entries went."""
+
+    def before(step: int) -> None:
+        if step == 1:
+            del loop.model.blocks[2]
+
+    _steps(loop, before=before)
