@@ -50,3 +50,26 @@ def one_rank_calls(stage: int, what: str, path: str) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
         return {"error": f"{type(e).__name__}: {e}", "losses": loop.record.get("loss")}
     return {"error": None, "losses": loop.record["loss"]}
+
+
+def backward_skipped_on_one_rank(stage: int) -> dict[str, Any]:
+    """Three steps; in the second, rank 1 skips its backward and step as DDP code does for a loss it finds
+    non-finite (`if not torch.isfinite(loss): optimizer.zero_grad(); continue`). Returns the error or the losses."""
+    rank = dist.get_rank()
+    model = _build({})
+    config = hf_zero.ZeroConfig(stage=stage, wrap=[Block.__name__], bucket_size_mb=0)
+    model, opt = hf_zero.initialize(model, _optimizer(model, {}), config)
+    loop = Loop(model, opt, Idle(), rank, stage, sharded=True)
+    try:
+        for step in range(3):
+            loss = loop.loss(step)
+            loop.note("loss", loss)
+            if step == 1 and rank == 1:  # as if this rank's loss were NaN
+                opt.zero_grad()
+                continue
+            loop.backward(loss)
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
+        return {"error": f"{type(e).__name__}: {e}", "losses": loop.record.get("loss")}
+    return {"error": None, "losses": loop.record["loss"]}

@@ -37,3 +37,16 @@ def test_a_forward_without_grad_on_one_rank_is_local_at_stages_1_and_2(pools, tm
     for got, want in zip(alone, plain):
         assert got["error"] is None, got["error"]
         assert got["losses"] == want["losses"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_backward_skipped_on_one_rank_is_refused_on_every_rank(pools, stage):
+    """A backward skipped on rank 1 (its loss non-finite): rank 0's reductions met rank 1's next forward, a hang
+    until the process group's timeout (as under DDP). The backward's header meets the forward's: both raise at
+    once, naming what each began and how to decide the skip together."""
+    for rank, r in enumerate(pools(2).values(cases.backward_skipped_on_one_rank, stage, timeout=60)):
+        error = r["error"]
+        assert error is not None and error.startswith("ValueError"), (rank, error)
+        assert "rank(s) [0] began a backward" in error and "rank(s) [1] began a forward with grad" in error, error
+        assert "torch.distributed.all_reduce(skip)" in error, error
+        assert len(r["losses"]) == 2, r  # rank 0 raised in step 1's backward, rank 1 in step 2's forward

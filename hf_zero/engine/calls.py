@@ -16,10 +16,15 @@ ranks learn that they are apart at once and raise, naming what each rank was doi
 instead of pairing the wrong collectives. Where a header is read:
 
 - calls between steps (gathers, loads, checkpoints): at once (a host sync; these are not on the step's path);
-- the root's forward (stages 0-2 with grad; stage 3 every forward): at once on a backend whose collectives
-  complete on the host (gloo: the forward's own first collective waits for the other ranks anyway); on a
-  device-stream backend (NCCL) at the next point the engine waits on the host anyway (the forward's units
-  check, [Note: units run on some ranks] in hooks.py) or at the next header, so a step takes no extra sync.
+- the root's forward (stages 0-2 with grad; stage 3 every forward) and each backward pass: at once on a backend
+  whose collectives complete on the host (gloo: the call's own first collective waits for the other ranks
+  anyway); on a device-stream backend (NCCL) at the next point the engine waits on the host anyway (the
+  forward's units check, [Note: units run on some ranks] in hooks.py, which the backward's first inner unit
+  waits for too) or at the next header, so a step takes no extra sync.
+
+The backward's header finds a backward skipped on some ranks (`if not torch.isfinite(loss): continue`, decided
+from each rank's own loss): its reductions met the other ranks' next forward (on gloo a crash on mismatched
+sizes, on NCCL a hang or reductions paired with gathers), as under DDP, which hangs there.
 
 On NCCL the rank that made the odd call raises at once; the others raise at their next wait, or, where a
 collective the odd rank never joins holds their stream (stage 3's gathers), are stopped by the launcher when the
@@ -45,6 +50,7 @@ class Call(enum.IntEnum):
     SAVE_CHECKPOINT = 6
     LOAD_CHECKPOINT = 7
     LOAD_OPTIMIZER_STATE = 8
+    BACKWARD = 9
 
 
 WHAT = {
@@ -56,6 +62,7 @@ WHAT = {
     Call.SAVE_CHECKPOINT: "hf_zero.save_checkpoint(...)",
     Call.LOAD_CHECKPOINT: "hf_zero.load_checkpoint(...)",
     Call.LOAD_OPTIMIZER_STATE: "optimizer.load_state_dict(...)",
+    Call.BACKWARD: "a backward",
 }
 
 
@@ -107,7 +114,10 @@ def _apart(rows: list[list[int]], group: CommGroup) -> str:
         "on every rank: `sd = model.state_dict()` on every rank, then `if rank == 0: torch.save(sd, path)` (or "
         "`with hf_zero.state_dict_options(model, rank0_only=True):` to gather to rank 0 only); save_pretrained on "
         "every rank writes once, from rank 0; at stage 3 evaluate or generate on every rank (generate keeps the "
-        "ranks together with synced_gpus=True), or train at stages 1-2, where a forward without grad is local."
+        "ranks together with synced_gpus=True), or train at stages 1-2, where a forward without grad is local. A "
+        "backward (or step) skipped on some ranks, decided from each rank's own loss, must be decided together: "
+        "`skip = torch.tensor(float(not torch.isfinite(loss))); torch.distributed.all_reduce(skip)` on every rank, "
+        "then skip where `skip > 0`."
     )
 
 

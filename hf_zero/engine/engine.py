@@ -134,7 +134,7 @@ class ZeroEngine:
             root_output_fn=self.scaler.scale_outputs if self.scaler else None,
             world=world,
             on_root_forward=self._before_forward,
-            on_backward=self._wake_grads,
+            on_backward=self._before_backward,
             on_deferred=self._rest_grads,
             before_waiting=self.calls.settle,
             input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
@@ -234,6 +234,12 @@ class ZeroEngine:
             part.rest_grads()
         self.steps.rest_grads()  # [Note: optimizer tensors at rest]
         self._grads_resting = True
+
+    def _before_backward(self) -> None:
+        """As a backward pass begins: its header ([Note: call order]: a backward skipped on some ranks), then the
+        gradients woken for autograd ([Note: resting gradients])."""
+        self.calls.begin(Call.BACKWARD, read_now=False)
+        self._wake_grads()
 
     def _wake_grads(self) -> None:
         """[Note: resting gradients] before a forward with grad or a backward pass, and at `zero_grad`."""
