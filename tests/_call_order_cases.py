@@ -73,3 +73,45 @@ def backward_skipped_on_one_rank(stage: int) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
         return {"error": f"{type(e).__name__}: {e}", "losses": loop.record.get("loss")}
     return {"error": None, "losses": loop.record["loss"]}
+
+
+def headers_read_where_deferred(backward_on_rank_1: bool) -> dict[str, Any]:
+    """`CallOrder` over a group whose collectives are ordered on a device stream (NCCL's path, the gloo group
+    marked so): a forward's header, then a backward's (`keep_unread`), are not read when issued; `settle` reads
+    both, oldest first. `backward_on_rank_1` False: rank 1 begins a forward where rank 0 begins the backward.
+    Returns how many headers were read after each call, and the error `settle` raised."""
+    from hf_zero.engine.calls import Call, CallOrder
+    from hf_zero.engine.collectives import CommGroup
+    from hf_zero.engine.collectives import ops
+
+    class StreamOrdered(CommGroup):
+        @property
+        def stream_ordered(self) -> bool:
+            return True
+
+    world = CommGroup.world()
+    group = StreamOrdered(pg=world.pg, rank=world.rank, size=world.size, backend=world.backend)
+    reads = []
+    original = ops.GatheredInts.values
+
+    def counted(self: Any) -> list[list[int]]:
+        reads.append(1)
+        return original(self)
+
+    ops.GatheredInts.values = counted  # type: ignore[method-assign]
+    try:
+        order = CallOrder(group)
+        order.begin(Call.FORWARD, read_now=False)
+        after_forward = len(reads)
+        second = Call.BACKWARD if backward_on_rank_1 or dist.get_rank() == 0 else Call.FORWARD
+        order.begin(second, read_now=False, keep_unread=True)
+        after_backward = len(reads)
+        error = None
+        try:
+            order.settle()
+        except ValueError as e:
+            error = str(e)
+        return {"after_forward": after_forward, "after_backward": after_backward, "after_settle": len(reads),
+                "error": error}
+    finally:
+        ops.GatheredInts.values = original  # type: ignore[method-assign]

@@ -72,28 +72,29 @@ class CallOrder:
     def __init__(self, group: CommGroup) -> None:
         self._group = group
         self._begun = 0
-        self._pending: tuple[GatheredInts, Call] | None = None
+        self._pending: list[tuple[GatheredInts, Call, int]] = []  # headers issued, unread: (gather, call, count)
 
-    def begin(self, call: Call, *, read_now: bool) -> None:
-        """Issue the header of `call`, first reading the one before if it is still unread. `read_now`: read it
-        at once (between steps); otherwise at once only where collectives complete on the host (gloo)."""
+    def begin(self, call: Call, *, read_now: bool, keep_unread: bool = False) -> None:
+        """Issue the header of `call`, first reading those before it. `read_now`: read it at once (between
+        steps); otherwise at once only where collectives complete on the host (gloo), elsewhere (NCCL) at the next
+        `settle`, at a point the engine waits anyway. `keep_unread`: leave the headers before it unread too (the
+        backward's, so that its start adds no host sync where the forward's is still unread: at most two wait)."""
         if self._group.size == 1:
             return
-        self.settle()
+        if not keep_unread:
+            self.settle()
         self._begun += 1
-        self._pending = (issue_ints_gather([int(call), self._begun], self._group), call)
+        self._pending.append((issue_ints_gather([int(call), self._begun], self._group), call, self._begun))
         if read_now or not self._group.stream_ordered:
             self.settle()
 
     def settle(self) -> None:
-        """Read the header in flight, if any: raise on every rank that reads it if the ranks are apart."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        gathered, call = pending
-        rows = gathered.values()
-        if any(row != [int(call), self._begun] for row in rows):
-            raise ValueError(_apart(rows, self._group))
+        """Read the headers in flight, oldest first: raise on every rank that reads one if the ranks are apart."""
+        pending, self._pending = self._pending, []
+        for gathered, call, begun in pending:
+            rows = gathered.values()
+            if any(row != [int(call), begun] for row in rows):
+                raise ValueError(_apart(rows, self._group))
 
 
 def _apart(rows: list[list[int]], group: CommGroup) -> str:

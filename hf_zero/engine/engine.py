@@ -238,7 +238,7 @@ class ZeroEngine:
     def _before_backward(self) -> None:
         """As a backward pass begins: its header ([Note: call order]: a backward skipped on some ranks), then the
         gradients woken for autograd ([Note: resting gradients])."""
-        self.calls.begin(Call.BACKWARD, read_now=False)
+        self.calls.begin(Call.BACKWARD, read_now=False, keep_unread=True)
         self._wake_grads()
 
     def _wake_grads(self) -> None:
