@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests._peer_harness import D_OUT, D, Loop, _steps, scenario
+from tests._peer_harness import D_OUT, Block, D, Loop, _steps, scenario
 
 
 @scenario()
@@ -108,7 +108,6 @@ def checkpoint_wrapper_after_initialize(loop: Loop) -> None:
     blocks move inside wrappers holding the same parameters; each block's forward runs again in the backward."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-    from tests._peer_harness import Block
 
     apply_activation_checkpointing(loop.model, check_fn=lambda m: isinstance(m, Block))
     _steps(loop)
@@ -124,3 +123,19 @@ def block_deleted_between_steps(loop: Loop) -> None:
             del loop.model.blocks[2]
 
     _steps(loop, before=before)
+
+
+class SpectralNormBlock(Block):
+    """A block whose linear layer has torch's hook-based spectral norm: a forward pre-hook computes `weight` from
+    `weight_orig` and updates the `weight_u` / `weight_v` buffers in place at each training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn.utils.spectral_norm(self.lin)
+
+
+@scenario(block=SpectralNormBlock)
+def spectral_norm_hook_inside_a_block(loop: Loop) -> None:
+    """`nn.utils.spectral_norm` (the hook form, applied before `initialize`): the pre-hook reads the gathered
+    `weight_orig`, the power iteration's buffers are broadcast from rank 0 as DDP's are."""
+    _steps(loop)
