@@ -139,3 +139,29 @@ def spectral_norm_hook_inside_a_block(loop: Loop) -> None:
     """`nn.utils.spectral_norm` (the hook form, applied before `initialize`): the pre-hook reads the gathered
     `weight_orig`, the power iteration's buffers are broadcast from rank 0 as DDP's are."""
     _steps(loop)
+
+
+@scenario()
+def functional_call_with_substituted_weights(loop: Loop) -> None:
+    """`torch.func.functional_call(model, {name: tensor}, (x,))` with the head's and one block's weight substituted
+    (a perturbed or fast weight, as SAM-like or meta-learning code does): the forward computes with the given
+    tensors, which get the gradients; the model's own parameters in those slots get none. The tensors sit in the
+    modules' parameter slots for the call only: not an assignment ([Note: parameters replaced after initialize]),
+    and at stage 3 the gathers leave them in place."""
+    from torch.func import functional_call
+
+    for step in range(3):
+        x, y = loop.batch(step)
+        loop.dp.before_forward()
+        weights = {
+            "head.weight": torch.full((D_OUT, D), 0.01, requires_grad=True),
+            "blocks.1.lin.weight": torch.full((D, D), 0.02, requires_grad=True),
+        }
+        loss = nn.functional.mse_loss(functional_call(loop.model, weights, (x,)), y)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        for name, w in weights.items():
+            assert w.grad is not None, name
+            loop.note(name, w.grad.norm())
+        loop.opt.step()
+        loop.opt.zero_grad()

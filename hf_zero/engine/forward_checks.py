@@ -70,7 +70,10 @@ class ModelStructure:
     anything runs: every parameter entry holds an engine parameter or its stand-in (at stage 3 the slots hold
     either), and where a module's children changed, the whole model still holds them all (a parameterless module
     swapped, a checkpoint wrapper put around a block: accepted, as by DDP). Refused on every rank alike (the same
-    model on each), naming the entry. The check walks lists made at `initialize` (0.55 ms for an 80-layer LLaMA's
+    model on each), naming the entry. A tensor that is not an `nn.Parameter` in a slot cannot come from an
+    assignment (`nn.Module.__setattr__` takes only parameters there): it is a call's own, put there for its
+    length (`torch.func.functional_call(model, {name: tensor}, ...)`), and is left to it (at stage 3 the gathers
+    skip that slot too, `ModuleSlots.bind`). The check walks lists made at `initialize` (0.55 ms for an 80-layer LLaMA's
     1,047 modules on one core of this CPU, where `model.modules()` alone takes 2.8 ms).
     """
 
@@ -99,7 +102,7 @@ class ModelStructure:
             now = 0
             for p in params.values():  # inline: this loop runs at every forward
                 if p is not None:
-                    if id(p) not in known:
+                    if id(p) not in known and isinstance(p, nn.Parameter):
                         self._refuse_unknown(params)
                     now += 1
             if now != held or len(params) != count:
@@ -114,7 +117,7 @@ class ModelStructure:
         for p in params.values():
             if p is None:
                 continue
-            if id(p) not in self.known:
+            if id(p) not in self.known and isinstance(p, nn.Parameter):
                 raise ValueError(_replaced_message(f"the parameter at {self._where(params, p)} is new"))
             held += 1
         return held

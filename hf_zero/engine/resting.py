@@ -223,7 +223,9 @@ class ModuleSlots:
 
     def bind(self, real: bool) -> None:
         """Register the real parameters (`real`) or their stand-ins in every slot; `requires_grad`
-        follows whichever object the modules held until now."""
+        follows whichever object the modules held until now. A slot holding neither holds a tensor a call put
+        there for its length (`torch.func.functional_call`): it is left as it is, so the forward computes with it
+        ([Note: parameters replaced after initialize] in forward_checks.py)."""
         if real == self.holds_real:
             return
         for p, r, slots in zip(self.params, self.resting, self.slots):
@@ -231,7 +233,10 @@ class ModuleSlots:
             if new.requires_grad != old.requires_grad:
                 new.requires_grad_(old.requires_grad)
             for module, attr in slots:
-                module._parameters[attr] = new
+                held = module._parameters.get(attr)
+                if held is old or held is new:
+                    module._parameters[attr] = new
+                # else a tensor put in the slot for one call (torch.func.functional_call): left to that call
         self.holds_real = real
 
 
