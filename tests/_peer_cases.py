@@ -75,6 +75,7 @@ REFUSED: dict[str, dict[int, str]] = {
                                          for s in (1, 2, 3)},
     "module_assigned_between_steps": {s: "the parameter at 'head.weight' is new since"
                                       for s in (1, 2, 3)},
+    "step_after_backwards_all_under_no_sync": {1: "after backward passes that all ran under model.no_sync()"},
     "block_deleted_between_steps": {s: "the submodules ['blocks.2'] were replaced or deleted (4 parameter entries gone)"
                                     for s in (1, 2, 3)},
 }

@@ -165,3 +165,21 @@ def functional_call_with_substituted_weights(loop: Loop) -> None:
             loop.note(name, w.grad.norm())
         loop.opt.step()
         loop.opt.zero_grad()
+
+
+@scenario()
+def step_after_backwards_all_under_no_sync(loop: Loop) -> None:
+    """Every backward under `no_sync()`, then the step (the synchronising micro-batch forgotten); the reference
+    averages as DDP's synchronised backward does. Stages 2-3 reduce every micro-batch, so they train as if the
+    last were synchronised; stage 1 defers the reduction: before, its step found no gradient and did nothing,
+    silently (under DDP each replica steps on its own gradients and drifts apart); now refused."""
+    for step in range(3):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        if loop.sharded:
+            with loop.model.no_sync():
+                loss.backward()
+        else:
+            loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()

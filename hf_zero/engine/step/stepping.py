@@ -199,6 +199,8 @@ class OptimizerSteps:
                 "shared flat buffers, dropped once every optimizer has called zero_grad() (or model.zero_grad()). Call "
                 "zero_grad() on every optimizer before the next backward."
             )
+        if engine.hooks.unsynced:
+            raise ValueError(_NEVER_SYNCED)
         if self._verdict is None:
             ok = (engine.has_grads or bool(self._kept)) and (
                 engine.scaler is None or engine.scaler.check_and_update(engine.parts, engine.world)
@@ -253,3 +255,15 @@ class OptimizerSteps:
             out[id(part)] = [bool(f) for f in flags[offset : offset + len(part.params)].tolist()]
             offset += len(part.params)
         return out
+
+
+# [Note: accumulation] in engine.py: where no_sync defers the reduction (stages 0-1, or `no_sync_keeps_grads`), a
+# step after backward passes all run under no_sync found no reduced gradient and was skipped without a word (under
+# DDP each replica would step on its own gradients and drift apart). Refused on every rank (each ran the same
+# backward passes), before the step reads anything.
+_NEVER_SYNCED = (
+    "hf_zero: optimizer.step() after backward passes that all ran under model.no_sync(): their gradients were "
+    "accumulated on each rank and never averaged across ranks (at this stage no_sync defers the reduction to the "
+    "first backward outside it), so there is nothing to step with. Run the last micro-batch's backward outside "
+    "no_sync(), as DDP's gradient accumulation does (`accelerator.accumulate` and the Trainer do), then step."
+)
