@@ -76,6 +76,12 @@ REFUSED: dict[str, dict[int, str]] = {
     "module_assigned_between_steps": {s: "the parameter at 'head.weight' is new since"
                                       for s in (1, 2, 3)},
     "step_after_backwards_all_under_no_sync": {1: "after backward passes that all ran under model.no_sync()"},
+    "data_replaced_between_steps": {1: "parameter 'head.weight' had its `.data` replaced",
+                                    2: "parameter 'head.weight' had its `.data` replaced",
+                                    3: "`param.data = tensor` on 'head.weight', sharded across ranks"},
+    "vector_to_parameters_between_steps": {1: "parameter 'blocks.0.norm.weight' had its `.data` replaced",
+                                           2: "parameter 'blocks.0.norm.weight' had its `.data` replaced",
+                                           3: "`param.data = tensor` on 'inp.weight', sharded across ranks"},
     "block_deleted_between_steps": {s: "the submodules ['blocks.2'] were replaced or deleted (4 parameter entries gone)"
                                     for s in (1, 2, 3)},
 }

@@ -183,3 +183,30 @@ def step_after_backwards_all_under_no_sync(loop: Loop) -> None:
             loop.backward(loss)
         loop.opt.step()
         loop.opt.zero_grad()
+
+
+def _data_replaced(loop: Loop, how: str) -> None:
+    def before(step: int) -> None:
+        if step == 1 and how == "data":
+            loop.model.head.weight.data = torch.full((D_OUT, D), 0.01)
+        elif step == 1:
+            count = sum(p.numel() for p in loop.model.parameters())
+            nn.utils.vector_to_parameters(torch.full((count,), 0.01), loop.model.parameters())
+
+    _steps(loop, before=before)
+
+
+@scenario()
+def data_replaced_between_steps(loop: Loop) -> None:
+    """`param.data = tensor` between steps: refused at stages 1-2 at the next forward ([Note: replaced data]); at
+    stage 3 the module holds a stand-in, whose data it replaced, and the next gather put the engine's values back:
+    silently dropped before (losses 46% apart), now refused at the assignment ([Note: backward to resting
+    parameters], whose hook torch offers the `.data` setter)."""
+    _data_replaced(loop, "data")
+
+
+@scenario()
+def vector_to_parameters_between_steps(loop: Loop) -> None:
+    """`nn.utils.vector_to_parameters(vec, model.parameters())` (a weight snapshot restored from one vector): it
+    assigns each parameter's `.data`, refused as above."""
+    _data_replaced(loop, "vector")

@@ -102,11 +102,15 @@ class ShardedParameter(torch.Tensor):
         `loss.backward(inputs=list(model.head.parameters()))` (a gradient for some parameters only): at stage 3
         the modules hold the stand-ins by then, which autograd never saw, so the backward computed nothing for
         them, without a word, and the step moved nothing. `torch.autograd.backward` offers its `inputs` to this
-        hook: the stand-ins become the real parameters, the ones the graph holds. Every other function goes on
-        as torch's idiom for subclasses does (with this hook off: to `__torch_dispatch__`)."""
+        hook: the stand-ins become the real parameters, the ones the graph holds. `param.data = tensor` reaches
+        this hook too (torch offers property setters to it), and is refused by name: it would replace the
+        stand-in's data only, silently dropped at the next gather. Every other function goes on as torch's idiom
+        for subclasses does (with this hook off: to `__torch_dispatch__`)."""
         if func is torch.autograd.backward and kwargs and kwargs.get("inputs") is not None:
             inputs = tuple(getattr(t, "_hf_zero_param", t) for t in kwargs["inputs"])
             return torch.autograd.backward(*args, **{**kwargs, "inputs": inputs})
+        if getattr(func, "__self__", None) is torch._C.TensorBase.data and func.__name__ == "__set__":
+            raise ValueError(_data_message(args[0]._hf_zero_name))
         if func is torch.autograd.grad:
             outputs, inputs, *rest = args
             inputs = tuple(getattr(t, "_hf_zero_param", t) for t in inputs)
@@ -120,6 +124,17 @@ class ShardedParameter(torch.Tensor):
         raise RuntimeError(_message(self._hf_zero_name))
 
     tolist = item = numpy = __reduce_ex__ = __deepcopy__ = __array__ = _refuse  # all refuse alike
+
+
+def _data_message(name: str) -> str:
+    """`param.data = tensor` on a resting stage-3 parameter (weight surgery, `vector_to_parameters`): it replaced the
+    stand-in's data only, and the next gather put the engine's values back, the change dropped without a word."""
+    return (
+        f"hf_zero: `param.data = tensor` on '{name}', sharded across ranks by hf_zero (ZeRO stage 3): between uses "
+        "the module holds a stand-in, so the new tensor would be dropped at the next gather. Change the values in "
+        "place where they live, on every rank: `with hf_zero.gathered_parameters([param], modifier_rank=0): "
+        "param.copy_(tensor)`, or model.load_state_dict(...)."
+    )
 
 
 def _grad_message(name: str) -> str:
