@@ -340,6 +340,8 @@ def attach(model: nn.Module, engine: ZeroEngine) -> None:
             "__qualname__": cls.__qualname__,
             "forward": _through_call(cls.forward),
         }
+        if hasattr(getattr(model, "base_model", None), "merge_and_unload"):  # a PeftModel: [Note: merging an adapter]
+            namespace["merge_and_unload"] = _merge_and_unload
         sub = type(cls.__name__, (ZeroModel, cls), namespace)
         _SUBCLASSES[cls] = sub
     model.__class__ = sub
@@ -364,6 +366,24 @@ def _through_call(forward: Callable[..., Any]) -> Callable[..., Any]:
         return self(*args, **kwargs)
 
     return routed
+
+
+def _merge_and_unload(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """[Note: merging an adapter]
+    PEFT's `merge_and_unload()` (its `LoraModel`'s, reached through the `PeftModel`) adds each adapter's product
+    into its base weight and returns the base model (a DDP script's `model.module.merge_and_unload()
+    .save_pretrained(dir)` on rank 0). At stages 0-2 every weight is whole on every rank and it works as under DDP,
+    locally. At stage 3 the weights are shards: it failed on the first stand-in it read, with the stand-in's
+    generic message; refused here, naming the way that works."""
+    if get_engine(self).plan.params.uses_gather:
+        raise ValueError(
+            "hf_zero: merge_and_unload() of a PEFT model sharded at ZeRO stage 3: its base weights are shards "
+            "spread over the ranks, and merging needs each whole. Save the adapter on every rank with "
+            "model.save_pretrained(dir) (PEFT's files), then merge where the whole model fits: "
+            "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), dir).merge_and_unload()"
+            ".save_pretrained(merged_dir)`; or train at stage 1 or 2, where it merges in place as under DDP."
+        )
+    return self.base_model.merge_and_unload(*args, **kwargs)
 
 
 def detach(model: nn.Module) -> None:

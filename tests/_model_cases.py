@@ -351,3 +351,33 @@ class _Prompts(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ROWS[i]}
+
+
+def lora_merged_on_rank_0(stage: int, directory: str) -> dict[str, Any]:
+    """A LoRA model trained two steps, then DDP's end of script: `if rank == 0:
+    model.merge_and_unload().save_pretrained(directory)`. Returns rank 0's expected merged weights (each base
+    weight plus scale * B @ A, from the full state before the merge) and the error each rank raised."""
+    from tests._training import with_lora
+
+    model = with_lora(make_model("llama"), "llama")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage))
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    full = hf_zero.full_state_dict(model, rank0_only=False)
+    expected = {}
+    for name in full:
+        if ".lora_A." in name:
+            base = name.replace("lora_A.default.weight", "base_layer.weight")
+            b = full[name.replace("lora_A", "lora_B")]
+            plain = base.replace("base_model.model.", "", 1).replace(".base_layer", "")
+            expected[plain] = full[base] + 2.0 * b @ full[name]  # lora_alpha / r = 16 / 8
+    try:
+        if dist.get_rank() == 0:
+            model.merge_and_unload().save_pretrained(directory)
+    except ValueError as e:
+        return {"error": str(e), "expected": None}
+    return {"error": None, "expected": expected if dist.get_rank() == 0 else None}
