@@ -100,8 +100,9 @@ def test_argument_type_errors():
     with pytest.raises(TypeError, match="expects a torch.optim.Optimizer"):
         hf_zero.initialize(model, [1, 2])  # type: ignore[arg-type]
     foreign = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-    with pytest.raises(ValueError, match="is not a parameter of the model"):
+    with pytest.raises(ValueError, match="is not a parameter of the model") as caught:
         hf_zero.initialize(model, foreign)
+    assert "make it a submodule of the model before hf_zero.initialize" in str(caught.value)
 
 
 def test_optimizer_that_already_stepped_is_refused():

@@ -129,7 +129,11 @@ def check_optimizer(
             if id(param) not in model_params:
                 raise ValueError(
                     f"Param group {i} of the optimizer holds a tensor of shape {tuple(param.shape)} that is not "
-                    "a parameter of the model. Build the optimizer over model.parameters()."
+                    "a parameter of the model. Build the optimizer over model.parameters(). A module trained "
+                    "beside the model (a projection head, a discriminator, DDP code's `list(model.parameters()) "
+                    "+ list(head.parameters())`): make it a submodule of the model before hf_zero.initialize, so "
+                    "that it is sharded and its gradients averaged over the ranks, or give it an optimizer of its "
+                    "own and wrap it alone in DistributedDataParallel."
                 )
 
 
