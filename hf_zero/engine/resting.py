@@ -110,6 +110,8 @@ class ShardedParameter(torch.Tensor):
             inputs = tuple(getattr(t, "_hf_zero_param", t) for t in kwargs["inputs"])
             return torch.autograd.backward(*args, **{**kwargs, "inputs": inputs})
         if getattr(func, "__self__", None) is torch._C.TensorBase.data and func.__name__ == "__set__":
+            if args[1] is args[0]:  # `model.to(its own device)`: nn.Module._apply sets each `.data` to itself
+                return None
             raise ValueError(_data_message(args[0]._hf_zero_name))
         if func is torch.autograd.grad:
             outputs, inputs, *rest = args
