@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tests import _peer_harness
 from tests._peer_harness import D_OUT, Block, D, Loop, _steps, scenario
 
 
@@ -27,9 +28,9 @@ def _assign_between_steps(loop: Loop, change: str) -> None:
         if step == 1:
             torch.manual_seed(5)
             if change == "parameter":
-                loop.model.head.weight = nn.Parameter(torch.randn(D_OUT, D))
+                loop.model.head.weight = nn.Parameter(torch.randn(D_OUT, D, device=_peer_harness.DEVICE))
             else:
-                loop.model.head = nn.Linear(D, D_OUT)
+                loop.model.head = nn.Linear(D, D_OUT, device=_peer_harness.DEVICE)
 
     _steps(loop, before=before)
 
@@ -108,7 +109,6 @@ def checkpoint_wrapper_after_initialize(loop: Loop) -> None:
     blocks move inside wrappers holding the same parameters; each block's forward runs again in the backward."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-
     apply_activation_checkpointing(loop.model, check_fn=lambda m: isinstance(m, Block))
     _steps(loop)
 
@@ -153,9 +153,10 @@ def functional_call_with_substituted_weights(loop: Loop) -> None:
     for step in range(3):
         x, y = loop.batch(step)
         loop.dp.before_forward()
+        device = _peer_harness.DEVICE  # the GPU check's peers phase runs these on the GPU
         weights = {
-            "head.weight": torch.full((D_OUT, D), 0.01, requires_grad=True),
-            "blocks.1.lin.weight": torch.full((D, D), 0.02, requires_grad=True),
+            "head.weight": torch.full((D_OUT, D), 0.01, device=device, requires_grad=True),
+            "blocks.1.lin.weight": torch.full((D, D), 0.02, device=device, requires_grad=True),
         }
         loss = nn.functional.mse_loss(functional_call(loop.model, weights, (x,)), y)
         loop.note("loss", loss)
@@ -188,10 +189,12 @@ def step_after_backwards_all_under_no_sync(loop: Loop) -> None:
 def _data_replaced(loop: Loop, how: str) -> None:
     def before(step: int) -> None:
         if step == 1 and how == "data":
-            loop.model.head.weight.data = torch.full((D_OUT, D), 0.01)
+            loop.model.head.weight.data = torch.full((D_OUT, D), 0.01, device=_peer_harness.DEVICE)
         elif step == 1:
             count = sum(p.numel() for p in loop.model.parameters())
-            nn.utils.vector_to_parameters(torch.full((count,), 0.01), loop.model.parameters())
+            nn.utils.vector_to_parameters(
+                torch.full((count,), 0.01, device=_peer_harness.DEVICE), loop.model.parameters()
+            )
 
     _steps(loop, before=before)
 
