@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -85,8 +87,13 @@ class ZeroModel:
         hf_zero already is the data parallelism, averaging gradients over the ranks in its own reductions, so DDP
         would reduce them a second time over the engine's stand-ins (at stages 1-2 it failed at the second step
         with DDP's message about unused parameters; at stage 3 on reading a sharded parameter). DDP's constructor
-        reads this attribute before anything else, on every rank: refused there, by name. Setting it (TRL's DPO
-        script does, for DDP) is kept and harmless."""
+        reads this attribute before anything else, on every rank: refused there, by name. Any other reader (a
+        library listing attributes) sees it as absent, or as set: setting it (TRL's DPO script does, for DDP) is
+        kept and harmless."""
+        if not _read_by_ddp_constructor():
+            if "_hf_zero_ddp_ignored" in self.__dict__:
+                return self.__dict__["_hf_zero_ddp_ignored"]
+            raise AttributeError("_ddp_params_and_buffers_to_ignore")
         raise TypeError(
             "hf_zero: torch.nn.parallel.DistributedDataParallel around a model sharded by hf_zero: hf_zero already "
             "is the data parallelism (it averages the gradients over the ranks in its own reductions), and DDP would "
@@ -366,6 +373,20 @@ def _through_call(forward: Callable[..., Any]) -> Callable[..., Any]:
         return self(*args, **kwargs)
 
     return routed
+
+
+def _read_by_ddp_constructor() -> bool:
+    """Whether `DistributedDataParallel.__init__` is the caller of the property reading this (within a few frames)."""
+    frame: FrameType | None = sys._getframe(2)  # the property's caller
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__" and isinstance(
+            frame.f_locals.get("self"), nn.parallel.DistributedDataParallel
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _merge_and_unload(self: Any, *args: Any, **kwargs: Any) -> Any:
