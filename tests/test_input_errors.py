@@ -196,3 +196,17 @@ def test_a_param_group_added_after_initialize_is_refused_with_the_way_to_unfreez
         assert "optimizer.add_param_group(...) after hf_zero.initialize" in r["error"], r
         assert "requires_grad_(False)" in r["error"] and "hf_zero.initialize(model, new_optimizer" in r["error"], r
         assert r["groups"][0] == r["groups"][1] and r["losses"][0] == r["losses"][1], r
+
+
+def test_ddps_attribute_is_refused_to_ddp_only():
+    """[Note: DDP around a sharded model] the attribute DDP's constructor reads is refused there only: for any
+    other reader (`inspect.getmembers`, `hasattr`) it is absent, or what was set (TRL's DPO script sets it)."""
+    import inspect
+
+    from tests._peer_harness import Net
+
+    model, _ = hf_zero.initialize(Net(), None, hf_zero.ZeroConfig(stage=1, wrap=["Block"]))
+    assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")
+    assert len(inspect.getmembers(model)) > 0
+    model._ddp_params_and_buffers_to_ignore = ["memory"]
+    assert model._ddp_params_and_buffers_to_ignore == ["memory"]
