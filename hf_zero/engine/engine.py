@@ -33,6 +33,7 @@ from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
 from .placement import Placement, move_buffers, single_dtype
 from .pool import BufferPool, transient_nbytes
+from .resting import at_c_speed
 from .settings import PartSettings
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
@@ -229,11 +230,10 @@ class ZeroEngine:
         self._rest_grads()
 
     def _rest_grads(self) -> None:
-        """[Note: resting gradients] after a backward pass, reduced or (under no_sync) only accumulated. (The stage-3
-        stand-ins' `.grad` read and set at C speed: through their hook it costs 2.5 us a time.)"""
-        with torch._C.DisableTorchFunctionSubclass():
-            for part in self.parts:
-                part.rest_grads()
+        """[Note: resting gradients] after a backward pass, reduced or (under no_sync) only accumulated (the stand-ins'
+        `.grad` read and set `at_c_speed`)."""
+        for part in self.parts:
+            at_c_speed(part.rest_grads)
         self.steps.rest_grads()  # [Note: optimizer tensors at rest]
         self._grads_resting = True
 
@@ -246,9 +246,8 @@ class ZeroEngine:
     def _wake_grads(self) -> None:
         """[Note: resting gradients] before a forward with grad or a backward pass, and at `zero_grad`."""
         if self._grads_resting:
-            with torch._C.DisableTorchFunctionSubclass():  # as in _rest_grads
-                for part in self.parts:
-                    part.wake_grads()
+            for part in self.parts:
+                at_c_speed(part.wake_grads)
             self.steps.wake_grads()  # [Note: optimizer tensors at rest]
             self._grads_resting = False
 
@@ -335,8 +334,7 @@ class ZeroEngine:
         reduced = [part for part in self.parts if part.has_trainable and not part.grads.is_zero]
         if params is None:
             return [part.grads.shard for part in reduced]
-        with torch._C.DisableTorchFunctionSubclass():  # stand-ins' `requires_grad` at C speed (as in _rest_grads)
-            chosen = {id(self.compute_param(p)) for p in params if p.requires_grad}
+        chosen = at_c_speed(lambda: {id(self.compute_param(p)) for p in params if p.requires_grad})
         every = {id(p) for part in self.parts for p in part.params if p.requires_grad}
         if every <= chosen:
             return [part.grads.shard for part in reduced]

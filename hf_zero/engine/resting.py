@@ -28,10 +28,13 @@ value, and its shape is wrong for code that checks shapes.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+T = TypeVar("T")
 
 _METADATA_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
@@ -245,8 +248,7 @@ class ModuleSlots:
         ([Note: parameters replaced after initialize] in forward_checks.py)."""
         if real == self.holds_real:
             return
-        with torch._C.DisableTorchFunctionSubclass():  # the stand-ins' attributes read at C speed (their hook: 2.5 us)
-            self._bind(real)
+        at_c_speed(self._bind, real)
         self.holds_real = real
 
     def _bind(self, real: bool) -> None:
@@ -259,6 +261,16 @@ class ModuleSlots:
                 if held is old or held is new:
                     module._parameters[attr] = new
                 # else a tensor put in the slot for one call (torch.func.functional_call): left to that call
+
+
+@torch.compiler.disable  # dynamo cannot trace the context, nor the stand-ins read from `module._parameters`
+def at_c_speed(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` with the stand-ins' `__torch_function__` off, so their attributes (`requires_grad`, `.grad`) read
+    at C speed: through the hook each read costs 2.5 us, and the engine reads one per parameter at each gather,
+    reshard and backward. Never traced by dynamo (a compiled model's hooks break their graph here: 1 us a call
+    in eager)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return fn(*args)
 
 
 def parameter_slots(
