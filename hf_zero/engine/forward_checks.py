@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from .flat import FlatPart
@@ -95,6 +96,7 @@ class ModelStructure:
             for m in self.model.modules()
         ]
 
+    @torch.compiler.disable  # bookkeeping over every module: dynamo would unroll it and guard on each dict
     def refuse_changes(self) -> None:
         """Raise `ValueError` naming the first entry changed since `initialize` (see the class docstring)."""
         known = self.known
