@@ -30,14 +30,19 @@ def _on_rank_0(what: str, loop: Loop, path: str) -> None:
         raise ValueError(what)
 
 
-def one_rank_calls(stage: int, what: str, path: str) -> dict[str, Any]:
-    """Two steps on every rank, `what` on rank 0 alone after the first, as DDP code does it. Returns the error
-    (every rank's, "Type: message") or the losses."""
-    rank = dist.get_rank()
+def _sharded_loop(stage: int) -> Loop:
+    """The peer scenarios' model and optimizer, sharded at `stage`, in the loop object they run in."""
     model = _build({})
     config = hf_zero.ZeroConfig(stage=stage, wrap=[Block.__name__], bucket_size_mb=0)
     model, opt = hf_zero.initialize(model, _optimizer(model, {}), config)
-    loop = Loop(model, opt, Idle(), rank, stage, sharded=True)
+    return Loop(model, opt, Idle(), dist.get_rank(), stage, sharded=True)
+
+
+def one_rank_calls(stage: int, what: str, path: str) -> dict[str, Any]:
+    """Two steps on every rank, `what` on rank 0 alone after the first, as DDP code does it. Returns the error
+    (every rank's, "Type: message") or the losses."""
+    loop = _sharded_loop(stage)
+    rank, opt = loop.rank, loop.opt
     try:
         for step in range(3):
             loss = loop.loss(step)
@@ -55,11 +60,8 @@ def one_rank_calls(stage: int, what: str, path: str) -> dict[str, Any]:
 def backward_skipped_on_one_rank(stage: int) -> dict[str, Any]:
     """Three steps; in the second, rank 1 skips its backward and step as DDP code does for a loss it finds
     non-finite (`if not torch.isfinite(loss): optimizer.zero_grad(); continue`). Returns the error or the losses."""
-    rank = dist.get_rank()
-    model = _build({})
-    config = hf_zero.ZeroConfig(stage=stage, wrap=[Block.__name__], bucket_size_mb=0)
-    model, opt = hf_zero.initialize(model, _optimizer(model, {}), config)
-    loop = Loop(model, opt, Idle(), rank, stage, sharded=True)
+    loop = _sharded_loop(stage)
+    rank, opt = loop.rank, loop.opt
     try:
         for step in range(3):
             loss = loop.loss(step)

@@ -11,6 +11,24 @@ from torch import nn
 from tests import _peer_harness
 from tests._peer_harness import D_OUT, Block, D, Loop, _steps, scenario
 
+# The scenarios below that hf_zero refuses, with a piece of the message, by stage (joined into _peer_cases.REFUSED).
+REFUSED: dict[str, dict[int, str]] = {
+    "ddp_around_the_sharded_model": {s: "DistributedDataParallel around a model sharded by hf_zero" for s in (1, 2, 3)},
+    "parameter_assigned_between_steps": {s: "the parameter at 'head.weight' is new since hf_zero.initialize"
+                                         for s in (1, 2, 3)},
+    "module_assigned_between_steps": {s: "the parameter at 'head.weight' is new since"
+                                      for s in (1, 2, 3)},
+    "step_after_backwards_all_under_no_sync": {1: "after backward passes that all ran under model.no_sync()"},
+    "data_replaced_between_steps": {1: "parameter 'head.weight' had its `.data` replaced",
+                                    2: "parameter 'head.weight' had its `.data` replaced",
+                                    3: "`param.data = tensor` on 'head.weight', sharded across ranks"},
+    "vector_to_parameters_between_steps": {1: "parameter 'blocks.0.norm.weight' had its `.data` replaced",
+                                           2: "parameter 'blocks.0.norm.weight' had its `.data` replaced",
+                                           3: "`param.data = tensor` on 'inp.weight', sharded across ranks"},
+    "block_deleted_between_steps": {s: "the submodules ['blocks.2'] were replaced or deleted (4 parameter entries gone)"
+                                    for s in (1, 2, 3)},
+}
+
 
 @scenario()
 def ddp_around_the_sharded_model(loop: Loop) -> None:
