@@ -12,7 +12,9 @@ sharded and unsharded parameters). A `ShardedParameter`:
   unchanged: `numel()`, `model.num_parameters()`, `model.device`, `model.dtype`, `.to()` to the
   same device, `requires_grad_()` (kept in step with the real parameter);
 - forwards gradient hooks (`register_hook`, `register_post_accumulate_grad_hook`) to the real
-  parameter, which is the one autograd sees;
+  parameter, which is the one autograd sees, and so do `loss.backward(inputs=[...])` and
+  `torch.autograd.grad(loss, [...])` given stand-ins ([Note: backward to resting parameters]);
+- refuses `param.data = tensor` by name (the next gather would drop it);
 - raises a `RuntimeError` on any read of values (`sum`, `norm`, `clone`, `torch.equal`,
   `tolist`, `torch.save`, `copy.deepcopy`, ...) naming the parameter and what to use instead:
   `model.state_dict()`, `hf_zero.gathered_parameters(...)` or `hf_zero.full_state_dict(model)`.
