@@ -243,8 +243,8 @@ def _check_arguments(model: object, optimizer: object, config: object) -> None:
 def _refuse_parallel_wrappers(model: nn.Module) -> None:
     """[Note: DDP around a sharded model] in model.py, the other way round: a model already inside DDP,
     `nn.DataParallel` or FSDP (a DDP script's `model = DDP(model)` kept above `hf_zero.initialize`). DDP's reducer
-    would average the gradients a second time (at the second step it failed with DDP's message about unused
-    parameters), FSDP already shards the parameters hf_zero would shard: refused, naming where."""
+    would average the gradients a second time (unrefused: DDP's message about unused parameters at the second
+    step), FSDP already shards the parameters hf_zero would shard: refused, naming where."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FullyShardedDataParallel, FSDPModule)

@@ -85,8 +85,8 @@ class ZeroModel:
         """[Note: DDP around a sharded model]
         `DistributedDataParallel(model)` around a sharded model (a DDP loop's line kept when moving to hf_zero):
         hf_zero already is the data parallelism, averaging gradients over the ranks in its own reductions, so DDP
-        would reduce them a second time over the engine's stand-ins (at stages 1-2 it failed at the second step
-        with DDP's message about unused parameters; at stage 3 on reading a sharded parameter). DDP's constructor
+        would reduce them a second time over the engine's stand-ins (unrefused: DDP's message about unused
+        parameters at the second step at stages 1-2, a stand-in's error at stage 3). DDP's constructor
         reads this attribute before anything else, on every rank: refused there, by name. Any other reader (a
         library listing attributes) sees it as absent, or as set: setting it (TRL's DPO script does, for DDP) is
         kept and harmless."""
@@ -394,8 +394,8 @@ def _merge_and_unload(self: Any, *args: Any, **kwargs: Any) -> Any:
     PEFT's `merge_and_unload()` (its `LoraModel`'s, reached through the `PeftModel`) adds each adapter's product
     into its base weight and returns the base model (a DDP script's `model.module.merge_and_unload()
     .save_pretrained(dir)` on rank 0). At stages 0-2 every weight is whole on every rank and it works as under DDP,
-    locally. At stage 3 the weights are shards: it failed on the first stand-in it read, with the stand-in's
-    generic message; refused here, naming the way that works."""
+    locally. At stage 3 the weights are shards, so PEFT's merge would meet the stand-ins' generic error at its
+    first read: refused here instead, naming the way that works."""
     if get_engine(self).plan.params.uses_gather:
         raise ValueError(
             "hf_zero: merge_and_unload() of a PEFT model sharded at ZeRO stage 3: its base weights are shards "

@@ -3,6 +3,7 @@ order]), on the peer scenarios' model (tests/_peer_harness.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,43 +39,43 @@ def _sharded_loop(stage: int) -> Loop:
     return Loop(model, opt, Idle(), dist.get_rank(), stage, sharded=True)
 
 
-def one_rank_calls(stage: int, what: str, path: str) -> dict[str, Any]:
-    """Two steps on every rank, `what` on rank 0 alone after the first, as DDP code does it. Returns the error
-    (every rank's, "Type: message") or the losses."""
-    loop = _sharded_loop(stage)
-    rank, opt = loop.rank, loop.opt
+def _three_steps(loop: Loop, skips: Callable[[int], bool], after: Callable[[int], None]) -> dict[str, Any]:
+    """Three steps of `loop`; where `skips(step)` this rank zeroes its gradients and skips the backward and step (as
+    for a loss it finds non-finite); `after(step)` ends each step. Returns the error (every rank's, "Type:
+    message") or the losses."""
     try:
         for step in range(3):
             loss = loop.loss(step)
             loop.note("loss", loss)
+            if skips(step):
+                loop.opt.zero_grad()
+                continue
             loop.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            if step == 0 and rank == 0 and what != "nothing":
-                _on_rank_0(what, loop, path)
+            loop.opt.step()
+            loop.opt.zero_grad()
+            after(step)
     except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
         return {"error": f"{type(e).__name__}: {e}", "losses": loop.record.get("loss")}
     return {"error": None, "losses": loop.record["loss"]}
+
+
+def one_rank_calls(stage: int, what: str, path: str) -> dict[str, Any]:
+    """Two steps on every rank, `what` on rank 0 alone after the first, as DDP code does it. Returns the error
+    (every rank's, "Type: message") or the losses."""
+    loop = _sharded_loop(stage)
+
+    def after(step: int) -> None:
+        if step == 0 and loop.rank == 0 and what != "nothing":
+            _on_rank_0(what, loop, path)
+
+    return _three_steps(loop, skips=lambda step: False, after=after)
 
 
 def backward_skipped_on_one_rank(stage: int) -> dict[str, Any]:
     """Three steps; in the second, rank 1 skips its backward and step as DDP code does for a loss it finds
     non-finite (`if not torch.isfinite(loss): optimizer.zero_grad(); continue`). Returns the error or the losses."""
     loop = _sharded_loop(stage)
-    rank, opt = loop.rank, loop.opt
-    try:
-        for step in range(3):
-            loss = loop.loss(step)
-            loop.note("loss", loss)
-            if step == 1 and rank == 1:  # as if this rank's loss were NaN
-                opt.zero_grad()
-                continue
-            loop.backward(loss)
-            opt.step()
-            opt.zero_grad()
-    except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
-        return {"error": f"{type(e).__name__}: {e}", "losses": loop.record.get("loss")}
-    return {"error": None, "losses": loop.record["loss"]}
+    return _three_steps(loop, skips=lambda step: step == 1 and loop.rank == 1, after=lambda step: None)
 
 
 def headers_read_where_deferred(backward_on_rank_1: bool) -> dict[str, Any]:

@@ -105,8 +105,8 @@ class ShardedParameter(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """[Note: backward to resting parameters]
         `loss.backward(inputs=list(model.head.parameters()))` (a gradient for some parameters only): at stage 3
-        the modules hold the stand-ins by then, which autograd never saw, so the backward computed nothing for
-        them, without a word, and the step moved nothing. `torch.autograd.backward` offers its `inputs` to this
+        the modules hold the stand-ins by then, which autograd never saw, so given as they are the backward would
+        compute nothing for them and the step move nothing. `torch.autograd.backward` offers its `inputs` to this
         hook: the stand-ins become the real parameters, the ones the graph holds. `param.data = tensor` reaches
         this hook too (torch offers property setters to it), and is refused by name: it would replace the
         stand-in's data only, silently dropped at the next gather. Every other function goes on as torch's idiom
