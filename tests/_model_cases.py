@@ -260,6 +260,50 @@ def resize_reference(new_vocab: int, world: int) -> dict[str, Any]:
     return {"losses": losses, "state": _numpy(model.state_dict())}
 
 
+def _embeds_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """One step's loss through the model's root modules called outside its forward ([Note: direct calls]): the
+    embeddings looked up first and passed as `inputs_embeds` (soft prompts, image features), and a second loss
+    from `lm_head` on the hidden states the model returned."""
+    embeds = model.get_input_embeddings()(ids) * 1.5
+    out = model(inputs_embeds=embeds, labels=ids, output_hidden_states=True)
+    return out.loss + 0.1 * model.lm_head(out.hidden_states[-1]).float().pow(2).mean()
+
+
+def embeds_then_train(stage: int) -> dict[str, Any]:
+    """The layers the only units: the embeddings, the final norm and the head are the root's modules."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model("llama")
+    zcfg = hf_zero.ZeroConfig(stage=stage, wrap=["LlamaDecoderLayer"])
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), zcfg)
+    data, rows = batches(world), slice(rank * MICRO_BS, (rank + 1) * MICRO_BS)
+    losses = []
+    for i in range(STEPS):
+        loss = _embeds_step(model, data[i, rows])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    return {"losses": losses, "state": _numpy(model.state_dict())}
+
+
+def embeds_reference(world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = make_model("llama")
+    opt, data = make_optimizer(model, 1e-2), batches(world)
+    losses = []
+    for i in range(STEPS):
+        loss = _embeds_step(model, data[i])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": _numpy(model.state_dict())}
+
+
 PROMPTS = [[5, 17, 42, 7], [9, 3, 101, 64]]
 
 

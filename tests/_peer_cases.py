@@ -456,7 +456,7 @@ def submodule_forward_backward(loop: Loop) -> None:
 
 @scenario(wrap=("Block", "Linear"))
 def nested_units(loop: Loop) -> None:
-    """Units inside units: every block and, inside each, its Linear (FSDP2's nested `fully_shard`)."""
+    """Two classes named: every block, and the Linears outside the blocks (a block's own Linears stay in it)."""
     _steps(loop)
 
 
@@ -522,6 +522,7 @@ from tests import _peer_cases_loop  # noqa: E402, F401 - registers the rest of t
 from tests import _peer_cases_model  # noqa: E402
 
 REFUSED.update(_peer_cases_model.REFUSED)
+REFUSED_BY_STAND_IN = _peer_cases_model.REFUSED_BY_STAND_IN
 
 
 # ---- the runner ---------------------------------------------------------------------------------------

@@ -27,7 +27,13 @@ REFUSED: dict[str, dict[int, str]] = {
                                            3: "`param.data = tensor` on 'inp.weight', sharded across ranks"},
     "block_deleted_between_steps": {s: "the submodules ['blocks.2'] were replaced or deleted (4 parameter entries gone)"
                                     for s in (1, 2, 3)},
+    "root_module_called_on_one_rank": {3: "rank(s) [0] began a module of the model's root called outside its forward"},
+    "block_submodule_called_directly": {1: "by a submodule of the unit called directly",
+                                        2: "by a submodule of the unit called directly",
+                                        3: "finds it so too: call it inside the unit's forward, or call the unit's"},
 }
+# Refused by the stand-in's `RuntimeError` (what any read of a resting stage-3 parameter raises), not a ValueError.
+REFUSED_BY_STAND_IN = {("block_submodule_called_directly", 3)}
 
 
 @scenario()
@@ -231,3 +237,64 @@ def vector_to_parameters_between_steps(loop: Loop) -> None:
     """`nn.utils.vector_to_parameters(vec, model.parameters())` (a weight snapshot restored from one vector): it
     assigns each parameter's `.data`, refused as above."""
     _data_replaced(loop, "vector")
+
+
+# ---- the root's modules called outside the model's forward ([Note: direct calls]) ----------------------------------
+@scenario(wrap=("Block",))
+def inputs_embeds_from_the_models_own_input_layer(loop: Loop) -> None:
+    """`model(inputs_embeds=model.get_input_embeddings()(ids) * scale)` (soft prompts, image features merged into
+    the embeddings), where the input layer is the root's: its gradient follows the end of the root's forward."""
+    for step in range(3):
+        x, y = loop.batch(step)
+        loop.dp.before_forward()
+        embeds = loop.model.inp(x) * 1.5
+        loss = nn.functional.mse_loss(loop.model(x, embeds=embeds), y)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario(wrap=("Block",))
+def root_head_called_after_the_forward(loop: Loop) -> None:
+    """A second loss from the root's head called on other inputs after the model's forward (an auxiliary head)."""
+    for step in range(3):
+        x, y = loop.batch(step)
+        loop.dp.before_forward()
+        out = loop.model(x)
+        other, _ = loop.batch(step + 50)
+        aux = loop.model.head(other.repeat(1, 2)).pow(2).mean()
+        loss = nn.functional.mse_loss(out, y) + 0.1 * aux
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def block_submodule_called_directly(loop: Loop) -> None:
+    """A block's `Linear` called alone for an auxiliary loss: its unit's parameters are gathered and reduced with
+    the unit's forward and backward, so the call is refused by name (no hook sits on a block's submodules)."""
+    for step in range(3):
+        x, y = loop.batch(step)
+        loop.dp.before_forward()
+        other, _ = loop.batch(step + 40)
+        aux = loop.model.blocks[1].lin(other.repeat(1, 2)).pow(2).mean()
+        loss = nn.functional.mse_loss(loop.model(x), y) + 0.1 * aux
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario(wrap=("Block",))
+def root_module_called_on_one_rank(loop: Loop) -> None:
+    """Rank 0 alone looks at the embeddings between steps, without grad: local under DDP and at stages 1-2; at
+    stage 3 a gather the other rank does not make, refused on both ranks by its header ([Note: call order])."""
+
+    def before(step: int) -> None:
+        if loop.rank == 0 and step == 1:
+            with torch.no_grad():
+                loop.note("embeddings", loop.model.inp(loop.batch(step)[0]).norm())
+
+    _steps(loop, before=before)

@@ -61,10 +61,16 @@ class Net(nn.Module):
         self.spare = nn.Linear(D, D_OUT)
 
     def forward(
-        self, x: torch.Tensor, spare: bool = False, reuse: int = 1, skip: tuple[int, ...] = ()
+        self,
+        x: torch.Tensor,
+        spare: bool = False,
+        reuse: int = 1,
+        skip: tuple[int, ...] = (),
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`spare`: add the spare head; `reuse`: apply block 0 that many times; `skip`: blocks not run."""
-        h: Any = self.inp(x)
+        """`spare`: add the spare head; `reuse`: apply block 0 that many times; `skip`: blocks not run; `embeds`:
+        used instead of `inp(x)` (HF's `inputs_embeds`)."""
+        h: Any = self.inp(x) if embeds is None else embeds
         for i, block in enumerate(self.blocks):
             for _ in range(reuse if i == 0 else 1):
                 if i not in skip:

@@ -127,6 +127,16 @@ def test_resize_token_embeddings_on_a_sharded_model_then_training_matches(pools,
         assert "Resize before building the optimizer" in r["error"]
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_embeddings_and_head_called_outside_the_forward_train_as_the_model_itself(pools, stage):
+    """`model(inputs_embeds=model.get_input_embeddings()(ids))` and `model.lm_head(hidden)` after the forward
+    (VLM, soft-prompt and auxiliary-head code): under DDP both train; here too ([Note: direct calls])."""
+    ref = cases.embeds_reference(world=2)
+    for r in pools(2).values(cases.embeds_then_train, stage):
+        _close(r["state"], ref["state"])
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"])) <= TOL
+
+
 @pytest.mark.parametrize("kind,eos_step", [("llama", None), ("falcon", None), ("llama", 1)])
 def test_generate_with_ranks_finishing_at_different_steps_returns_everywhere(pools, kind, eos_step):
     results = pools(2).values(cases.generate_unevenly, kind, eos_step, timeout=120)

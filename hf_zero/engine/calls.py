@@ -51,6 +51,7 @@ class Call(enum.IntEnum):
     LOAD_CHECKPOINT = 7
     LOAD_OPTIMIZER_STATE = 8
     BACKWARD = 9
+    DIRECT_CALL = 10
 
 
 WHAT = {
@@ -63,6 +64,7 @@ WHAT = {
     Call.LOAD_CHECKPOINT: "hf_zero.load_checkpoint(...)",
     Call.LOAD_OPTIMIZER_STATE: "optimizer.load_state_dict(...)",
     Call.BACKWARD: "a backward",
+    Call.DIRECT_CALL: "a module of the model's root called outside its forward (model.lm_head(...), embeddings)",
 }
 
 

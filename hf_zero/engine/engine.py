@@ -138,6 +138,7 @@ class ZeroEngine:
             on_backward=self._before_backward,
             on_deferred=self._rest_grads,
             before_waiting=self.calls.settle,
+            on_direct_call=self._before_direct_call,
             input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
         )
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
@@ -287,6 +288,14 @@ class ZeroEngine:
         refuse_replaced_data(self.parts)
         if self.config.broadcast_buffers and self.world.size > 1 and not self.in_no_sync:
             self._broadcast_buffers()
+
+    def _before_direct_call(self) -> None:
+        """As a module of the root is called outside the model's forward ([Note: direct calls] in hooks.py): at
+        stage 3 its gather is a collective, so its header goes first, read at once ([Note: call order])."""
+        if self.plan.params.uses_gather:
+            self.calls.begin(Call.DIRECT_CALL, read_now=True)
+        if torch.is_grad_enabled():
+            self._wake_grads()
 
     def _broadcast_buffers(self) -> None:
         """[Note: buffer broadcast]

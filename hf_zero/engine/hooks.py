@@ -1,30 +1,5 @@
-"""Forward/backward hooks: the units' verbs run in order, on every rank (the running pass's state: passes.py).
-
-[Note: lifecycle]
-For each unit (the root included), in one training iteration ([Note: unit lifecycle] in
-lifecycle.py names the states):
-
-1. pre_forward (module forward-pre hook): the stage's `before_compute` (stage 3: gather), the
-   forward prefetch, and, with grad mode on, the unit's tensor inputs that require grad are passed
-   through `_EndOfBackward`, whose backward is the unit's end-of-backward signal ([Note: backward end]).
-2. post_forward (module forward hook): `after_forward` (stage 3: free; but the last unit of a
-   forward run with grad mode on stays gathered, since it is the first unit of the backward),
-   and, when grad mode is on, a hook on every output tensor that requires grad: the first of
-   them to receive its gradient runs pre_backward. The root's post_forward empties the buffer
-   pool ([Note: buffer reuse] in pool.py).
-3. pre_backward (IDLE -> IN_BACKWARD): gather again (stage 3; not for a unit whose backward reads
-   no parameters, an `nn.Embedding`, which ran its forward with `sparse=True`: [Note: sparse lookup
-   gradients]) and point the trainable parameters' `.grad` at the unit's unsharded gradient
-   buffer. The first pre_backward of a backward pass queues the final callback on the autograd
-   engine.
-4. post_backward (IN_BACKWARD -> REDUCING), on the unit's end signal: detach the `.grad` views,
-   issue the asynchronous reduce-scatter (unless `no_sync()` defers it, stages 0-1 or by opt-in),
-   and `after_backward` (stage 3: free; frozen units too, as soon as their backward is through).
-5. final callback (end of the backward pass): post_backward for every unit that began but got no
-   signal (units whose inputs need no gradient: the root, the embedding), in reverse unit order on
-   every rank; wait for every issued reduction, add the means into the fp32 gradient shards,
-   every unit back to IDLE, empty the buffer pool.
-"""
+"""Forward/backward hooks: the units' verbs run in order, on every rank ([Note: lifecycle] in lifecycle.py; the
+running pass's state: passes.py)."""
 
 from __future__ import annotations
 
@@ -41,11 +16,12 @@ from torch.utils.hooks import RemovableHandle
 from .collectives import CommGroup, issue_flags_gather, issue_ints_gather
 from .grads import GradReduction
 from .lifecycle import TrainingState
+from .order import plan_prefetches
 from .passes import Pass, in_backward
 from .pool import BufferPool
 from .stages import StagePlan
 from .tree import cast_floating_inputs, flatten, tensors
-from .unit import Prefetch, Unit, changed_in_forward_error, units_apart_error
+from .unit import Unit, changed_in_forward_error, units_apart_error
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
 
@@ -92,6 +68,7 @@ class HookSettings:
     on_backward: Callable[[], None] | None = None  # told as a backward pass begins, before any unit's gradients
     on_deferred: Callable[[], None] | None = None  # told as a backward pass ends whose reductions no_sync deferred
     before_waiting: Callable[[], None] | None = None  # told before the units check is waited for ([Note: call order])
+    on_direct_call: Callable[[], None] | None = None  # told as a direct call begins ([Note: direct calls])
 
 
 class UnitHooks:
@@ -112,6 +89,7 @@ class UnitHooks:
         self.graph_pins: list[Unit] = []  # [Note: double backward] units pinned for a graph a backward built
         self.graph_built = False  # [Note: double backward] a backward built a graph that a later one may go through
         self.root_calls = 0  # [Note: forward called directly] the root's forwards running inside its __call__
+        self.direct_call: nn.Module | None = None  # [Note: direct calls] the root's module whose direct call runs
         self._handles: list[RemovableHandle] = []
         self._register()
 
@@ -132,6 +110,10 @@ class UnitHooks:
                     # so a strong one would keep the hooks, the engine and the model (its offload files) alive.
                     hook = partial(_weakly, weakref.WeakMethod(self._on_grad_ready), weakref.ref(unit))
                     self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        for member in _members(self.root):  # [Note: direct calls]
+            self._handles.append(member.register_forward_pre_hook(partial(self._pre_direct_call, self.root)))
+            post = partial(self._post_direct_call, self.root)
+            self._handles.append(member.register_forward_hook(post, always_call=True))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -182,7 +164,8 @@ class UnitHooks:
             self.reset()  # a previous forward or backward was interrupted by an exception
         self.release_held()  # no backward used it: gather it afresh in this forward
         if not self._order_known and self._forward_order:
-            self._learn_order()
+            self._order_known = True
+            plan_prefetches(self._forward_order, self.settings.prefetch)
         self.current.begin_forward()
         if self.settings.on_root_forward is not None:
             self.settings.on_root_forward()
@@ -201,6 +184,49 @@ class UnitHooks:
         if in_backward() and torch.is_grad_enabled():
             self._hook_outputs(unit, output)
 
+    def _pre_direct_call(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        """[Note: direct calls]
+        A module holding the root's parameters called outside the model's forward: `inputs_embeds =
+        model.get_input_embeddings()(input_ids)` then `model(inputs_embeds=...)` (image features or soft prompts
+        merged into the embeddings), or `model.lm_head(hidden)` on hidden states the model returned. Under DDP both
+        train (DDP's reduction hooks sit on the parameters). Here the call is a forward of the root unit: at
+        stage 3 a header ([Note: call order]) and a gather before, a free after (each call gathers afresh); with
+        grad, its outputs begin the root's backward when their gradient arrives, and the root's backward ends in
+        the final callback only, not at the end signal of its forward's inputs, which the gradient of a direct
+        call before the forward (the embeddings') follows. A change the call makes to the parameters in place
+        (`nn.Embedding(max_norm=...)`) is refused at stage 3, as in a forward without grad ([Note: changed in
+        forward]). Calls inside the root's forward, or inside another direct call, do nothing here."""
+        if unit.training_state is TrainingState.FORWARD:
+            return
+        if in_backward():  # a recomputation: the backward gathered the root
+            unit.before_compute()
+            return
+        if unit.training_state is not TrainingState.IDLE:
+            self.reset()  # an exception interrupted a backward pass
+        if self.settings.on_direct_call is not None:
+            self.settings.on_direct_call()
+        unit.begin_forward()
+        self.direct_call = module
+        if torch.is_grad_enabled():
+            self.current.called_directly.add(id(unit))
+        unit.before_compute()
+        if not unit.persistent:
+            self.current.versions[id(unit)] = unit.param_versions()
+
+    def _post_direct_call(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        """[Note: direct calls] the end of a direct call (also after an exception in it: `always_call`)."""
+        if self.direct_call is not module:
+            return
+        self.direct_call = None
+        unit.end_forward()
+        changed = unit.changed_since(self.current.versions.pop(id(unit))) if not unit.persistent else []
+        unit.after_forward()
+        if changed:
+            self.reset()
+            raise changed_in_forward_error(changed)
+        if torch.is_grad_enabled():
+            self._hook_outputs(unit, output)
+
     def _carry_end_signal(self, unit: Unit, args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
         """Pass the unit's top-level tensor inputs that require grad through `_EndOfBackward`
         ([Note: backward end]); returns the new args and kwargs and whether any was wrapped."""
@@ -213,37 +239,6 @@ class UnitHooks:
             leaves[i] = t
         args, kwargs = rebuild(leaves)
         return tuple(args), kwargs, True
-
-    def _learn_order(self) -> None:
-        """[Note: prefetch] fix the forward order and each unit's prefetch targets: the next `prefetch`
-        units in forward order, and in reverse order during backward (skipping units whose
-        backward needs no parameters, see `UnitSpec.backward_reads_params`).
-
-        A backward prefetch that would hold more at once than the largest unit's parameters and
-        gradients (the floor of the peak) is issued after the unit's backward instead (`late`): with a
-        32000-word head, not gathering the last block during the head's backward saves a block.
-        The reduction in flight and the prefetch never coexist ([Note: reduction-gated prefetch])."""
-        self._order_known = True
-        order, ahead = self._forward_order, self.settings.prefetch
-        backward = [u for u in reversed(order) if u.spec.backward_reads_params]
-        budget = max(u.param_nbytes + u.grad_nbytes for u in order)
-        reverse = order[::-1]
-        for unit in order:
-            i, j = order.index(unit), reverse.index(unit)
-            later = backward[backward.index(unit) + 1 :][:ahead] if unit in backward else []
-            in_flight = reverse[j - 1].grad_nbytes if j > 0 else 0  # the reduction of the unit before
-            late = unit in backward and (
-                unit.param_nbytes + unit.grad_nbytes + max(in_flight, sum(u.param_nbytes for u in later)) > budget
-            )
-            unit.plan_prefetch(
-                Prefetch(
-                    forward=tuple(order[i + 1 : i + 1 + ahead]),
-                    backward=tuple(later),
-                    late=late,
-                    pooled_after_forward=_sizes(order[i + 1 : i + 2 + ahead]),
-                    pooled_after_backward=_sizes(reverse[j + 1 : j + 2 + ahead]),
-                )
-            )
 
     def _trim_pool(self, unit: Unit, forward: bool) -> None:
         """[Note: buffer reuse] after `unit` freed its buffers, keep pooled only the sizes that the
@@ -335,7 +330,7 @@ class UnitHooks:
         unit.attach_grads()
 
     def _prefetch_after(self, unit: Unit, forward: bool) -> None:
-        """[Note: prefetch] issue the gathers of the units that follow `unit` (see `_learn_order`),
+        """[Note: prefetch] issue the gathers of the units that follow `unit` (see `plan_prefetches` in order.py),
         so they overlap its compute. At most the root, the running unit and `prefetch` more are
         whole at a time."""
         for nxt in self._prefetches(unit, forward):
@@ -378,10 +373,12 @@ class UnitHooks:
 
     def _on_grad_ready(self, unit: Unit, param: torch.Tensor) -> None:
         if unit.training_state is TrainingState.REDUCING:
-            raise RuntimeError(
+            raise ValueError(
                 f"[rank {unit.rank}] hf_zero: a gradient of unit '{unit.name}' arrived after the gradient of the "
                 "unit's inputs, i.e. after its reduction ([Note: backward end]): one of its parameters is used outside "
-                "the unit's forward. Wrap the module that uses it in the same unit (ZeroConfig.wrap)."
+                "the unit's forward: by a submodule of the unit called directly (`model.layers[1].mlp(x)`; call it "
+                "inside the unit's forward, or call the unit's module), or by another module (put the two in one "
+                "unit: ZeroConfig.wrap)."
             )
         self._pre_backward(unit)  # a no-op, unless a gradient reached the unit without passing its outputs
         unit.mark_used(param)
@@ -391,7 +388,7 @@ class UnitHooks:
     def _on_end_signal(self, unit: Unit) -> None:
         """[Note: backward end] the gradient of the unit's inputs is complete."""
         self._pre_backward(unit)  # a no-op, unless no output of the unit got a gradient before
-        if unit.signal() and not self.current.deferred:
+        if unit.signal() and not self.current.deferred and id(unit) not in self.current.called_directly:
             self._post_backward(unit)
 
     def _post_backward(self, unit: Unit) -> None:
@@ -479,6 +476,7 @@ class UnitHooks:
         for _, reduction in self.current.pending:
             reduction.pending.wait()
         self.current = Pass(rank=self.root.rank)
+        self.direct_call = None
         self.drop_graph_pins()
         for unit in self.units:
             unit.abandon()
@@ -588,9 +586,11 @@ class UnitHooks:
                 unit.release()
 
 
-def _sizes(units: list[Unit]) -> frozenset[int]:
-    """The pooled buffer sizes `units` take."""
-    return frozenset().union(*(u.buffer_nbytes for u in units))
+def _members(unit: Unit) -> list[nn.Module]:
+    """[Note: direct calls] the modules that hold `unit`'s parameters, other than the unit's own."""
+    own = {id(m) for m in unit.spec.all_modules}
+    found = {id(m): m for part in unit.parts for slots in part.spec.slots for m, _ in slots}
+    return [m for key, m in found.items() if key not in own]
 
 
 def _weakly(method: weakref.WeakMethod[Callable[..., Any]], unit: weakref.ref[Unit], *args: Any) -> None:

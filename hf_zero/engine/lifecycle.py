@@ -31,6 +31,32 @@ name:
 that may; `settle` (the process is leaving: [Note: clean exit] in teardown.py) waits for gathers in flight
 in any state and moves nothing. The state is the truth: `is_unsharded` reads it, never the storage's byte count.
 
+[Note: lifecycle]
+For each unit (the root included), in one training iteration ([Note: unit lifecycle] in
+above names the states):
+
+1. pre_forward (module forward-pre hook, hooks.py): the stage's `before_compute` (stage 3: gather), the
+   forward prefetch, and, with grad mode on, the unit's tensor inputs that require grad are passed
+   through `_EndOfBackward`, whose backward is the unit's end-of-backward signal ([Note: backward end]).
+2. post_forward (module forward hook): `after_forward` (stage 3: free; but the last unit of a
+   forward run with grad mode on stays gathered, since it is the first unit of the backward),
+   and, when grad mode is on, a hook on every output tensor that requires grad: the first of
+   them to receive its gradient runs pre_backward. The root's post_forward empties the buffer
+   pool ([Note: buffer reuse] in pool.py).
+3. pre_backward (IDLE -> IN_BACKWARD): gather again (stage 3; not for a unit whose backward reads
+   no parameters, an `nn.Embedding`, which ran its forward with `sparse=True`: [Note: sparse lookup
+   gradients]) and point the trainable parameters' `.grad` at the unit's unsharded gradient
+   buffer. The first pre_backward of a backward pass queues the final callback on the autograd
+   engine.
+4. post_backward (IN_BACKWARD -> REDUCING), on the unit's end signal: detach the `.grad` views,
+   issue the asynchronous reduce-scatter (unless `no_sync()` defers it, stages 0-1 or by opt-in),
+   and `after_backward` (stage 3: free; frozen units too, as soon as their backward is through).
+5. final callback (end of the backward pass): post_backward for every unit that began but got no
+   signal (units whose inputs need no gradient: the root, the embedding), in reverse unit order on
+   every rank; wait for every issued reduction, add the means into the fp32 gradient shards,
+   every unit back to IDLE, empty the buffer pool. A module of the root called outside the model's forward
+   ([Note: direct calls] in hooks.py) makes the root's backward end here too.
+
 [Note: gradient states]
 A part's gradients (`FlatGrads`, grads.py) have a `GradState` that only its own verbs move, each checking the
 state it may run in (an illegal call raises with the rank and the unit's name); the `Unit` orders the verbs:

@@ -57,6 +57,8 @@ class Pass:
     ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
     deferred: bool = False  # every post_backward waits for the final callback, in unit order
     create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own
+    called_directly: set[int] = field(default_factory=set)  # [Note: direct calls] in hooks.py: units whose backward
+    # ends in the final callback, a module of theirs having run with grad outside their forward
     _state: PassState = PassState.IDLE
 
     @property

@@ -45,7 +45,9 @@ def _message(name: str) -> str:
     return (
         f"'{name}' is sharded across ranks by hf_zero (ZeRO stage 3) and holds no full value between forward "
         "passes. To read it, call model.state_dict() (full tensors; every rank must call it); to read or change "
-        "it in place, use `with hf_zero.gathered_parameters(module, modifier_rank=0): ...` on every rank."
+        "it in place, use `with hf_zero.gathered_parameters(module, modifier_rank=0): ...` on every rank. A "
+        "submodule of a unit called outside the unit's forward (`model.layers[1].mlp(x)`) finds it so too: call it "
+        "inside the unit's forward, or call the unit's module."
     )
 
 
