@@ -347,8 +347,10 @@ def gathered_parameters(
     with `modifier_rank=r`, rank r's values are broadcast and written into every rank's shards
     *and* fp32 master weights (elements the block changed take the new value; the others keep
     their exact master value), so the next training step starts from them. With
-    `modifier_rank=None` the block is read-only: changes are dropped at stage 3 and must not be
-    made at stages 0-2. Memory: the gathered units, as during their forward. This is DeepSpeed's
+    `modifier_rank=None` the block is read-only: at stage 3 a change made in place is refused at the
+    exit, on every rank (the gathered copy it lives in is freed); at stages 0-2 the parameters are
+    the model's own and a change is one between steps (each rank's, as under DDP). Memory: the
+    gathered units, as during their forward. This is DeepSpeed's
     `GatheredParameters`, which also updates the master weights here.
 
     Args:
@@ -357,7 +359,8 @@ def gathered_parameters(
         modifier_rank (`int`, *optional*): the rank whose changes are kept.
 
     Raises:
-        ValueError: for tensors that are not parameters of a sharded model, or a bad rank (on every rank).
+        ValueError: for tensors that are not parameters of a sharded model, a bad rank, or (stage 3) a
+            change made with `modifier_rank=None` (on every rank).
 
     Example:
 

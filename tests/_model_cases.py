@@ -183,6 +183,14 @@ def modify_in_gathered_parameters(kind: str, stage: int, mixed_precision: str) -
     before = model.state_dict()
     head = model.get_output_embeddings()
     layer = model.model.layers[0] if kind == "llama" else model.transformer.h[0]
+    read_only_error = None
+    if stage == 3:  # rank 1 writes inside a read-only block: refused on both ranks, the change dropped
+        try:
+            with hf_zero.gathered_parameters(head.weight):
+                if rank == 1:
+                    head.weight[5].fill_(7.0)
+        except ValueError as e:
+            read_only_error = str(e)
     with hf_zero.gathered_parameters([head.weight, *layer.parameters()], modifier_rank=0):
         seen_inside = float(head.weight.float().norm())
         if rank == 0:
@@ -214,6 +222,7 @@ def modify_in_gathered_parameters(kind: str, stage: int, mixed_precision: str) -
         "trained": _numpy(model.state_dict()),
         "layer_param": prefix + layer_name,
         "rests_after": type(model.get_output_embeddings().weight).__name__ if stage == 3 else None,
+        "read_only_error": read_only_error,
     }
 
 

@@ -106,6 +106,7 @@ def gathered_parameters(
     gathered_here = [u for u in units if not u.is_unsharded]  # a unit already whole (a running forward) stays so
     for unit in units:
         unit.pin()
+    versions = [u.param_versions() for u in gathered_here] if modifier_rank is None else []
     try:
         with torch.no_grad():
             yield
@@ -114,12 +115,28 @@ def gathered_parameters(
                 raise_if_any_failed(_undo_replaced_data(parts), engine.world, "hf_zero.gathered_parameters")
                 for part in parts:
                     _write_back(engine, part, modifier_rank)
+            elif versions:  # stage 3, the same units on every rank: a change would be dropped with the copy
+                changed = [n for u, v in zip(gathered_here, versions) for n in u.changed_since(v)]
+                raise_if_any_failed(_read_only_error(changed), engine.world, "hf_zero.gathered_parameters")
     finally:
         for unit in units:
             unit.unpin()
         for unit in gathered_here:
             if not unit.pins:
                 unit.release()
+
+
+def _read_only_error(changed: list[str]) -> ValueError | None:
+    """The error for parameters changed in place inside `gathered_parameters(..., modifier_rank=None)` at stage 3,
+    where the gathered copy is freed at the exit and the change with it; None if none was."""
+    if not changed:
+        return None
+    return ValueError(
+        f"hf_zero.gathered_parameters: {changed[:3]}{' and more' if len(changed) > 3 else ''} changed in place "
+        "inside a block with modifier_rank=None, which gathers for reading: at stage 3 the change would be dropped "
+        "with the gathered copy. Pass modifier_rank=r to keep rank r's values on every rank (the weights are left "
+        "as they were)."
+    )
 
 
 def _undo_replaced_data(parts: list[FlatPart]) -> ValueError | None:
