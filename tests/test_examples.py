@@ -1,4 +1,5 @@
-"""The examples, run as users run them: `accelerate launch` with the shipped CPU config, 2 processes."""
+"""The examples, run as users run them: `accelerate launch` with the shipped CPU config, 2 processes (one on the
+suite's pool of 2 ranks, given what the launcher gives each process: tests/_example_cases.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from tests import _example_cases as example_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -170,15 +173,19 @@ def test_train_accelerate_resumed_from_a_background_save(assets, tmp_path):
         np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-# the sequence-parallel run in the slow tier (41 s on 2 cores, the plain one 20 s): both take the same TRL path at
-# stage 3, and sequence parallelism stays in the suite through the Trainer's and tests/test_sequence_parallel.py
+# The plain run on the suite's 2-rank pool (the launcher's processes cost 41 s on 2 cores, 30 of them starting
+# interpreters and importing TRL's dependencies); the sequence-parallel run under `accelerate launch` in the slow
+# tier: both take the same TRL path at stage 3, and sequence parallelism stays in the suite through the Trainer's
+# and tests/test_sequence_parallel.py
 @pytest.mark.parametrize("variant", ["plain", pytest.param("sequence_parallel", marks=pytest.mark.slow)])
-def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(assets, tmp_path, variant):
-    """`examples/sft_trl.py` (TRL's SFTTrainer with hf_zero mixed in, its default fused loss) under `accelerate
-    launch`, 2 processes: the logged losses equal the same script's with TRL's stock SFTTrainer under DDP
-    (1e-5 relative), and the saved model loads with `from_pretrained`, equal to the stock run's weights. With
-    `--zero_sequence_parallel 2` (both ranks read the same 4 samples, each holds half of every sequence; TRL's
-    fused log-probabilities come back whole) the token accuracy is the stock run's too."""
+def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(pools, assets, tmp_path, variant):
+    """`examples/sft_trl.py` (TRL's SFTTrainer with hf_zero mixed in, its default fused loss) on 2 processes:
+    the logged losses equal the same script's with TRL's stock SFTTrainer under DDP (1e-5 relative), and the
+    saved model loads with `from_pretrained`, equal to the stock run's weights. The plain variant runs the script
+    on the pool's two ranks, each given what `accelerate launch` gives a process (tests/_example_cases.py; the
+    launcher itself: the other examples' tests); with `--zero_sequence_parallel 2` (both ranks read the same 4
+    samples, each holds half of every sequence; TRL's fused log-probabilities come back whole), under `accelerate
+    launch`, the token accuracy is the stock run's too."""
     pytest.importorskip("trl")
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -189,10 +196,14 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(assets, 
               "--max_length", "64", "--report_to", "none", "--use_cpu", "--disable_tqdm", "true", "--save_strategy", "no",
               "--adam_epsilon", "1e-6", "--bf16", "false"]  # fp32 (TRL's configs default to bf16)
     zero, stock = tmp_path / "zero", tmp_path / "stock"
-    _run(ACCELERATE + common + ["--output_dir", str(stock), "--use_stock_trainer"], baseline=True)
-    split = ["--zero_sequence_parallel", "2", "--per_device_train_batch_size", "4", "--pad_to_multiple_of", "2"]
-    _run(ACCELERATE + common + ["--output_dir", str(zero), "--zero_stage", "3"]
-         + (split if variant == "sequence_parallel" else []))
+    if variant == "plain":
+        script, args = str(ROOT / common[0]), common[1:]
+        pools(2).values(example_cases.run_example, script, [*args, "--output_dir", str(stock), "--use_stock_trainer"])
+        pools(2).values(example_cases.run_example, script, [*args, "--output_dir", str(zero), "--zero_stage", "3"])
+    else:
+        _run(ACCELERATE + common + ["--output_dir", str(stock), "--use_stock_trainer"], baseline=True)
+        split = ["--zero_sequence_parallel", "2", "--per_device_train_batch_size", "4", "--pad_to_multiple_of", "2"]
+        _run(ACCELERATE + common + ["--output_dir", str(zero), "--zero_stage", "3"] + split)
     got, want = json.loads((zero / "losses.json").read_text()), json.loads((stock / "losses.json").read_text())
     assert len(got) == 4
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
