@@ -1,4 +1,5 @@
-"""Rank functions for tests/test_examples.py: an example script run on a pool's ranks, as `accelerate launch` runs it."""
+"""Rank functions for tests/test_examples.py: an example script run on a pool's ranks, as `accelerate launch`
+runs it."""
 
 from __future__ import annotations
 

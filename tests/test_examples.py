@@ -198,8 +198,8 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(pools, a
     zero, stock = tmp_path / "zero", tmp_path / "stock"
     if variant == "plain":
         script, args = str(ROOT / common[0]), common[1:]
-        pools(2).values(example_cases.run_example, script, [*args, "--output_dir", str(stock), "--use_stock_trainer"])
-        pools(2).values(example_cases.run_example, script, [*args, "--output_dir", str(zero), "--zero_stage", "3"])
+        for out, flags in ((stock, ["--use_stock_trainer"]), (zero, ["--zero_stage", "3"])):
+            pools(2).values(example_cases.run_example, script, [*args, "--output_dir", str(out), *flags])
     else:
         _run(ACCELERATE + common + ["--output_dir", str(stock), "--use_stock_trainer"], baseline=True)
         split = ["--zero_sequence_parallel", "2", "--per_device_train_batch_size", "4", "--pad_to_multiple_of", "2"]
