@@ -295,7 +295,9 @@ def embeds_then_train(stage: int) -> dict[str, Any]:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
-    return {"losses": losses, "state": _numpy(model.state_dict())}
+    with torch.no_grad():  # the backbone alone (embeddings extracted): its embeddings and norm are the root's too
+        hidden = model.model(input_ids=data[STEPS, rows]).last_hidden_state
+    return {"losses": losses, "state": _numpy(model.state_dict()), "hidden": hidden.numpy()}
 
 
 def embeds_reference(world: int) -> dict[str, Any]:
@@ -310,7 +312,9 @@ def embeds_reference(world: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "state": _numpy(model.state_dict())}
+    with torch.no_grad():
+        hidden = model.model(input_ids=data[STEPS]).last_hidden_state
+    return {"losses": losses, "state": _numpy(model.state_dict()), "hidden": hidden.numpy()}
 
 
 PROMPTS = [[5, 17, 42, 7], [9, 3, 101, 64]]

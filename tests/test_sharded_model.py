@@ -131,11 +131,14 @@ def test_resize_token_embeddings_on_a_sharded_model_then_training_matches(pools,
 @pytest.mark.parametrize("stage", [1, 3])
 def test_embeddings_and_head_called_outside_the_forward_train_as_the_model_itself(pools, stage):
     """`model(inputs_embeds=model.get_input_embeddings()(ids))` and `model.lm_head(hidden)` after the forward
-    (VLM, soft-prompt and auxiliary-head code): under DDP both train; here too ([Note: direct calls])."""
+    (VLM, soft-prompt and auxiliary-head code): under DDP both train; here too ([Note: direct calls]). Then the
+    backbone alone without grad (`model.model(ids)`, embeddings extracted) gives the unsharded model's states."""
     ref = cases.embeds_reference(world=2)
-    for r in pools(2).values(cases.embeds_then_train, stage):
+    for rank, r in enumerate(pools(2).values(cases.embeds_then_train, stage)):
         _close(r["state"], ref["state"])
         assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"])) <= TOL
+        want = ref["hidden"][rank * cases.MICRO_BS : (rank + 1) * cases.MICRO_BS]
+        assert rel_err(r["hidden"], want) <= TOL, rel_err(r["hidden"], want)
 
 
 @pytest.mark.parametrize("kind,eos_step", [("llama", None), ("falcon", None), ("llama", 1)])
