@@ -522,7 +522,6 @@ from tests import _peer_cases_loop  # noqa: E402, F401 - registers the rest of t
 from tests import _peer_cases_model  # noqa: E402
 
 REFUSED.update(_peer_cases_model.REFUSED)
-REFUSED_BY_STAND_IN = _peer_cases_model.REFUSED_BY_STAND_IN
 
 
 # ---- the runner ---------------------------------------------------------------------------------------

@@ -32,8 +32,6 @@ REFUSED: dict[str, dict[int, str]] = {
                                         2: "by a submodule of the unit called directly",
                                         3: "finds it so too: call it inside the unit's forward, or call the unit's"},
 }
-# Refused by the stand-in's `RuntimeError` (what any read of a resting stage-3 parameter raises), not a ValueError.
-REFUSED_BY_STAND_IN = {("block_submodule_called_directly", 3)}
 
 
 @scenario()

@@ -15,8 +15,8 @@ sharded and unsharded parameters). A `ShardedParameter`:
   parameter, which is the one autograd sees, and so do `loss.backward(inputs=[...])` and
   `torch.autograd.grad(loss, [...])` given stand-ins ([Note: backward to resting parameters]);
 - refuses `param.data = tensor` by name (the next gather would drop it);
-- raises a `RuntimeError` on any read of values (`sum`, `norm`, `clone`, `torch.equal`,
-  `tolist`, `torch.save`, `copy.deepcopy`, ...) naming the parameter and what to use instead:
+- raises a `RestingParameterError` (a `TypeError`, and a `RuntimeError`) on any read of values (`sum`, `norm`,
+  `clone`, `torch.equal`, `tolist`, `torch.save`, `copy.deepcopy`, ...) naming the parameter and what to use instead:
   `model.state_dict()`, `hf_zero.gathered_parameters(...)` or `hf_zero.full_state_dict(model)`.
 
 Why not torch's `DTensor`: a `DTensor` shards each parameter along a dimension (`Shard(0)`: rank r
@@ -51,9 +51,14 @@ def _message(name: str) -> str:
     )
 
 
+class RestingParameterError(TypeError, RuntimeError):
+    """What a read of a resting stage-3 parameter's values raises ([Note: resting parameters]): a user's mistake,
+    so a `TypeError` (the stand-in holds no values), and a `RuntimeError` as well, for code that caught that."""
+
+
 class ShardedParameter(torch.Tensor):
     """The stand-in a module holds for a stage-3 parameter while its unit is resharded
-    ([Note: resting parameters]). Metadata works; any read of values raises a `RuntimeError`
+    ([Note: resting parameters]). Metadata works; any read of values raises a `RestingParameterError`
     that says what to use.
 
     Example:
@@ -62,7 +67,7 @@ class ShardedParameter(torch.Tensor):
     >>> model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3))
     >>> model.lm_head.weight.shape          # metadata: fine
     torch.Size([32000, 4096])
-    >>> model.lm_head.weight.norm()         # a value: RuntimeError, naming state_dict / gathered_parameters
+    >>> model.lm_head.weight.norm()         # a value: RestingParameterError, naming state_dict / gathered_parameters
     ```
     """
 
@@ -101,7 +106,7 @@ class ShardedParameter(torch.Tensor):
         if grads:  # an optimizer hf_zero never saw, stepping a resting parameter by its `.grad`: the gradient's word
             raise TypeError(f"{_grad_message(grads[0])} (operation: {func})")
         names = [a._hf_zero_name for a in flat if isinstance(a, ShardedParameter)]
-        raise RuntimeError(f"{_message(names[0] if names else 'a parameter')} (operation: {func})")
+        raise RestingParameterError(f"{_message(names[0] if names else 'a parameter')} (operation: {func})")
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -130,7 +135,7 @@ class ShardedParameter(torch.Tensor):
         return f"ShardedParameter('{self._hf_zero_name}', shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(_message(self._hf_zero_name))
+        raise RestingParameterError(_message(self._hf_zero_name))
 
     tolist = item = numpy = __reduce_ex__ = __deepcopy__ = __array__ = _refuse  # all refuse alike
 

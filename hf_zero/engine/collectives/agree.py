@@ -66,6 +66,12 @@ _RAISABLE: dict[str, type[Exception]] = {
 }
 
 
+def _raisable_name(error: BaseException) -> str:
+    """The name of the first class of `error`'s that the other ranks re-raise (a subclass of `TypeError` defined
+    elsewhere is re-raised as a `TypeError`); `RuntimeError` when none is."""
+    return next((c.__name__ for c in type(error).__mro__ if c.__name__ in _RAISABLE), "RuntimeError")
+
+
 def raise_if_any_failed(error: BaseException | None, group: CommGroup, what: str) -> None:
     """Agree on a local check; if any rank failed, raise on every rank with the failing rank's cause.
 
@@ -76,7 +82,7 @@ def raise_if_any_failed(error: BaseException | None, group: CommGroup, what: str
     bad = failed_ranks(error is not None, group)
     if not bad:
         return
-    reports = gather_objects(None if error is None else (type(error).__name__, str(error)), group)
+    reports = gather_objects(None if error is None else (_raisable_name(error), str(error)), group)
     if error is not None:
         raise error
     first = next(r for r in reports if r is not None)
