@@ -5,6 +5,8 @@ imports this module."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -238,51 +240,52 @@ def vector_to_parameters_between_steps(loop: Loop) -> None:
 
 
 # ---- the root's modules called outside the model's forward ([Note: direct calls]) ----------------------------------
-@scenario(wrap=("Block",))
-def inputs_embeds_from_the_models_own_input_layer(loop: Loop) -> None:
-    """`model(inputs_embeds=model.get_input_embeddings()(ids) * scale)` (soft prompts, image features merged into
-    the embeddings), where the input layer is the root's: its gradient follows the end of the root's forward."""
+def _steps_around(loop: Loop, loss_of: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Three steps whose loss `loss_of(step, x, y)` builds around the model's forward (the reference's buffers
+    synchronised first, as DDP's forward does)."""
     for step in range(3):
         x, y = loop.batch(step)
         loop.dp.before_forward()
-        embeds = loop.model.inp(x) * 1.5
-        loss = nn.functional.mse_loss(loop.model(x, embeds=embeds), y)
+        loss = loss_of(step, x, y)
         loop.note("loss", loss)
         loop.backward(loss)
         loop.opt.step()
         loop.opt.zero_grad()
+
+
+def _auxiliary(loop: Loop, module: nn.Module, step: int) -> torch.Tensor:
+    """A second loss from `module` called alone on other inputs."""
+    other, _ = loop.batch(step + 50)
+    return module(other.repeat(1, 2)).pow(2).mean()
+
+
+@scenario(wrap=("Block",))
+def inputs_embeds_from_the_models_own_input_layer(loop: Loop) -> None:
+    """`model(inputs_embeds=model.get_input_embeddings()(ids) * scale)` (soft prompts, image features merged into
+    the embeddings), where the input layer is the root's: its gradient follows the end of the root's forward."""
+    _steps_around(loop, lambda step, x, y: nn.functional.mse_loss(loop.model(x, embeds=loop.model.inp(x) * 1.5), y))
 
 
 @scenario(wrap=("Block",))
 def root_head_called_after_the_forward(loop: Loop) -> None:
     """A second loss from the root's head called on other inputs after the model's forward (an auxiliary head)."""
-    for step in range(3):
-        x, y = loop.batch(step)
-        loop.dp.before_forward()
+
+    def loss_of(step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = loop.model(x)
-        other, _ = loop.batch(step + 50)
-        aux = loop.model.head(other.repeat(1, 2)).pow(2).mean()
-        loss = nn.functional.mse_loss(out, y) + 0.1 * aux
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
+        return nn.functional.mse_loss(out, y) + 0.1 * _auxiliary(loop, loop.model.head, step)
+
+    _steps_around(loop, loss_of)
 
 
 @scenario()
 def block_submodule_called_directly(loop: Loop) -> None:
     """A block's `Linear` called alone for an auxiliary loss: its unit's parameters are gathered and reduced with
     the unit's forward and backward, so the call is refused by name (no hook sits on a block's submodules)."""
-    for step in range(3):
-        x, y = loop.batch(step)
-        loop.dp.before_forward()
-        other, _ = loop.batch(step + 40)
-        aux = loop.model.blocks[1].lin(other.repeat(1, 2)).pow(2).mean()
-        loss = nn.functional.mse_loss(loop.model(x), y) + 0.1 * aux
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
+    _steps_around(
+        loop,
+        lambda step, x, y: nn.functional.mse_loss(loop.model(x), y)
+        + 0.1 * _auxiliary(loop, loop.model.blocks[1].lin, step),
+    )
 
 
 @scenario(wrap=("Block",))
