@@ -279,12 +279,14 @@ def root_head_called_after_the_forward(loop: Loop) -> None:
 
 @scenario()
 def block_submodule_called_directly(loop: Loop) -> None:
-    """A block's `Linear` called alone for an auxiliary loss: its unit's parameters are gathered and reduced with
-    the unit's forward and backward, so the call is refused by name (no hook sits on a block's submodules)."""
+    """A block's `Linear` called alone for an auxiliary loss, before the model's forward: its unit's parameters are
+    gathered and reduced with the unit's forward and backward, so the call is refused by name (no hook sits on a
+    block's submodules). At stages 1-2 the loss computed before the forward has its backward run after the unit's,
+    past its reduction: refused; computed after the forward, autograd runs it first and it is exact."""
     _steps_around(
         loop,
-        lambda step, x, y: nn.functional.mse_loss(loop.model(x), y)
-        + 0.1 * _auxiliary(loop, loop.model.blocks[1].lin, step),
+        lambda step, x, y: 0.1 * _auxiliary(loop, loop.model.blocks[1].lin, step)
+        + nn.functional.mse_loss(loop.model(x), y),
     )
 
 
