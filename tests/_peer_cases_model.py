@@ -30,6 +30,7 @@ REFUSED: dict[str, dict[int, str]] = {
     "block_deleted_between_steps": {s: "the submodules ['blocks.2'] were replaced or deleted (4 parameter entries gone)"
                                     for s in (1, 2, 3)},
     "root_module_called_on_one_rank": {3: "rank(s) [0] began a module of the model's root called outside its forward"},
+    "root_module_changing_its_weight_when_called_directly": {3: "the forward changed parameters ['inp.weight'] in place"},
     "block_submodule_called_directly": {1: "by a submodule of the unit called directly",
                                         2: "by a submodule of the unit called directly",
                                         3: "finds it so too: call it inside the unit's forward, or call the unit's"},
@@ -288,6 +289,29 @@ def block_submodule_called_directly(loop: Loop) -> None:
         lambda step, x, y: 0.1 * _auxiliary(loop, loop.model.blocks[1].lin, step)
         + nn.functional.mse_loss(loop.model(x), y),
     )
+
+
+@scenario(wrap=("Block",))
+def root_module_changing_its_weight_when_called_directly(loop: Loop) -> None:
+    """The root's input layer called alone scales its weight in place (what `nn.Embedding(max_norm=...)` does to the
+    rows it looks up): kept at stages 1-2 as under DDP; at stage 3 the change would leave with the gathered copy,
+    so the call is refused by name."""
+    direct = [False]
+
+    def scale(module: nn.Module, args: object) -> None:
+        if direct[0]:
+            with torch.no_grad():
+                module.weight.mul_(0.9)
+
+    loop.model.inp.register_forward_pre_hook(scale)
+
+    def loss_of(step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        direct[0] = True
+        embeds = loop.model.inp(x)
+        direct[0] = False
+        return nn.functional.mse_loss(loop.model(x, embeds=embeds), y)
+
+    _steps_around(loop, loss_of)
 
 
 @scenario(wrap=("Block",))
