@@ -30,7 +30,7 @@ REFUSED: dict[str, dict[int, str]] = {
     "block_deleted_between_steps": {s: "the submodules ['blocks.2'] were replaced or deleted (4 parameter entries gone)"
                                     for s in (1, 2, 3)},
     "root_module_called_on_one_rank": {3: "rank(s) [0] began a module of the model's root called outside its forward"},
-    "root_module_changing_its_weight_when_called_directly": {3: "the forward changed parameters ['inp.weight'] in place"},
+    "root_module_changing_its_weight_when_called_directly": {3: "changed parameters ['inp.weight'] in place"},
     "block_submodule_called_directly": {1: "by a submodule of the unit called directly",
                                         2: "by a submodule of the unit called directly",
                                         3: "finds it so too: call it inside the unit's forward, or call the unit's"},
