@@ -149,8 +149,8 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, tim
 
 
 # What the workers import anyway, imported once by the fork server they are forked from (a module that fails to
-# import there is left to the worker): on 2 cores a pool of 2 took 8.8 s to import hf_zero and a LLaMA when each
-# worker imported them itself (spawn), a pool of 4 17 s.
+# import there is left to the worker): imported by each worker instead, hf_zero and a LLaMA cost a pool of 2 8.8 s
+# and a pool of 4 17 s on 2 cores.
 PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
            "transformers.models.falcon.modeling_falcon", "transformers.trainer", "hf_zero", "tests._dist",
            "tests._training"]

@@ -219,7 +219,7 @@ class UnitHooks:
             return
         self.direct_call = None
         unit.end_forward()
-        changed = unit.changed_since(self.current.versions.pop(id(unit))) if not unit.persistent else []
+        changed = self.current.note_changes(unit)  # [Note: changed in forward]
         unit.after_forward()
         if changed:
             self.reset()
