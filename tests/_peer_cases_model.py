@@ -166,6 +166,30 @@ def spectral_norm_hook_inside_a_block(loop: Loop) -> None:
     _steps(loop)
 
 
+class PreHookedBlock(Block):
+    """A block with a forward pre-hook on itself, registered before `initialize`, that reads its weights (a
+    library's patch, a user's input transform)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_forward_pre_hook(lambda module, args: (args[0] + 0.01 * module.lin.weight.sum(),))
+
+
+@scenario(block=PreHookedBlock)
+def block_pre_hook_reading_its_weights(loop: Loop) -> None:
+    """[Note: hook order] the engine's pre-forward hook runs first, so the block's own pre-hook reads the gathered
+    weights (stage 3), and its use of them is inside the unit's backward (stages 1-2)."""
+    _steps(loop)
+
+
+@scenario()
+def block_forward_hook_reading_its_weights(loop: Loop) -> None:
+    """[Note: hook order] a forward hook registered on a block after `initialize`, reading the block's weights: the
+    engine's post-forward hook stays last, so the weights are still whole when the user's runs (stage 3)."""
+    loop.model.blocks[1].register_forward_hook(lambda module, args, out: out + 0.01 * module.lin.weight.sum())
+    _steps(loop)
+
+
 @scenario()
 def functional_call_with_substituted_weights(loop: Loop) -> None:
     """`torch.func.functional_call(model, {name: tensor}, (x,))` with the head's and one block's weight substituted

@@ -19,6 +19,7 @@ from .lifecycle import TrainingState
 from .order import plan_prefetches
 from .passes import Pass, in_backward
 from .pool import BufferPool
+from .registration import keep_last, members, register_first_pre_hook, weakly
 from .stages import StagePlan
 from .tree import cast_floating_inputs, flatten, tensors
 from .unit import Unit, changed_in_forward_error, units_apart_error
@@ -91,6 +92,7 @@ class UnitHooks:
         self.root_calls = 0  # [Note: forward called directly] the root's forwards running inside its __call__
         self.direct_call: nn.Module | None = None  # [Note: direct calls] the root's module whose direct call runs
         self._handles: list[RemovableHandle] = []
+        self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._register()
 
     # ---- registration -----------------------------------------------------------------------
@@ -98,22 +100,25 @@ class UnitHooks:
         for unit in self.units:
             modules = unit.spec.all_modules  # one module, or a bucket of blocks
             first, last = modules[0], modules[-1]
-            self._handles.append(first.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
-            self._handles.append(last.register_forward_hook(partial(self._post_forward, unit), with_kwargs=True))
+            pre = partial(self._pre_forward, unit)
+            self._handles.append(register_first_pre_hook(first, pre, with_kwargs=True))  # [Note: hook order]
+            post = last.register_forward_hook(partial(self._post_forward, unit), with_kwargs=True)
+            self._handles.append(post)
+            self._post_hooks[id(unit)] = (last, post)
             for member in modules[1:]:  # [Note: recomputation] a bucket's block may be replayed alone
-                self._handles.append(member.register_forward_pre_hook(partial(self._member_pre_forward, unit)))
+                self._handles.append(register_first_pre_hook(member, partial(self._member_pre_forward, unit)))
             for member in modules[:-1]:
                 self._handles.append(member.register_forward_hook(partial(self._member_post_forward, unit)))
             for p in unit.params:
                 if p.requires_grad:  # which parameters got gradients; the reduction-gated prefetch is polled here
                     # Through a weak reference: a hook a parameter holds is invisible to the garbage collector,
                     # so a strong one would keep the hooks, the engine and the model (its offload files) alive.
-                    hook = partial(_weakly, weakref.WeakMethod(self._on_grad_ready), weakref.ref(unit))
+                    hook = partial(weakly, weakref.WeakMethod(self._on_grad_ready), weakref.ref(unit))
                     self._handles.append(p.register_post_accumulate_grad_hook(hook))
-        for member in _members(self.root):  # [Note: direct calls]
-            self._handles.append(member.register_forward_pre_hook(partial(self._pre_direct_call, self.root)))
-            post = partial(self._post_direct_call, self.root)
-            self._handles.append(member.register_forward_hook(post, always_call=True))
+        for member in members(self.root):  # [Note: direct calls]
+            self._handles.append(register_first_pre_hook(member, partial(self._pre_direct_call, self.root)))
+            end = partial(self._post_direct_call, self.root)
+            self._handles.append(member.register_forward_hook(end, always_call=True))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -123,6 +128,7 @@ class UnitHooks:
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         recompute = in_backward()  # [Note: recomputation] in passes.py
+        keep_last(*self._post_hooks[id(unit)])  # [Note: hook order]
         if recompute:
             self._settle_units_check()
         if unit is self.root and not recompute:
@@ -584,17 +590,3 @@ class UnitHooks:
             unit.unpin()
             if unit.training_state in (TrainingState.IDLE, TrainingState.REDUCING):
                 unit.release()
-
-
-def _members(unit: Unit) -> list[nn.Module]:
-    """[Note: direct calls] the modules that hold `unit`'s parameters, other than the unit's own."""
-    own = {id(m) for m in unit.spec.all_modules}
-    found = {id(m): m for part in unit.parts for slots in part.spec.slots for m, _ in slots}
-    return [m for key, m in found.items() if key not in own]
-
-
-def _weakly(method: weakref.WeakMethod[Callable[..., Any]], unit: weakref.ref[Unit], *args: Any) -> None:
-    """Call `method(unit, *args)` (both weak references) if they still live."""
-    bound, target = method(), unit()
-    if bound is not None and target is not None:
-        bound(target, *args)
