@@ -162,6 +162,9 @@ def initialize(
         source.load_buffers(model)
     engine = ZeroEngine(model, specs, cfg, world, compute, source)
     attach(model, engine)
+    head = _head_read_by_a_fused_loss(model)
+    if head is not None:
+        engine.use_directly(head)
     if cfg.sequence_parallel > 1:  # [Note: sequence parallelism]
         from .integrations import sequence
 
@@ -171,6 +174,19 @@ def initialize(
 
         tiled_mlp.enable(model)
     return model, shard_optimizers(optimizer, engine)
+
+
+def _head_read_by_a_fused_loss(model: nn.Module) -> nn.Module | None:
+    """The output head of a model whose forward Liger replaced (`apply_liger_kernel_to_llama()`, the Trainer's
+    `--use_liger_kernel`): its fused linear cross-entropy takes `lm_head.weight` as an argument and never calls the
+    head, so at stage 3 the head's unit is kept gathered through each forward ([Note: direct use]); else None."""
+    get_base = getattr(model, "get_base_model", None)  # PEFT
+    base = get_base() if callable(get_base) else model
+    forward = getattr(base, "forward", None)
+    where = getattr(getattr(forward, "__func__", forward), "__module__", None) or ""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if where.split(".")[0] == "liger_kernel" and callable(get_head) else None
+    return head if isinstance(head, nn.Module) else None
 
 
 def _check_sequence_parallel(model: nn.Module, size: int, world_size: int) -> None:

@@ -67,9 +67,11 @@ class Net(nn.Module):
         reuse: int = 1,
         skip: tuple[int, ...] = (),
         embeds: torch.Tensor | None = None,
+        head_by_weight: bool = False,
     ) -> torch.Tensor:
         """`spare`: add the spare head; `reuse`: apply block 0 that many times; `skip`: blocks not run; `embeds`:
-        used instead of `inp(x)` (HF's `inputs_embeds`)."""
+        used instead of `inp(x)` (HF's `inputs_embeds`); `head_by_weight`: the head's weight read, the head not
+        called (a fused loss's way)."""
         h: Any = self.inp(x) if embeds is None else embeds
         for i, block in enumerate(self.blocks):
             for _ in range(reuse if i == 0 else 1):
@@ -77,7 +79,7 @@ class Net(nn.Module):
                     h = block(h)
         h = h.hidden if isinstance(h, Carried) else h
         h = self.bn(h) if self.bn is not None else h
-        out = self.head(h)
+        out = nn.functional.linear(h, self.head.weight, self.head.bias) if head_by_weight else self.head(h)
         return out + self.spare(h) if spare else out
 
 

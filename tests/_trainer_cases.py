@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from tests._training import VOCAB, make_model, with_lora
+from tests._training import VOCAB, apply_liger_like, make_model, with_lora
 
 
 class TokenDataset(Dataset):
@@ -120,6 +120,7 @@ class Job:
     counts: bool = False  # compute_metrics (how many samples, their label sum, accuracy) and tokens seen
     compile_backend: str | None = None  # --torch_compile_backend (turns --torch_compile on)
     regional_compile: bool = False  # Accelerate's use_regional_compilation (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION)
+    liger: bool = False  # --use_liger_kernel, with tests._training.apply_liger_like (Liger needs triton and a GPU)
 
     @property
     def accum(self) -> int:
@@ -232,7 +233,7 @@ def _common(job: Job) -> dict[str, Any]:
                 metric_for_best_model="eval_loss") if job.best_model else {}),
         **(dict(eval_strategy="steps", eval_steps=job.eval_steps) if job.eval_steps else {}),
         gradient_checkpointing=job.checkpointing, dataloader_num_workers=0, auto_find_batch_size=job.oom is not None,
-        include_num_input_tokens_seen="all" if job.counts else "no",
+        include_num_input_tokens_seen="all" if job.counts else "no", use_liger_kernel=job.liger,
         **(dict(torch_compile_backend=job.compile_backend) if job.compile_backend else {}),
     )
 
@@ -291,7 +292,14 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
                               compute_metrics=_counts if job.counts else None)
     finally:
         os.environ.pop("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", None)
-    trainer.train(resume_from_checkpoint=job.resume_from)
+    import transformers.trainer
+
+    apply_liger = transformers.trainer.apply_liger_kernel
+    transformers.trainer.apply_liger_kernel = apply_liger_like  # used only by `use_liger_kernel=True` runs (job.liger)
+    try:
+        trainer.train(resume_from_checkpoint=job.resume_from)
+    finally:
+        transformers.trainer.apply_liger_kernel = apply_liger
     metrics = trainer.evaluate()
     compiled = dict(counters["frames"]) if job.compile_backend else None
     eval_loss = metrics["eval_loss"]

@@ -206,6 +206,41 @@ class MoELM(nn.Module):
         return out
 
 
+class FusedHead(torch.autograd.Function):
+    """What Liger's fused linear cross-entropy does with the head: `lm_head.weight` is an argument of an autograd
+    Function, so the head's module is never called and no `__torch_function__` sees the weight go in."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight)
+        return hidden @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        return grad @ weight, rows.t() @ hidden.reshape(-1, hidden.shape[-1])
+
+
+def apply_liger_like(model: nn.Module, kernel_config: Any = None) -> None:
+    """Liger's `apply_liger_kernel_to_llama(model=model)` (and transformers' `apply_liger_kernel`, the Trainer's
+    `--use_liger_kernel`) without triton: the model's forward replaced by one from a `liger_kernel` module that
+    passes `lm_head.weight` to a fused loss without calling the head, as Liger's `lce_forward` does. Its loss is
+    the model's own loss function, so the same forward on the unsharded model is the reference."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    def lce_forward(input_ids: Any = None, attention_mask: Any = None, labels: Any = None, skip_logits: Any = None,
+                    **kwargs: Any) -> CausalLMOutputWithPast:
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = FusedHead.apply(hidden, model.lm_head.weight)
+        loss = None if labels is None else model.loss_function(
+            logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    lce_forward.__module__ = "liger_kernel.transformers.model.llama"  # where Liger's forwards live
+    model.forward = lce_forward
+
+
 def make_batches(sc: Scenario) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, VOCAB, (sc.steps, sc.global_batch, sc.seq), generator=g)

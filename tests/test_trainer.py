@@ -54,6 +54,15 @@ def test_zero_trainer_matches_stock_trainer(pools, tmp_path, kind, stage):
     _assert_close_to_reference(got, _reference(_ref_key(job)))
 
 
+def test_liger_kernel_forward_reading_the_head_weight_trains_as_the_stock_trainer(pools, tmp_path):
+    """`--use_liger_kernel`: Liger's forward passes `lm_head.weight` to its fused loss without calling the head (a
+    Liger-like forward here: Liger needs triton and a GPU). At stage 3 the head, a unit of its own, is kept gathered
+    through each forward ([Note: direct use]), as for TRL's trainers."""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), liger=True)
+    got = pools(2).values(tc.run, job)[0]
+    _assert_close_to_reference(got, _reference(_ref_key(job)))
+
+
 # the whole model in the slow tier (26-29 s on 2 cores: dynamo traces past each graph break of the hooks of a llama);
 # the suite compiles the whole of a smaller model in tests/test_sharded_model.py
 @pytest.mark.parametrize(("regional", "backend"), [(True, "aot_eager"),

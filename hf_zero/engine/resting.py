@@ -47,7 +47,10 @@ def _message(name: str) -> str:
         "passes. To read it, call model.state_dict() (full tensors; every rank must call it); to read or change "
         "it in place, use `with hf_zero.gathered_parameters(module, modifier_rank=0): ...` on every rank. A "
         "submodule of a unit called outside the unit's forward (`model.layers[1].mlp(x)`) finds it so too: call it "
-        "inside the unit's forward, or call the unit's module."
+        "inside the unit's forward, or call the unit's module; and so does a forward that reads it from a module "
+        "of another unit without calling that module (`F.linear(h, self.lm_head.weight)`): call the module, or "
+        "give ZeroConfig.wrap a list that leaves that module in the reader's unit (`wrap=['LlamaDecoderLayer']` "
+        "keeps the head in the root's)."
     )
 
 

@@ -171,7 +171,7 @@ class ZeroTrainerMixin(_TrainerBase):
 
     def _shard_for_direct_head(self, model: nn.Module) -> None:
         """TRL computes log-probabilities from `lm_head.weight` directly: keep the head gathered through each
-        forward of a sharded model ([Note: direct use])."""
+        forward of a sharded model ([Note: direct use]; a forward Liger replaced is found by `initialize`)."""
         get_head = getattr(model, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         if _reads_head_directly(self) and isinstance(head, nn.Module):
