@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import JoinHook
 
 from .config import ZeroConfig
 from .engine.collectives import agreement
@@ -105,6 +106,24 @@ class ZeroModel:
     @_ddp_params_and_buffers_to_ignore.setter
     def _ddp_params_and_buffers_to_ignore(self, value: Any) -> None:
         self.__dict__["_hf_zero_ddp_ignored"] = value
+
+    # ---- torch's Join ----------------------------------------------------------------------------
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """[Note: uneven inputs] in engine/forward_checks.py: what `Join([model, ...])` asks of each of its
+        joinables (Accelerate's `join_uneven_inputs` builds one on every multi-GPU run). A hook that does nothing:
+        disabled (`even_batches=True`, Accelerate's default) the context changes nothing, as with DDP; enabled, the
+        first forward inside it is refused."""
+        return JoinHook()
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where `Join` puts the flags it all-reduces (the compute device)."""
+        return self.zero_engine.device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group `Join` counts the ranks in: the engine's world."""
+        return self.zero_engine.world.pg
 
     # ---- dtype and device -------------------------------------------------------------------
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join
 
 from tests import _peer_harness
 from tests._peer_harness import D_OUT, Block, D, Loop, _steps, scenario
@@ -34,6 +35,7 @@ REFUSED: dict[str, dict[int, str]] = {
     "block_submodule_called_directly": {1: "by a submodule of the unit called directly",
                                         2: "by a submodule of the unit called directly",
                                         3: "finds it so too: call it inside the unit's forward, or call the unit's"},
+    "head_weight_read_by_the_forward_of_another_unit": {3: "reads it from a module of another unit without calling"},
 }
 
 
@@ -188,6 +190,37 @@ def block_forward_hook_reading_its_weights(loop: Loop) -> None:
     engine's post-forward hook stays last, so the weights are still whole when the user's runs (stage 3)."""
     loop.model.blocks[1].register_forward_hook(lambda module, args, out: out + 0.01 * module.lin.weight.sum())
     _steps(loop)
+
+
+@scenario(wrap=("Block", "Linear"))
+def head_weight_read_by_the_forward_of_another_unit(loop: Loop) -> None:
+    """The model's forward computes `F.linear(h, self.head.weight, ...)` where the head is a unit of its own (its
+    module matched by `wrap`) and is never called: exact at stages 1-2; at stage 3 the head's parameters rest, and
+    the stand-in's message names the pattern and the ways out (a forward from Liger is found by `initialize`)."""
+    _steps(loop, head_by_weight=True)
+
+
+@scenario()
+def join_around_the_loop(loop: Loop) -> None:
+    """torch's `Join([model])`, which Accelerate's `join_uneven_inputs` builds on multi-GPU runs: disabled
+    (`even_batches=True`, Accelerate's default) it changes nothing, as with DDP; enabled, the first forward inside
+    it is refused on every rank ([Note: uneven inputs]: no rank can shadow a sharded step), and the model trains
+    after the context as before."""
+    if not loop.sharded:  # the reference: the same steps, no context (DDP's disabled Join does nothing either)
+        _steps(loop, 2)
+        loop.note("refused", 1.0)
+        _steps(loop, 1)
+        return
+    with Join([loop.model], enable=False):
+        _steps(loop, 2)
+    try:
+        with Join([loop.model]):
+            loop.loss(5)
+        refused = False
+    except ValueError as e:
+        refused = "torch's Join with uneven inputs" in str(e)
+    loop.note("refused", float(refused))
+    _steps(loop, 1)
 
 
 @scenario()

@@ -27,7 +27,7 @@ from .collectives import (
     raise_if_any_failed,
 )
 from .flat import FlatPart, take_edits
-from .forward_checks import ModelStructure, refuse_replaced_data, refuse_unfrozen
+from .forward_checks import ModelStructure, refuse_replaced_data, refuse_uneven_join, refuse_unfrozen
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
@@ -277,6 +277,7 @@ class ZeroEngine:
         """As each forward of the model begins (not a recomputation): the header of a forward that issues collectives
         ([Note: call order]) and the refusal of parameters assigned since `initialize`; then, with grad, refuse
         parameters unfrozen or given new `.data` since, and broadcast the buffers ([Note: buffer broadcast])."""
+        refuse_uneven_join(self.model)  # [Note: uneven inputs]: before any collective
         grad = torch.is_grad_enabled()
         if grad or self.plan.params.uses_gather:
             self.calls.begin(Call.FORWARD if grad else Call.FORWARD_NO_GRAD, read_now=False)

@@ -34,6 +34,29 @@ def refuse_unfrozen(frozen_parts: list[FlatPart]) -> None:
                 )
 
 
+def refuse_uneven_join(model: nn.Module) -> None:
+    """[Note: uneven inputs]
+    `torch.distributed.algorithms.Join([model])`, enabled (Accelerate's `join_uneven_inputs([model],
+    even_batches=False)`): under DDP a rank out of batches leaves the loop and, at the context's exit, shadows the
+    other ranks' gradient all-reduces with zeros until they finish, which every DDP forward tells it about. A
+    sharded model's step is a gather and a reduce-scatter per unit and an optimizer step with its own collectives,
+    which a rank without a batch cannot shadow: it would wait in a collective the others never match. So the
+    first forward inside an enabled `Join` is refused, on every rank (each enters the context and runs a
+    forward), and the context is switched off so that the model works after it. Disabled (`even_batches=True`,
+    Accelerate's default), the context changes nothing, as with DDP (`ZeroModel.join_hook`)."""
+    config = getattr(model, "_join_config", None)
+    if config is None or not config.enable:
+        return
+    model._join_config = type(config).construct_disabled_join_config()
+    raise ValueError(
+        "hf_zero: torch's Join with uneven inputs (`accelerator.join_uneven_inputs([model], even_batches=False)`, "
+        "`Join([model])`) is DDP's: a rank that runs out of batches shadows DDP's gradient all-reduce, but a "
+        "sharded model's step is a gather and a reduce-scatter per unit, which a rank without a batch cannot "
+        "shadow. Give every rank the same number of batches: Accelerate's even_batches=True (its default) or "
+        "DataLoader(drop_last=True)."
+    )
+
+
 def refuse_replaced_data(parts: list[FlatPart]) -> None:
     """[Note: replaced data]
     At stages 0-2 every parameter is a view of its part's flat buffer for the engine's lifetime. `param.data =
