@@ -45,24 +45,32 @@ def _optimizers(model: torch.nn.Module, two: bool) -> list[torch.optim.Optimizer
 def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at: int | None = None,
          save_dir: str | None = None, load_dir: str | None = None, resume_step: int = 0,
          seed: int = 0, train: bool = True, two_optimizers: bool = False, async_save: bool = False,
-         snapshot_budget: str | None = None, compile_backend: str | None = None) -> dict[str, Any]:
+         snapshot_budget: str | None = None, compile_backend: str | None = None,
+         model_first: bool = False) -> dict[str, Any]:
     """Train `steps` optimizer steps; optionally save_state after `save_at` steps or load_state first.
     `two_optimizers`: two optimizers over disjoint parameters (`_optimizers`), each with its scheduler; `async_save`:
     the plugin's zero_async_save (the save returns at once; the loop waits for it before returning), with
     `snapshot_budget` as its zero_snapshot_budget; the snapshots taken are in the result (`snapshots`).
-    `compile_backend`: the accelerator compiles the model's blocks with it (dynamo's compiled frames in the result)."""
+    `compile_backend`: the accelerator compiles the model's blocks with it (dynamo's compiled frames in the result).
+    `model_first`: the model prepared alone, then the optimizers built over its parameters and prepared with the
+    loader (Accelerate's FSDP guide's order)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     accelerator = _fresh_accelerator(use_zero, stage, accum, async_save, snapshot_budget, compile_backend)
     model = make_model("llama", seed=seed)
+    if model_first:
+        model = accelerator.prepare(model)
     optimizers = _optimizers(model, two_optimizers)
     world = accelerator.num_processes
     loader = DataLoader(TokenDataset(2 * world * accum * steps, 16, seed=1), batch_size=2, shuffle=True,
                         generator=torch.Generator().manual_seed(0))
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + 0.1 * step)) for o in optimizers]
-    model, loader, *rest = accelerator.prepare(model, loader, *optimizers, *schedulers)
+    if model_first:
+        loader, *rest = accelerator.prepare(loader, *optimizers, *schedulers)
+    else:
+        model, loader, *rest = accelerator.prepare(model, loader, *optimizers, *schedulers)
     optimizers, schedulers = rest[: len(optimizers)], rest[len(optimizers):]
     start = 0
     if load_dir is not None:
@@ -135,3 +143,14 @@ def preemption_stops_together(save_dir: str, signal_rank: int, signal_step: int)
     finally:
         state.destroy_process_group = destroy
     return {"stopped": stopped, "handler_restored": signal.getsignal(signal.SIGUSR1) == before}
+
+
+def optimizer_prepared_before_its_model() -> str:
+    """`accelerator.prepare(optimizer)` before the model: refused (its step would meet an unattached optimizer)."""
+    accelerator = _fresh_accelerator(True, 3, 1)
+    model = make_model("llama")
+    try:
+        accelerator.prepare(make_optimizer(model, 1e-3))
+    except ValueError as e:
+        return str(e)
+    return ""

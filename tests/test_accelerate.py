@@ -12,18 +12,25 @@ TOL = 1e-5
 
 
 # stage 1 in the slow tier (its engine paths are the Trainer's and the peer scenarios'; Accelerate's are stage 3's)
-@pytest.mark.parametrize("stage, two_optimizers", [pytest.param(1, False, marks=pytest.mark.slow), (3, False),
-                                                   (3, True)])
-def test_accelerate_loop_matches_ddp(pools, stage, two_optimizers):
-    """Two optimizers: Adafactor on the matrices (whole parameters) and AdamW on the rest, prepared together."""
-    zero = pools(2).values(ac.loop, True, stage, two_optimizers=two_optimizers)[0]
-    ddp = pools(2).values(ac.loop, False, two_optimizers=two_optimizers)[0]
+@pytest.mark.parametrize("stage, two_optimizers, model_first", [pytest.param(1, False, False, marks=pytest.mark.slow),
+                                                                (3, False, False), (3, True, False), (3, True, True)])
+def test_accelerate_loop_matches_ddp(pools, stage, two_optimizers, model_first):
+    """Two optimizers: Adafactor on the matrices (whole parameters) and AdamW on the rest, prepared together.
+    `model_first`: the model prepared alone, its optimizers built over the sharded model's parameters and prepared
+    after (Accelerate's FSDP guide's order); they are attached to the model then."""
+    zero = pools(2).values(ac.loop, True, stage, two_optimizers=two_optimizers, model_first=model_first)[0]
+    ddp = pools(2).values(ac.loop, False, two_optimizers=two_optimizers, model_first=model_first)[0]
     assert zero["world"] == ddp["world"] == 2
     np.testing.assert_allclose(zero["losses"], ddp["losses"], rtol=TOL, atol=0)
     np.testing.assert_allclose(zero["norms"], ddp["norms"], rtol=TOL, atol=0)
     assert zero["lr"] == ddp["lr"]  # the scheduler drives the sharded optimizer's lr like DDP's
     for name, value in ddp["state"].items():
         assert rel_err(zero["state"][name].numpy(), value.numpy()) <= TOL, name
+
+
+def test_an_optimizer_prepared_before_its_model_is_refused(pools):
+    for message in pools(2).values(ac.optimizer_prepared_before_its_model):
+        assert "an optimizer was prepared before its model. Prepare the model first" in message, message
 
 
 # the slow tier (12 s on 2 cores): the Trainer's regional compilation (tests/test_trainer.py) takes the same

@@ -33,7 +33,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
-from ..api import full_state_dict, initialize
+from ..api import attach_optimizer, full_state_dict, initialize
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
 from ..config import ZeroConfig
 from ..engine.module import get_engine, is_sharded
@@ -144,20 +144,34 @@ class ZeroAccelerator(Accelerator):
 
     # ---- prepare ----------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """As Accelerate's: the model is sharded with the optimizers given with it. The model may come first and
+        its optimizers in a later call, built over the sharded model's parameters (what Accelerate's FSDP guide
+        advises: `model = accelerator.prepare(model)`, then `optimizer = AdamW(model.parameters())`, then
+        `accelerator.prepare(optimizer, ...)`): they are attached to it then (`hf_zero.attach_optimizer`; those of
+        an earlier call are released, as a model outliving its optimizer wants)."""
         modules = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
         optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
-        if not modules:
+        if not modules and not optimizers:
             return super().prepare(*args, device_placement=device_placement)
-        if len(modules) > 1 or self._zero_model is not None:
+        if len(modules) > 1 or (modules and self._zero_model is not None):
             raise ValueError(
                 "ZeroAccelerator shards one model (with its optimizers) per accelerator; prepare them in one call."
             )
+        if not modules and self._zero_model is None:
+            raise ValueError(
+                "ZeroAccelerator: an optimizer was prepared before its model. Prepare the model first (or in the same "
+                "call): `model = accelerator.prepare(model)`, then build the optimizer over model.parameters()."
+            )
         items = list(args)
         inner = [o.optimizer if isinstance(o, AcceleratedOptimizer) else o for o in (items[i] for i in optimizers)]
-        model, sharded = initialize(items[modules[0]], inner or None, self.zero_config, device=self.device)
-        items[modules[0]] = model
-        compile_as_requested(model, self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]
-        self._zero_model, self._zero_optimizers = model, list(sharded or [])
+        if modules:
+            model, sharded = initialize(items[modules[0]], inner or None, self.zero_config, device=self.device)
+            items[modules[0]] = model
+            compile_as_requested(model, self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]
+            self._zero_model = model
+        else:
+            sharded = attach_optimizer(cast(nn.Module, self._zero_model), inner)
+        self._zero_optimizers = list(sharded or [])
         for i, each in zip(optimizers, self._zero_optimizers):
             items[i] = _ShardedAcceleratedOptimizer(each, device_placement=False, scaler=None)
         return super().prepare(*items, device_placement=device_placement)
