@@ -154,3 +154,25 @@ def optimizer_prepared_before_its_model() -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+def two_trainings(use_zero: bool, steps: int = 2) -> dict[str, Any]:
+    """Accelerate's `find_executable_batch_size` idiom: one accelerator, `free_memory()`, then a new model and
+    optimizer prepared and trained, twice (the second a fresh model from another seed)."""
+    accelerator = _fresh_accelerator(use_zero, 3, 1)
+    losses: list[float] = []
+    state: dict[str, torch.Tensor] = {}
+    for seed in (0, 1):
+        accelerator.free_memory()
+        model = make_model("llama", seed=seed)
+        loader = DataLoader(TokenDataset(2 * accelerator.num_processes * steps, 16, seed=1), batch_size=2)
+        model, optimizer, loader = accelerator.prepare(model, make_optimizer(model, 1e-3), loader)
+        for batch in loader:
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(accelerator.gather(loss.detach()).mean()))
+        state = accelerator.get_state_dict(model)
+    return {"losses": losses,
+            "state": {k: v.detach().clone() for k, v in state.items()} if accelerator.is_main_process else None}

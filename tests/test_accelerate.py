@@ -33,6 +33,16 @@ def test_an_optimizer_prepared_before_its_model_is_refused(pools):
         assert "an optimizer was prepared before its model. Prepare the model first" in message, message
 
 
+def test_free_memory_then_a_new_model_trains_as_ddp(pools):
+    """`accelerator.free_memory()` between two trainings (Accelerate's `find_executable_batch_size` loop): the second
+    model is sharded and trained as DDP trains it."""
+    zero = pools(2).values(ac.two_trainings, True)[0]
+    ddp = pools(2).values(ac.two_trainings, False)[0]
+    np.testing.assert_allclose(zero["losses"], ddp["losses"], rtol=TOL, atol=0)
+    for name, value in ddp["state"].items():
+        assert rel_err(zero["state"][name].numpy(), value.numpy()) <= TOL, name
+
+
 # the slow tier (12 s on 2 cores): the Trainer's regional compilation (tests/test_trainer.py) takes the same
 # `compile_as_requested`, and the refusals below reach ZeroAccelerator's own check
 @pytest.mark.slow

@@ -311,6 +311,8 @@ class ZeroAccelerator(Accelerator):
         return list(self._zero_optimizers) or None
 
     def free_memory(self, *objects: Any) -> Any:
+        """As Accelerate's (and its alias `clear`): forget the model and optimizers prepared, so that a new model can
+        be prepared and sharded (Accelerate's `find_executable_batch_size` loop calls it before each attempt)."""
         self._zero_model, self._zero_optimizers = None, []
         return super().free_memory(*objects)
 
