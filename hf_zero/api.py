@@ -162,9 +162,7 @@ def initialize(
         source.load_buffers(model)
     engine = ZeroEngine(model, specs, cfg, world, compute, source)
     attach(model, engine)
-    head = _head_read_by_a_fused_loss(model)
-    if head is not None:
-        engine.use_directly(head)
+    keep_fused_loss_head_gathered(model)
     if cfg.sequence_parallel > 1:  # [Note: sequence parallelism]
         from .integrations import sequence
 
@@ -176,17 +174,19 @@ def initialize(
     return model, shard_optimizers(optimizer, engine)
 
 
-def _head_read_by_a_fused_loss(model: nn.Module) -> nn.Module | None:
-    """The output head of a model whose forward Liger replaced (`apply_liger_kernel_to_llama()`, the Trainer's
-    `--use_liger_kernel`): its fused linear cross-entropy takes `lm_head.weight` as an argument and never calls the
-    head, so at stage 3 the head's unit is kept gathered through each forward ([Note: direct use]); else None."""
+def keep_fused_loss_head_gathered(model: nn.Module) -> None:
+    """If Liger replaced the sharded model's forward (`apply_liger_kernel_to_llama()`, `AutoLigerKernelForCausalLM`,
+    the Trainer's `--use_liger_kernel`): its fused linear cross-entropy takes `lm_head.weight` as an argument and
+    never calls the head, so at stage 3 the head's unit is kept gathered through each forward ([Note: direct use]).
+    Called by `initialize` and by the integrations that shard a model before Liger is applied to it."""
     get_base = getattr(model, "get_base_model", None)  # PEFT
     base = get_base() if callable(get_base) else model
     forward = getattr(base, "forward", None)
     where = getattr(getattr(forward, "__func__", forward), "__module__", None) or ""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if where.split(".")[0] == "liger_kernel" and callable(get_head) else None
-    return head if isinstance(head, nn.Module) else None
+    if isinstance(head, nn.Module):
+        get_engine(model).use_directly(head)
 
 
 def _check_sequence_parallel(model: nn.Module, size: int, world_size: int) -> None:
@@ -217,6 +217,7 @@ def _initialize_again(
         raise TypeError(f"hf_zero.initialize expects a ZeroConfig as config; got {type(config).__name__}.")
     check_compute_device(engine.device, _as_device(device))
     if config is None or config == engine.config:
+        keep_fused_loss_head_gathered(model)  # Liger applied since the model was sharded
         return model, (attach_optimizer(model, optimizer) if optimizer is not None else None)
     for each in optimizer_list(optimizer):  # built over what the modules hold now (stand-ins at stage 3): the real ones
         for group in each.param_groups:

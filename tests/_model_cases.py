@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-from tests._training import VOCAB, make_model, make_optimizer
+from tests._training import VOCAB, apply_liger_like, make_model, make_optimizer
 
 STEPS = 3
 MICRO_BS = 2
@@ -316,6 +316,40 @@ def embeds_reference(world: int) -> dict[str, Any]:
     with torch.no_grad():
         hidden = model.model(input_ids=data[STEPS]).last_hidden_state
     return {"losses": losses, "state": _numpy(model.state_dict()), "hidden": hidden.numpy()}
+
+
+def liger_then_train(stage: int) -> dict[str, Any]:
+    """A forward Liger replaced (tests._training.apply_liger_like) before `initialize`, the head a unit of its own
+    (`wrap="auto"`): the losses and weights of the unsharded model with the same forward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model("llama")
+    apply_liger_like(model)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), hf_zero.ZeroConfig(stage=stage))
+    data, rows = batches(world), slice(rank * MICRO_BS, (rank + 1) * MICRO_BS)
+    losses = []
+    for i in range(STEPS):
+        loss = model(input_ids=data[i, rows], labels=data[i, rows]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    return {"losses": losses, "state": _numpy(model.state_dict())}
+
+
+def liger_reference(world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = make_model("llama")
+    apply_liger_like(model)
+    opt, data, losses = make_optimizer(model, 1e-2), batches(world), []
+    for i in range(STEPS):
+        loss = model(input_ids=data[i], labels=data[i]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": _numpy(model.state_dict())}
 
 
 PROMPTS = [[5, 17, 42, 7], [9, 3, 101, 64]]

@@ -121,6 +121,7 @@ class Job:
     compile_backend: str | None = None  # --torch_compile_backend (turns --torch_compile on)
     regional_compile: bool = False  # Accelerate's use_regional_compilation (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION)
     liger: bool = False  # --use_liger_kernel, with tests._training.apply_liger_like (Liger needs triton and a GPU)
+    presharded: bool = False  # the model sharded (hf_zero.initialize, no optimizer) before the Trainer is built
 
     @property
     def accum(self) -> int:
@@ -267,6 +268,8 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     else:
         args = TrainingArguments(**_common(job))
         trainer_cls = Trainer
+    if zero and job.presharded:
+        model, _ = hf_zero.initialize(model, None, args.to_zero_config(), device=args.device)
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir) if job.tokenizer_dir else None
     window = _WindowMemory() if job.measure_window else None
     snapshots = _SnapshotOnSave() if job.snapshot_on_save else None

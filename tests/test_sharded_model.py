@@ -141,6 +141,15 @@ def test_embeddings_and_head_called_outside_the_forward_train_as_the_model_itsel
         assert rel_err(r["hidden"], want) <= TOL, rel_err(r["hidden"], want)
 
 
+def test_a_forward_liger_replaced_trains_as_the_model_itself_at_stage_3(pools):
+    """Liger's forward passes `lm_head.weight` to its fused loss and never calls the head (an autograd Function given
+    the weight): `initialize` finds the forward and keeps the head gathered through each forward."""
+    ref = cases.liger_reference(world=2)
+    for r in pools(2).values(cases.liger_then_train, 3):
+        _close(r["state"], ref["state"])
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"])) <= TOL
+
+
 @pytest.mark.parametrize("kind,eos_step", [("llama", None), ("falcon", None), ("llama", 1)])
 def test_generate_with_ranks_finishing_at_different_steps_returns_everywhere(pools, kind, eos_step):
     results = pools(2).values(cases.generate_unevenly, kind, eos_step, timeout=120)

@@ -56,9 +56,10 @@ def test_zero_trainer_matches_stock_trainer(pools, tmp_path, kind, stage):
 
 def test_liger_kernel_forward_reading_the_head_weight_trains_as_the_stock_trainer(pools, tmp_path):
     """`--use_liger_kernel`: Liger's forward passes `lm_head.weight` to its fused loss without calling the head (a
-    Liger-like forward here: Liger needs triton and a GPU). At stage 3 the head, a unit of its own, is kept gathered
-    through each forward ([Note: direct use]), as for TRL's trainers."""
-    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), liger=True)
+    Liger-like forward here: Liger needs triton and a GPU). The model is sharded before the Trainer (as
+    `hf_zero.from_pretrained` gives it), so the Trainer applies Liger to a sharded model: at stage 3 the head, a
+    unit of its own, is kept gathered through each forward from then on ([Note: direct use])."""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), liger=True, presharded=True)
     got = pools(2).values(tc.run, job)[0]
     _assert_close_to_reference(got, _reference(_ref_key(job)))
 

@@ -36,7 +36,7 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
-from ..api import attach_optimizer, gathered_parameters, initialize
+from ..api import attach_optimizer, gathered_parameters, initialize, keep_fused_loss_head_gathered
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
 from ..checkpoint.consolidate import save_pretrained_async
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
@@ -148,6 +148,7 @@ class ZeroTrainerMixin(_TrainerBase):
                 self._sync_sharded_reference()
         else:  # sharded before (hf_zero.from_pretrained, or for evaluation first): batches must go where it computes
             check_compute_device(get_engine(self._zero_model()).device, self.args.device)
+            self._shard_for_direct_head(self._zero_model())  # --use_liger_kernel patched it since
             if training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
                 self.optimizer = attach_optimizer(self._zero_model(), self.optimizer)
         # [Note: compile]: --torch_compile reaches Accelerate's prepare_model, which never sees the sharded model
@@ -171,7 +172,8 @@ class ZeroTrainerMixin(_TrainerBase):
 
     def _shard_for_direct_head(self, model: nn.Module) -> None:
         """TRL computes log-probabilities from `lm_head.weight` directly: keep the head gathered through each
-        forward of a sharded model ([Note: direct use]; a forward Liger replaced is found by `initialize`)."""
+        forward of a sharded model ([Note: direct use]), and a forward Liger replaced reads it so too."""
+        keep_fused_loss_head_gathered(model)
         get_head = getattr(model, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         if _reads_head_directly(self) and isinstance(head, nn.Module):
