@@ -145,15 +145,20 @@ def preemption_stops_together(save_dir: str, signal_rank: int, signal_step: int)
     return {"stopped": stopped, "handler_restored": signal.getsignal(signal.SIGUSR1) == before}
 
 
-def optimizer_prepared_before_its_model() -> str:
-    """`accelerator.prepare(optimizer)` before the model: refused (its step would meet an unattached optimizer)."""
-    accelerator = _fresh_accelerator(True, 3, 1)
-    model = make_model("llama")
-    try:
-        accelerator.prepare(make_optimizer(model, 1e-3))
-    except ValueError as e:
-        return str(e)
-    return ""
+def prepare_refusals() -> dict[str, str]:
+    """What `prepare` refuses, by name: an optimizer before its model (its step would meet an unattached
+    optimizer), and a second model with trainable parameters (a GAN's two: one model per accelerator trains)."""
+    messages = {}
+    for case in ("optimizer_first", "two_trained"):
+        accelerator = _fresh_accelerator(True, 3, 1)
+        model = make_model("llama")
+        args = (make_optimizer(model, 1e-3),) if case == "optimizer_first" else (model, make_model("llama", seed=1))
+        try:
+            accelerator.prepare(*args)
+            messages[case] = ""
+        except ValueError as e:
+            messages[case] = str(e)
+    return messages
 
 
 def two_trainings(use_zero: bool, steps: int = 2) -> dict[str, Any]:
@@ -175,4 +180,38 @@ def two_trainings(use_zero: bool, steps: int = 2) -> dict[str, Any]:
             losses.append(float(accelerator.gather(loss.detach()).mean()))
         state = accelerator.get_state_dict(model)
     return {"losses": losses,
+            "state": {k: v.detach().clone() for k, v in state.items()} if accelerator.is_main_process else None}
+
+
+def distill(use_zero: bool, steps: int = 2, teacher_later: bool = False) -> dict[str, Any]:
+    """Distillation: a frozen teacher prepared with the student (or, `teacher_later`, in a call of its own after
+    them; under DDP, which cannot wrap a frozen model, moved to the device instead, as FSDP users prepare it); the
+    loss is the student's own plus a KL term to the teacher's logits, computed without grad."""
+    accelerator = _fresh_accelerator(use_zero, 3, 1)
+    student, teacher = make_model("llama", seed=0), make_model("llama", seed=1).requires_grad_(False)
+    loader = DataLoader(TokenDataset(2 * accelerator.num_processes * steps, 16, seed=1), batch_size=2)
+    if not use_zero:  # DDP cannot take a frozen model (Accelerate would wrap it): the teacher stays whole
+        student, optimizer, loader = accelerator.prepare(student, make_optimizer(student, 1e-3), loader)
+        teacher = teacher.to(accelerator.device)
+    elif teacher_later:
+        student, optimizer, loader = accelerator.prepare(student, make_optimizer(student, 1e-3), loader)
+        teacher = accelerator.prepare(teacher)
+    else:
+        student, teacher, optimizer, loader = accelerator.prepare(
+            student, teacher, make_optimizer(student, 1e-3), loader)
+    losses: list[float] = []
+    for batch in loader:
+        with torch.no_grad():
+            target = teacher(input_ids=batch["input_ids"]).logits.log_softmax(-1)
+        out = student(input_ids=batch["input_ids"], labels=batch["labels"])
+        kl = torch.nn.functional.kl_div(out.logits.log_softmax(-1), target, log_target=True, reduction="batchmean")
+        loss = out.loss + 0.5 * kl
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(accelerator.gather(loss.detach()).mean()))
+    from hf_zero.engine.module import is_sharded
+
+    state = accelerator.get_state_dict(student)
+    return {"losses": losses, "teacher_sharded": is_sharded(teacher),
             "state": {k: v.detach().clone() for k, v in state.items()} if accelerator.is_main_process else None}

@@ -28,16 +28,19 @@ def test_accelerate_loop_matches_ddp(pools, stage, two_optimizers, model_first):
         assert rel_err(zero["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
-def test_an_optimizer_prepared_before_its_model_is_refused(pools):
-    for message in pools(2).values(ac.optimizer_prepared_before_its_model):
-        assert "an optimizer was prepared before its model. Prepare the model first" in message, message
+def test_an_optimizer_before_its_model_and_a_second_trained_model_are_refused(pools):
+    for messages in pools(2).values(ac.prepare_refusals):
+        assert "an optimizer was prepared before its model. Prepare the model first" in messages["optimizer_first"]
+        assert "trains one model (with its optimizers) per accelerator" in messages["two_trained"]
 
 
-def test_free_memory_then_a_new_model_trains_as_ddp(pools):
-    """`accelerator.free_memory()` between two trainings (Accelerate's `find_executable_batch_size` loop): the second
-    model is sharded and trained as DDP trains it."""
-    zero = pools(2).values(ac.two_trainings, True)[0]
-    ddp = pools(2).values(ac.two_trainings, False)[0]
+@pytest.mark.parametrize("teacher_later", [False, True])
+def test_a_frozen_teacher_is_sharded_for_inference_and_distillation_matches_ddp(pools, teacher_later):
+    """A distillation's frozen teacher prepared with its student, or in a later call: sharded for inference (no
+    optimizer), the student trained as under DDP."""
+    zero = pools(2).values(ac.distill, True, teacher_later=teacher_later)[0]
+    ddp = pools(2).values(ac.distill, False, teacher_later=teacher_later)[0]
+    assert zero["teacher_sharded"] and not ddp["teacher_sharded"]
     np.testing.assert_allclose(zero["losses"], ddp["losses"], rtol=TOL, atol=0)
     for name, value in ddp["state"].items():
         assert rel_err(zero["state"][name].numpy(), value.numpy()) <= TOL, name

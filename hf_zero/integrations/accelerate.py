@@ -148,25 +148,25 @@ class ZeroAccelerator(Accelerator):
         its optimizers in a later call, built over the sharded model's parameters (what Accelerate's FSDP guide
         advises: `model = accelerator.prepare(model)`, then `optimizer = AdamW(model.parameters())`, then
         `accelerator.prepare(optimizer, ...)`): they are attached to it then (`hf_zero.attach_optimizer`; those of
-        an earlier call are released, as a model outliving its optimizer wants)."""
+        an earlier call are released, as a model outliving its optimizer wants). Models without trainable
+        parameters (a distillation's teacher, a frozen reference) are sharded too, for inference (no optimizer,
+        no master copy), in the same call or a later one; one model per accelerator trains."""
         modules = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
         optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
         if not modules and not optimizers:
             return super().prepare(*args, device_placement=device_placement)
-        if len(modules) > 1 or (modules and self._zero_model is not None):
-            raise ValueError(
-                "ZeroAccelerator shards one model (with its optimizers) per accelerator; prepare them in one call."
-            )
-        if not modules and self._zero_model is None:
-            raise ValueError(
-                "ZeroAccelerator: an optimizer was prepared before its model. Prepare the model first (or in the same "
-                "call): `model = accelerator.prepare(model)`, then build the optimizer over model.parameters()."
-            )
         items = list(args)
+        trained = self._trained_model(items, modules, optimizers)
+        for i in modules:
+            if i != trained:  # frozen: sharded for inference
+                items[i], _ = initialize(items[i], None, self.zero_config, device=self.device)
+                compile_as_requested(items[i], self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]
+        if trained is None and not optimizers:
+            return super().prepare(*items, device_placement=device_placement)
         inner = [o.optimizer if isinstance(o, AcceleratedOptimizer) else o for o in (items[i] for i in optimizers)]
-        if modules:
-            model, sharded = initialize(items[modules[0]], inner or None, self.zero_config, device=self.device)
-            items[modules[0]] = model
+        if trained is not None:
+            model, sharded = initialize(items[trained], inner or None, self.zero_config, device=self.device)
+            items[trained] = model
             compile_as_requested(model, self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]
             self._zero_model = model
         else:
@@ -175,6 +175,26 @@ class ZeroAccelerator(Accelerator):
         for i, each in zip(optimizers, self._zero_optimizers):
             items[i] = _ShardedAcceleratedOptimizer(each, device_placement=False, scaler=None)
         return super().prepare(*items, device_placement=device_placement)
+
+    def _trained_model(self, items: list[Any], modules: list[int], optimizers: list[int]) -> int | None:
+        """Which of `items[modules]` is the model that trains (the one with trainable parameters; the only one
+        given with optimizers), or None when every one is frozen or the model was prepared before."""
+        trainable = [i for i in modules if any(p.requires_grad for p in items[i].parameters())]
+        if optimizers and not trainable and len(modules) == 1 and self._zero_model is None:
+            trainable = modules  # a frozen model with an optimizer: as initialize takes it
+        if len(trainable) > 1 or (trainable and self._zero_model is not None):
+            raise ValueError(
+                "ZeroAccelerator trains one model (with its optimizers) per accelerator; got another model with "
+                "trainable parameters. Prepare the trained model and its optimizers in one call; a model that only "
+                "runs forwards (a teacher, a reference) is sharded for inference once its parameters are frozen "
+                "(`teacher.requires_grad_(False)` before prepare)."
+            )
+        if optimizers and not trainable and self._zero_model is None:
+            raise ValueError(
+                "ZeroAccelerator: an optimizer was prepared before its model. Prepare the model first (or in the same "
+                "call): `model = accelerator.prepare(model)`, then build the optimizer over model.parameters()."
+            )
+        return trainable[0] if trainable else None
 
     def prepare_data_loader(
         self, data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
