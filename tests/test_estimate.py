@@ -119,8 +119,9 @@ def small_llama(tmp_path_factory) -> Path:
     return path
 
 
+# all in the slow tier (the suite's time: 19 s on 2 cores for the smallest shape); the suite keeps the CLI's tests
 @pytest.mark.parametrize("stage, batch, seq, checkpointing", [
-    (3, 8, 128, False),  # the suite's shape (16 s on 2 cores); the others in the slow tier
+    pytest.param(3, 8, 128, False, marks=pytest.mark.slow),
     pytest.param(3, 1, 2048, True, marks=pytest.mark.slow),  # a long sequence (24 s): sdpa keeps no probabilities
     pytest.param(2, 2, 384, True, marks=pytest.mark.slow),
     pytest.param(1, 4, 200, False, marks=pytest.mark.slow),
