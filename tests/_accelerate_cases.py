@@ -147,14 +147,21 @@ def preemption_stops_together(save_dir: str, signal_rank: int, signal_step: int)
 
 def prepare_refusals() -> dict[str, str]:
     """What `prepare` refuses, by name: an optimizer before its model (its step would meet an unattached
-    optimizer), and a second model with trainable parameters (a GAN's two: one model per accelerator trains)."""
+    optimizer), a second model with trainable parameters (a GAN's two: one model per accelerator trains), and an
+    optimizer after a model prepared with every parameter frozen (sharded for inference)."""
     messages = {}
-    for case in ("optimizer_first", "two_trained"):
+    for case in ("optimizer_first", "two_trained", "frozen_then_optimizer"):
         accelerator = _fresh_accelerator(True, 3, 1)
         model = make_model("llama")
-        args = (make_optimizer(model, 1e-3),) if case == "optimizer_first" else (model, make_model("llama", seed=1))
+        optimizer = make_optimizer(model, 1e-3)
         try:
-            accelerator.prepare(*args)
+            if case == "optimizer_first":
+                accelerator.prepare(optimizer)
+            elif case == "two_trained":
+                accelerator.prepare(model, make_model("llama", seed=1))
+            else:  # every parameter frozen when the model is prepared alone: sharded for inference
+                accelerator.prepare(model.requires_grad_(False))
+                accelerator.prepare(optimizer)
             messages[case] = ""
         except ValueError as e:
             messages[case] = str(e)

@@ -28,10 +28,11 @@ def test_accelerate_loop_matches_ddp(pools, stage, two_optimizers, model_first):
         assert rel_err(zero["state"][name].numpy(), value.numpy()) <= TOL, name
 
 
-def test_an_optimizer_before_its_model_and_a_second_trained_model_are_refused(pools):
+def test_prepare_refuses_an_optimizer_it_cannot_attach_and_a_second_trained_model(pools):
     for messages in pools(2).values(ac.prepare_refusals):
         assert "an optimizer was prepared before its model. Prepare the model first" in messages["optimizer_first"]
         assert "trains one model (with its optimizers) per accelerator" in messages["two_trained"]
+        assert "had no trainable parameters, so they were sharded for inference" in messages["frozen_then_optimizer"]
 
 
 @pytest.mark.parametrize("teacher_later", [False, True])

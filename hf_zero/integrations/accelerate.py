@@ -138,6 +138,7 @@ class ZeroAccelerator(Accelerator):
         super().__init__(*args, mixed_precision="no", **kwargs)
         check_compile_request(self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]: refused up front
         self._zero_model: nn.Module | None = None
+        self._inference_models = 0  # models prepared without trainable parameters (sharded for inference)
         self._zero_optimizers: list[
             ShardedOptimizer
         ] = []  # several over disjoint parameters: [Note: several optimizers]
@@ -160,6 +161,7 @@ class ZeroAccelerator(Accelerator):
         for i in modules:
             if i != trained:  # frozen: sharded for inference
                 items[i], _ = initialize(items[i], None, self.zero_config, device=self.device)
+                self._inference_models += 1
                 compile_as_requested(items[i], self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]
         if trained is None and not optimizers:
             return super().prepare(*items, device_placement=device_placement)
@@ -190,6 +192,12 @@ class ZeroAccelerator(Accelerator):
                 "(`teacher.requires_grad_(False)` before prepare)."
             )
         if optimizers and not trainable and self._zero_model is None:
+            if self._inference_models:
+                raise ValueError(
+                    "ZeroAccelerator: an optimizer was prepared, but the models prepared before had no trainable "
+                    "parameters, so they were sharded for inference. Leave the parameters to train trainable when "
+                    "the model is prepared (freeze them after, with requires_grad_(False), to train them later)."
+                )
             raise ValueError(
                 "ZeroAccelerator: an optimizer was prepared before its model. Prepare the model first (or in the same "
                 "call): `model = accelerator.prepare(model)`, then build the optimizer over model.parameters()."
@@ -333,7 +341,7 @@ class ZeroAccelerator(Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         """As Accelerate's (and its alias `clear`): forget the model and optimizers prepared, so that a new model can
         be prepared and sharded (Accelerate's `find_executable_batch_size` loop calls it before each attempt)."""
-        self._zero_model, self._zero_optimizers = None, []
+        self._zero_model, self._zero_optimizers, self._inference_models = None, [], 0
         return super().free_memory(*objects)
 
 
