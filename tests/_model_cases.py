@@ -227,6 +227,20 @@ def modify_in_gathered_parameters(kind: str, stage: int, mixed_precision: str) -
     }
 
 
+def _train_lm(model: Any, opt: Any, data: torch.Tensor, steps: int) -> list[float]:
+    """`steps` plain LM steps on this rank's rows `data[i]`; the losses averaged over the ranks."""
+    losses = []
+    for i in range(steps):
+        loss = model(input_ids=data[i], labels=data[i]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    return losses
+
+
 def resize_then_train(stage: int, new_vocab: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model("llama")
@@ -236,15 +250,7 @@ def resize_then_train(stage: int, new_vocab: int) -> dict[str, Any]:
     _, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2))  # a sharded model: the optimizer is attached
     data = batches(world) % new_vocab
     rows = slice(rank * MICRO_BS, (rank + 1) * MICRO_BS)
-    losses = []
-    for i in range(2):
-        loss = model(input_ids=data[i, rows], labels=data[i, rows]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
+    losses = _train_lm(model, opt, data[:, rows], 2)
     error = None
     try:
         model.resize_token_embeddings(new_vocab + 8)
@@ -326,16 +332,7 @@ def liger_then_train(stage: int) -> dict[str, Any]:
     apply_liger_like(model)
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), hf_zero.ZeroConfig(stage=stage))
     data, rows = batches(world), slice(rank * MICRO_BS, (rank + 1) * MICRO_BS)
-    losses = []
-    for i in range(STEPS):
-        loss = model(input_ids=data[i, rows], labels=data[i, rows]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
-    return {"losses": losses, "state": _numpy(model.state_dict())}
+    return {"losses": _train_lm(model, opt, data[:, rows], STEPS), "state": _numpy(model.state_dict())}
 
 
 def liger_reference(world: int) -> dict[str, Any]:
