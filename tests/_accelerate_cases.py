@@ -148,9 +148,10 @@ def preemption_stops_together(save_dir: str, signal_rank: int, signal_step: int)
 def prepare_refusals() -> dict[str, str]:
     """What `prepare` refuses, by name: an optimizer before its model (its step would meet an unattached
     optimizer), a second model with trainable parameters (a GAN's two: one model per accelerator trains), and an
-    optimizer after a model prepared with every parameter frozen (sharded for inference)."""
+    optimizer after a model prepared with every parameter frozen (sharded for inference); and what it takes: the
+    model prepared again with its optimizer."""
     messages = {}
-    for case in ("optimizer_first", "two_trained", "frozen_then_optimizer"):
+    for case in ("optimizer_first", "two_trained", "frozen_then_optimizer", "model_again"):
         accelerator = _fresh_accelerator(True, 3, 1)
         model = make_model("llama")
         optimizer = make_optimizer(model, 1e-3)
@@ -159,9 +160,14 @@ def prepare_refusals() -> dict[str, str]:
                 accelerator.prepare(optimizer)
             elif case == "two_trained":
                 accelerator.prepare(model, make_model("llama", seed=1))
-            else:  # every parameter frozen when the model is prepared alone: sharded for inference
+            elif case == "frozen_then_optimizer":  # every parameter frozen when prepared alone: for inference
                 accelerator.prepare(model.requires_grad_(False))
                 accelerator.prepare(optimizer)
+            else:  # the model prepared again with its optimizer: not refused, the optimizer attached to it
+                sharded = accelerator.prepare(model)
+                again, prepared = accelerator.prepare(sharded, make_optimizer(sharded, 1e-3))
+                messages["model_again_attached"] = str(again is sharded and prepared.optimizer in
+                                                       accelerator._zero_optimizers)
             messages[case] = ""
         except ValueError as e:
             messages[case] = str(e)

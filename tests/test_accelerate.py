@@ -33,6 +33,7 @@ def test_prepare_refuses_an_optimizer_it_cannot_attach_and_a_second_trained_mode
         assert "an optimizer was prepared before its model. Prepare the model first" in messages["optimizer_first"]
         assert "trains one model (with its optimizers) per accelerator" in messages["two_trained"]
         assert "had no trainable parameters, so they were sharded for inference" in messages["frozen_then_optimizer"]
+        assert messages["model_again"] == "" and messages["model_again_attached"] == "True", messages
 
 
 @pytest.mark.parametrize("teacher_later", [False, True])

@@ -166,14 +166,13 @@ class ZeroAccelerator(Accelerator):
         if trained is None and not optimizers:
             return super().prepare(*items, device_placement=device_placement)
         inner = [o.optimizer if isinstance(o, AcceleratedOptimizer) else o for o in (items[i] for i in optimizers)]
-        if trained is not None:
+        if trained is not None and items[trained] is not self._zero_model:
             model, sharded = initialize(items[trained], inner or None, self.zero_config, device=self.device)
             items[trained] = model
             compile_as_requested(model, self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]
-            self._zero_model = model
-        else:
-            sharded = attach_optimizer(cast(nn.Module, self._zero_model), inner)
-        self._zero_optimizers = list(sharded or [])
+            self._zero_model, self._zero_optimizers = model, list(sharded or [])
+        elif inner:  # optimizers for the model prepared before
+            self._zero_optimizers = list(attach_optimizer(cast(nn.Module, self._zero_model), inner))
         for i, each in zip(optimizers, self._zero_optimizers):
             items[i] = _ShardedAcceleratedOptimizer(each, device_placement=False, scaler=None)
         return super().prepare(*items, device_placement=device_placement)
@@ -184,7 +183,8 @@ class ZeroAccelerator(Accelerator):
         trainable = [i for i in modules if any(p.requires_grad for p in items[i].parameters())]
         if optimizers and not trainable and len(modules) == 1 and self._zero_model is None:
             trainable = modules  # a frozen model with an optimizer: as initialize takes it
-        if len(trainable) > 1 or (trainable and self._zero_model is not None):
+        again = bool(trainable) and items[trainable[0]] is self._zero_model  # prepared before: its optimizers attach
+        if len(trainable) > 1 or (trainable and self._zero_model is not None and not again):
             raise ValueError(
                 "ZeroAccelerator trains one model (with its optimizers) per accelerator; got another model with "
                 "trainable parameters. Prepare the trained model and its optimizers in one call; a model that only "
