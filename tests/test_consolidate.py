@@ -105,6 +105,7 @@ def _peak_rss(*args: str) -> int:
     return int(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 26 s on 2 cores (two checkpoints, three fresh processes): the suite's 12-minute budget
 def test_consolidation_memory_is_bounded_by_a_shard(tmp_path):
     """Method: save checkpoints of a 4-layer and a 16-layer LLaMA (hidden 512; 4x the parameters),
     consolidate each in a fresh process with 8MB output shards, and compare each process's peak RSS

@@ -355,7 +355,8 @@ def test_model_weights_off_and_best_model_loading(pools, tmp_path):
 
 # stage 2 in the slow tier: it shares stage 1's persistent parameters and stage 3's gradient shards; the suite keeps
 # stage 1's out-of-memory in the forward and stage 3's at the step's end
-@pytest.mark.parametrize("stage, oom", [(1, "forward"), pytest.param(1, "step_end", marks=pytest.mark.slow),
+@pytest.mark.parametrize("stage, oom", [pytest.param(1, "forward", marks=pytest.mark.slow),
+                                        pytest.param(1, "step_end", marks=pytest.mark.slow),
                                         pytest.param(2, "forward", marks=pytest.mark.slow),
                                         pytest.param(2, "step_end", marks=pytest.mark.slow),
                                         pytest.param(3, "forward", marks=pytest.mark.slow), (3, "step_end")])
