@@ -68,7 +68,9 @@ def _saved_base(path: Path) -> int:
     return sum(p.numel() for p in model.parameters()) * 4
 
 
-@pytest.mark.parametrize("mode", ["sharded", pytest.param("ordinary", marks=pytest.mark.slow)])
+# both in the slow tier (17 s on 2 cores for "sharded": two fresh processes measuring peak memory)
+@pytest.mark.parametrize("mode", [pytest.param("sharded", marks=pytest.mark.slow),
+                                  pytest.param("ordinary", marks=pytest.mark.slow)])
 def test_sharded_loading_peak_memory_per_rank(tmp_path, mode):
     """Method: a 16-layer LLaMA of hidden 512 (~144MB in fp32) is loaded at stage 3 on 2 ranks under
     torchrun; each rank reports its peak RSS growth (ru_maxrss) during loading, above its peak once it has
