@@ -85,6 +85,8 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
             new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
             max_position_embeddings=128,
         )
+    elif kind in OTHER_ARCHITECTURES:
+        cfg = _other_config(kind)
     elif kind == "toy":
         return ToyLM()
     elif kind == "moe":
@@ -97,6 +99,47 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     model = AutoModelForCausalLM.from_config(cfg)
     model.train()
     return model
+
+
+# Architectures users fine-tune beside LLaMA and Falcon, each a different shape of block: sliding windows and
+# soft-capping (Gemma), QK norms (Qwen3, OLMo 2), fused QKV (Phi-3), Conv1D weights and tied embeddings (GPT-2),
+# parallel attention (GPT-NeoX), grouped KV heads in Falcon's new decoder, experts fused into 3-D parameters with
+# routers that pick different experts on each rank (Mixtral, Qwen3-MoE). (OPT is left out: its attention's key bias
+# gets no gradient, softmax being shift-invariant, so Adam moves it by the sign of rounding noise, differently
+# under any two reduction orders, as under two DDP runs.)
+OTHER_ARCHITECTURES = (
+    "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "gpt_neox", "mixtral", "qwen3_moe",
+    "falcon_new", "olmo2", "llama_tied",
+)
+
+
+def _other_config(kind: str) -> Any:
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128)
+    gqa = dict(common, intermediate_size=128, num_key_value_heads=2)
+    configs = {
+        "mistral": lambda: tf.MistralConfig(**gqa),
+        "qwen2": lambda: tf.Qwen2Config(**gqa),
+        "qwen3": lambda: tf.Qwen3Config(head_dim=16, **gqa),
+        "gemma2": lambda: tf.Gemma2Config(head_dim=16, **gqa),
+        "gemma3": lambda: tf.Gemma3TextConfig(head_dim=16, **gqa),
+        "phi3": lambda: tf.Phi3Config(pad_token_id=0, **gqa),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),  # the reference is one rank
+        "gpt_neox": lambda: tf.GPTNeoXConfig(intermediate_size=128, **common),
+        "mixtral": lambda: tf.MixtralConfig(**dict(gqa, intermediate_size=64), num_local_experts=4,
+                                            num_experts_per_tok=2),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(moe_intermediate_size=32, head_dim=16, num_experts=4,
+                                               num_experts_per_tok=2, **gqa),
+        "falcon_new": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                                              bias=False),
+        "olmo2": lambda: tf.Olmo2Config(**gqa),
+        "llama_tied": lambda: tf.LlamaConfig(tie_word_embeddings=True, **gqa),
+    }
+    return configs[kind]()
 
 
 class ToyBlock(nn.Module):
