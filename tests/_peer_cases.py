@@ -520,8 +520,10 @@ def param_grad_hook(loop: Loop) -> None:
 
 from tests import _peer_cases_loop  # noqa: E402, F401 - registers the rest of the scenarios
 from tests import _peer_cases_model  # noqa: E402
+from tests import _peer_cases_state  # noqa: E402
 
 REFUSED.update(_peer_cases_model.REFUSED)
+REFUSED.update(_peer_cases_state.REFUSED)
 
 
 # ---- the runner ---------------------------------------------------------------------------------------

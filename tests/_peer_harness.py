@@ -163,7 +163,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Scenario]] = {}
 def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
     """Register a scenario; `build`: the model's constructor arguments and `freeze` (names frozen before
     initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay), `adafactor` (torch's Adafactor),
-    `twin` (a copy of the model made before initialize, in `loop.twin`)."""
+    `twin` (a copy of the model made before initialize, in `loop.twin`), `groups` (a function of the model giving
+    AdamW's param groups)."""
 
     def register(fn: Scenario) -> Scenario:
         SCENARIOS[fn.__name__] = (build, fn)
@@ -199,6 +200,9 @@ def _build(build: dict[str, Any]) -> nn.Module:
 
 
 def _optimizer(model: nn.Module, build: dict[str, Any]) -> torch.optim.Optimizer:
+    groups = build.get("groups")
+    if groups is not None:  # `groups(model)`: the optimizer's param groups, as a scenario builds them
+        return torch.optim.AdamW(groups(model), lr=0.01, weight_decay=0.1)
     if build.get("sgd"):
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if build.get("adafactor"):  # factored second moments: stepped on whole parameters ([Note: whole-parameter step])

@@ -1,0 +1,191 @@
+"""Peer scenarios, continued (tests/_peer_cases.py has the runner): how users build the optimizer's groups, skip a
+step, load and save state with torch's own tools (`load_state_dict(strict=False)`, `torch.distributed.checkpoint`),
+re-initialize or prune weights between steps and keep activations on the host. Registered in the same `SCENARIOS`
+when tests/_peer_cases.py imports this module."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._peer_harness import D, D_OUT, Loop, _steps, scenario
+
+RESTING = "is sharded across ranks by hf_zero (ZeRO stage 3) and holds no full value between forward passes"
+
+# The scenarios below that hf_zero refuses, with a piece of the message, by stage (joined into _peer_cases.REFUSED).
+REFUSED: dict[str, dict[int, str]] = {
+    "tensor_outside_the_model_in_the_optimizer": {
+        s: "holds a tensor of shape () that is not a parameter of the model" for s in (1, 2, 3)
+    },
+    "weights_reinitialized_between_steps": {3: "'head.weight' " + RESTING},
+    "pruned_after_initialize": {3: "'blocks.1.lin.weight' " + RESTING},
+}
+
+
+def _all_but_the_input_layer(model: nn.Module) -> list[dict[str, Any]]:
+    return [{"params": [p for n, p in model.named_parameters() if not n.startswith("inp.")]}]
+
+
+@scenario(groups=_all_but_the_input_layer)
+def parameter_left_out_of_the_optimizer(loop: Loop) -> None:
+    """A trainable parameter the optimizer was never given (`AdamW(p for n, p in named_parameters() if ...)`): it
+    gets gradients and stays as it was, as under DDP."""
+    _steps(loop)
+
+
+def _layerwise(model: nn.Module) -> list[dict[str, Any]]:
+    """Discriminative learning rates: a group per block's weights (rising lr), its biases apart without weight
+    decay, the input and head weights together, every other bias in a group of its own."""
+    named = dict(model.named_parameters())
+    groups: list[dict[str, Any]] = [
+        {"params": [named["inp.weight"], named["head.weight"]], "lr": 0.02},
+        {"params": [named[n] for n in ("inp.bias", "head.bias", "spare.weight", "spare.bias")], "lr": 0.005,
+         "weight_decay": 0.0},
+    ]
+    for i in range(3):
+        block = [(n, p) for n, p in named.items() if n.startswith(f"blocks.{i}.")]
+        groups.append({"params": [p for n, p in block if n.endswith("weight")], "lr": 0.01 * (i + 1)})
+        groups.append({"params": [p for n, p in block if n.endswith("bias")], "lr": 0.003, "weight_decay": 0.0})
+    return groups
+
+
+@scenario(groups=_layerwise)
+def layerwise_learning_rates(loop: Loop) -> None:
+    """Param groups cut across the units (a block's weights and biases in different groups, one group holding
+    parameters of the root and of the head) with their own lr and weight decay."""
+    _steps(loop)
+
+
+def _with_a_temperature(model: nn.Module) -> list[dict[str, Any]]:
+    return [{"params": [*model.parameters(), nn.Parameter(torch.tensor(1.0))]}]
+
+
+@scenario(groups=_with_a_temperature)
+def tensor_outside_the_model_in_the_optimizer(loop: Loop) -> None:
+    """`AdamW(list(model.parameters()) + [temperature])` with a learned scale kept outside the model (DDP would
+    leave its gradient unaveraged, each rank stepping its own): refused at `initialize`, naming the way out."""
+    temperature = loop.opt.param_groups[0]["params"][-1]
+    for step in range(3):
+        loss = loop.loss(step) * temperature
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def step_skipped_on_every_rank(loop: Loop) -> None:
+    """A step skipped by every rank after its backward (`if skip: optimizer.zero_grad(); continue`, decided from a
+    value all ranks share), and a batch's gradients dropped before the next batch's backward."""
+    for step in range(4):
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        if step == 2:
+            loop.opt.zero_grad()
+            loop.backward(loop.loss(step + 10))
+        if step != 1:
+            loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
+def partial_load_state_dict(loop: Loop) -> None:
+    """`model.load_state_dict({"head.weight": ..., "head.bias": ...}, strict=False)` between steps (a head reset
+    from a file): the missing keys reported, the loaded tensors in place, the rest unchanged."""
+
+    def before(step: int) -> None:
+        if step == 1:
+            result = loop.model.load_state_dict(
+                {"head.weight": torch.full((D_OUT, D), 0.05), "head.bias": torch.zeros(D_OUT)}, strict=False
+            )
+            loop.note("missing", float(len(result.missing_keys)))
+            loop.note("unexpected", float(len(result.unexpected_keys)))
+
+    _steps(loop, before=before)
+
+
+def _shared_directory() -> str:
+    made = [tempfile.mkdtemp(prefix="hf_zero-dcp-") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(made, src=0)
+    return made[0]
+
+
+@scenario()
+def distributed_checkpoint_round_trip(loop: Loop) -> None:
+    """torchtitan's and FSDP2 users' checkpoint: `torch.distributed.checkpoint.save({"model":
+    model.state_dict()})`, the weights overwritten, `dcp.load` into a state dict of the model, `load_state_dict`."""
+    import torch.distributed.checkpoint as dcp
+
+    _steps(loop, n=2)
+    path = _shared_directory()
+    try:
+        dcp.save({"model": loop.model.state_dict()}, checkpoint_id=path)
+        loop.model.load_state_dict({k: torch.zeros_like(v) for k, v in loop.model.state_dict().items()})
+        state = {"model": loop.model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        loop.model.load_state_dict(state["model"])
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    _steps(loop, n=2)
+
+
+@scenario()
+def torch_state_dict_helpers(loop: Loop) -> None:
+    """`get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` and `set_model_state_dict`
+    (torch.distributed.checkpoint.state_dict, FSDP2's way to full tensors) between steps."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    _steps(loop, n=2)
+    full = {k: v.clone() for k, v in
+            get_model_state_dict(loop.model, options=StateDictOptions(full_state_dict=True)).items()}
+    loop.note("sum", float(sum(v.sum() for v in full.values())))
+    loop.model.load_state_dict({k: torch.zeros_like(v) for k, v in full.items()})
+    set_model_state_dict(loop.model, full, options=StateDictOptions(full_state_dict=True))
+    _steps(loop, n=2)
+
+
+@scenario()
+def weights_reinitialized_between_steps(loop: Loop) -> None:
+    """`nn.init.normal_(model.head.weight)` and `nn.init.zeros_(bias)` between steps (a head reset): exact where the
+    weights are whole on every rank; at stage 3 refused, naming `gathered_parameters(..., modifier_rank=0)`."""
+
+    def before(step: int) -> None:
+        if step == 1:
+            torch.manual_seed(3)
+            nn.init.normal_(loop.model.head.weight, std=0.02)
+            nn.init.zeros_(loop.model.blocks[0].lin.bias)
+
+    _steps(loop, before=before)
+
+
+@scenario()
+def pruned_after_initialize(loop: Loop) -> None:
+    """`torch.nn.utils.prune.l1_unstructured(block.lin, "weight", amount=0.3)` between steps (the weight becomes
+    `weight_orig` times a mask, in a forward pre-hook): exact where the weights are whole; refused at stage 3."""
+    import torch.nn.utils.prune as prune
+
+    def before(step: int) -> None:
+        if step == 1:
+            prune.l1_unstructured(loop.model.blocks[1].lin, "weight", amount=0.3)
+
+    _steps(loop, before=before)
+
+
+@scenario()
+def activations_saved_on_the_host(loop: Loop) -> None:
+    """`with torch.autograd.graph.save_on_cpu():` around the forward (activation offload, as FSDP recipes use it)."""
+    for step in range(3):
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
