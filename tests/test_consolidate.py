@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_zero
 from tests import _checkpoint_cases as checkpoint_cases
+from tests._cli import run_cli
 from tests._training import make_tokenizer
 
 
@@ -59,9 +60,8 @@ def test_consolidate_then_from_pretrained(exported, tmp_path):
 
 def test_cli_bf16_with_small_shards_writes_an_index(exported, tmp_path):
     out = tmp_path / "hf-bf16"
-    cmd = [sys.executable, "-m", "hf_zero.cli", "consolidate", str(exported["root"] / "ckpt"), str(out),
-           "--dtype", "bf16", "--max-shard-size", "40KB"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = run_cli(["consolidate", str(exported["root"] / "ckpt"), str(out), "--dtype", "bf16", "--max-shard-size",
+                    "40KB"])
     assert done.returncode == 0, done.stderr
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -80,8 +80,7 @@ def test_live_save_pretrained_at_end_of_training(exported):
 
 
 def test_cli_errors_are_clear(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "consolidate", str(tmp_path / "nope"), str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=60)
+    done = run_cli(["consolidate", str(tmp_path / "nope"), str(tmp_path / "o")])  # (the entry point: test_estimate)
     assert done.returncode == 2 and "the directory does not exist" in done.stderr
     with pytest.raises(ValueError, match="max_shard_size must look like '5GB'"):
         hf_zero.consolidate(tmp_path, tmp_path / "o", max_shard_size="lots")

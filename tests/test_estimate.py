@@ -14,26 +14,10 @@ import torch
 import hf_zero
 from hf_zero.engine.wrap import units_for
 from hf_zero.estimate import model_states
+from tests._cli import run_cli as _cli
 from tests._training import Scenario, freeze, make_model, sharded_run, with_lora
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cli(argv: list[str]) -> subprocess.CompletedProcess:
-    """`hf-zero <argv>` run in this process (the same `main` the console script calls, without a new interpreter's
-    imports): its exit code, stdout and stderr."""
-    import contextlib
-    import io
-
-    from hf_zero.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return subprocess.CompletedProcess(argv, code or 0, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize(
