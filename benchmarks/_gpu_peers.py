@@ -35,7 +35,7 @@ def scenario_case(name: str, stage: int) -> dict[str, Any]:
     expected = peer.REFUSED.get(name, {}).get(stage)
     if expected is not None:
         error = result["error"] or ""
-        require(expected in error and error.startswith(("ValueError", "TypeError")),
+        require(expected in error and error.startswith(("ValueError", "TypeError", "RestingParameterError")),
                 f"expected a refusal naming {expected!r}, got {error or 'no error'}")
         return {"refused": error.split(":")[0]}
     require(result["error"] is None, f"hf_zero failed: {result['error']}")

@@ -9,7 +9,8 @@
   ZeRO-Offload (pinned host masters), `offload_dir`, an asynchronous save (pinned snapshot) loaded at
   another stage, and its consolidation loaded with `from_pretrained` on the device.
 - `multi`: two processes sharing the one GPU (gloo between them, CUDA compute: host-staged collectives)
-  at stages 1-3 against single-process training of the whole batch; and sequence parallelism over the two
+  at stages 1-3 against single-process training of the whole batch; ZeRO-3 with Liger's kernels against
+  the same kernels on the whole batch; and sequence parallelism over the two
   (all-to-alls around attention, the tiled loss, `tiled_mlp` in 4-token tiles) against the same.
 - `trainer`: `ZeroTrainer` with `zero_stage=3` and bf16 for a few steps with checkpoints; a second run
   resumes from the middle one and must end where the uninterrupted run ended; the final model loads
@@ -53,12 +54,36 @@ BF16_TOL = 2e-2  # bf16 compute (fp32 master, optimizer and reduction) against f
 RESUME_TOL = 1e-3  # a resumed bf16 run against the uninterrupted one on a GPU (nondeterministic attention backward)
 
 
+def apply_liger(model: torch.nn.Module, device: torch.device) -> str:
+    """Liger's kernels on the model instance, as the Trainer's `--use_liger_kernel` applies them: RMSNorm, SwiGLU,
+    RoPE and the fused linear cross-entropy, whose forward passes `lm_head.weight` to an autograd Function and never
+    calls the head ([Note: direct use] keeps the head's unit gathered at stage 3). Liger needs triton and a GPU: on
+    the CPU rehearsal the test suite's Liger-like forward (tests/_training.apply_liger_like) stands in. Returns
+    which ran."""
+    if device.type == "cuda":  # the real kernels, from .whl/ (make gpu-wheels): a missing wheel fails the case
+        import liger_kernel
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+        return f"liger_kernel {getattr(liger_kernel, '__version__', '?')}"
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a package of the working tree
+    from tests._training import apply_liger_like
+
+    apply_liger_like(model)
+    return "Liger-like stand-in (no triton here)"
+
+
 def train_reference(sizes: Sizes, data: torch.Tensor, device: torch.device, pieces: int = 1,
-                    tiled: bool = False) -> dict[str, Any]:
+                    tiled: bool = False, liger: bool = False) -> dict[str, Any]:
     """Plain PyTorch: the whole global batch per micro-step, accumulation, clipping at 1.0, AdamW. `pieces` > 1
     runs each micro-batch as that many row slices (the same mathematics in other matrix shapes: how far the
-    GPU's kernels alone move the result, the rounding floor); `tiled` runs the MLPs in `tiled_mlp`'s tiles."""
+    GPU's kernels alone move the result, the rounding floor); `tiled` runs the MLPs in `tiled_mlp`'s tiles;
+    `liger`, the model with Liger's kernels (`apply_liger`)."""
     model = llama(sizes).to(device)
+    if liger:
+        apply_liger(model, device)
     if tiled:
         from hf_zero.integrations import tiled_mlp
 
@@ -136,11 +161,13 @@ def compare(got: dict[str, Any], state: dict[str, torch.Tensor], ref: dict[str, 
 
 def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: dict[str, Any],
                  on_device: bool = False, weights_tol: float | None = None, checkpointing: str = "",
-                 **config: Any) -> dict[str, Any]:
+                 liger: bool = False, **config: Any) -> dict[str, Any]:
     """Train a fresh model sharded with `config` and compare it with `ref` (bf16 at the looser tolerance).
     `checkpointing`: "" (none), "hf" (`gradient_checkpointing_enable()`, transformers' default) or "reentrant"
-    (`use_reentrant=True`: the recomputed blocks' backward is a nested backward on the device's autograd thread)."""
+    (`use_reentrant=True`: the recomputed blocks' backward is a nested backward on the device's autograd thread);
+    `liger`: Liger's kernels applied before `initialize` (`apply_liger`)."""
     model = llama(sizes)
+    kernels = apply_liger(model, device) if liger else None
     if checkpointing:
         kwargs = {"use_reentrant": True} if checkpointing == "reentrant" else None
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -154,6 +181,8 @@ def sharded_case(sizes: Sizes, data: torch.Tensor, device: torch.device, ref: di
     figures = compare(got, state, ref, BF16_TOL if config.get("mixed_precision") == "bf16" else FP32_TOL,
                       weights_tol)
     figures["moves"] = moves
+    if kernels is not None:
+        figures["liger"] = kernels
     if checkpointing:
         require(bool(getattr(model, "is_gradient_checkpointing", False)), "gradient checkpointing is not on")
         figures["checkpointing"] = checkpointing
@@ -396,6 +425,10 @@ def phase_multi(args: argparse.Namespace, device: torch.device, cases: Cases) ->
         cases.run(f"ZeRO-3 fp32 + gradient checkpointing ({kind}), {dist.get_world_size()} ranks vs PyTorch",
                   lambda k=kind: sharded_case(sizes, data, device, ref, on_device=True, weights_tol=loose, stage=3,
                                               checkpointing=k))
+    liger = train_reference(sizes, data, device, liger=True)  # the same kernels on the whole batch
+    cases.run(f"ZeRO-3 fp32 + Liger's kernels (fused linear cross-entropy: the head read, not called), "
+              f"{dist.get_world_size()} ranks vs PyTorch with the same kernels",
+              lambda: sharded_case(sizes, data, device, liger, on_device=True, weights_tol=loose, stage=3, liger=True))
     from hf_zero.integrations import tiled_mlp
 
     world = dist.get_world_size()
