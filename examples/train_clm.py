@@ -37,6 +37,10 @@ class ModelArguments:
         metadata={"help": "Each rank reads only its slices of the weights (host memory ~ one model copy per node). "
                           "--no_sharded_loading loads the whole model on every rank first."},
     )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "The attention kernel: sdpa, flash_attention_2, eager, ... (default: transformers' choice)."},
+    )
 
 
 @dataclass
@@ -71,10 +75,12 @@ def main() -> None:
                            validation_patterns=data_args.validation_files, text_column=data_args.text_column,
                            num_proc=data_args.preprocessing_num_workers)
 
+    attention = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
     if model_args.sharded_loading:
-        model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, model_args.model_name_or_path, args.to_zero_config())
+        model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, model_args.model_name_or_path, args.to_zero_config(),
+                                           **attention)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **attention)
     model.train()
 
     trainer = hf_zero.ZeroTrainer(

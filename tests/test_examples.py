@@ -89,6 +89,7 @@ def test_train_clm_with_accelerate_launch_and_zero_stage_3(assets, tmp_path):
         "--block_size", "64", "--per_device_train_batch_size", "4",
         "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--max_steps", "8", "--save_steps", "4",
         "--logging_steps", "1", "--report_to", "none", "--use_cpu", "--disable_tqdm", "true",
+        "--attn_implementation", "sdpa",
     ])
     assert "held-out perplexity" in done.stdout
     # The main job's log holds nothing a user would take for an error: no optional package's import-time notes

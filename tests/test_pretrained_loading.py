@@ -38,6 +38,25 @@ def test_sharded_loading_equals_from_pretrained_then_initialize(pools, base_dirs
     assert sharded["tied"] == (kind == "falcon")  # Falcon's head stays tied to its embeddings
 
 
+def test_attention_kernel_and_config_changes_reach_the_sharded_model(base_dirs):
+    """`attn_implementation=` and config attributes given as keywords, as transformers' `from_pretrained` takes
+    them: the model is built with them (its RoPE tables for the new length) and computes what transformers' own
+    load computes; a misspelt keyword is refused by name rather than dropped."""
+    import hf_zero
+
+    changes = dict(attn_implementation="eager", use_cache=False, max_position_embeddings=256)
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], hf_zero.ZeroConfig(stage=3),
+                                       **changes)
+    reference = AutoModelForCausalLM.from_pretrained(base_dirs["llama"], **changes)
+    assert model.config._attn_implementation == "eager" and reference.config._attn_implementation == "eager"
+    assert model.config.use_cache is False and model.config.max_position_embeddings == 256
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    with pytest.raises(TypeError, match=r"got \['use_cach'\], which LlamaConfig has no attribute for"):
+        hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], hf_zero.ZeroConfig(stage=3), use_cach=False)
+
+
 def test_weights_of_another_model_are_refused_on_every_rank(pools, tmp_path):
     other = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)

@@ -23,6 +23,9 @@ def from_pretrained(
     optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     dtype: str | torch.dtype = "auto",
     device: torch.device | str | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    **config_overrides: Any,
 ) -> tuple[nn.Module, ShardedOptimizer | None]:
     """Load a Hugging Face model straight into shards: no rank ever holds the whole model.
 
@@ -41,6 +44,13 @@ def from_pretrained(
             takes the one in `config.json`, as `from_pretrained` does.
         device (`torch.device` or `str`, *optional*): the device to compute on, as `hf_zero.initialize`'s
             (by default this rank's GPU when there is one).
+        attn_implementation (`str`, *optional*): the attention kernel (`"sdpa"`, `"flash_attention_2"`,
+            `"eager"`, ...), as `from_pretrained(..., attn_implementation=...)`; by default transformers' choice.
+        trust_remote_code (`bool`, *optional*, defaults to `False`): allow a model whose code lives in the
+            directory (`auto_map` in its `config.json`), as `from_pretrained` allows it.
+        config_overrides: attributes of the model's config to change before it is built, as `from_pretrained`
+            takes them (`use_cache=False`, `max_position_embeddings=8192`, `rope_parameters={...}`); a name the config
+            does not have raises `TypeError`.
 
     Returns:
         `tuple[nn.Module, ShardedOptimizer | None]`: as `hf_zero.initialize`.
@@ -54,17 +64,17 @@ def from_pretrained(
     ... )
     ```
     """
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"hf_zero.from_pretrained reads a local model directory; {path} is not one.")
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = _config(path, trust_remote_code, config_overrides)
     if dtype == "auto":
         dtype = getattr(hf_config, "dtype", None) or torch.float32
         dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be 'auto' or a torch.dtype; got {dtype!r}.")
-    model: Any = _build_empty(model_class, hf_config, dtype)
+    model: Any = _build_empty(model_class, hf_config, dtype, attn_implementation, trust_remote_code)
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
@@ -72,7 +82,31 @@ def from_pretrained(
     return initialize(model, optimizer, config, weights_from=path, device=device)
 
 
-def _build_empty(model_class: Any, hf_config: Any, dtype: torch.dtype) -> nn.Module:
+def _config(path: str | os.PathLike[str], trust_remote_code: bool, overrides: dict[str, Any]) -> Any:
+    """The model's config from `path`, with `overrides` set on it; a name it does not have is refused (transformers
+    would pass it on to the model's constructor, which the meta-device build does not take)."""
+    from transformers import AutoConfig
+
+    hf_config, unused = AutoConfig.from_pretrained(
+        path, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides
+    )
+    if unused:
+        raise TypeError(
+            f"hf_zero.from_pretrained got {sorted(unused)}, which {type(hf_config).__name__} has no attribute for: "
+            "the keywords beyond hf_zero's own set attributes of the model's config (use_cache=False, "
+            "max_position_embeddings=...). Check the spelling, or build the model yourself and call hf_zero.initialize("
+            "model, optimizer, config, weights_from=path)."
+        )
+    return hf_config
+
+
+def _build_empty(
+    model_class: Any,
+    hf_config: Any,
+    dtype: torch.dtype,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
     """The model with its parameters on the meta device and its buffers real, initialized as
     transformers' `from_pretrained` initializes them.
 
@@ -85,8 +119,13 @@ def _build_empty(model_class: Any, hf_config: Any, dtype: torch.dtype) -> nn.Mod
     from transformers import initialization
 
     build = getattr(model_class, "from_config", None) or model_class._from_config
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if trust_remote_code and hasattr(model_class, "from_config"):  # an Auto class: it finds the directory's code
+        kwargs["trust_remote_code"] = True
     with init_empty_weights(include_buffers=False), initialization.no_init_weights():
-        model = build(hf_config, dtype=dtype)
+        model = build(hf_config, **kwargs)
     for param in model.parameters():
         param._is_hf_initialized = True
     if hasattr(model, "initialize_weights"):
