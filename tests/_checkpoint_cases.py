@@ -136,6 +136,27 @@ def train_from_pretrained(path: str, mode: str, stage: int, steps: int = 3) -> d
             and model.lm_head.weight is model.get_input_embeddings().weight}
 
 
+def other_heads_from(path: str, stage: int) -> dict[str, Any]:
+    """A causal LM's files loaded, with each rank's random state seeded differently (`torch.manual_seed(rank)`), into
+    `AutoModelForSequenceClassification` (its `score` head absent from the files: initialized) and into `AutoModel`
+    (the files' `model.` prefix taken away): every rank's full state, and the classifier's logits on a batch."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    torch.manual_seed(dist.get_rank())
+    config = hf_zero.ZeroConfig(stage=stage)
+    classifier, _ = hf_zero.from_pretrained(AutoModelForSequenceClassification, path, config, num_labels=3,
+                                            pad_token_id=0)
+    ids = torch.randint(1, 256, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = classifier(input_ids=ids).logits
+    base, _ = hf_zero.from_pretrained(AutoModel, path, config)
+    return {
+        "classifier": {k: v.clone() for k, v in hf_zero.full_state_dict(classifier, rank0_only=False).items()},
+        "logits": logits,
+        "base": {k: v.clone() for k, v in hf_zero.full_state_dict(base, rank0_only=False).items()},
+    }
+
+
 def initialize_from(path: str) -> None:
     model = make_model("llama")
     hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3), weights_from=path)

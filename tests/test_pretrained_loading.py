@@ -57,6 +57,48 @@ def test_attention_kernel_and_config_changes_reach_the_sharded_model(base_dirs):
         hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], hf_zero.ZeroConfig(stage=3), use_cach=False)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_causal_lm_loads_into_a_classifier_and_a_base_model_as_transformers_loads_it(pools, base_dirs, stage):
+    """[Note: names in the files] transformers' conventions: the head the files lack (`score`) is initialized as
+    `from_pretrained` initializes it, with rank 0's values on every rank (the ranks' random states differ here), and
+    the files' `model.` prefix is taken away for `AutoModel`: every weight and the logits equal transformers' own
+    load under rank 0's seed."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    classifier = AutoModelForSequenceClassification.from_pretrained(base_dirs["llama"], num_labels=3, pad_token_id=0)
+    base = AutoModel.from_pretrained(base_dirs["llama"])
+    ids = torch.randint(1, 256, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = classifier(input_ids=ids).logits
+    for rank, r in enumerate(pools(2).values(checkpoint_cases.other_heads_from, base_dirs["llama"], stage)):
+        for name, expected in (("classifier", classifier), ("base", base)):
+            reference = expected.state_dict()
+            assert r[name].keys() == reference.keys(), (rank, name)
+            for key, value in reference.items():
+                assert torch.equal(r[name][key], value), (rank, name, key)
+        assert torch.equal(r["logits"], logits), rank
+
+
+def test_a_body_weight_the_files_lack_is_refused_not_initialized(base_dirs, tmp_path):
+    """Only a head outside the base model is initialized when the files lack it; a weight of the body missing means
+    the files hold another model (or were cut short): refused, naming it, as before any head was initialized."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSequenceClassification
+
+    import hf_zero
+
+    cut = tmp_path / "cut"
+    shutil.copytree(base_dirs["llama"], cut)
+    weights = load_file(cut / "model.safetensors")
+    del weights["model.layers.0.mlp.up_proj.weight"]
+    save_file(weights, cut / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 weight\(s\) of this model, e.g. \['model.layers.0.mlp.up_proj"):
+        hf_zero.from_pretrained(AutoModelForSequenceClassification, cut, hf_zero.ZeroConfig(stage=3), num_labels=3)
+
+
 def test_weights_of_another_model_are_refused_on_every_rank(pools, tmp_path):
     other = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)

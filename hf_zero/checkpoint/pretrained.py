@@ -14,6 +14,13 @@ of `_read_direct` to overlap anything. Told every unit in advance (`prepare`, by
 builds them), the source reads the next unit's ranges on a thread into host memory of the files' dtypes (two
 `Staging` buffers, one per unit in turn) while the caller casts the present one into its shard. A `fill` out of
 that order reads its unit itself and drops the plan.
+
+[Note: names in the files]
+The files name each weight as the model class that saved them does. As transformers' `from_pretrained`, a weight is
+also found under the model's `base_model_prefix` added or taken away: a `LlamaModel`'s files load into a
+`LlamaForCausalLM` and the other way round, a causal LM's into `AutoModelForSequenceClassification`. A parameter the
+files lack is refused while it is on the meta device; one that holds values (a head outside the base model that
+`hf_zero.from_pretrained` initialized as transformers does, or one the caller built) fills its shards from them.
 """
 
 from __future__ import annotations
@@ -97,12 +104,27 @@ class SafetensorsSource:
         self._names: dict[int, list[str]] = {}  # id(param) -> every name it has (tied aliases)
         for name, p in model.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), []).append(name)
+        self._prefix = f"{getattr(model, 'base_model_prefix', '') or ''}."  # [Note: names in the files]
 
     def _key(self, param: nn.Parameter, name: str) -> str | None:
+        """The files' name for `param` (any of its tied names, with or without the base model's prefix)."""
         for candidate in self._names.get(id(param), [name]):
-            if candidate in self.weight_map:
-                return candidate
+            for key in self._spellings(candidate):
+                if key in self.weight_map:
+                    return key
         return None
+
+    def _spellings(self, name: str) -> tuple[str, ...]:
+        """`name` as the files may spell it: as is, then with the base model's prefix taken away or added."""
+        if self._prefix == ".":  # the model names no base model
+            return (name,)
+        if name.startswith(self._prefix):
+            return name, name[len(self._prefix) :]
+        return name, self._prefix + name
+
+    def missing(self, model: nn.Module) -> list[str]:
+        """The names of the model's parameters the files hold no weight for (a tied one once)."""
+        return [name for name, p in model.named_parameters() if self._key(p, name) is None]
 
     def check(self, specs: list[UnitSpec]) -> None:
         """Raise `ValueError` when a parameter is missing from the files or has another shape there."""
@@ -112,7 +134,8 @@ class SafetensorsSource:
                 for name, p in zip(spec.param_names, spec.params):
                     key = self._key(p, name)
                     if key is None:
-                        missing.append(name)
+                        if p.is_meta:  # a parameter holding values fills its shards from them
+                            missing.append(name)
                         continue
                     shape = list(cache.get(self.weight_map[key]).get_slice(key).get_shape())
                     if shape != list(p.shape):
@@ -175,7 +198,13 @@ class SafetensorsSource:
             slot = layout.slots[index]
             key = self._key(params[index], slot.name)
             if key is None:
-                raise ValueError(f"{self.directory} lacks the weight {slot.name}.")
+                if params[index].is_meta:
+                    raise ValueError(f"{self.directory} lacks the weight {slot.name}.")
+                own = params[index].detach().reshape(-1)[start - slot.offset : end - slot.offset]
+                into = staging.take(end - start, own.dtype)
+                into.copy_(own)  # [Note: names in the files] a parameter that holds values
+                staged.append(_Staged(start, end, into))
+                continue
             file = self.weight_map[key]
             into = staging.take(end - start, reads.stored(file, key).dtype)
             reads.add(key, [[file, 0, math.prod(slot.shape)]], start - slot.offset, end - slot.offset, into)
@@ -194,5 +223,6 @@ class SafetensorsSource:
         """Copy persistent buffers that the files hold (most causal LMs have none)."""
         with FileCache(self.directory) as cache, torch.no_grad():
             for name, buf in model.named_buffers():
-                if name in self.weight_map:
-                    buf.copy_(cache.get(self.weight_map[name]).get_tensor(name))
+                key = next((k for k in self._spellings(name) if k in self.weight_map), None)
+                if key is not None:
+                    buf.copy_(cache.get(self.weight_map[key]).get_tensor(key))

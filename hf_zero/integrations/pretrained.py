@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -10,9 +11,13 @@ import torch
 from torch import nn
 
 from ..api import initialize
+from ..checkpoint.pretrained import SafetensorsSource
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name
+from ..engine.collectives import CommGroup, broadcast_tensors
 from ..engine.step.optim import ShardedOptimizer
+
+logger = logging.getLogger(__name__)
 
 
 def from_pretrained(
@@ -74,7 +79,7 @@ def from_pretrained(
         dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be 'auto' or a torch.dtype; got {dtype!r}.")
-    model: Any = _build_empty(model_class, hf_config, dtype, attn_implementation, trust_remote_code)
+    model: Any = _build_empty(model_class, hf_config, dtype, path, attn_implementation, trust_remote_code)
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
@@ -104,6 +109,7 @@ def _build_empty(
     model_class: Any,
     hf_config: Any,
     dtype: torch.dtype,
+    path: str | os.PathLike[str],
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
 ) -> nn.Module:
@@ -113,7 +119,8 @@ def _build_empty(
     Parameters come from the files, so their initializers are skipped while the model is built (on the
     meta device they would do nothing, yet in a fresh process their dispatch costs seconds); then, as
     `from_pretrained` does, the parameters are marked initialized and `initialize_weights` runs for the
-    rest: the buffers (rotary tables, norms' running statistics).
+    rest: the buffers (rotary tables, norms' running statistics), and the parameters the files lack (a new head:
+    `_materialize_missing`).
     """
     from accelerate import init_empty_weights
     from transformers import initialization
@@ -126,11 +133,53 @@ def _build_empty(
         kwargs["trust_remote_code"] = True
     with init_empty_weights(include_buffers=False), initialization.no_init_weights():
         model = build(hf_config, **kwargs)
-    for param in model.parameters():
-        param._is_hf_initialized = True
-    if hasattr(model, "initialize_weights"):
-        model.initialize_weights()
-    # init_empty_weights re-creates each registered parameter, which unties tied weights: tie again.
+    # init_empty_weights re-creates each registered parameter, which unties tied weights: tie again (before the
+    # files are asked which weights they lack: a tied head is its embeddings).
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    fresh = _materialize_missing(model, path)
+    for param in model.parameters():
+        if not any(param is p for p in fresh):
+            param._is_hf_initialized = True
+    if hasattr(model, "initialize_weights"):
+        model.initialize_weights()
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    world = CommGroup.world()
+    if fresh and world.size > 1:  # rank 0's values on every rank, as DDP's first broadcast gives
+        broadcast_tensors([p.detach() for p in fresh], world)
     return model
+
+
+def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list[nn.Parameter]:
+    """[Note: names in the files] the parameters of the model's head that `path` holds no weight for (a
+    classification head on a causal LM's weights), made real on the host and left for `initialize_weights` to
+    initialize, as transformers' `from_pretrained` initializes them; named in a warning, as transformers names
+    them. A weight of the body (`model.base_model`) the files lack is not made up: `initialize` refuses it (the
+    files hold another model)."""
+    base = getattr(model, "base_model", model)  # the body; a weight it lacks is another model's files: refused
+    body = {id(p) for p in base.parameters()} if isinstance(base, nn.Module) else set()
+    params = dict(model.named_parameters())
+    missing = [name for name in SafetensorsSource(path, model).missing(model) if id(params[name]) not in body]
+    if not missing:
+        return []
+    fresh: dict[int, nn.Parameter] = {}
+    for name, old in list(model.named_parameters(remove_duplicate=False)):
+        if name not in missing and id(old) not in fresh:
+            continue
+        new = fresh.get(id(old))
+        if new is None:
+            new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype), requires_grad=old.requires_grad)
+            fresh[id(old)] = new
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, new)
+    if CommGroup.world().rank == 0:
+        logger.warning(
+            "Some weights of %s were not initialized from the model checkpoint at %s and are newly initialized: "
+            "%s\nYou should probably TRAIN this model on a down-stream task to be able to use it for predictions "
+            "and inference.",
+            type(model).__name__,
+            path,
+            missing,
+        )
+    return list(fresh.values())
