@@ -109,16 +109,30 @@ def train_and_export(kind: str, stage: int, ckpt: str, live_out: str, tokenizer_
     return {"files": files, "logits": logits.numpy().copy(), "state": {k: v.clone() for k, v in state.items()}}
 
 
-def train_from_pretrained(path: str, mode: str, stage: int, steps: int = 3) -> dict[str, Any]:
-    """Load `path` the sharded way (hf_zero.from_pretrained) or the ordinary way, then train a few steps."""
+def train_from_pretrained(path: str, mode: str, stage: int, steps: int = 3, lora: bool = False) -> dict[str, Any]:
+    """Load `path` the sharded way (hf_zero.from_pretrained) or the ordinary way, then train a few steps. `lora`: a
+    LoRA adapter on the attention projections, added by `from_pretrained(peft_config=...)` with each rank's random
+    state seeded differently (`torch.manual_seed(rank)`: rank 0's adapter must reach every rank), or by
+    `get_peft_model` on the loaded model under `torch.manual_seed(0)`."""
     from transformers import AutoModelForCausalLM
 
     config = hf_zero.ZeroConfig(stage=stage)
+    adapter = None
+    if lora:
+        from peft import LoraConfig
+
+        adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     if mode == "sharded":
-        model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, path, config,
+        torch.manual_seed(dist.get_rank())
+        model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, path, config, peft_config=adapter,
                                              optimizer_fn=lambda m: make_optimizer(m, 1e-3))
     else:
         model = AutoModelForCausalLM.from_pretrained(path)
+        if adapter is not None:
+            from peft import get_peft_model
+
+            torch.manual_seed(0)
+            model = get_peft_model(model, adapter)
         model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
     model.train()
     g = torch.Generator().manual_seed(100 + dist.get_rank())
@@ -132,8 +146,9 @@ def train_from_pretrained(path: str, mode: str, stage: int, steps: int = 3) -> d
         opt.zero_grad()
         losses.append(float(loss.detach()))
     state = hf_zero.full_state_dict(model)
+    head = model.get_output_embeddings()
     return {"losses": losses, "state": state, "tied": getattr(model.config, "tie_word_embeddings", False)
-            and model.lm_head.weight is model.get_input_embeddings().weight}
+            and head is not None and head.weight is model.get_input_embeddings().weight}
 
 
 def other_heads_from(path: str, stage: int) -> dict[str, Any]:

@@ -38,6 +38,38 @@ def test_sharded_loading_equals_from_pretrained_then_initialize(pools, base_dirs
     assert sharded["tied"] == (kind == "falcon")  # Falcon's head stays tied to its embeddings
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_lora_added_by_the_sharded_load_trains_as_get_peft_model_on_the_loaded_model(pools, base_dirs, stage):
+    """[Note: LoRA on a sharded load] `from_pretrained(..., peft_config=LoraConfig(...))` (no rank ever holds the
+    whole base model) against `get_peft_model` on transformers' load then `initialize`: the same adapter (PEFT's draws
+    under rank 0's seed, though each rank's random state differs here), losses and final weights bit for bit."""
+    sharded = pools(2).values(checkpoint_cases.train_from_pretrained, base_dirs["llama"], "sharded", stage,
+                              lora=True)[0]
+    ordinary = pools(2).values(checkpoint_cases.train_from_pretrained, base_dirs["llama"], "ordinary", stage,
+                               lora=True)[0]
+    assert sharded["losses"] == ordinary["losses"]
+    assert sharded["state"].keys() == ordinary["state"].keys()
+    assert any("lora_A" in name for name in ordinary["state"])
+    for name, value in ordinary["state"].items():
+        assert torch.equal(sharded["state"][name], value), name
+
+
+def test_lora_settings_that_read_the_loaded_weights_are_refused(base_dirs):
+    from peft import IA3Config, LoraConfig
+
+    import hf_zero
+
+    for adapter, message in (
+        (LoraConfig(target_modules=["q_proj"], use_dora=True), "cannot apply use_dora=True: it needs the loaded"),
+        (LoraConfig(target_modules=["q_proj"], init_lora_weights="pissa"), "cannot apply init_lora_weights='pissa'"),
+        (LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]), "cannot apply modules_to_save"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], peft_config=adapter)
+    with pytest.raises(TypeError, match="takes a peft.LoraConfig; got IA3Config"):
+        hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], peft_config=IA3Config(target_modules=["q_proj"]))
+
+
 def test_attention_kernel_and_config_changes_reach_the_sharded_model(base_dirs):
     """`attn_implementation=` and config attributes given as keywords, as transformers' `from_pretrained` takes
     them: the model is built with them (its RoPE tables for the new length) and computes what transformers' own

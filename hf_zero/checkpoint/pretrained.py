@@ -18,9 +18,11 @@ that order reads its unit itself and drops the plan.
 [Note: names in the files]
 The files name each weight as the model class that saved them does. As transformers' `from_pretrained`, a weight is
 also found under the model's `base_model_prefix` added or taken away: a `LlamaModel`'s files load into a
-`LlamaForCausalLM` and the other way round, a causal LM's into `AutoModelForSequenceClassification`. A parameter the
-files lack is refused while it is on the meta device; one that holds values (a head outside the base model that
-`hf_zero.from_pretrained` initialized as transformers does, or one the caller built) fills its shards from them.
+`LlamaForCausalLM` and the other way round, a causal LM's into `AutoModelForSequenceClassification`; under a PEFT
+wrapper (`base_model.model.` before the name, `.base_layer` inside a wrapped layer) as the wrapped model's. A
+parameter the files lack is refused while it is on the meta device; one that holds values (a head outside the base
+model or a LoRA adapter that `hf_zero.from_pretrained` initialized, or one the caller built) fills its shards from
+them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..engine.wrap import UnitSpec
 from .reader import FileCache, hf_weight_map
 from .sequential import RangeReads
 
+_PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps ([Note: names in the files])
 _Unit = tuple[FlatLayout, tuple[nn.Parameter, ...], int]  # what `fill` is asked for: layout, params, shard rank
 
 
@@ -115,12 +118,17 @@ class SafetensorsSource:
         return None
 
     def _spellings(self, name: str) -> tuple[str, ...]:
-        """`name` as the files may spell it: as is, then with the base model's prefix taken away or added."""
-        if self._prefix == ".":  # the model names no base model
-            return (name,)
-        if name.startswith(self._prefix):
-            return name, name[len(self._prefix) :]
-        return name, self._prefix + name
+        """`name` as the files may spell it: as is (and as the model under a PEFT wrapper names it), then with the
+        base model's prefix taken away or added."""
+        names = [name]
+        if name.startswith(_PEFT_ROOT):  # a PEFT model's name for a weight of the model it wraps
+            names.append(name[len(_PEFT_ROOT) :].replace(".base_layer.", "."))
+        spellings = []
+        for n in names:
+            spellings.append(n)
+            if self._prefix != ".":  # the model names a base model
+                spellings.append(n[len(self._prefix) :] if n.startswith(self._prefix) else self._prefix + n)
+        return tuple(dict.fromkeys(spellings))
 
     def missing(self, model: nn.Module) -> list[str]:
         """The names of the model's parameters the files hold no weight for (a tied one once)."""

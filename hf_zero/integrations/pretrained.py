@@ -30,6 +30,7 @@ def from_pretrained(
     device: torch.device | str | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    peft_config: Any = None,
     **config_overrides: Any,
 ) -> tuple[nn.Module, ShardedOptimizer | None]:
     """Load a Hugging Face model straight into shards: no rank ever holds the whole model.
@@ -53,6 +54,10 @@ def from_pretrained(
             `"eager"`, ...), as `from_pretrained(..., attn_implementation=...)`; by default transformers' choice.
         trust_remote_code (`bool`, *optional*, defaults to `False`): allow a model whose code lives in the
             directory (`auto_map` in its `config.json`), as `from_pretrained` allows it.
+        peft_config (`peft.LoraConfig`, *optional*): wrap the model with `get_peft_model(model, peft_config)` before
+            it is sharded: LoRA on a model no rank ever holds whole ([Note: LoRA on a sharded load]); the adapter is
+            initialized as PEFT initializes it, rank 0's values on every rank. `optimizer_fn` then sees the PEFT
+            model's parameters.
         config_overrides: attributes of the model's config to change before it is built, as `from_pretrained`
             takes them (`use_cache=False`, `max_position_embeddings=8192`, `rope_parameters={...}`); a name the config
             does not have raises `TypeError`.
@@ -82,6 +87,8 @@ def from_pretrained(
     model: Any = _build_empty(model_class, hf_config, dtype, path, attn_implementation, trust_remote_code)
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
+    if peft_config is not None:
+        model = _with_lora(model, peft_config, path)
     model.eval()
     optimizer = optimizer_fn(model) if optimizer_fn is not None else None
     return initialize(model, optimizer, config, weights_from=path, device=device)
@@ -183,3 +190,65 @@ def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list
             missing,
         )
     return list(fresh.values())
+
+
+def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str]) -> nn.Module:
+    """[Note: LoRA on a sharded load]
+    `get_peft_model` on the model built on the meta device wraps its target layers, and PEFT creates the adapter's
+    matrices on the host and then moves them to the device of the layer's weight: the meta device, which drops their
+    values. They are made real on the host and drawn again as PEFT drew them: the random state put back to where
+    `get_peft_model` started, each `nn.Linear`'s own initialization, then `reset_lora_parameters`, layer by layer
+    (so under one seed the adapter equals the one `get_peft_model` gives a loaded model, and the random state ends
+    where it would), and rank 0's values broadcast. The base weights then come from the files
+    (their names under the wrapper, [Note: names in the files]). Initializations that read the base weights (DoRA,
+    PiSSA, OLoRA, LoftQ, EVA, ...) and `modules_to_save` (a copy of a loaded module) cannot run on the meta device:
+    refused by name."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(peft_config, LoraConfig):
+        raise TypeError(
+            f"hf_zero.from_pretrained(peft_config=...) takes a peft.LoraConfig; got {type(peft_config).__name__}. "
+            "For other PEFT methods, load the model with from_pretrained, call get_peft_model, then "
+            "hf_zero.initialize(model, optimizer, config)."
+        )
+    reads_weights = [
+        what
+        for what, bad in (
+            ("use_dora=True", peft_config.use_dora),
+            (
+                f"init_lora_weights={peft_config.init_lora_weights!r}",
+                peft_config.init_lora_weights not in (True, False, "gaussian"),
+            ),
+            ("modules_to_save", bool(peft_config.modules_to_save)),
+        )
+        if bad
+    ]
+    if reads_weights:
+        raise ValueError(
+            f"hf_zero.from_pretrained(peft_config=...) cannot apply {', '.join(reads_weights)}: it needs the loaded "
+            "weights, and the model is still on the meta device when the adapter is added. Load the model with "
+            "from_pretrained, call get_peft_model, then hf_zero.initialize(model, optimizer, config)."
+        )
+    drawn_from = torch.get_rng_state()  # PEFT draws the adapter on the host, then moves it to the meta device
+    model = get_peft_model(model, peft_config)
+    missing = set(SafetensorsSource(path, model).missing(model))
+    fresh = []
+    for name, old in list(model.named_parameters()):
+        if name in missing:
+            new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype), requires_grad=old.requires_grad)
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, new)
+            fresh.append(new)
+    torch.set_rng_state(drawn_from)  # the same draws again, into the real matrices
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for adapter in list(module.lora_A.keys()):
+                for matrices in (module.lora_A, module.lora_B):  # each nn.Linear's own initialization, A then B
+                    layer: Any = matrices[adapter]
+                    layer.reset_parameters()
+                module.reset_lora_parameters(adapter, peft_config.init_lora_weights)
+    world = CommGroup.world()
+    if world.size > 1:
+        broadcast_tensors([p.detach() for p in fresh], world)
+    return model
