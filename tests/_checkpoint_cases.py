@@ -151,6 +151,35 @@ def train_from_pretrained(path: str, mode: str, stage: int, steps: int = 3, lora
             and head is not None and head.weight is model.get_input_embeddings().weight}
 
 
+def adapter_saved_then_loaded(path: str, adapter_dir: str, stage: int) -> dict[str, Any]:
+    """LoRA trained 2 steps on a sharded load, saved with the PEFT model's `save_pretrained` (every rank), then a
+    fresh sharded load given that directory as `peft_config`: the trained and the reloaded adapter weights, which
+    reloaded parameters train, and the reloaded model's logits on a batch."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    config = hf_zero.ZeroConfig(stage=stage)
+    adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, path, config, peft_config=adapter,
+                                         optimizer_fn=lambda m: make_optimizer(m, 1e-2))
+    model.train()
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    for _ in range(2):
+        batch = torch.randint(0, 256, (2, 16), generator=g)
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(adapter_dir)
+    trained = {k: v.clone() for k, v in hf_zero.full_state_dict(model, rank0_only=False).items() if "lora_" in k}
+    again, _ = hf_zero.from_pretrained(AutoModelForCausalLM, path, config, peft_config=adapter_dir)
+    reloaded = {k: v.clone() for k, v in hf_zero.full_state_dict(again, rank0_only=False).items() if "lora_" in k}
+    ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = again(input_ids=ids).logits
+    return {"trained": trained, "reloaded": reloaded, "logits": logits,
+            "trainable": sorted(n for n, p in again.named_parameters() if p.requires_grad)}
+
+
 def other_heads_from(path: str, stage: int) -> dict[str, Any]:
     """A causal LM's files loaded, with each rank's random state seeded differently (`torch.manual_seed(rank)`), into
     `AutoModelForSequenceClassification` (its `score` head absent from the files: initialized) and into `AutoModel`

@@ -54,6 +54,31 @@ def test_lora_added_by_the_sharded_load_trains_as_get_peft_model_on_the_loaded_m
         assert torch.equal(sharded["state"][name], value), name
 
 
+def test_a_saved_adapter_resumes_on_a_sharded_load(pools, base_dirs, tmp_path):
+    """`from_pretrained(..., peft_config=adapter_dir)`: an adapter trained at stage 3 and saved by the PEFT model's
+    `save_pretrained` comes back with its trained weights, trainable, and computes what PEFT's own
+    `PeftModel.from_pretrained` on transformers' load computes."""
+    from peft import PeftModel
+
+    adapter_dir = str(tmp_path / "adapter")
+    results = pools(2).values(checkpoint_cases.adapter_saved_then_loaded, base_dirs["llama"], adapter_dir, 3)
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dirs["llama"]), adapter_dir)
+    ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = reference(input_ids=ids).logits
+    for r in results:
+        assert len(r["trained"]) == 8 and r["reloaded"].keys() == r["trained"].keys()
+        for name, value in r["trained"].items():
+            assert torch.equal(r["reloaded"][name], value), name
+        assert not torch.equal(r["trained"][next(k for k in r["trained"] if "lora_B" in k)], torch.zeros(1))
+        assert len(r["trainable"]) == 8 and all("lora_" in n for n in r["trainable"])
+        torch.testing.assert_close(r["logits"], logits, rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="no adapter_config.json there"):
+        import hf_zero
+
+        hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], peft_config=str(tmp_path))
+
+
 def test_lora_settings_that_read_the_loaded_weights_are_refused(base_dirs):
     from peft import IA3Config, LoraConfig
 

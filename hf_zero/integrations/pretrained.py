@@ -54,10 +54,12 @@ def from_pretrained(
             `"eager"`, ...), as `from_pretrained(..., attn_implementation=...)`; by default transformers' choice.
         trust_remote_code (`bool`, *optional*, defaults to `False`): allow a model whose code lives in the
             directory (`auto_map` in its `config.json`), as `from_pretrained` allows it.
-        peft_config (`peft.LoraConfig`, *optional*): wrap the model with `get_peft_model(model, peft_config)` before
-            it is sharded: LoRA on a model no rank ever holds whole ([Note: LoRA on a sharded load]); the adapter is
-            initialized as PEFT initializes it, rank 0's values on every rank. `optimizer_fn` then sees the PEFT
-            model's parameters.
+        peft_config (`peft.LoraConfig`, `str` or `os.PathLike`, *optional*): wrap the model with
+            `get_peft_model(model, peft_config)` before it is sharded: LoRA on a model no rank ever holds whole
+            ([Note: LoRA on a sharded load]); the adapter is initialized as PEFT initializes it, rank 0's values on
+            every rank. A directory of an adapter saved with `save_pretrained` gives its config and its weights,
+            trainable (`PeftModel.from_pretrained(model, dir, is_trainable=True)`). `optimizer_fn` then sees the
+            PEFT model's parameters.
         config_overrides: attributes of the model's config to change before it is built, as `from_pretrained`
             takes them (`use_cache=False`, `max_position_embeddings=8192`, `rope_parameters={...}`); a name the config
             does not have raises `TypeError`.
@@ -88,7 +90,10 @@ def from_pretrained(
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
     if peft_config is not None:
+        adapter_dir, peft_config = _adapter(peft_config)
         model = _with_lora(model, peft_config, path)
+        if adapter_dir is not None:
+            _load_adapter(model, adapter_dir)
     model.eval()
     optimizer = optimizer_fn(model) if optimizer_fn is not None else None
     return initialize(model, optimizer, config, weights_from=path, device=device)
@@ -252,3 +257,34 @@ def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str])
     if world.size > 1:
         broadcast_tensors([p.detach() for p in fresh], world)
     return model
+
+
+def _adapter(peft_config: Any) -> tuple[str | os.PathLike[str] | None, Any]:
+    """`peft_config` as given (a `LoraConfig`), or read from the directory of an adapter saved by `save_pretrained`:
+    `(directory or None, config)`, a read config made trainable."""
+    if not isinstance(peft_config, (str, os.PathLike)):
+        return None, peft_config
+    from peft import PeftConfig
+
+    if not os.path.isfile(os.path.join(peft_config, "adapter_config.json")):
+        raise FileNotFoundError(
+            f"hf_zero.from_pretrained(peft_config={str(peft_config)!r}): no adapter_config.json there; give the "
+            "directory an adapter's save_pretrained wrote, or a peft.LoraConfig."
+        )
+    config = PeftConfig.from_pretrained(str(peft_config))
+    config.inference_mode = False  # trained on, as PeftModel.from_pretrained(..., is_trainable=True)
+    return peft_config, config
+
+
+def _load_adapter(model: nn.Module, adapter_dir: str | os.PathLike[str]) -> None:
+    """The saved adapter's weights into its matrices, made real by `_with_lora` (an adapter is small: every rank
+    reads it whole); a saved weight the model has no place for is refused."""
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    result: Any = set_peft_model_state_dict(model, load_peft_weights(str(adapter_dir), device="cpu"))
+    unexpected = list(result.unexpected_keys)
+    if unexpected:
+        raise ValueError(
+            f"{adapter_dir} holds adapter weights this model has no place for, e.g. {unexpected[:3]}: "
+            "the adapter was trained on another model or with other target modules."
+        )
