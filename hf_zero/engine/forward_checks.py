@@ -185,5 +185,7 @@ def _replaced_message(what: str) -> str:
         "it was given at initialize, so a new one would never train (at stage 3 its values would be dropped at the "
         "next gather). Make changes to the model's structure before hf_zero.initialize (and build the optimizer "
         "after them); to change a weight's values, copy them in place on every rank: `with "
-        "hf_zero.gathered_parameters([param], modifier_rank=0): param.copy_(tensor)`, or model.load_state_dict(...)."
+        "hf_zero.gathered_parameters([param], modifier_rank=0): param.copy_(tensor)`, or model.load_state_dict(...). "
+        "A PEFT adapter (get_peft_model, PeftModel.from_pretrained) goes on before sharding: on a model "
+        "hf_zero.from_pretrained loads, pass peft_config=LoraConfig(...) or the adapter's directory to it."
     )
