@@ -175,16 +175,7 @@ def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list
     missing = [name for name in SafetensorsSource(path, model).missing(model) if id(params[name]) not in body]
     if not missing:
         return []
-    fresh: dict[int, nn.Parameter] = {}
-    for name, old in list(model.named_parameters(remove_duplicate=False)):
-        if name not in missing and id(old) not in fresh:
-            continue
-        new = fresh.get(id(old))
-        if new is None:
-            new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype), requires_grad=old.requires_grad)
-            fresh[id(old)] = new
-        owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, new)
+    fresh = _make_real(model, set(missing))
     if CommGroup.world().rank == 0:
         logger.warning(
             "Some weights of %s were not initialized from the model checkpoint at %s and are newly initialized: "
@@ -194,6 +185,23 @@ def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list
             path,
             missing,
         )
+    return fresh
+
+
+def _make_real(model: nn.Module, names: set[str]) -> list[nn.Parameter]:
+    """Replace the meta-device parameters `names` (and their tied aliases) with real, uninitialized ones on the
+    host, keeping shape, dtype and `requires_grad`; returns the new parameters."""
+    fresh: dict[int, nn.Parameter] = {}
+    for name, old in list(model.named_parameters(remove_duplicate=False)):
+        if name not in names and id(old) not in fresh:
+            continue
+        new = fresh.get(id(old))
+        if new is None:
+            new = fresh[id(old)] = nn.Parameter(
+                torch.empty(old.shape, dtype=old.dtype), requires_grad=old.requires_grad
+            )
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, new)
     return list(fresh.values())
 
 
@@ -237,14 +245,7 @@ def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str])
         )
     drawn_from = torch.get_rng_state()  # PEFT draws the adapter on the host, then moves it to the meta device
     model = get_peft_model(model, peft_config)
-    missing = set(SafetensorsSource(path, model).missing(model))
-    fresh = []
-    for name, old in list(model.named_parameters()):
-        if name in missing:
-            new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype), requires_grad=old.requires_grad)
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, new)
-            fresh.append(new)
+    fresh = _make_real(model, set(SafetensorsSource(path, model).missing(model)))
     torch.set_rng_state(drawn_from)  # the same draws again, into the real matrices
     for module in model.modules():
         if isinstance(module, LoraLayer):
