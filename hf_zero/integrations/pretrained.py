@@ -150,13 +150,12 @@ def _build_empty(
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     fresh = _materialize_missing(model, path)
+    made = {id(p) for p in fresh}
     for param in model.parameters():
-        if not any(param is p for p in fresh):
+        if id(param) not in made:
             param._is_hf_initialized = True
     if hasattr(model, "initialize_weights"):
         model.initialize_weights()
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
     world = CommGroup.world()
     if fresh and world.size > 1:  # rank 0's values on every rank, as DDP's first broadcast gives
         broadcast_tensors([p.detach() for p in fresh], world)
