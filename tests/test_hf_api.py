@@ -167,3 +167,15 @@ def test_the_public_api_is_small_and_moved_names_warn_with_their_replacement():
             value = getattr(hf_zero, name)
         assert [w.category for w in caught] == [FutureWarning] and replacement in str(caught[0].message)
         assert obj is None or value is obj
+
+
+def test_importing_hf_zero_leaves_dynamo_unimported():
+    """`import hf_zero` (every CLI start) costs torch's own import and no more: the engine's functions that dynamo
+    must not trace are disabled at their first call, not at import, where `torch.compiler.disable` would import
+    dynamo (about a second)."""
+    import subprocess
+    import sys
+
+    code = "import sys, hf_zero, hf_zero.cli; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -119,7 +119,9 @@ class ModelStructure:
             for m in self.model.modules()
         ]
 
-    @torch.compiler.disable  # bookkeeping over every module: dynamo would unroll it and guard on each dict
+    # bookkeeping over every module: dynamo would unroll it and guard on each dict. torch.compiler.disable, applied
+    # at the first call (importing dynamo costs ~1 s of `import hf_zero`, the CLI's start)
+    @torch._disable_dynamo
     def refuse_changes(self) -> None:
         """Raise `ValueError` naming the first entry changed since `initialize` (see the class docstring)."""
         known = self.known

@@ -275,7 +275,9 @@ class ModuleSlots:
                 # else a tensor put in the slot for one call (torch.func.functional_call): left to that call
 
 
-@torch.compiler.disable  # dynamo cannot trace the context, nor the stand-ins read from `module._parameters`
+# dynamo cannot trace the context, nor the stand-ins read from `module._parameters`. torch.compiler.disable, applied
+# at the first call (importing dynamo costs ~1 s of `import hf_zero`, the CLI's start)
+@torch._disable_dynamo
 def at_c_speed(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` with the stand-ins' `__torch_function__` off, so their attributes (`requires_grad`, `.grad`) read
     at C speed: through the hook each read costs 2.5 us, and the engine reads one per parameter at each gather,
