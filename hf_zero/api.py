@@ -10,7 +10,7 @@ from typing import Any, TypeVar, cast, overload
 import torch
 from torch import nn
 
-from .checkpoint.pretrained import SafetensorsSource
+from .checkpoint.pretrained import PretrainedSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.collectives.group import sequence_group
@@ -91,7 +91,7 @@ def initialize(
         config (`ZeroConfig`, *optional*):
             The engine settings; defaults to `ZeroConfig()` (stage 3, fp32).
         weights_from (`str` or `os.PathLike`, *optional*):
-            A `save_pretrained` directory (safetensors) to read the initial weights from, each rank
+            A `save_pretrained` directory (safetensors, or `.bin` files) to read the initial weights from, each rank
             reading only its own slices. The model may then live on the meta device (see
             `hf_zero.from_pretrained`, which builds it so); an optimizer built over its meta
             parameters is remapped to the real ones.
@@ -131,7 +131,7 @@ def initialize(
     error: Exception | None = None
     specs: list[UnitSpec] = []
     cfg = ZeroConfig()
-    source: SafetensorsSource | None = None
+    source: PretrainedSource | None = None
     compute = torch.device("cpu")  # decided by validate_model below, once
     try:
         _check_arguments(model, optimizer, config)
@@ -149,7 +149,7 @@ def initialize(
             tiled_mlp.check(model)
         specs = units_for(model, cfg)
         if weights_from is not None:
-            source = SafetensorsSource(weights_from, model)
+            source = PretrainedSource(weights_from, model)
             source.check(specs)
         requested = _as_device(device)
         compute = validate_model(model, world, has_source=source is not None, requested=requested)

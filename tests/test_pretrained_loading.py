@@ -137,6 +137,72 @@ def test_a_causal_lm_loads_into_a_classifier_and_a_base_model_as_transformers_lo
         assert torch.equal(r["logits"], logits), rank
 
 
+def _as_bin(src: str, dest: Path, files: int) -> Path:
+    """`src`'s weights as transformers wrote them before safetensors (torch.save): `pytorch_model.bin`, or `files`
+    shards named by `pytorch_model.bin.index.json`; its config beside them."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    dest.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(Path(src) / name, dest / name)
+    weights = load_file(Path(src) / "model.safetensors")
+    if files == 1:
+        torch.save(weights, dest / "pytorch_model.bin")
+        return dest
+    names, weight_map = sorted(weights), {}
+    for i in range(files):
+        file = f"pytorch_model-{i + 1:05d}-of-{files:05d}.bin"
+        part = names[i::files]
+        torch.save({n: weights[n] for n in part}, dest / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (dest / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dest
+
+
+@pytest.mark.parametrize(("kind", "files", "stage"), [("llama", 1, 3), ("falcon", 2, 1)])
+def test_bin_weights_load_into_shards_as_the_same_weights_in_safetensors(pools, base_dirs, tmp_path, kind, files,
+                                                                         stage):
+    """A directory of `pytorch_model*.bin` files (no safetensors) loads as its weights in safetensors load the
+    ordinary way: the same losses over 3 steps and the same final weights, bit for bit."""
+    binned = _as_bin(base_dirs[kind], tmp_path / "bin", files)
+    sharded = pools(2).values(checkpoint_cases.train_from_pretrained, str(binned), "sharded", stage)[0]
+    ordinary = pools(2).values(checkpoint_cases.train_from_pretrained, base_dirs[kind], "ordinary", stage)[0]
+    assert sharded["losses"] == ordinary["losses"]
+    assert sharded["state"].keys() == ordinary["state"].keys()
+    for name, value in ordinary["state"].items():
+        assert torch.equal(sharded["state"][name], value), name
+
+
+def test_bin_files_that_cannot_be_mapped_are_refused_and_safetensors_come_first(base_dirs, tmp_path):
+    """A `.bin` in torch's format from before 1.6 cannot be mapped: refused, naming the conversion; a damaged one is
+    refused naming the file. Beside safetensors weights a `.bin` is not read (transformers prefers safetensors)."""
+    from safetensors.torch import load_file
+
+    import hf_zero
+
+    legacy = _as_bin(base_dirs["llama"], tmp_path / "legacy", 1)
+    torch.save(load_file(Path(base_dirs["llama"]) / "model.safetensors"), legacy / "pytorch_model.bin",
+               _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match=r"format from before 1.6 .*save_pretrained\(new_dir\)"):
+        hf_zero.from_pretrained(AutoModelForCausalLM, legacy, hf_zero.ZeroConfig(stage=3))
+    damaged = _as_bin(base_dirs["llama"], tmp_path / "damaged", 1)
+    (damaged / "pytorch_model.bin").write_bytes(b"not a zip archive at all" * 100)
+    with pytest.raises(ValueError, match=r"pytorch_model.bin.*damaged"):
+        hf_zero.from_pretrained(AutoModelForCausalLM, damaged, hf_zero.ZeroConfig(stage=3))
+    import shutil
+
+    both = tmp_path / "both"
+    shutil.copytree(base_dirs["llama"], both)
+    shutil.copy(damaged / "pytorch_model.bin", both / "pytorch_model.bin")
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, both, hf_zero.ZeroConfig(stage=3))
+    expected = AutoModelForCausalLM.from_pretrained(base_dirs["llama"]).state_dict()
+    for name, value in hf_zero.full_state_dict(model).items():
+        assert torch.equal(value, expected[name]), name
+
+
 def test_a_body_weight_the_files_lack_is_refused_not_initialized(base_dirs, tmp_path):
     """Only a head outside the base model is initialized when the files lack it; a weight of the body missing means
     the files hold another model (or were cut short): refused, naming it, as before any head was initialized."""
@@ -164,7 +230,7 @@ def test_weights_of_another_model_are_refused_on_every_rank(pools, tmp_path):
         assert r.error_type == "ValueError" and "holds weights of other shapes than this model" in r.error
     (tmp_path / "empty").mkdir()
     for r in pools(2).run(checkpoint_cases.initialize_from, str(tmp_path / "empty")):
-        assert r.error_type == "FileNotFoundError" and "neither model.safetensors nor" in r.error
+        assert r.error_type == "FileNotFoundError" and "has no weights: neither model.safetensors" in r.error
 
 
 def _load_growth(path: Path, mode: str) -> list[int]:
@@ -208,11 +274,11 @@ def test_sharded_loading_peak_memory_per_rank(tmp_path, mode):
 
 @pytest.mark.parametrize("shard_rank", [0, 1, 2])
 def test_a_shard_is_filled_from_the_files_and_zero_in_its_padding(tmp_path, shard_rank):
-    """`SafetensorsSource.fill` zeroes only the padding (the reads write the rest): into memory holding anything,
+    """`PretrainedSource.fill` zeroes only the padding (the reads write the rest): into memory holding anything,
     the shard is the file's values where parameters lie and zero past them."""
     from safetensors.torch import save_file
 
-    from hf_zero.checkpoint.pretrained import SafetensorsSource
+    from hf_zero.checkpoint.pretrained import PretrainedSource
     from hf_zero.engine.layout import FlatLayout
 
     g = torch.Generator().manual_seed(0)
@@ -228,7 +294,7 @@ def test_a_shard_is_filled_from_the_files_and_zero_in_its_padding(tmp_path, shar
     expected = torch.zeros(layout.padded_numel)
     expected[: flat.numel()] = flat
     out = torch.full((hi - lo,), float("nan"))
-    SafetensorsSource(tmp_path, model).fill(layout, params, shard_rank, out)
+    PretrainedSource(tmp_path, model).fill(layout, params, shard_rank, out)
     assert torch.equal(out, expected[lo:hi])
 
 
@@ -245,7 +311,7 @@ def test_units_filled_in_or_out_of_the_prepared_order_get_their_own_values(tmp_p
     order reads its own unit, never the one read ahead for another."""
     from safetensors.torch import save_file
 
-    from hf_zero.checkpoint.pretrained import SafetensorsSource
+    from hf_zero.checkpoint.pretrained import PretrainedSource
     from hf_zero.engine.layout import FlatLayout
 
     g = torch.Generator().manual_seed(1)
@@ -256,7 +322,7 @@ def test_units_filled_in_or_out_of_the_prepared_order_get_their_own_values(tmp_p
     for i in range(3):
         params = (model[i].weight,)
         units.append((FlatLayout.build((f"{i}.weight",), [params[0].shape], num_shards=2, align=4), params, 1))
-    source = SafetensorsSource(tmp_path, model)
+    source = PretrainedSource(tmp_path, model)
     source.prepare(units)
     for i in order:
         layout, params, shard_rank = units[i]

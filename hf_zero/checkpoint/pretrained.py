@@ -1,10 +1,11 @@
-"""`SafetensorsSource`: fill each rank's shards straight from a Hugging Face model directory.
+"""`PretrainedSource`: fill each rank's shards straight from a Hugging Face model directory.
 
 Each rank reads, from `model.safetensors` or the shards named by `model.safetensors.index.json`,
 only the bytes that its own shard of each unit covers (a range of a flattened row-major tensor is one
 range of the file), around the page cache into a reused host buffer in the file's dtype ([Note: one-pass
 load] in sequential.py), then cast or copied into the shard on its device; nothing is mapped, and a node's
-host memory peak is about one copy of the model in total (its ranks' shards), not one per rank.
+host memory peak is about one copy of the model in total (its ranks' shards), not one per rank. A directory
+with `pytorch_model*.bin` files only is read through their mappings instead ([Note: .bin weights] in torch_bin.py).
 
 [Note: read ahead]
 A unit's shard is fresh memory, and writing it the first time (the cast of the file's bf16 into fp32 masters) costs
@@ -40,6 +41,7 @@ from ..engine.layout import FlatLayout
 from ..engine.wrap import UnitSpec
 from .reader import FileCache, hf_weight_map
 from .sequential import RangeReads
+from .torch_bin import BinWeights, is_bin
 
 _PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps ([Note: names in the files])
 _Unit = tuple[FlatLayout, tuple[nn.Parameter, ...], int]  # what `fill` is asked for: layout, params, shard rank
@@ -91,7 +93,7 @@ class Staging:
         self._used = 0
 
 
-class SafetensorsSource:
+class PretrainedSource:
     """A `ShardSource` reading a `save_pretrained` directory by byte range."""
 
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module) -> None:
@@ -99,6 +101,7 @@ class SafetensorsSource:
         if not self.directory.is_dir():
             raise FileNotFoundError(f"No model directory at {self.directory}.")
         self.weight_map = hf_weight_map(self.directory)
+        self._bins = BinWeights(self.directory)  # [Note: .bin weights], where the directory has those
         self._staging = (Staging(), Staging())  # the files' bytes before their cast, a unit in each in turn
         self._plan: list[_Unit] = []  # [Note: read ahead] the units still to fill, in order
         self._filled = 0  # how many of the planned units were filled
@@ -145,7 +148,7 @@ class SafetensorsSource:
                         if p.is_meta:  # a parameter holding values fills its shards from them
                             missing.append(name)
                         continue
-                    shape = list(cache.get(self.weight_map[key]).get_slice(key).get_shape())
+                    shape = self._shape(cache, self.weight_map[key], key)
                     if shape != list(p.shape):
                         wrong.append(f"{name}: file {shape} vs model {list(p.shape)}")
         if missing:
@@ -214,8 +217,13 @@ class SafetensorsSource:
                 staged.append(_Staged(start, end, into))
                 continue
             file = self.weight_map[key]
-            into = staging.take(end - start, reads.stored(file, key).dtype)
-            reads.add(key, [[file, 0, math.prod(slot.shape)]], start - slot.offset, end - slot.offset, into)
+            if is_bin(file):  # [Note: .bin weights] copied out of the file's mapping
+                mapped = self._bins.flat_range(file, key, start - slot.offset, end - slot.offset)
+                into = staging.take(end - start, mapped.dtype)
+                into.copy_(mapped)
+            else:
+                into = staging.take(end - start, reads.stored(file, key).dtype)
+                reads.add(key, [[file, 0, math.prod(slot.shape)]], start - slot.offset, end - slot.offset, into)
             staged.append(_Staged(start, end, into))
         for file in list(reads.wants):
             reads.read(file)
@@ -225,6 +233,7 @@ class SafetensorsSource:
         """Drop the plan; a read under way finishes first (its buffer may be reused next)."""
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
+            self._bins.close()  # the planned reads are done or dropped: no mapping is kept past them
         self._plan, self._ahead, self._reader = [], None, None
 
     def load_buffers(self, model: nn.Module) -> None:
@@ -233,4 +242,12 @@ class SafetensorsSource:
             for name, buf in model.named_buffers():
                 key = next((k for k in self._spellings(name) if k in self.weight_map), None)
                 if key is not None:
-                    buf.copy_(cache.get(self.weight_map[key]).get_tensor(key))
+                    file = self.weight_map[key]
+                    buf.copy_(self._bins.tensor(file, key) if is_bin(file) else cache.get(file).get_tensor(key))
+        self._bins.close()
+
+    def _shape(self, cache: FileCache, file: str, key: str) -> list[int]:
+        """`key`'s shape in `file`, from its header (safetensors) or its mapping (`.bin`)."""
+        if is_bin(file):
+            return list(self._bins.tensor(file, key).shape)
+        return list(cache.get(file).get_slice(key).get_shape())

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .torch_bin import bin_weight_map
+
 
 class FileCache:
     """Open safetensors handles, one per file, closed together."""
@@ -73,7 +75,9 @@ def read_pieces(cache: FileCache, key: str, stored: list[list[Any]], start: int,
 
 
 def hf_weight_map(directory: Path) -> dict[str, str]:
-    """`{tensor name: file}` of a Hugging Face model directory (single file or sharded with an index)."""
+    """`{tensor name: file}` of a Hugging Face model directory (single file or sharded with an index): its
+    safetensors files where it has them (as transformers prefers them), else its `pytorch_model*.bin` files
+    ([Note: .bin weights] in torch_bin.py)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         return dict(json.loads(index.read_text())["weight_map"])
@@ -81,7 +85,10 @@ def hf_weight_map(directory: Path) -> dict[str, str]:
     if single.is_file():
         with safe_open(str(single), framework="pt", device="cpu") as f:
             return {k: "model.safetensors" for k in f.keys()}
+    from_bin = bin_weight_map(directory)
+    if from_bin is not None:
+        return from_bin
     raise FileNotFoundError(
-        f"{directory} has neither model.safetensors nor model.safetensors.index.json; hf_zero loads safetensors "
-        "weights only (convert .bin files with save_pretrained(safe_serialization=True))."
+        f"{directory} has no weights: neither model.safetensors, model.safetensors.index.json, pytorch_model.bin nor "
+        "pytorch_model.bin.index.json. Point it at a directory written by save_pretrained."
     )

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..api import initialize
-from ..checkpoint.pretrained import SafetensorsSource
+from ..checkpoint.pretrained import PretrainedSource
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name
 from ..engine.collectives import CommGroup, broadcast_tensors
@@ -36,13 +36,14 @@ def from_pretrained(
     """Load a Hugging Face model straight into shards: no rank ever holds the whole model.
 
     The model is built on the meta device (buffers such as RoPE tables are built for real), then
-    each rank reads only its slices of the safetensors files. The result equals
+    each rank reads only its slices of the weights' files. The result equals
     `model_class.from_pretrained(path)` followed by `hf_zero.initialize`, in eval mode like
     `from_pretrained` (call `model.train()` before training).
 
     Args:
         model_class: a transformers model class (`AutoModelForCausalLM`, `LlamaForCausalLM`, ...).
-        path (`str` or `os.PathLike`): a local `save_pretrained` directory with safetensors weights.
+        path (`str` or `os.PathLike`): a local `save_pretrained` directory: safetensors weights, or
+            `pytorch_model*.bin` files where it has none ([Note: .bin weights]).
         config (`ZeroConfig`, *optional*): the engine settings (default `ZeroConfig()`, stage 3).
         optimizer_fn (`Callable[[nn.Module], Optimizer]`, *optional*): builds the optimizer over the
             (not yet sharded) model's parameters, e.g. `lambda m: torch.optim.AdamW(m.parameters())`.
@@ -171,7 +172,7 @@ def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list
     base = getattr(model, "base_model", model)  # the body; a weight it lacks is another model's files: refused
     body = {id(p) for p in base.parameters()} if isinstance(base, nn.Module) else set()
     params = dict(model.named_parameters())
-    missing = [name for name in SafetensorsSource(path, model).missing(model) if id(params[name]) not in body]
+    missing = [name for name in PretrainedSource(path, model).missing(model) if id(params[name]) not in body]
     if not missing:
         return []
     fresh = _make_real(model, set(missing))
@@ -244,7 +245,7 @@ def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str])
         )
     drawn_from = torch.get_rng_state()  # PEFT draws the adapter on the host, then moves it to the meta device
     model = get_peft_model(model, peft_config)
-    fresh = _make_real(model, set(SafetensorsSource(path, model).missing(model)))
+    fresh = _make_real(model, set(PretrainedSource(path, model).missing(model)))
     torch.set_rng_state(drawn_from)  # the same draws again, into the real matrices
     for module in model.modules():
         if isinstance(module, LoraLayer):
