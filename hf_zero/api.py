@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast, overload
 
 import torch
 from torch import nn
 
-from .checkpoint.pretrained import PretrainedSource
+from .checkpoint.pretrained import Conversions, PretrainedSource
 from .config import ZeroConfig
 from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.collectives.group import sequence_group
@@ -149,7 +150,7 @@ def initialize(
             tiled_mlp.check(model)
         specs = units_for(model, cfg)
         if weights_from is not None:
-            source = PretrainedSource(weights_from, model)
+            source = PretrainedSource(weights_from, model, _file_conversions(model))
             source.check(specs)
         requested = _as_device(device)
         compute = validate_model(model, world, has_source=source is not None, requested=requested)
@@ -172,6 +173,16 @@ def initialize(
 
         tiled_mlp.enable(model)
     return model, shard_optimizers(optimizer, engine)
+
+
+def _file_conversions(model: nn.Module) -> Conversions | None:
+    """transformers' checkpoint conversions for a transformers model ([Note: converted weights] in
+    integrations/conversions.py); None for any other model."""
+    if "transformers" not in sys.modules:  # a transformers model was built with it imported
+        return None
+    from .integrations.conversions import checkpoint_conversions
+
+    return checkpoint_conversions(model)
 
 
 def keep_fused_loss_head_gathered(model: nn.Module) -> None:

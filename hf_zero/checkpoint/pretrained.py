@@ -23,16 +23,20 @@ also found under the model's `base_model_prefix` added or taken away: a `LlamaMo
 wrapper (`base_model.model.` before the name, `.base_layer` inside a wrapped layer) as the wrapped model's. A
 parameter the files lack is refused while it is on the meta device; one that holds values (a head outside the base
 model or a LoRA adapter that `hf_zero.from_pretrained` initialized, or one the caller built) fills its shards from
-them.
+them. Where transformers stores a model's weights under other names or in other shapes than its modules have
+(its checkpoint conversions), the names are the files' keys as transformers renames them, and a weight it builds
+from several tensors is built by its rules ([Note: converted weights] in integrations/conversions.py).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -45,6 +49,30 @@ from .torch_bin import BinWeights, is_bin
 
 _PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps ([Note: names in the files])
 _Unit = tuple[FlatLayout, tuple[nn.Parameter, ...], int]  # what `fill` is asked for: layout, params, shard rank
+
+
+class Built(Protocol):
+    """A model weight built from several of the files' tensors ([Note: converted weights])."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def build(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The whole weight, from the files' tensors read by `read(file key)`."""
+        ...
+
+
+@dataclass(frozen=True)
+class FileNames:
+    """How the model names the files' tensors ([Note: names in the files]): `renamed` maps a name the model has to
+    the file key holding it; `built` the names of weights built from several tensors to how."""
+
+    renamed: dict[str, str]
+    built: dict[str, Built]
+
+
+# the file keys and a meta tensor of each (shape, dtype) -> the model's names for them
+Conversions = Callable[[list[str], Callable[[str], torch.Tensor]], FileNames]
 
 
 class _Staged(NamedTuple):
@@ -96,12 +124,17 @@ class Staging:
 class PretrainedSource:
     """A `ShardSource` reading a `save_pretrained` directory by byte range."""
 
-    def __init__(self, directory: str | os.PathLike[str], model: nn.Module) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], model: nn.Module, conversions: Conversions | None = None
+    ) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"No model directory at {self.directory}.")
         self.weight_map = hf_weight_map(self.directory)
         self._bins = BinWeights(self.directory)  # [Note: .bin weights], where the directory has those
+        names = conversions(list(self.weight_map), self._meta) if conversions is not None else None
+        self._renamed = names.renamed if names is not None else {key: key for key in self.weight_map}
+        self._built = names.built if names is not None else {}  # [Note: converted weights]
         self._staging = (Staging(), Staging())  # the files' bytes before their cast, a unit in each in turn
         self._plan: list[_Unit] = []  # [Note: read ahead] the units still to fill, in order
         self._filled = 0  # how many of the planned units were filled
@@ -113,10 +146,11 @@ class PretrainedSource:
         self._prefix = f"{getattr(model, 'base_model_prefix', '') or ''}."  # [Note: names in the files]
 
     def _key(self, param: nn.Parameter, name: str) -> str | None:
-        """The files' name for `param` (any of its tied names, with or without the base model's prefix)."""
+        """The name the files hold `param` under, as the model names it (any of its tied names, with or without the
+        base model's prefix): a key of `_renamed` or `_built`."""
         for candidate in self._names.get(id(param), [name]):
             for key in self._spellings(candidate):
-                if key in self.weight_map:
+                if key in self._renamed or key in self._built:
                     return key
         return None
 
@@ -148,7 +182,7 @@ class PretrainedSource:
                         if p.is_meta:  # a parameter holding values fills its shards from them
                             missing.append(name)
                         continue
-                    shape = self._shape(cache, self.weight_map[key], key)
+                    shape = self._shape(cache, key)
                     if shape != list(p.shape):
                         wrong.append(f"{name}: file {shape} vs model {list(p.shape)}")
         if missing:
@@ -216,6 +250,14 @@ class PretrainedSource:
                 into.copy_(own)  # [Note: names in the files] a parameter that holds values
                 staged.append(_Staged(start, end, into))
                 continue
+            built = self._built.get(key)
+            if built is not None:  # [Note: converted weights] built whole, this rank's range copied out
+                whole = built.build(self._read_whole).reshape(-1)[start - slot.offset : end - slot.offset]
+                into = staging.take(end - start, whole.dtype)
+                into.copy_(whole)
+                staged.append(_Staged(start, end, into))
+                continue
+            key = self._renamed[key]
             file = self.weight_map[key]
             if is_bin(file):  # [Note: .bin weights] copied out of the file's mapping
                 mapped = self._bins.flat_range(file, key, start - slot.offset, end - slot.offset)
@@ -240,14 +282,38 @@ class PretrainedSource:
         """Copy persistent buffers that the files hold (most causal LMs have none)."""
         with FileCache(self.directory) as cache, torch.no_grad():
             for name, buf in model.named_buffers():
-                key = next((k for k in self._spellings(name) if k in self.weight_map), None)
-                if key is not None:
+                found = next((k for k in self._spellings(name) if k in self._renamed), None)
+                if found is not None:
+                    key = self._renamed[found]
                     file = self.weight_map[key]
                     buf.copy_(self._bins.tensor(file, key) if is_bin(file) else cache.get(file).get_tensor(key))
         self._bins.close()
 
-    def _shape(self, cache: FileCache, file: str, key: str) -> list[int]:
-        """`key`'s shape in `file`, from its header (safetensors) or its mapping (`.bin`)."""
+    def _shape(self, cache: FileCache, name: str) -> list[int]:
+        """The shape of the weight the model calls `name`: from its file's header (safetensors), its mapping (`.bin`)
+        or its converter's rules ([Note: converted weights])."""
+        built = self._built.get(name)
+        if built is not None:
+            return list(built.shape)
+        key = self._renamed[name]
+        file = self.weight_map[key]
         if is_bin(file):
             return list(self._bins.tensor(file, key).shape)
         return list(cache.get(file).get_slice(key).get_shape())
+
+    def _meta(self, key: str) -> torch.Tensor:
+        """A meta tensor of the files' tensor `key`: its shape and dtype, nothing read but the header."""
+        file = self.weight_map[key]
+        if is_bin(file):
+            return torch.empty_like(self._bins.tensor(file, key), device="meta")
+        stored = RangeReads(self.directory).stored(file, key)
+        return torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+
+    def _read_whole(self, key: str) -> torch.Tensor:
+        """The files' tensor `key`, whole (through the page cache: every rank holding a piece of a weight built
+        from it reads it, [Note: converted weights])."""
+        file = self.weight_map[key]
+        if is_bin(file):
+            return self._bins.tensor(file, key)
+        with FileCache(self.directory) as cache:
+            return cache.get(file).get_tensor(key)

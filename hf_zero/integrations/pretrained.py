@@ -16,6 +16,7 @@ from ..config import ZeroConfig
 from ..dtypes import dtype_from_name
 from ..engine.collectives import CommGroup, broadcast_tensors
 from ..engine.step.optim import ShardedOptimizer
+from .conversions import checkpoint_conversions
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,11 @@ def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list
     base = getattr(model, "base_model", model)  # the body; a weight it lacks is another model's files: refused
     body = {id(p) for p in base.parameters()} if isinstance(base, nn.Module) else set()
     params = dict(model.named_parameters())
-    missing = [name for name in PretrainedSource(path, model).missing(model) if id(params[name]) not in body]
+    missing = [
+        name
+        for name in PretrainedSource(path, model, checkpoint_conversions(model)).missing(model)
+        if id(params[name]) not in body
+    ]
     if not missing:
         return []
     fresh = _make_real(model, set(missing))
@@ -245,7 +250,7 @@ def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str])
         )
     drawn_from = torch.get_rng_state()  # PEFT draws the adapter on the host, then moves it to the meta device
     model = get_peft_model(model, peft_config)
-    fresh = _make_real(model, set(PretrainedSource(path, model).missing(model)))
+    fresh = _make_real(model, set(PretrainedSource(path, model, checkpoint_conversions(model)).missing(model)))
     torch.set_rng_state(drawn_from)  # the same draws again, into the real matrices
     for module in model.modules():
         if isinstance(module, LoraLayer):

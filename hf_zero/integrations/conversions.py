@@ -1,0 +1,130 @@
+"""transformers' checkpoint conversions, for the sharded load: which of the files' tensors each model weight is.
+
+[Note: converted weights]
+Since transformers 5 a model's weights are not always stored under the names and in the shapes its modules have:
+`save_pretrained` writes the layout the model's checkpoints have always had, and `from_pretrained` converts on
+load, by the rules `transformers.conversion_mapping` keeps per model type. Some rules rename (GPT-NeoX's
+`embed_out` is the model's `lm_head`, Mixtral's `block_sparse_moe` its `mlp`); others build one weight from
+several tensors (Mixtral's and Qwen-MoE's experts, stored one matrix per expert, fused into 3-D `gate_up_proj`
+and `down_proj`). A load that looked each weight up by its module's name found such a head missing and
+initialized it at random (a silent wrong model), or refused the experts as another model's.
+
+`checkpoint_conversions(model)` gives the sharded load transformers' own rules, applied as `from_pretrained`
+applies them (each file key renamed, then at most one converter; the base model's prefix added or taken away):
+a renamed weight is read by byte range under its file key, as any other; a built one is built on each rank that
+holds a piece of it, from its source tensors read whole, by the converter's own operations, and that rank's
+range copied out (so each such rank reads the whole sources: a node's page cache shares them). The operations
+run once at the start on meta tensors, which gives each built weight's name and shape without reading a byte.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint.pretrained import Conversions, FileNames
+
+
+@dataclass
+class _Built:
+    """A model weight that transformers' converter builds from the files' tensors `sources` (source pattern ->
+    file keys, in transformers' order)."""
+
+    converter: Any
+    sources: dict[str, list[str]]
+    layer_name: str  # the name the sources were collected under (the converter's first target)
+    name: str  # this output's full name
+    config: Any
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+
+    def build(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The whole weight, from its sources read by `read(file key)`."""
+        inputs = {pattern: [read(key) for key in keys] for pattern, keys in self.sources.items()}
+        return _convert(self.converter, inputs, self.layer_name, self.config)[self.name]
+
+
+def checkpoint_conversions(model: nn.Module) -> Conversions | None:
+    """transformers' conversion rules for `model`'s files ([Note: converted weights]), or None where `model` is not
+    a transformers model (or this transformers has no such rules)."""
+    base = _pretrained_model(model)
+    if base is None:
+        return None
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    except ImportError:  # a transformers before its conversion rules: the files use the modules' names
+        return None
+    transforms = get_model_conversion_mapping(base)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(base, "base_model_prefix", None) or None
+    own = base.state_dict(keep_vars=True)
+
+    def names(file_keys: list[str], meta_of: Callable[[str], torch.Tensor]) -> FileNames:
+        renamed: dict[str, str] = {}
+        groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
+        for key in sorted(file_keys, key=dot_natural_key):
+            name, pattern = rename_source_key(key, renamings, converters, prefix, own)
+            if name not in own and key in own:  # as transformers: a key the model has as it is is not renamed
+                name, pattern = rename_source_key(key, [], [], prefix, own)
+            if pattern is None:
+                renamed.setdefault(name, key)
+            else:
+                converter, sources = groups.setdefault(name, (copy.deepcopy(by_pattern[pattern]), {}))
+                sources.setdefault(pattern, []).append(key)
+        built: dict[str, Any] = {}
+        for layer_name, (converter, sources) in groups.items():
+            metas = {pattern: [meta_of(key) for key in keys] for pattern, keys in sources.items()}
+            try:
+                outputs = _convert(converter, metas, layer_name, base.config)
+            except Exception as e:  # noqa: BLE001 - an operation that needs the values: named, with the way round
+                raise ValueError(
+                    f"hf_zero cannot build {layer_name} from the files' {sum(map(len, sources.values()))} tensors "
+                    f"({type(converter).__name__} {converter.source_patterns} -> {converter.target_patterns}: {e}). "
+                    "Load the model with transformers' from_pretrained, then hf_zero.initialize(model, optimizer, "
+                    "config)."
+                ) from e
+            for name, meta in outputs.items():
+                built[name] = _Built(converter, sources, layer_name, name, base.config, tuple(meta.shape), meta.dtype)
+        return FileNames(renamed, built)
+
+    return names if (renamings or converters) else None
+
+
+def _convert(converter: Any, inputs: dict[str, list[torch.Tensor]], layer_name: str, config: Any) -> dict[str, Any]:
+    """The converter's operations on `inputs` (source pattern -> tensors), each output under its full name, as
+    transformers' `WeightConverter.convert` names them."""
+    collected: dict[str, Any] = {pattern: list(tensors) for pattern, tensors in inputs.items()}
+    for op in converter.operations:
+        collected = op.convert(
+            collected,
+            source_patterns=converter.source_patterns,
+            target_patterns=converter.target_patterns,
+            full_layer_name=layer_name,
+            model=None,
+            config=config,
+            missing_keys=None,
+        )
+    full = layer_name.replace("*.", "0.")
+    parts = next((full.partition(k) for k in collected if k in full), None)
+    if parts is None:
+        return dict(collected)
+    before, _, after = parts
+    return {before + k + after: v for k, v in collected.items()}
+
+
+def _pretrained_model(model: nn.Module) -> Any:
+    """The transformers model in `model` (itself, or the one a PEFT model wraps), or None."""
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else model
+    config = getattr(inner, "config", None)
+    if getattr(config, "model_type", None) is None or not hasattr(inner, "base_model_prefix"):
+        return None
+    return inner
