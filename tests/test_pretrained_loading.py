@@ -157,6 +157,20 @@ def test_files_transformers_converts_on_load_load_into_shards_as_transformers_lo
         assert torch.equal(sharded["state"][name], value), name
 
 
+@pytest.mark.parametrize("kind", ["gpt_neox", "mixtral"])
+def test_a_converted_model_saved_from_shards_loads_back_in_transformers(pools, tmp_path, kind):
+    """A model whose files transformers converts on load, loaded the sharded way and saved from its shards (rank 0
+    gathering, or every rank its share), loads back in transformers with every weight as in the original files."""
+    make_model(kind, seed=3).save_pretrained(tmp_path / "base")
+    pools(2).values(checkpoint_cases.saved_both_ways, str(tmp_path / "base"), str(tmp_path))
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "base").state_dict()
+    for way in ("gathered", "parallel"):
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / way).state_dict()
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), (way, name)
+
+
 def _as_bin(src: str, dest: Path, files: int) -> Path:
     """`src`'s weights as transformers wrote them before safetensors (torch.save): `pytorch_model.bin`, or `files`
     shards named by `pytorch_model.bin.index.json`; its config beside them."""
