@@ -28,6 +28,7 @@ def test_a_collective_call_on_one_rank_is_refused_on_every_rank(pools, tmp_path,
         assert f"rank(s) [0] began {CALLS[what]}" in error, error
         assert "rank(s) [1] began a forward with grad" in error, error
         assert len(r["losses"]) == 1, r  # refused at the first call that differs: rank 1 in step 1's forward
+        assert ("different numbers of them" in error) == (what == "eval_forward"), error  # uneven evaluation named
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -120,8 +120,19 @@ def _apart(rows: list[list[int]], group: CommGroup) -> str:
         "ranks together with synced_gpus=True), or train at stages 1-2, where a forward without grad is local. A "
         "backward (or step) skipped on some ranks, decided from each rank's own loss, must be decided together: "
         "`skip = torch.tensor(float(not torch.isfinite(loss))); torch.distributed.all_reduce(skip)` on every rank, "
-        "then skip where `skip > 0`."
+        "then skip where `skip > 0`." + (_UNEVEN if any(call == Call.FORWARD_NO_GRAD for call, _ in rows) else "")
     )
+
+
+# a forward without grad among the calls apart: the usual cause at stage 3 is an evaluation loop whose ranks ran
+# different numbers of batches (the extra forwards of one rank met the others' next call)
+_UNEVEN = (
+    " If a forward without grad is an evaluation batch, the ranks ran different numbers of them: at ZeRO stage 3 "
+    "every rank must run the same number of evaluation forwards. Give each rank the same number of batches "
+    "(DistributedSampler(..., drop_last=False) pads the last one, as Accelerate's even_batches=True and the "
+    "Trainer's evaluation loop do; an IterableDataset split with datasets' split_dataset_by_node does not), or let "
+    "a rank whose batches ran out run forwards on a batch of its own until every rank is done."
+)
 
 
 def _what(call: int) -> str:
