@@ -237,6 +237,27 @@ def test_bin_files_that_cannot_be_mapped_are_refused_and_safetensors_come_first(
         assert torch.equal(value, expected[name]), name
 
 
+def test_a_non_persistent_buffer_left_in_the_files_is_not_read(base_dirs, tmp_path):
+    """RoPE's `inv_freq` is a non-persistent buffer: transformers computes it and never reads it from the files. A
+    copy some tool left there (here doubled) is not read by the sharded load either: its logits are transformers'."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import hf_zero
+
+    stale = tmp_path / "stale"
+    shutil.copytree(base_dirs["llama"], stale)
+    weights = load_file(stale / "model.safetensors")
+    expected = AutoModelForCausalLM.from_pretrained(base_dirs["llama"])
+    weights["model.rotary_emb.inv_freq"] = dict(expected.named_buffers())["model.rotary_emb.inv_freq"] * 2
+    save_file(weights, stale / "model.safetensors", metadata={"format": "pt"})
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, stale, hf_zero.ZeroConfig(stage=3))
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected.eval()(input_ids=ids).logits)
+
+
 def test_a_body_weight_the_files_lack_is_refused_not_initialized(base_dirs, tmp_path):
     """Only a head outside the base model is initialized when the files lack it; a weight of the body missing means
     the files hold another model (or were cut short): refused, naming it, as before any head was initialized."""

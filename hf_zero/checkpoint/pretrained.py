@@ -279,9 +279,14 @@ class PretrainedSource:
         self._plan, self._ahead, self._reader = [], None, None
 
     def load_buffers(self, model: nn.Module) -> None:
-        """Copy persistent buffers that the files hold (most causal LMs have none)."""
+        """Copy the persistent buffers that the files hold (most causal LMs have none). A non-persistent one (RoPE's
+        `inv_freq`) is the model's own, as under transformers' `from_pretrained`: a copy some tool left in the files
+        (stale, or rounded to the files' dtype) is not read."""
+        persistent = set(model.state_dict(keep_vars=True))
         with FileCache(self.directory) as cache, torch.no_grad():
             for name, buf in model.named_buffers():
+                if name not in persistent:
+                    continue
                 found = next((k for k in self._spellings(name) if k in self._renamed), None)
                 if found is not None:
                     key = self._renamed[found]
