@@ -237,6 +237,30 @@ def test_bin_files_that_cannot_be_mapped_are_refused_and_safetensors_come_first(
         assert torch.equal(value, expected[name]), name
 
 
+@pytest.mark.parametrize("head", ["different", "equal"])
+def test_a_tied_head_the_files_also_hold_is_tied_as_transformers_ties_it(tmp_path, head):
+    """`tie_word_embeddings=True` with the head in the files too: with other values than the embeddings (the config
+    does not describe the checkpoint) transformers leaves them untied, each its own; with the same values (a `.bin`
+    keeps both names of one tensor) tied. The sharded load does as transformers does."""
+    from safetensors.torch import load_file, save_file
+
+    import hf_zero
+
+    make_model("llama_tied", seed=1).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    embeddings = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = torch.randn_like(embeddings) if head == "different" else embeddings.clone()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, tmp_path, hf_zero.ZeroConfig(stage=3))
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path)
+    tied = expected.lm_head.weight is expected.model.embed_tokens.weight
+    assert tied == (head == "equal")
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    got = hf_zero.full_state_dict(model)
+    for name, value in expected.state_dict().items():
+        assert torch.equal(got[name], value), name
+
+
 def test_a_non_persistent_buffer_left_in_the_files_is_not_read(base_dirs, tmp_path):
     """RoPE's `inv_freq` is a non-persistent buffer: transformers computes it and never reads it from the files. A
     copy some tool left there (here doubled) is not read by the sharded load either: its logits are transformers'."""

@@ -30,9 +30,10 @@ from several tensors is built by its rules ([Note: converted weights] in integra
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,41 @@ class PretrainedSource:
             if self._prefix != ".":  # the model names a base model
                 spellings.append(n[len(self._prefix) :] if n.startswith(self._prefix) else self._prefix + n)
         return tuple(dict.fromkeys(spellings))
+
+    def differ(self, first: str, second: str) -> bool:
+        """Whether the files hold weights under both of the model's names `first` and `second`, with different values
+        (a tied pair the files keep apart, [Note: names in the files]); compared piece by piece."""
+        a = next((k for k in self._spellings(first) if k in self._renamed or k in self._built), None)
+        b = next((k for k in self._spellings(second) if k in self._renamed or k in self._built), None)
+        if a is None or b is None or self._renamed.get(a, a) == self._renamed.get(b, b):
+            return False
+        pieces_a, pieces_b = self._pieces_of(a), self._pieces_of(b)
+        return any(
+            x is None or y is None or x.dtype != y.dtype or not torch.equal(x, y)
+            for x, y in itertools.zip_longest(pieces_a, pieces_b)
+        )
+
+    def _pieces_of(self, name: str, numel: int = 1 << 24) -> Iterator[torch.Tensor]:
+        """The weight the model calls `name`, flattened, in pieces of at most `numel` elements (whole rows)."""
+        built = self._built.get(name)
+        if built is not None:
+            yield built.build(self._read_whole).reshape(-1)
+            return
+        key = self._renamed[name]
+        file = self.weight_map[key]
+        if is_bin(file):
+            flat = self._bins.tensor(file, key).reshape(-1)
+            yield from (flat[i : i + numel] for i in range(0, flat.numel(), numel))
+            return
+        with FileCache(self.directory) as cache:
+            stored = cache.get(file).get_slice(key)
+            shape = stored.get_shape()
+            if len(shape) <= 1:
+                yield stored[:].reshape(-1)
+                return
+            rows = max(1, numel // max(1, math.prod(shape[1:])))
+            for i in range(0, shape[0], rows):
+                yield stored[i : i + rows].reshape(-1)
 
     def missing(self, model: nn.Module) -> list[str]:
         """The names of the model's parameters the files hold no weight for (a tied one once)."""

@@ -151,6 +151,7 @@ def _build_empty(
     # files are asked which weights they lack: a tied head is its embeddings).
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+        _untie_what_the_files_keep_apart(model, path)
     fresh = _materialize_missing(model, path)
     made = {id(p) for p in fresh}
     for param in model.parameters():
@@ -162,6 +163,33 @@ def _build_empty(
     if fresh and world.size > 1:  # rank 0's values on every rank, as DDP's first broadcast gives
         broadcast_tensors([p.detach() for p in fresh], world)
     return model
+
+
+def _untie_what_the_files_keep_apart(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    """[Note: names in the files] as transformers' `from_pretrained`: a pair of weights the config ties
+    (`tie_word_embeddings=True`) whose files hold both with different values is not tied (the config does not
+    describe the checkpoint), each filled from its own; named in transformers' warning. Equal values (a `.bin`
+    checkpoint keeps both names of one tensor) stay tied."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if not tied:
+        return
+    source = PretrainedSource(path, model, checkpoint_conversions(model))
+    for target, origin in list(tied.items()):
+        if not source.differ(target, origin):
+            continue
+        shared = model.get_parameter(origin)
+        owner, _, attr = target.rpartition(".")
+        untied = nn.Parameter(torch.empty(shared.shape, dtype=shared.dtype, device="meta"), shared.requires_grad)
+        setattr(model.get_submodule(owner), attr, untied)
+        tied.pop(target)
+        if CommGroup.world().rank == 0:
+            logger.warning(
+                "The tied weights mapping and config for this model specifies to tie %s to %s, but both are present "
+                "in the checkpoints with different values, so we will NOT tie them. You should update the config "
+                "with `tie_word_embeddings=False` to silence this warning.",
+                origin,
+                target,
+            )
 
 
 def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list[nn.Parameter]:
