@@ -261,6 +261,25 @@ def test_a_tied_head_the_files_also_hold_is_tied_as_transformers_ties_it(tmp_pat
         assert torch.equal(got[name], value), name
 
 
+@pytest.mark.parametrize("files", ["safetensors", "bin"])
+def test_dtype_auto_without_a_dtype_in_the_config_takes_the_files_dtype(tmp_path, files):
+    """`dtype="auto"` takes the config's dtype; where the config names none, as transformers: the first floating
+    tensor's dtype in the first file (bf16 here), not float32."""
+    import json
+
+    import hf_zero
+
+    make_model("llama", seed=1).to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (tmp_path / "base" / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "base" if files == "safetensors" else _as_bin(str(tmp_path / "base"), tmp_path / "bin", 1)
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, path, hf_zero.ZeroConfig(stage=3))
+    assert AutoModelForCausalLM.from_pretrained(path).lm_head.weight.dtype == torch.bfloat16
+    assert {v.dtype for v in hf_zero.full_state_dict(model).values()} == {torch.bfloat16}
+
+
 def test_a_non_persistent_buffer_left_in_the_files_is_not_read(base_dirs, tmp_path):
     """RoPE's `inv_freq` is a non-persistent buffer: transformers computes it and never reads it from the files. A
     copy some tool left there (here doubled) is not read by the sharded load either: its logits are transformers'."""

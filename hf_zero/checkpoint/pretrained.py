@@ -45,11 +45,25 @@ from torch import nn
 from ..engine.layout import FlatLayout
 from ..engine.wrap import UnitSpec
 from .reader import FileCache, hf_weight_map
-from .sequential import RangeReads
+from .sequential import RangeReads, stored_tensors
 from .torch_bin import BinWeights, is_bin
 
 _PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps ([Note: names in the files])
 _Unit = tuple[FlatLayout, tuple[nn.Parameter, ...], int]  # what `fill` is asked for: layout, params, shard rank
+
+
+def files_dtype(directory: str | os.PathLike[str]) -> torch.dtype:
+    """The dtype of the first floating-point tensor of a model directory's first file, as transformers'
+    `from_pretrained(dtype="auto")` takes it where the config names none (else the first tensor's; float32 for
+    none)."""
+    weight_map = hf_weight_map(Path(directory))
+    first = min(weight_map.values())
+    if is_bin(first):
+        dtypes = BinWeights(Path(directory)).dtypes(first)
+    else:
+        dtypes = [stored.dtype for _, stored in sorted(stored_tensors(Path(directory) / first).items())]  # keys() order
+    floating = [d for d in dtypes if d.is_floating_point and "float8_" not in str(d)]
+    return (floating or dtypes or [torch.float32])[0]
 
 
 class Built(Protocol):

@@ -58,8 +58,12 @@ class BinWeights:
         self._lock = threading.Lock()
 
     def names(self, file: str) -> list[str]:
-        """The names of the tensors `file` holds."""
+        """The names of the tensors `file` holds, in its order."""
         return list(self._mapped(file))
+
+    def dtypes(self, file: str) -> list[torch.dtype]:
+        """The dtypes of the tensors `file` holds, in its order."""
+        return [t.dtype for t in self._mapped(file).values()]
 
     def tensor(self, file: str, key: str) -> torch.Tensor:
         """`key`'s tensor in `file`, mapped: its bytes are read where it is copied from."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..api import initialize
-from ..checkpoint.pretrained import PretrainedSource
+from ..checkpoint.pretrained import PretrainedSource, files_dtype
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name
 from ..engine.collectives import CommGroup, broadcast_tensors
@@ -84,7 +84,7 @@ def from_pretrained(
         raise FileNotFoundError(f"hf_zero.from_pretrained reads a local model directory; {path} is not one.")
     hf_config = _config(path, trust_remote_code, config_overrides)
     if dtype == "auto":
-        dtype = getattr(hf_config, "dtype", None) or torch.float32
+        dtype = getattr(hf_config, "dtype", None) or files_dtype(path)  # the files' where the config names none
         dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be 'auto' or a torch.dtype; got {dtype!r}.")
