@@ -203,14 +203,17 @@ def other_heads_from(path: str, stage: int) -> dict[str, Any]:
 
 def saved_both_ways(path: str, out: str) -> None:
     """`path` loaded the sharded way at stage 3, then written by `model.save_pretrained` (rank 0 gathers) into
-    `out/gathered` and by `hf_zero.save_pretrained(..., parallel=True)` (every rank its share) into `out/parallel`."""
+    `out/gathered`, by `hf_zero.save_pretrained(..., parallel=True)` (every rank its share) into `out/parallel`, and
+    as a checkpoint into `out/checkpoint`."""
     from transformers import AutoModelForCausalLM
 
     from hf_zero.checkpoint import save_pretrained
 
-    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, path, hf_zero.ZeroConfig(stage=3))
+    model, optimizer = hf_zero.from_pretrained(AutoModelForCausalLM, path, hf_zero.ZeroConfig(stage=3),
+                                               optimizer_fn=lambda m: torch.optim.AdamW(m.parameters()))
     model.save_pretrained(f"{out}/gathered")
     save_pretrained(model, f"{out}/parallel", parallel=True, max_shard_size="40KB", progress=False)
+    hf_zero.save_checkpoint(f"{out}/checkpoint", model, optimizer)
 
 
 def initialize_from(path: str) -> None:

@@ -158,17 +158,34 @@ def test_files_transformers_converts_on_load_load_into_shards_as_transformers_lo
 
 
 @pytest.mark.parametrize("kind", ["gpt_neox", "mixtral"])
-def test_a_converted_model_saved_from_shards_loads_back_in_transformers(pools, tmp_path, kind):
-    """A model whose files transformers converts on load, loaded the sharded way and saved from its shards (rank 0
-    gathering, or every rank its share), loads back in transformers with every weight as in the original files."""
+def test_a_converted_model_is_saved_in_the_layout_transformers_saves(pools, tmp_path, kind):
+    """A model whose files transformers converts on load, loaded the sharded way and written from its shards (rank
+    0 gathering, every rank its share, or consolidated offline from a checkpoint), is stored as transformers' own
+    `save_pretrained` stores it: GPT-NeoX's head as `embed_out.weight`, Mixtral's fused experts as one
+    `block_sparse_moe.experts.{e}.w{1,2,3}.weight` per expert. The same tensors, names and values, as the files it
+    was loaded from, which transformers loads back."""
+    from safetensors import safe_open
+
+    import hf_zero
+
     make_model(kind, seed=3).save_pretrained(tmp_path / "base")
     pools(2).values(checkpoint_cases.saved_both_ways, str(tmp_path / "base"), str(tmp_path))
-    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "base").state_dict()
-    for way in ("gathered", "parallel"):
-        got = AutoModelForCausalLM.from_pretrained(tmp_path / way).state_dict()
-        assert got.keys() == expected.keys()
+    hf_zero.consolidate(tmp_path / "checkpoint", tmp_path / "consolidated", progress=False)
+
+    def stored(directory: Path) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for file in directory.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        return tensors
+
+    expected = stored(tmp_path / "base")
+    for way in ("gathered", "parallel", "consolidated"):
+        got = stored(tmp_path / way)
+        assert got.keys() == expected.keys(), (way, sorted(set(got) ^ set(expected))[:4])
         for name, value in expected.items():
             assert torch.equal(got[name], value), (way, name)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "parallel")
 
 
 def _as_bin(src: str, dest: Path, files: int) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from .background import AsyncSave, chain, checkpoint_group
 from .format import BUFFERS_FILE, HF_FILES, Manifest, check_files, save_hf_files, set_config_dtype
 from .owned import snapshot_owned, write_owned
 from .reader import FileCache, read_pieces
+from .stream import FileLayout
 from .writer import HFShardWriter, parse_size
 
 
@@ -73,7 +75,7 @@ def consolidate(
     model_files = sorted({f for entries in manifest.slices.values() for f, _, _ in entries})
     check_files(ckpt, manifest, model_files + ([BUFFERS_FILE] if manifest.buffers else []), verify)
 
-    writer = HFShardWriter(out, max_shard_size, out_dtype)
+    writer = HFShardWriter(out, max_shard_size, out_dtype, _checkpoint_layout(ckpt))
     bar = _progress(len(manifest.params) + len(manifest.buffers), "consolidating", progress, "tensor")
     cache = FileCache(ckpt)
     try:
@@ -149,7 +151,12 @@ def save_pretrained(
     if parallel:
         bar = _progress(1, "writing owned tensors", progress and engine.world.rank == 0, "round")
         written = write_owned(
-            engine, Path(output_dir), out_dtype or engine.master_dtype, max_bytes, on_round=bar.update_to
+            engine,
+            Path(output_dir),
+            out_dtype or engine.master_dtype,
+            max_bytes,
+            on_round=bar.update_to,
+            layout=_model_layout(model),
         )
         bar.close()
         with agreement(engine.world, f"model.save_pretrained ({output_dir})"):
@@ -160,7 +167,7 @@ def save_pretrained(
     error: Exception | None = None  # rank 0's first failure; the ranks still finish every gather
     if engine.world.rank == 0:
         try:
-            writer = HFShardWriter(Path(output_dir), max_shard_size, out_dtype)
+            writer = HFShardWriter(Path(output_dir), max_shard_size, out_dtype, _model_layout(model))
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = e
     files: list[str] = []
@@ -220,13 +227,42 @@ def save_pretrained_async(
         out_dtype = parse_dtype(dtype) or engine.master_dtype
         max_bytes = parse_size(max_shard_size)
     target = Path(output_dir)
-    work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.pins_host)
+    work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.pins_host, layout=_model_layout(model))
     with agreement(engine.world, f"model.save_pretrained ({output_dir})"):
         if engine.world.rank == 0:
             target.mkdir(parents=True, exist_ok=True)
             save_hf_files(model, tokenizer, target, out_dtype)
     group = checkpoint_group(engine)
     return chain(engine, target, lambda: work(group))
+
+
+def _model_layout(model: nn.Module) -> FileLayout:
+    """The names transformers' `save_pretrained` stores the model's tensors under where they differ from the
+    model's own ([Note: file layout] in stream.py); empty for a model that is not a transformers model."""
+    if "transformers" not in sys.modules:  # a transformers model was built with it imported
+        return {}
+    from ..integrations.conversions import save_layout
+
+    return save_layout(model)
+
+
+def _checkpoint_layout(ckpt: Path) -> FileLayout:
+    """`_model_layout` of the model a checkpoint's `config.json` describes (built on the meta device), for an
+    offline consolidation; empty without transformers, a config or a class transformers has by that name."""
+    if not (ckpt / "config.json").is_file():
+        return {}
+    try:
+        import transformers
+    except ImportError:
+        return {}
+    config = transformers.AutoConfig.from_pretrained(ckpt)
+    names = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, names[0], None) if names and not getattr(config, "auto_map", None) else None
+    if model_class is None:
+        return {}
+    with torch.device("meta"):
+        model = model_class(config)
+    return _model_layout(model)
 
 
 class _NoBar:

@@ -36,7 +36,7 @@ from ..engine.step.pieces import Piece
 from ..engine.step.whole import deal
 from .background import frozen
 from .format import fsync_file, write_bytes_atomically
-from .stream import PIECE_NUMEL, Entry, host_pieces, write_streamed
+from .stream import PIECE_NUMEL, Entry, FileLayout, host_pieces, write_streamed
 from .writer import INDEX_FILE, WEIGHT_FILE
 
 
@@ -264,23 +264,24 @@ def write_owned(
     dtype: torch.dtype,
     max_bytes: int,
     on_round: Callable[[int, int], None] | None = None,
+    layout: FileLayout | None = None,
 ) -> list[str]:
     """Write the model's tensors into `directory` as [Note: owned tensors] says; a collective. Returns every
     file written (on every rank). The side files (config, tokenizer) are the caller's. `on_round(done, total)`
-    is called after each round (a progress bar)."""
-    plan, names, exchange, files = _prepare(engine, dtype, max_bytes, on_round)
+    is called after each round (a progress bar); `layout` names tensors stored otherwise ([Note: file layout])."""
+    plan, names, exchange, files = _prepare(engine, dtype, max_bytes, on_round, layout or {})
     written, error = _write_files(directory, files, engine.world.rank)  # pulls the rounds as it writes
     exchange.drain()
-    return _publish(directory, plan, names, written, error or exchange.error, engine.world)
+    return _publish(directory, plan, names, written, error or exchange.error, engine.world, layout or {})
 
 
 def snapshot_owned(
-    engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_bytes: int, pin: bool
+    engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_bytes: int, pin: bool, layout: FileLayout | None = None
 ) -> Callable[[CommGroup], list[str]]:
     """[Note: owned tensors] in two halves, for an asynchronous save ([Note: asynchronous save]): every round is
     run now (a collective) and this rank's tensors copied to host memory (pinned for an accelerator); the
     returned work writes, renames and indexes the files, agreeing on the group it is given (the save thread's)."""
-    plan, names, exchange, files = _prepare(engine, dtype, max_bytes, None)
+    plan, names, exchange, files = _prepare(engine, dtype, max_bytes, None, layout or {})
     copies: list[tuple[str, list[Entry]]] = []
     error: Exception | None = None
     try:
@@ -294,13 +295,17 @@ def snapshot_owned(
 
     def work(group: CommGroup) -> list[str]:
         written, failure = _write_files(directory, copies, rank)
-        return _publish(directory, plan, names, written, failure, group)
+        return _publish(directory, plan, names, written, failure, group, layout or {})
 
     return work
 
 
 def _prepare(
-    engine: ZeroEngine, dtype: torch.dtype, max_bytes: int, on_round: Callable[[int, int], None] | None
+    engine: ZeroEngine,
+    dtype: torch.dtype,
+    max_bytes: int,
+    on_round: Callable[[int, int], None] | None,
+    layout: FileLayout,
 ) -> tuple[OwnerPlan, list[list[str]], Exchange, list[tuple[str, list[Entry]]]]:
     """The plan, every rank's file names, the exchange, and this rank's files: their entries pull the rounds."""
     engine.settle_masters()  # [Note: edits between steps]
@@ -315,7 +320,7 @@ def _prepare(
         for i in group:
             t = plan.tensors[i]
             out = dtype if t.value is None or t.value.is_floating_point() else t.value.dtype
-            entries.append(Entry(t.name, out, t.shape, functools.partial(exchange.windows, k)))
+            entries.append(Entry(t.name, out, t.shape, functools.partial(exchange.windows, k), layout.get(t.name, ())))
             k += 1
         files.append((name, entries))
     return plan, names, exchange, files
@@ -346,6 +351,7 @@ def _publish(
     written: list[Path],
     error: Exception | None,
     group: CommGroup,
+    layout: FileLayout,
 ) -> list[str]:
     """Agree that every file was written, rename them into place, and (rank 0) drop stale weight files and write
     the index last; on any rank's failure every rank removes its temporary files and raises."""
@@ -364,19 +370,20 @@ def _publish(
                 if (WEIGHT_FILE.match(old.name) and old.name not in all_names) or old.name == INDEX_FILE:
                     old.unlink()
             if len(all_names) > 1:
-                write_bytes_atomically(directory / INDEX_FILE, _index(plan, names))
+                write_bytes_atomically(directory / INDEX_FILE, _index(plan, names, layout))
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = e
     raise_if_any_failed(error, group, f"model.save_pretrained ({directory})")
     return all_names
 
 
-def _index(plan: OwnerPlan, names: list[list[str]]) -> bytes:
+def _index(plan: OwnerPlan, names: list[list[str]], layout: FileLayout) -> bytes:
     weight_map = {
-        plan.tensors[i].name: name
+        stored: name
         for rank_names, groups in zip(names, plan.files)
         for name, group in zip(rank_names, groups)
         for i in group
+        for stored, _ in layout.get(plan.tensors[i].name, ((plan.tensors[i].name, ()),))
     }
     parameters = sum(t.numel for t in plan.tensors if t.parameter)
     total = sum(t.numel * _itemsize(t, plan.dtype) for t in plan.tensors)

@@ -9,12 +9,24 @@ file into one reused buffer; they pass through the file's aligned write buffer t
 during a save is the training memory plus one piece and the write buffer (`safetensors.torch.save_file`
 would build every tensor's bytes in memory first). The files are ordinary safetensors files (any reader
 loads them).
+
+[Note: file layout]
+A `from_pretrained` directory names some tensors otherwise than the model does: transformers 5 writes the layout
+the model's checkpoints have always had and converts it on load (GPT-NeoX's head is `embed_out` in its files;
+Mixtral's fused experts `mlp.experts.gate_up_proj`, of shape `(experts, 2 * inner, hidden)`, are stored as one
+`block_sparse_moe.experts.{e}.w1.weight` and `.w3.weight` per expert). Where the model's tensor is such a run of
+stored tensors lying one after the other in its row-major bytes (expert 0's w1 then w3, expert 1's, ...), its
+entry keeps its bytes and pieces as they are and lists those names and shapes as its `parts`: the header
+describes consecutive ranges of the same bytes, so writing the transformers layout costs no copy and streams as
+any tensor. The layout comes from transformers' own rules ([Note: converted weights] in
+integrations/conversions.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,15 +58,28 @@ DTYPE_NAMES = {
 }
 
 
+Parts = tuple[tuple[str, tuple[int, ...]], ...]  # the names and shapes a tensor's bytes are stored under, in order
+FileLayout = Mapping[
+    str, Parts
+]  # a tensor's name -> its parts, where the files name it otherwise ([Note: file layout])
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor of a streamed file: its name, dtype, shape, and the contiguous host tensors whose bytes,
-    in order, are its bytes (`pieces()` is called once, while the file is written)."""
+    in order, are its bytes (`pieces()` is called once, while the file is written). `parts`: the names and shapes
+    its bytes are stored under instead, one after the other ([Note: file layout]); by default its own."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     pieces: Callable[[], Iterable[torch.Tensor]]
+    parts: Parts = ()
+
+    @property
+    def stored(self) -> Parts:
+        """The names and shapes the file holds this tensor's bytes under, in order."""
+        return self.parts or ((self.name, self.shape),)
 
     @property
     def nbytes(self) -> int:
@@ -103,12 +128,17 @@ def write_streamed(path: Path, entries: list[Entry], metadata: dict[str, str] | 
     for e in entries:
         if e.dtype not in DTYPE_NAMES:
             raise TypeError(f"hf_zero cannot store {e.name} of dtype {e.dtype} in a safetensors file.")
-        header[e.name] = {
-            "dtype": DTYPE_NAMES[e.dtype],
-            "shape": list(e.shape),
-            "data_offsets": [offset, offset + e.nbytes],
-        }
-        offset += e.nbytes
+        if sum(math.prod(shape) for _, shape in e.stored) * e.dtype.itemsize != e.nbytes:
+            raise RuntimeError(f"hf_zero: the parts {e.stored} of {e.name} do not tile its shape {e.shape}")
+        for name, shape in e.stored:  # [Note: file layout] consecutive ranges of the same bytes
+            nbytes = math.prod(shape) * e.dtype.itemsize
+            header[name] = {
+                "dtype": DTYPE_NAMES[e.dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with DirectSink(path) as sink:  # [Note: direct writes]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .format import fsync_file, write_bytes_atomically
-from .stream import Entry, host_pieces, write_streamed
+from .stream import Entry, FileLayout, host_pieces, write_streamed
 
 _UNITS = {
     "": 1,
@@ -60,10 +60,17 @@ def parse_size(size: int | str, name: str = "max_shard_size") -> int:
 class HFShardWriter:
     """Writes tensors into `from_pretrained`-style safetensors shards, one shard in memory at a time."""
 
-    def __init__(self, output_dir: Path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+        layout: FileLayout | None = None,
+    ) -> None:
         self.output_dir = output_dir
         self.max_bytes = parse_size(max_shard_size)
         self.dtype = dtype
+        self.layout: FileLayout = layout or {}  # [Note: file layout] names stored otherwise than the model's
         output_dir.mkdir(parents=True, exist_ok=True)
         self._open: dict[str, torch.Tensor] = {}
         self._open_bytes = 0
@@ -96,10 +103,13 @@ class HFShardWriter:
         if not self._open:
             return
         path = self.output_dir / f".hf_zero-shard-{len(self._written):05d}.partial"
-        entries = [Entry(name, t.dtype, tuple(t.shape), host_pieces(t)) for name, t in self._open.items()]
+        entries = [
+            Entry(name, t.dtype, tuple(t.shape), host_pieces(t), self.layout.get(name, ()))
+            for name, t in self._open.items()
+        ]
         write_streamed(path, entries, {"format": "pt"})  # [Note: direct writes]
         fsync_file(path)
-        self._written.append((path, list(self._open)))
+        self._written.append((path, [stored for e in entries for stored, _ in e.stored]))
         self._open, self._open_bytes = {}, 0
 
     def close(self) -> list[str]:

@@ -20,6 +20,8 @@ run once at the start on meta tensors, which gives each built weight's name and 
 from __future__ import annotations
 
 import copy
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.pretrained import Conversions, FileNames
+from ..checkpoint.stream import FileLayout, Parts
 
 
 @dataclass
@@ -128,3 +131,83 @@ def _pretrained_model(model: nn.Module) -> Any:
     if getattr(config, "model_type", None) is None or not hasattr(inner, "base_model_prefix"):
         return None
     return inner
+
+
+def save_layout(model: nn.Module) -> FileLayout:
+    """The names (and for a fused weight, the run of tensors) transformers' `save_pretrained` stores each of
+    `model`'s tensors under, where they differ from the model's own ([Note: file layout] in stream.py); empty for
+    a model that is not a transformers model (or a PEFT wrapper, whose saves are its adapter's)."""
+    found = _pretrained_model(model)
+    if found is None or found is not model:
+        return {}
+    base: Any = found
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            Concatenate,
+            MergeModulelist,
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+            revert_weight_conversion,
+        )
+    except ImportError:
+        return {}
+    own = base.state_dict(keep_vars=True)
+    stored = revert_weight_conversion(
+        base, {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in own.items()}
+    )
+    if list(stored) == list(own):
+        return {}
+    transforms = get_model_conversion_mapping(base)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(base, "base_model_prefix", None) or None
+    runs: dict[str, list[tuple[str, tuple[int, ...], str | None]]] = {}
+    for key, meta in stored.items():  # each stored tensor back to the model tensor it comes from
+        name, pattern = rename_source_key(key, renamings, converters, prefix, own)
+        runs.setdefault(name, []).append((key, tuple(meta.shape), pattern))
+    layout: dict[str, Parts] = {}
+    for name, run in runs.items():
+        if name not in own or [key for key, _, _ in run] == [name]:
+            continue
+        if len(run) == 1 and run[0][2] is None and run[0][1] == tuple(own[name].shape):
+            layout[name] = ((run[0][0], run[0][1]),)  # renamed
+            continue
+        tiles = _tiles(tuple(own[name].shape), run, by_pattern, (MergeModulelist, Concatenate))
+        if tiles is not None:
+            layout[name] = tiles
+    return layout
+
+
+def _tiles(
+    shape: tuple[int, ...],
+    run: list[tuple[str, tuple[int, ...], str | None]],
+    by_pattern: dict[str, Any],
+    ops: tuple[type, type],
+) -> Parts | None:
+    """[Note: file layout] the stored tensors `run` of a fused weight of `shape`, in the order they lie in its
+    row-major bytes, where the converter is one whose pieces are such a run: the experts stacked on dim 0
+    (`MergeModulelist(dim=0)`), each expert's sources then joined on its rows (`Concatenate(dim=1)`), so that
+    expert e's p-th source is piece `e * sources + p`. None where it is another (the model's own name is kept)."""
+    merge, concat = ops
+    patterns = [pattern for _, _, pattern in run]
+    if not patterns or any(pattern is None for pattern in patterns):
+        return None
+    converter = by_pattern[str(patterns[0])]
+    kinds = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+    if kinds not in ([(merge, 0)], [(merge, 0), (concat, 1)]) or len(shape) < 2:
+        return None
+    sources = list(converter.source_patterns)
+    per_expert = len(sources)
+    size = math.prod(shape) // (shape[0] * per_expert)
+    placed: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for key, stored_shape, pattern in run:
+        found = re.search(re.escape(pattern or "").replace(r"\*", r"(\d+)"), key)
+        if found is None or math.prod(stored_shape) != size:
+            return None
+        placed[int(found.group(1)) * per_expert + sources.index(pattern)] = (key, stored_shape)
+    if sorted(placed) != list(range(shape[0] * per_expert)):
+        return None
+    return tuple(placed[i] for i in range(len(placed)))
