@@ -50,9 +50,9 @@ HERE = Path(__file__).resolve().parent
 # Layer counts each engine tries, in order, until the first that does not fit: one smaller size, then the
 # largest that fit and the next one of the finer ladders run before (git history of this file), so one run
 # compares every engine at its limit within about an hour.
-PLAN = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 17], "fsdp2_reduce_fp32": [12, 16, 17], "ds3_raw": [4, 8, 12],
-        "ds3": [4, 8, 12, 16],
-        "ds3_nvme": [4, 8, 16, 32],  # DeepSpeed's AIO op needs libaio-dev: `ensure_libaio` installs it
+PLAN = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 17, 18], "fsdp2_reduce_fp32": [12, 16, 17], "ds3_raw": [4, 8, 10],
+        "ds3": [4, 8, 10],
+        "ds3_nvme": [4, 8, 10],  # DeepSpeed's AIO op needs libaio-dev: `ensure_libaio` installs it
         "ds3_nvme_lean": [4, 8, 16],
         "hf_zero3": [16, 20, 21], "hf_zero3_disk": [32, 52, 55],
         "hf_zero3_disk_params": [52, 66]}  # 66 layers (3.04B) is what this disk holds: offload files + checkpoint
