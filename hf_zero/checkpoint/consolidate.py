@@ -8,10 +8,12 @@ Tied weights are written once, under the name `save_pretrained` keeps; `from_pre
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,8 @@ from .owned import snapshot_owned, write_owned
 from .reader import FileCache, read_pieces
 from .stream import FileLayout
 from .writer import HFShardWriter, parse_size
+
+logger = logging.getLogger(__name__)
 
 
 def consolidate(
@@ -75,7 +79,10 @@ def consolidate(
     model_files = sorted({f for entries in manifest.slices.values() for f, _, _ in entries})
     check_files(ckpt, manifest, model_files + ([BUFFERS_FILE] if manifest.buffers else []), verify)
 
-    writer = HFShardWriter(out, max_shard_size, out_dtype, _checkpoint_layout(ckpt))
+    learning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-layout")  # beside the reads
+    layout = learning.submit(_checkpoint_layout, ckpt)
+    learning.shutdown(wait=False)
+    writer = HFShardWriter(out, max_shard_size, out_dtype, layout.result)
     bar = _progress(len(manifest.params) + len(manifest.buffers), "consolidating", progress, "tensor")
     cache = FileCache(ckpt)
     try:
@@ -255,14 +262,25 @@ def _checkpoint_layout(ckpt: Path) -> FileLayout:
         import transformers
     except ImportError:
         return {}
-    config = transformers.AutoConfig.from_pretrained(ckpt)
-    names = getattr(config, "architectures", None) or []
-    model_class = getattr(transformers, names[0], None) if names and not getattr(config, "auto_map", None) else None
-    if model_class is None:
+    try:
+        config = transformers.AutoConfig.from_pretrained(ckpt)
+        names = getattr(config, "architectures", None) or []
+        auto_map = getattr(config, "auto_map", None)
+        model_class = getattr(transformers, names[0], None) if names and not auto_map else None
+        if model_class is None:
+            return {}
+        with torch.device("meta"):
+            model = model_class(config)
+        return _model_layout(model)
+    except Exception as e:  # noqa: BLE001 - the weights are still written, under the model's own names
+        logger.warning(
+            "hf_zero.consolidate could not learn transformers' file layout from %s (%s: %s); the tensors are written "
+            "under the model's own names, which transformers 5 loads as they are.",
+            ckpt / "config.json",
+            type(e).__name__,
+            e,
+        )
         return {}
-    with torch.device("meta"):
-        model = model_class(config)
-    return _model_layout(model)
 
 
 class _NoBar:

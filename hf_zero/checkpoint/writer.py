@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,18 +66,26 @@ class HFShardWriter:
         output_dir: Path,
         max_shard_size: int | str = "5GB",
         dtype: torch.dtype | None = None,
-        layout: FileLayout | None = None,
+        layout: FileLayout | Callable[[], FileLayout] | None = None,
     ) -> None:
         self.output_dir = output_dir
         self.max_bytes = parse_size(max_shard_size)
         self.dtype = dtype
-        self.layout: FileLayout = layout or {}  # [Note: file layout] names stored otherwise than the model's
+        self._layout = layout  # [Note: file layout] names stored otherwise than the model's; a callable is asked
+        # at the first write (an offline consolidation learns it beside its reads: importing transformers costs s)
         output_dir.mkdir(parents=True, exist_ok=True)
         self._open: dict[str, torch.Tensor] = {}
         self._open_bytes = 0
         self._written: list[tuple[Path, list[str]]] = []  # temporary shard files and their tensor names
         self.total_bytes = 0
         self.total_parameters = 0
+
+    @property
+    def layout(self) -> FileLayout:
+        """[Note: file layout] the names the files store tensors under where they differ from the model's."""
+        if callable(self._layout):
+            self._layout = self._layout()
+        return self._layout or {}
 
     @property
     def open_bytes(self) -> int:
