@@ -6,8 +6,8 @@ Since transformers 5 a model's weights are not always stored under the names and
 load, by the rules `transformers.conversion_mapping` keeps per model type. Some rules rename (GPT-NeoX's
 `embed_out` is the model's `lm_head`, Mixtral's `block_sparse_moe` its `mlp`); others build one weight from
 several tensors (Mixtral's and Qwen-MoE's experts, stored one matrix per expert, fused into 3-D `gate_up_proj`
-and `down_proj`). A load that looked each weight up by its module's name found such a head missing and
-initialized it at random (a silent wrong model), or refused the experts as another model's.
+and `down_proj`). Looked up by its module's name alone, such a head would be found missing and initialized at
+random (a silent wrong model), and the experts refused as another model's.
 
 `checkpoint_conversions(model)` gives the sharded load transformers' own rules, applied as `from_pretrained`
 applies them (each file key renamed, then at most one converter; the base model's prefix added or taken away):
