@@ -112,6 +112,8 @@ def test_attention_kernel_and_config_changes_reach_the_sharded_model(base_dirs):
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
     with pytest.raises(TypeError, match=r"got \['use_cach'\], which LlamaConfig has no attribute for"):
         hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], hf_zero.ZeroConfig(stage=3), use_cach=False)
+    with pytest.raises(TypeError, match=r"device_map: drop it: the engine places the shards"):  # transformers' own
+        hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], device_map="auto", low_cpu_mem_usage=True)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

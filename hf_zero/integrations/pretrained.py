@@ -110,13 +110,28 @@ def _config(path: str | os.PathLike[str], trust_remote_code: bool, overrides: di
         path, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides
     )
     if unused:
+        hints = "".join(f" {name}: {_LOADER_KEYWORDS[name]}." for name in sorted(unused) if name in _LOADER_KEYWORDS)
         raise TypeError(
             f"hf_zero.from_pretrained got {sorted(unused)}, which {type(hf_config).__name__} has no attribute for: "
             "the keywords beyond hf_zero's own set attributes of the model's config (use_cache=False, "
-            "max_position_embeddings=...). Check the spelling, or build the model yourself and call hf_zero.initialize("
-            "model, optimizer, config, weights_from=path)."
+            f"max_position_embeddings=...).{hints} Check the spelling, or build the model yourself and call "
+            "hf_zero.initialize(model, optimizer, config, weights_from=path)."
         )
     return hf_config
+
+
+# transformers' loading keywords with no meaning for a sharded load, and what takes their place
+_LOADER_KEYWORDS = {
+    "low_cpu_mem_usage": "drop it: no rank ever holds the whole model here (each reads its slices of the files)",
+    "device_map": "drop it: the engine places the shards; device= picks the compute device",
+    "max_memory": "drop it: the engine places the shards; ZeroConfig(offload_dir=...) moves them off the device",
+    "offload_folder": "use ZeroConfig(offload_dir=...)",
+    "quantization_config": "load the quantized model with transformers' from_pretrained, then hf_zero.initialize",
+    "ignore_mismatched_sizes": "load with transformers' from_pretrained(..., ignore_mismatched_sizes=True), then "
+    "hf_zero.initialize",
+    "revision": "hf_zero.from_pretrained reads a local directory (download it first, e.g. huggingface-cli download)",
+    "cache_dir": "hf_zero.from_pretrained reads a local directory (download it first, e.g. huggingface-cli download)",
+}
 
 
 def _build_empty(
