@@ -75,7 +75,7 @@ def test_checkpoint_layout_is_self_describing(pools, tmp_path):
     ckpt = tmp_path / "ckpt"
     pools(2).values(sharded_run, Scenario(model="falcon", stage=3, world=2, steps=1, accum=1, save_to=str(ckpt)))
     manifest = json.loads((ckpt / "hf_zero_manifest.json").read_text())
-    assert manifest["format"] == "hf_zero" and manifest["format_version"] == 2 and manifest["world_size"] == 2
+    assert manifest["format"] == "hf_zero" and manifest["format_version"] == 3 and manifest["world_size"] == 2
     assert manifest["aliases"] == {"lm_head.weight": "transformer.word_embeddings.weight"}  # tied: stored once
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(
         ["hf_zero_manifest.json", "config.json", "generation_config.json",
@@ -89,7 +89,7 @@ def test_checkpoint_layout_is_self_describing(pools, tmp_path):
         name = f"model-rank{rank:05d}-of-00002.safetensors"
         with safe_open(str(ckpt / name), "pt") as f:
             header = json.loads(f.metadata()["hf_zero"])
-            assert header["world_size"] == 2 and header["rank"] == rank and header["format_version"] == 2
+            assert header["world_size"] == 2 and header["rank"] == rank and header["format_version"] == 3
             for key, (start, end) in header["slices"].items():
                 assert f.get_tensor(key).shape == (end - start,)
             headers[name] = header["slices"]

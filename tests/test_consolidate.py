@@ -131,3 +131,97 @@ def test_consolidation_memory_is_bounded_by_a_shard(tmp_path):
     assert big < 2 * max(small, 8 * 2**20), (big, small)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out16")
     assert sum(p.numel() for p in reloaded.parameters()) * 4 == sizes[16]
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    return tensors
+
+
+def test_a_damaged_model_file_is_found_and_an_earlier_consolidation_stays(exported, tmp_path):
+    """[Note: streamed consolidation]: the model files' checksums are computed from the bytes the consolidation
+    reads, so a damaged file is found once the output is written; the output's temporary files are removed and
+    the consolidation already in `output_dir` is left as it was."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(exported["root"] / "ckpt", ckpt)
+    out = tmp_path / "hf"
+    hf_zero.consolidate(ckpt, out, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    path = ckpt / "model-rank00001-of-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # in the last tensor's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model-rank00001-of-00002.safetensors is corrupted: its checksum"):
+        hf_zero.consolidate(ckpt, out, dtype="bf16", progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    hf_zero.consolidate(ckpt, tmp_path / "unchecked", progress=False, verify=False)  # what verify=False is for
+    path.write_bytes(bytes(data[: len(data) - 64]))
+    with pytest.raises(ValueError, match="model-rank00001-of-00002.safetensors has .* bytes, the manifest says"):
+        hf_zero.consolidate(ckpt, out, progress=False)
+
+
+def test_the_page_cache_way_writes_the_same_files(exported, tmp_path, monkeypatch):
+    """Past `MAX_STREAMS` model files (or files that disagree on the order) the consolidation reads through the
+    page cache, parameter by parameter: the same tensors as the streamed way, in bf16 and in small shards."""
+    import importlib
+
+    consolidation = importlib.import_module("hf_zero.checkpoint.consolidate")  # the package's name is a function
+    hf_zero.consolidate(exported["root"] / "ckpt", tmp_path / "streamed", dtype="bf16", max_shard_size="40KB",
+                        progress=False)
+    monkeypatch.setattr(consolidation, "MAX_STREAMS", 1)
+    hf_zero.consolidate(exported["root"] / "ckpt", tmp_path / "cached", dtype="bf16", max_shard_size="40KB",
+                        progress=False)
+    streamed, cached = _weights(tmp_path / "streamed"), _weights(tmp_path / "cached")
+    assert streamed.keys() == cached.keys() and len(list((tmp_path / "streamed").glob("model-*"))) > 2
+    for name, value in cached.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(streamed[name], value), name
+
+
+def test_streams_read_unaligned_tensors_across_small_chunks(tmp_path):
+    """A tensor whose bytes start at an offset its element size does not divide (a file of mixed dtypes) and cross
+    chunk boundaries is assembled exactly, cast on the way; the stream's checksum is the file's; files on a
+    filesystem that refuses O_DIRECT (tmpfs) read the same."""
+    from hf_zero.checkpoint.consolidate import _cast_pieces, _NoBar, _Scratch
+    from hf_zero.checkpoint.format import Digest, checksum_of
+    from hf_zero.checkpoint.sequential import stored_tensors
+    from hf_zero.checkpoint.stream import Entry, host_pieces, write_streamed
+    from hf_zero.checkpoint.streams import FileStream
+
+    odd = torch.arange(3, dtype=torch.uint8)
+    values = torch.randn(5000, dtype=torch.float32)
+    entries = [Entry("odd", odd.dtype, (3,), host_pieces(odd)), Entry("v", values.dtype, (5000,), host_pieces(values))]
+    for directory in (tmp_path, Path("/dev/shm")):
+        path = directory / f"hf_zero-test-{os.getpid()}.safetensors"
+        try:
+            write_streamed(path, entries)
+            where = stored_tensors(path)["v"]
+            assert where.begin % 4, "the test needs an unaligned tensor"
+            for dtype in (torch.float32, torch.bfloat16):
+                stream = FileStream(path, Digest(), chunk_bytes=4096, ahead=2)
+                got = torch.cat([p.clone() for p in _cast_pieces([(str(path), where, 0)], {str(path): stream},
+                                                                 dtype, _Scratch(), _NoBar())()])
+                assert torch.equal(got, values.to(dtype)), dtype
+                assert stream.finish() == checksum_of(path)
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def test_stream_order_reads_every_file_front_to_back():
+    from hf_zero.checkpoint.sequential import Stored
+    from hf_zero.checkpoint.streams import stream_order
+
+    def at(begin: int) -> Stored:
+        return Stored(torch.float32, 1, begin, (1,))
+
+    # a in both files; b only in f1 (after a); c in f0 before a: c, a, b
+    order = stream_order({"a": [("f0", at(16)), ("f1", at(8))], "b": [("f1", at(24))], "c": [("f0", at(8))],
+                          "empty": []})
+    assert order is not None and order.index("c") < order.index("a") < order.index("b") and "empty" in order
+    assert stream_order({"a": [("f0", at(8)), ("f1", at(16))], "b": [("f0", at(16)), ("f1", at(8))]}) is None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -160,19 +163,35 @@ def test_files_transformers_converts_on_load_load_into_shards_as_transformers_lo
 
 
 @pytest.mark.parametrize("kind", ["gpt_neox", "mixtral"])
-def test_a_converted_model_is_saved_in_the_layout_transformers_saves(pools, tmp_path, kind):
+def test_a_converted_model_is_saved_in_the_layout_transformers_saves(pools, tmp_path, kind, monkeypatch):
     """A model whose files transformers converts on load, loaded the sharded way and written from its shards (rank
     0 gathering, every rank its share, or consolidated offline from a checkpoint), is stored as transformers' own
     `save_pretrained` stores it: GPT-NeoX's head as `embed_out.weight`, Mixtral's fused experts as one
     `block_sparse_moe.experts.{e}.w{1,2,3}.weight` per expert. The same tensors, names and values, as the files it
-    was loaded from, which transformers loads back."""
+    was loaded from, which transformers loads back. The checkpoint's manifest records that layout (format version
+    3), so an offline consolidation needs no model; a version-2 checkpoint's is learned from its config.json."""
     from safetensors import safe_open
 
     import hf_zero
 
     make_model(kind, seed=3).save_pretrained(tmp_path / "base")
     pools(2).values(checkpoint_cases.saved_both_ways, str(tmp_path / "base"), str(tmp_path))
+    consolidation = importlib.import_module("hf_zero.checkpoint.consolidate")  # the package's name is a function
+
+    def not_learned(ckpt: Path) -> None:
+        raise AssertionError(f"{ckpt}'s manifest records its layout; the model need not be built")
+
+    monkeypatch.setattr(consolidation, "_checkpoint_layout", not_learned)
     hf_zero.consolidate(tmp_path / "checkpoint", tmp_path / "consolidated", progress=False)
+    monkeypatch.undo()
+    # a checkpoint of format version 2 records no layout: it is learned from config.json (the model on meta)
+    shutil.copytree(tmp_path / "checkpoint", tmp_path / "version2")
+    manifest = json.loads((tmp_path / "version2" / "hf_zero_manifest.json").read_text())
+    assert manifest["layout"], "a converted model's checkpoint records the names its files keep"
+    del manifest["layout"]
+    manifest["format_version"] = 2
+    (tmp_path / "version2" / "hf_zero_manifest.json").write_text(json.dumps(manifest))
+    hf_zero.consolidate(tmp_path / "version2", tmp_path / "consolidated_version2", progress=False)
 
     def stored(directory: Path) -> dict[str, torch.Tensor]:
         tensors = {}
@@ -182,7 +201,7 @@ def test_a_converted_model_is_saved_in_the_layout_transformers_saves(pools, tmp_
         return tensors
 
     expected = stored(tmp_path / "base")
-    for way in ("gathered", "parallel", "consolidated"):
+    for way in ("gathered", "parallel", "consolidated", "consolidated_version2"):
         got = stored(tmp_path / way)
         assert got.keys() == expected.keys(), (way, sorted(set(got) ^ set(expected))[:4])
         for name, value in expected.items():

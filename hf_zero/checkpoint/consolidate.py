@@ -1,8 +1,9 @@
 """Turning shards into a `from_pretrained` directory: offline from a checkpoint, or live at the end of training.
 
-Both stream: a parameter is assembled (from the checkpoint's pieces, or by one all-gather of its
-unit), cast, handed to `HFShardWriter`, and dropped when its output shard is written. Peak memory
-is about one output shard plus one parameter (offline) or one unit (live), whatever the model size.
+Both stream. Offline, every model file of the checkpoint is read once, front to back, its bytes cast on the way
+into the output file's write buffer ([Note: streamed consolidation] in streams.py): memory is the streams' chunks
+and the writer's buffers, whatever the model size. Live, a unit is gathered by one all-gather, cast, handed to
+`HFShardWriter`, and dropped when its output shard is written: about one output shard plus one unit.
 Tied weights are written once, under the name `save_pretrained` keeps; `from_pretrained` ties them.
 """
 
@@ -12,23 +13,36 @@ import logging
 import math
 import os
 import shutil
-import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import agreement, broadcast_object
 from ..engine.module import get_engine
 from .background import AsyncSave, chain, checkpoint_group
-from .format import BUFFERS_FILE, HF_FILES, Manifest, check_files, save_hf_files, set_config_dtype
+from .format import (
+    BUFFERS_FILE,
+    HF_FILES,
+    Digest,
+    Manifest,
+    check_checksum,
+    check_files,
+    check_sizes,
+    save_hf_files,
+    set_config_dtype,
+)
 from .owned import snapshot_owned, write_owned
 from .reader import FileCache, read_pieces
-from .stream import FileLayout
-from .writer import HFShardWriter, parse_size
+from .sequential import Stored, stored_tensors
+from .stream import Entry, FileLayout, host_pieces, layout_from_json, model_layout
+from .streams import MAX_STREAMS, FileStream, chunk_bytes_for, stream_order
+from .writer import HFShardWriter, parse_size, shard_groups
 
 logger = logging.getLogger(__name__)
 
@@ -77,31 +91,28 @@ def consolidate(
     if out.exists() and out.resolve() == ckpt.resolve():
         raise ValueError("consolidate needs an output_dir other than the checkpoint directory.")
     model_files = sorted({f for entries in manifest.slices.values() for f, _, _ in entries})
-    check_files(ckpt, manifest, model_files + ([BUFFERS_FILE] if manifest.buffers else []), verify)
-
-    learning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-layout")  # beside the reads
-    layout = learning.submit(_checkpoint_layout, ckpt)
-    learning.shutdown(wait=False)
-    writer = HFShardWriter(out, max_shard_size, out_dtype, layout.result)
+    check_sizes(ckpt, manifest, model_files)
+    check_files(ckpt, manifest, [BUFFERS_FILE] if manifest.buffers else [], verify)
+    if manifest.layout is not None:  # version 3 records it; before, it is learned from config.json beside the reads
+        layout: FileLayout | Callable[[], FileLayout] = layout_from_json(manifest.layout)
+    else:
+        learning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-layout")
+        layout = learning.submit(_checkpoint_layout, ckpt).result
+        learning.shutdown(wait=False)
+    writer = HFShardWriter(out, max_shard_size, out_dtype, layout)
     bar = _progress(len(manifest.params) + len(manifest.buffers), "consolidating", progress, "tensor")
-    cache = FileCache(ckpt)
     try:
-        for name, info in manifest.params.items():
-            full = torch.empty(math.prod(info["shape"]), dtype=dtype_from_name(info["dtype"]))
-            read_pieces(cache, name, manifest.slices[name], 0, full.numel(), full)
-            if writer.add(name, full.view(info["shape"])):
-                cache.close()  # unmap what the flushed shard was read from: keeps the resident set bounded
-            bar.update(1)
-        if manifest.buffers:
-            for name in manifest.buffers:
-                writer.add(name, cache.get(BUFFERS_FILE).get_tensor(name), is_parameter=False)
-                bar.update(1)
+        held = _pieces_held(ckpt, manifest, model_files)
+        order = stream_order({name: [(f, where) for f, where, _ in pieces] for name, pieces in held.items()})
+        if order is not None and len(model_files) <= MAX_STREAMS:
+            _write_streamed(ckpt, manifest, held, order, writer, verify, bar)
+        else:  # files that disagree on the order, or too many to read side by side: through the page cache
+            _write_cached(ckpt, manifest, model_files, writer, verify, bar)
         files = writer.close()
     except BaseException:
         writer.abort()
         raise
     finally:
-        cache.close()
         bar.close()
     for name in HF_FILES:
         if (ckpt / name).is_file():
@@ -163,7 +174,7 @@ def save_pretrained(
             out_dtype or engine.master_dtype,
             max_bytes,
             on_round=bar.update_to,
-            layout=_model_layout(model),
+            layout=model_layout(model),
         )
         bar.close()
         with agreement(engine.world, f"model.save_pretrained ({output_dir})"):
@@ -174,7 +185,7 @@ def save_pretrained(
     error: Exception | None = None  # rank 0's first failure; the ranks still finish every gather
     if engine.world.rank == 0:
         try:
-            writer = HFShardWriter(Path(output_dir), max_shard_size, out_dtype, _model_layout(model))
+            writer = HFShardWriter(Path(output_dir), max_shard_size, out_dtype, model_layout(model))
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = e
     files: list[str] = []
@@ -234,7 +245,7 @@ def save_pretrained_async(
         out_dtype = parse_dtype(dtype) or engine.master_dtype
         max_bytes = parse_size(max_shard_size)
     target = Path(output_dir)
-    work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.pins_host, layout=_model_layout(model))
+    work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.pins_host, layout=model_layout(model))
     with agreement(engine.world, f"model.save_pretrained ({output_dir})"):
         if engine.world.rank == 0:
             target.mkdir(parents=True, exist_ok=True)
@@ -243,14 +254,129 @@ def save_pretrained_async(
     return chain(engine, target, lambda: work(group))
 
 
-def _model_layout(model: nn.Module) -> FileLayout:
-    """The names transformers' `save_pretrained` stores the model's tensors under where they differ from the
-    model's own ([Note: file layout] in stream.py); empty for a model that is not a transformers model."""
-    if "transformers" not in sys.modules:  # a transformers model was built with it imported
-        return {}
-    from ..integrations.conversions import save_layout
+Held = list[tuple[str, Stored, int]]  # (file, where its bytes lie, first element) of each piece of a parameter
 
-    return save_layout(model)
+
+def _pieces_held(ckpt: Path, manifest: Manifest, model_files: list[str]) -> dict[str, Held]:
+    """Where each parameter's pieces lie in the model files (from their headers), in element order."""
+    headers = {f: stored_tensors(ckpt / f) for f in model_files}
+    held: dict[str, Held] = {}
+    for name, info in manifest.params.items():
+        pieces = held[name] = []
+        covered = 0
+        for file, start, end in sorted(manifest.slices[name], key=lambda e: e[1]):
+            where = headers[file].get(name)
+            if where is None or where.numel != end - start or where.dtype != dtype_from_name(info["dtype"]):
+                raise ValueError(
+                    f"{ckpt / file} does not hold elements [{start}, {end}) of {name} as its manifest "
+                    "says; the checkpoint is damaged."
+                )
+            if start != covered:
+                break
+            pieces.append((file, where, start))
+            covered = end
+        if covered != math.prod(info["shape"]):
+            raise ValueError(f"The checkpoint covers only {covered} elements of {name}; its files are incomplete.")
+    return held
+
+
+def _write_streamed(
+    ckpt: Path,
+    manifest: Manifest,
+    held: dict[str, Held],
+    order: list[str],
+    writer: HFShardWriter,
+    verify: bool,
+    bar: Any,
+) -> None:
+    """[Note: streamed consolidation] in streams.py: each model file read once, front to back, beside the casts
+    and the writes; its checksum checked once it is read (the output still under temporary names)."""
+    files = sorted({f for pieces in held.values() for f, _, _ in pieces})
+    chunk = chunk_bytes_for(len(files))
+    streams: dict[str, FileStream] = {}
+    try:
+        for f in files:
+            streams[f] = FileStream(ckpt / f, Digest.matching(manifest.files[f].checksum) if verify else None, chunk)
+        casting = _Scratch()
+        entries = []
+        for name in order:
+            info = manifest.params[name]
+            source = dtype_from_name(info["dtype"])
+            dtype = writer.dtype if writer.dtype is not None and source.is_floating_point else source
+            pieces = _cast_pieces(held[name], streams, dtype, casting, bar)
+            entries.append((Entry(name, dtype, tuple(info["shape"]), pieces), math.prod(info["shape"])))
+        entries += [(_buffer_entry(ckpt, name, writer.dtype), 0) for name in manifest.buffers]
+        for group in shard_groups([e.nbytes for e, _ in entries], writer.max_bytes):
+            writer.write_file([entries[i][0] for i in group], sum(entries[i][1] for i in group))
+        for f, stream in streams.items():
+            digest = stream.finish()
+            if digest is not None:
+                check_checksum(ckpt, manifest, f, digest)
+    finally:
+        for stream in streams.values():
+            stream.close()
+
+
+def _cast_pieces(
+    pieces: Held, streams: dict[str, FileStream], dtype: torch.dtype, casting: _Scratch, bar: Any
+) -> Callable[[], Iterator[torch.Tensor]]:
+    """A parameter's bytes in `dtype`, streamed from its pieces' files: views of their chunks, or those cast into
+    reused memory (each piece is written out before the next is made)."""
+
+    def each() -> Iterator[torch.Tensor]:
+        for file, where, _ in pieces:
+            size = where.dtype.itemsize
+            carry = torch.empty(0, dtype=torch.uint8)  # an element split between two chunks (unaligned files only)
+            for view in streams[file].views(where.begin, where.numel * size):
+                if where.begin % size or carry.numel():
+                    view = torch.cat([carry, view])
+                    whole = view.numel() // size * size
+                    view, carry = view[:whole], view[whole:].clone()
+                values = view.view(where.dtype)
+                yield values if where.dtype == dtype else casting.cast(values, dtype)
+        bar.update(1)
+
+    return each
+
+
+class _Scratch:
+    """Host memory reused for every cast (fresh pages cost as much as the cast here)."""
+
+    def __init__(self) -> None:
+        self._memory = torch.empty(0, dtype=torch.uint8)
+
+    def cast(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = values.numel() * dtype.itemsize
+        if self._memory.numel() < nbytes:
+            self._memory = torch.empty(nbytes, dtype=torch.uint8)
+        out = self._memory[:nbytes].view(dtype)
+        out.copy_(values)
+        return out
+
+
+def _buffer_entry(ckpt: Path, name: str, dtype: torch.dtype | None) -> Entry:
+    with safe_open(str(ckpt / BUFFERS_FILE), framework="pt", device="cpu") as f:
+        value = f.get_tensor(name)
+    if dtype is not None and value.is_floating_point():
+        value = value.to(dtype)
+    return Entry(name, value.dtype, tuple(value.shape), host_pieces(value.contiguous()))
+
+
+def _write_cached(
+    ckpt: Path, manifest: Manifest, model_files: list[str], writer: HFShardWriter, verify: bool, bar: Any
+) -> None:
+    """The files checked first (which leaves them in the page cache), then each parameter assembled and queued."""
+    check_files(ckpt, manifest, model_files, verify)
+    with FileCache(ckpt) as cache:
+        for name, info in manifest.params.items():
+            full = torch.empty(math.prod(info["shape"]), dtype=dtype_from_name(info["dtype"]))
+            read_pieces(cache, name, manifest.slices[name], 0, full.numel(), full)
+            if writer.add(name, full.view(info["shape"])):
+                cache.close()  # unmap what the flushed shard was read from: keeps the resident set bounded
+            bar.update(1)
+        for name in manifest.buffers:
+            writer.add(name, cache.get(BUFFERS_FILE).get_tensor(name), is_parameter=False)
+            bar.update(1)
 
 
 def _checkpoint_layout(ckpt: Path) -> FileLayout:
@@ -271,7 +397,7 @@ def _checkpoint_layout(ckpt: Path) -> FileLayout:
             return {}
         with torch.device("meta"):
             model = model_class(config)
-        return _model_layout(model)
+        return model_layout(model)
     except Exception as e:  # noqa: BLE001 - the weights are still written, under the model's own names
         logger.warning(
             "hf_zero.consolidate could not learn transformers' file layout from %s (%s: %s); the tensors are written "

@@ -17,7 +17,9 @@ range, and scalar state (`::step`) whole; an optimizer that steps on whole param
 written whole by each parameter's owner instead ([Note: owned optimizer state]). Each file's
 safetensors metadata repeats its ranges, the format version and the world size, so a file
 describes itself; the manifest indexes all of them with sizes and checksums ([Note: checksums]),
-the parameter shapes, the tied aliases and the optimizer's param groups. Nothing is pickled.
+the parameter shapes, the tied aliases, the optimizer's param groups and (version 3) the names transformers'
+`save_pretrained` stores the model's weights under where they differ from the model's ([Note: file layout] in
+stream.py), which `consolidate` writes without building the model. Nothing is pickled.
 
 [Note: checksums]
 Each file's checksum is an `"algorithm:hex"` string: `xxh3_128` (format version 2) or `sha256` (version 1,
@@ -48,8 +50,8 @@ from torch import nn
 from ..dtypes import dtype_name
 
 FORMAT_NAME = "hf_zero"
-FORMAT_VERSION = 2  # 2: xxh3_128 checksums ([Note: checksums]); 1: sha256, read as well
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 3: the manifest's `layout`; 2: xxh3_128 checksums ([Note: checksums]); 1: sha256
+READABLE_VERSIONS = (1, 2, 3)
 CHECKSUM = "xxh3_128"
 MANIFEST = "hf_zero_manifest.json"
 BUFFERS_FILE = "buffers.safetensors"
@@ -129,6 +131,8 @@ class Manifest:
     #                                           "owners": {name: file} on the whole-parameter path}
     engine: dict[str, Any] = field(default_factory=dict)  # {"loss_scale": ...}
     user: dict[str, Any] = field(default_factory=dict)  # free-form metadata from the caller
+    layout: dict[str, list[list[Any]]] | None = None  # name -> [[stored name, shape], ...] where transformers' files
+    #   store a parameter otherwise ([Note: file layout] in stream.py); None in checkpoints before version 3
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
 

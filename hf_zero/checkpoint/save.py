@@ -57,7 +57,7 @@ from .format import (
     write_file_atomically,
 )
 from .owned_state import owned_entries
-from .stream import Entry, host_pieces, write_streamed
+from .stream import Entry, host_pieces, layout_to_json, model_layout, write_streamed
 
 logger = logging.getLogger(__name__)
 
@@ -385,6 +385,7 @@ def _manifest(
         optimizer=optim,
         engine=engine_state,
         user=dict(metadata or {}),
+        layout=layout_to_json(model_layout(model)),
     )
 
 

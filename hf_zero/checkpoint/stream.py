@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,6 +89,29 @@ class Entry:
         for d in self.shape:
             n *= d
         return n * self.dtype.itemsize
+
+
+def model_layout(model: torch.nn.Module) -> FileLayout:
+    """The names transformers' `save_pretrained` stores the model's tensors under where they differ from the
+    model's own ([Note: file layout]); empty for a model that is not a transformers model."""
+    if "transformers" not in sys.modules:  # a transformers model was built with it imported
+        return {}
+    from ..integrations.conversions import save_layout
+
+    return save_layout(model)
+
+
+def layout_to_json(layout: FileLayout) -> dict[str, list[list[Any]]]:
+    """A layout as the manifest records it ([Note: checkpoint layout] in format.py)."""
+    return {name: [[stored, list(shape)] for stored, shape in parts] for name, parts in layout.items()}
+
+
+def layout_from_json(raw: Mapping[str, list[list[Any]]]) -> FileLayout:
+    """The layout a manifest records."""
+    return {
+        name: tuple((str(stored), tuple(int(n) for n in shape)) for stored, shape in parts)
+        for name, parts in raw.items()
+    }
 
 
 def host_pieces(*tensors: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:

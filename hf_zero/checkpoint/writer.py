@@ -58,6 +58,20 @@ def parse_size(size: int | str, name: str = "max_shard_size") -> int:
     return value
 
 
+def shard_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """The indices of tensors of `sizes` bytes, in order, grouped into output files as `HFShardWriter.add` groups
+    them: a file is closed when the next tensor would take it past `max_bytes` (a larger tensor gets one alone)."""
+    groups: list[list[int]] = []
+    open_bytes = 0
+    for i, size in enumerate(sizes):
+        if not groups or (groups[-1] and open_bytes + size > max_bytes):
+            groups.append([])
+            open_bytes = 0
+        groups[-1].append(i)
+        open_bytes += size
+    return groups
+
+
 class HFShardWriter:
     """Writes tensors into `from_pretrained`-style safetensors shards, one shard in memory at a time."""
 
@@ -111,15 +125,26 @@ class HFShardWriter:
     def flush(self) -> None:
         if not self._open:
             return
-        path = self.output_dir / f".hf_zero-shard-{len(self._written):05d}.partial"
-        entries = [
-            Entry(name, t.dtype, tuple(t.shape), host_pieces(t), self.layout.get(name, ()))
-            for name, t in self._open.items()
-        ]
-        write_streamed(path, entries, {"format": "pt"})  # [Note: direct writes]
-        fsync_file(path)
-        self._written.append((path, [stored for e in entries for stored, _ in e.stored]))
+        entries = [Entry(name, t.dtype, tuple(t.shape), host_pieces(t)) for name, t in self._open.items()]
         self._open, self._open_bytes = {}, 0
+        self._write(entries)
+
+    def write_file(self, entries: list[Entry], parameters: int) -> None:
+        """Write `entries` (in the output dtype already) as one shard of their own, their bytes streamed from their
+        pieces ([Note: streamed consolidation] in streams.py); `parameters`: the elements of theirs that are
+        parameters. The tensors queued by `add` are written first."""
+        self.flush()
+        self.total_bytes += sum(e.nbytes for e in entries)
+        self.total_parameters += parameters
+        self._write(entries)
+
+    def _write(self, entries: list[Entry]) -> None:
+        path = self.output_dir / f".hf_zero-shard-{len(self._written):05d}.partial"
+        self._written.append((path, []))  # removed by `abort` from here on, written or not
+        laid_out = [Entry(e.name, e.dtype, e.shape, e.pieces, e.parts or self.layout.get(e.name, ())) for e in entries]
+        write_streamed(path, laid_out, {"format": "pt"})  # [Note: direct writes]
+        fsync_file(path)
+        self._written[-1] = (path, [stored for e in laid_out for stored, _ in e.stored])
 
     def close(self) -> list[str]:
         """Name the shards, drop stale weight files, write the index (if sharded); returns the file names."""
