@@ -302,3 +302,44 @@ def from_pretrained_buffers(path: str) -> dict[str, Any]:
     with torch.no_grad():
         return {"ordinary": ordinary.scale.clone(), "sharded": sharded.scale.clone(),
                 "same_output": torch.equal(ordinary(x), sharded(x))}
+
+
+def classifier_from_pretrained(path: str, mode: str, lora: bool, ignore_mismatched_sizes: bool = False) -> dict[str, Any]:
+    """A 3-label sequence classifier loaded from `path` the sharded way (each rank's random state seeded with its
+    rank: rank 0's new head and adapter must reach every rank) or the ordinary way (transformers' from_pretrained,
+    then `get_peft_model`, then `initialize`, under `torch.manual_seed(0)`), with or without a LoRA adapter, then 2
+    ZeRO-3 steps on labels; `ignore_mismatched_sizes` as transformers takes it."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = hf_zero.ZeroConfig(stage=3)
+    adapter = None
+    if lora:
+        from peft import LoraConfig
+
+        adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    kwargs: dict[str, Any] = {"num_labels": 3, "pad_token_id": 0}
+    if ignore_mismatched_sizes:
+        kwargs["ignore_mismatched_sizes"] = True
+    if mode == "sharded":
+        torch.manual_seed(dist.get_rank())
+        model, opt = hf_zero.from_pretrained(AutoModelForSequenceClassification, path, config, peft_config=adapter,
+                                             optimizer_fn=lambda m: make_optimizer(m, 1e-2), **kwargs)
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+        if adapter is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, adapter)
+        model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), config)
+    model.train()
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses = []
+    for _ in range(2):
+        batch = torch.randint(1, 256, (2, 16), generator=g)
+        loss = model(input_ids=batch, labels=torch.randint(0, 3, (2,), generator=g)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": hf_zero.full_state_dict(model)}

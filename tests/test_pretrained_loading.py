@@ -57,6 +57,21 @@ def test_lora_added_by_the_sharded_load_trains_as_get_peft_model_on_the_loaded_m
         assert torch.equal(sharded["state"][name], value), name
 
 
+def test_a_new_classification_head_under_lora_is_initialized_as_transformers_initializes_it(pools, base_dirs):
+    """A sequence classifier loaded from a causal LM's files with a LoRA adapter: the head the files lack (`score`)
+    is made and initialized by the load, and the adapter added after it must leave it so (it was replaced by
+    uninitialized memory: a frozen head of garbage, silently). Against transformers' load + `get_peft_model`: the
+    same losses and weights, bit for bit."""
+    sharded = pools(2).values(checkpoint_cases.classifier_from_pretrained, base_dirs["llama"], "sharded", True)[0]
+    ordinary = pools(2).values(checkpoint_cases.classifier_from_pretrained, base_dirs["llama"], "ordinary", True)[0]
+    head = "base_model.model.score.weight"
+    assert 0.01 < float(ordinary["state"][head].std()) < 0.03  # initializer_range 0.02
+    assert sharded["losses"] == ordinary["losses"]
+    assert sharded["state"].keys() == ordinary["state"].keys()
+    for name, value in ordinary["state"].items():
+        assert torch.equal(sharded["state"][name], value), name
+
+
 def test_a_saved_adapter_resumes_on_a_sharded_load(pools, base_dirs, tmp_path):
     """`from_pretrained(..., peft_config=adapter_dir)`: an adapter trained at stage 3 and saved by the PEFT model's
     `save_pretrained` comes back with its trained weights, trainable, and computes what PEFT's own

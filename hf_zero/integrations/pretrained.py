@@ -237,11 +237,12 @@ def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list
 
 
 def _make_real(model: nn.Module, names: set[str]) -> list[nn.Parameter]:
-    """Replace the meta-device parameters `names` (and their tied aliases) with real, uninitialized ones on the
-    host, keeping shape, dtype and `requires_grad`; returns the new parameters."""
+    """Replace the meta-device parameters among `names` (and their tied aliases) with real, uninitialized ones on
+    the host, keeping shape, dtype and `requires_grad`; returns the new parameters. One made real before (a new head,
+    under the adapter `_with_lora` adds) keeps its values."""
     fresh: dict[int, nn.Parameter] = {}
     for name, old in list(model.named_parameters(remove_duplicate=False)):
-        if name not in names and id(old) not in fresh:
+        if (name not in names and id(old) not in fresh) or not old.is_meta:  # a real one keeps its values
             continue
         new = fresh.get(id(old))
         if new is None:
