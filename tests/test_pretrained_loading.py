@@ -72,6 +72,36 @@ def test_a_new_classification_head_under_lora_is_initialized_as_transformers_ini
         assert torch.equal(sharded["state"][name], value), name
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_ignore_mismatched_sizes_initializes_a_head_of_another_shape_as_transformers_does(pools, base_dirs, tmp_path,
+                                                                                        lora):
+    """A 5-label classifier's files loaded as a 3-label classifier: refused by default (naming the shapes and the
+    keyword), and with `ignore_mismatched_sizes=True` the head is initialized anew (rank 0's draws on every rank) and
+    the body read from the files, as transformers' `from_pretrained(..., ignore_mismatched_sizes=True)` (+ LoRA):
+    the same losses and weights, bit for bit."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    import hf_zero
+
+    causal = AutoModelForCausalLM.from_pretrained(base_dirs["llama"])
+    torch.manual_seed(7)
+    causal.config.num_labels, causal.config.pad_token_id = 5, 0
+    five = AutoModelForSequenceClassification.from_config(causal.config)
+    five.model.load_state_dict(causal.model.state_dict())
+    five.save_pretrained(tmp_path / "five")
+    path = str(tmp_path / "five")
+    with pytest.raises(ValueError, match=r"score.weight: file \[5, 64\] vs model \[3, 64\].*ignore_mismatched_sizes=True"):
+        hf_zero.from_pretrained(AutoModelForSequenceClassification, path, num_labels=3, pad_token_id=0)
+    sharded = pools(2).values(checkpoint_cases.classifier_from_pretrained, path, "sharded", lora, True)[0]
+    ordinary = pools(2).values(checkpoint_cases.classifier_from_pretrained, path, "ordinary", lora, True)[0]
+    head = ("base_model.model." if lora else "") + "score.weight"
+    assert sharded["state"][head].shape == (3, 64)
+    assert sharded["losses"] == ordinary["losses"]
+    assert sharded["state"].keys() == ordinary["state"].keys()
+    for name, value in ordinary["state"].items():
+        assert torch.equal(sharded["state"][name], value), name
+
+
 def test_a_saved_adapter_resumes_on_a_sharded_load(pools, base_dirs, tmp_path):
     """`from_pretrained(..., peft_config=adapter_dir)`: an adapter trained at stage 3 and saved by the PEFT model's
     `save_pretrained` comes back with its trained weights, trainable, and computes what PEFT's own

@@ -23,9 +23,11 @@ also found under the model's `base_model_prefix` added or taken away: a `LlamaMo
 wrapper (`base_model.model.` before the name, `.base_layer` inside a wrapped layer) as the wrapped model's. A
 parameter the files lack is refused while it is on the meta device; one that holds values (a head outside the base
 model or a LoRA adapter that `hf_zero.from_pretrained` initialized, or one the caller built) fills its shards from
-them. Where transformers stores a model's weights under other names or in other shapes than its modules have
-(its checkpoint conversions), the names are the files' keys as transformers renames them, and a weight it builds
-from several tensors is built by its rules ([Note: converted weights] in integrations/conversions.py).
+them. With `ignore_mismatched_sizes=True`, as under transformers, a weight the files hold in another shape is
+initialized anew instead and marked (`NOT_FROM_FILES`) so that it is not read. Where transformers stores a
+model's weights under other names or in other shapes than its modules have (its checkpoint conversions), the names
+are the files' keys as transformers renames them, and a weight it builds from several tensors is built by its rules
+([Note: converted weights] in integrations/conversions.py).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from .sequential import RangeReads, stored_tensors
 from .torch_bin import BinWeights, is_bin
 
 _PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps ([Note: names in the files])
+NOT_FROM_FILES = "_hf_zero_not_from_files"  # set on a parameter the files hold in another shape, initialized anew
 _Unit = tuple[FlatLayout, tuple[nn.Parameter, ...], int]  # what `fill` is asked for: layout, params, shard rank
 
 
@@ -162,7 +165,9 @@ class PretrainedSource:
 
     def _key(self, param: nn.Parameter, name: str) -> str | None:
         """The name the files hold `param` under, as the model names it (any of its tied names, with or without the
-        base model's prefix): a key of `_renamed` or `_built`."""
+        base model's prefix): a key of `_renamed` or `_built`; None for one initialized anew (`NOT_FROM_FILES`)."""
+        if getattr(param, NOT_FROM_FILES, False):
+            return None
         for candidate in self._names.get(id(param), [name]):
             for key in self._spellings(candidate):
                 if key in self._renamed or key in self._built:
@@ -221,6 +226,16 @@ class PretrainedSource:
         """The names of the model's parameters the files hold no weight for (a tied one once)."""
         return [name for name, p in model.named_parameters() if self._key(p, name) is None]
 
+    def mismatched(self, model: nn.Module) -> list[tuple[str, list[int], list[int]]]:
+        """`(name, shape in the files, shape in the model)` of each parameter the files hold in another shape."""
+        found = []
+        with FileCache(self.directory) as cache:
+            for name, p in model.named_parameters():
+                key = self._key(p, name)
+                if key is not None and self._shape(cache, key) != list(p.shape):
+                    found.append((name, self._shape(cache, key), list(p.shape)))
+        return found
+
     def check(self, specs: list[UnitSpec]) -> None:
         """Raise `ValueError` when a parameter is missing from the files or has another shape there."""
         missing, wrong = [], []
@@ -241,7 +256,11 @@ class PretrainedSource:
                 "model, or was saved incompletely."
             )
         if wrong:
-            raise ValueError(f"{self.directory} holds weights of other shapes than this model: {wrong[:5]}.")
+            raise ValueError(
+                f"{self.directory} holds weights of other shapes than this model: {wrong[:5]}. To initialize those "
+                "anew (a head of another number of labels), as transformers does, pass ignore_mismatched_sizes=True "
+                "to hf_zero.from_pretrained."
+            )
 
     def prepare(self, units: list[tuple[FlatLayout, tuple[nn.Parameter, ...], int]]) -> None:
         """The units `fill` will be asked for, in order, as `(layout, params, shard_rank)`: the first one's reads

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..api import initialize
-from ..checkpoint.pretrained import PretrainedSource, files_dtype
+from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtype
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name
 from ..engine.collectives import CommGroup, broadcast_tensors
@@ -32,6 +32,7 @@ def from_pretrained(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     peft_config: Any = None,
+    ignore_mismatched_sizes: bool = False,
     **config_overrides: Any,
 ) -> tuple[nn.Module, ShardedOptimizer | None]:
     """Load a Hugging Face model straight into shards: no rank ever holds the whole model.
@@ -62,6 +63,10 @@ def from_pretrained(
             every rank. A directory of an adapter saved with `save_pretrained` gives its config and its weights,
             trainable (`PeftModel.from_pretrained(model, dir, is_trainable=True)`). `optimizer_fn` then sees the
             PEFT model's parameters.
+        ignore_mismatched_sizes (`bool`, *optional*, defaults to `False`): as transformers' `from_pretrained`: a
+            weight whose shape in the files differs from the model's (a 5-label head loaded as a 3-label one) is
+            initialized anew, rank 0's values on every rank, and named in a warning; by default such files are
+            refused.
         config_overrides: attributes of the model's config to change before it is built, as `from_pretrained`
             takes them (`use_cache=False`, `max_position_embeddings=8192`, `rope_parameters={...}`); a name the config
             does not have raises `TypeError`.
@@ -88,7 +93,9 @@ def from_pretrained(
         dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be 'auto' or a torch.dtype; got {dtype!r}.")
-    model: Any = _build_empty(model_class, hf_config, dtype, path, attn_implementation, trust_remote_code)
+    model: Any = _build_empty(
+        model_class, hf_config, dtype, path, attn_implementation, trust_remote_code, ignore_mismatched_sizes
+    )
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
     if peft_config is not None:
@@ -127,8 +134,6 @@ _LOADER_KEYWORDS = {
     "max_memory": "drop it: the engine places the shards; ZeroConfig(offload_dir=...) moves them off the device",
     "offload_folder": "use ZeroConfig(offload_dir=...)",
     "quantization_config": "load the quantized model with transformers' from_pretrained, then hf_zero.initialize",
-    "ignore_mismatched_sizes": "load with transformers' from_pretrained(..., ignore_mismatched_sizes=True), then "
-    "hf_zero.initialize",
     "revision": "hf_zero.from_pretrained reads a local directory (download it first, e.g. huggingface-cli download)",
     "cache_dir": "hf_zero.from_pretrained reads a local directory (download it first, e.g. huggingface-cli download)",
 }
@@ -141,6 +146,7 @@ def _build_empty(
     path: str | os.PathLike[str],
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    ignore_mismatched_sizes: bool = False,
 ) -> nn.Module:
     """The model with its parameters on the meta device and its buffers real, initialized as
     transformers' `from_pretrained` initializes them.
@@ -148,8 +154,8 @@ def _build_empty(
     Parameters come from the files, so their initializers are skipped while the model is built (on the
     meta device they would do nothing, yet in a fresh process their dispatch costs seconds); then, as
     `from_pretrained` does, the parameters are marked initialized and `initialize_weights` runs for the
-    rest: the buffers (rotary tables, norms' running statistics), and the parameters the files lack (a new head:
-    `_materialize_missing`).
+    rest: the buffers (rotary tables, norms' running statistics), the parameters the files lack (a new head:
+    `_materialize_missing`) and, with `ignore_mismatched_sizes`, those the files hold in another shape.
     """
     from accelerate import init_empty_weights
     from transformers import initialization
@@ -168,6 +174,8 @@ def _build_empty(
         model.tie_weights()
         _untie_what_the_files_keep_apart(model, path)
     fresh = _materialize_missing(model, path)
+    if ignore_mismatched_sizes:
+        fresh += _materialize_mismatched(model, path)
     made = {id(p) for p in fresh}
     for param in model.parameters():
         if id(param) not in made:
@@ -232,6 +240,31 @@ def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list
             type(model).__name__,
             path,
             missing,
+        )
+    return fresh
+
+
+def _materialize_mismatched(model: nn.Module, path: str | os.PathLike[str]) -> list[nn.Parameter]:
+    """`ignore_mismatched_sizes=True`, as transformers' `from_pretrained`: the parameters `path` holds in another shape
+    than the model's (a classifier of another number of labels) made real on the host, marked not to be read from
+    the files ([Note: names in the files]) and left for `initialize_weights`; named in a warning."""
+    found = PretrainedSource(path, model, checkpoint_conversions(model)).mismatched(model)
+    if not found:
+        return []
+    fresh = _make_real(model, {name for name, _, _ in found})
+    for param in fresh:
+        setattr(param, NOT_FROM_FILES, True)
+    if CommGroup.world().rank == 0:
+        logger.warning(
+            "Some weights of %s were not initialized from the model checkpoint at %s and are newly initialized because "
+            "the shapes did not match:\n%s\nYou should probably TRAIN this model on a down-stream task to be able to "
+            "use it for predictions and inference.",
+            type(model).__name__,
+            path,
+            "\n".join(
+                f"- {name}: found shape {tuple(stored)} in the checkpoint and {tuple(own)} in the model instantiated"
+                for name, stored, own in found
+            ),
         )
     return fresh
 
