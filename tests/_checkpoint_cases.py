@@ -151,7 +151,8 @@ def train_from_pretrained(path: str, mode: str, stage: int, steps: int = 3, lora
             and head is not None and head.weight is model.get_input_embeddings().weight}
 
 
-def adapter_saved_then_loaded(path: str, adapter_dir: str, stage: int) -> dict[str, Any]:
+def adapter_saved_then_loaded(path: str, adapter_dir: str, stage: int, modules_to_save: list[str] | None = None
+                              ) -> dict[str, Any]:
     """LoRA trained 2 steps on a sharded load, saved with the PEFT model's `save_pretrained` (every rank), then a
     fresh sharded load given that directory as `peft_config`: the trained and the reloaded adapter weights, which
     reloaded parameters train, and the reloaded model's logits on a batch."""
@@ -159,7 +160,8 @@ def adapter_saved_then_loaded(path: str, adapter_dir: str, stage: int) -> dict[s
     from transformers import AutoModelForCausalLM
 
     config = hf_zero.ZeroConfig(stage=stage)
-    adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                         modules_to_save=modules_to_save)
     model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, path, config, peft_config=adapter,
                                          optimizer_fn=lambda m: make_optimizer(m, 1e-2))
     model.train()
@@ -170,9 +172,12 @@ def adapter_saved_then_loaded(path: str, adapter_dir: str, stage: int) -> dict[s
         opt.step()
         opt.zero_grad()
     model.save_pretrained(adapter_dir)
-    trained = {k: v.clone() for k, v in hf_zero.full_state_dict(model, rank0_only=False).items() if "lora_" in k}
+    ours = ("lora_", "modules_to_save")  # the adapter's weights
+    trained = {k: v.clone() for k, v in hf_zero.full_state_dict(model, rank0_only=False).items()
+               if any(o in k for o in ours)}
     again, _ = hf_zero.from_pretrained(AutoModelForCausalLM, path, config, peft_config=adapter_dir)
-    reloaded = {k: v.clone() for k, v in hf_zero.full_state_dict(again, rank0_only=False).items() if "lora_" in k}
+    reloaded = {k: v.clone() for k, v in hf_zero.full_state_dict(again, rank0_only=False).items()
+                if any(o in k for o in ours)}
     ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = again(input_ids=ids).logits
@@ -343,3 +348,38 @@ def classifier_from_pretrained(path: str, mode: str, lora: bool, ignore_mismatch
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "state": hf_zero.full_state_dict(model)}
+
+
+def lora_trained(path: str, mode: str, model_class: str, config_kwargs: dict[str, Any], lora_kwargs: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """LoRA (with `lora_kwargs`: `modules_to_save`, `task_type`) on `model_class` loaded from `path` the sharded way
+    (each rank seeded with its rank) or the ordinary way (transformers' load, `get_peft_model`, `initialize`, under
+    seed 0), then 2 ZeRO-3 steps: losses, trainable names, full state."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model_type = getattr(transformers, model_class)
+    targets = ["query_key_value"] if "falcon" in path else ["q_proj", "v_proj"]
+    adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, **lora_kwargs)
+    config = hf_zero.ZeroConfig(stage=3)
+    if mode == "sharded":
+        torch.manual_seed(dist.get_rank())
+        model, opt = hf_zero.from_pretrained(model_type, path, config, peft_config=adapter,
+                                             optimizer_fn=lambda m: make_optimizer(m, 1e-2), **config_kwargs)
+    else:
+        torch.manual_seed(0)
+        model = get_peft_model(model_type.from_pretrained(path, **config_kwargs), adapter)
+        model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), config)
+    model.train()
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses = []
+    for _ in range(2):
+        batch = torch.randint(1, 256, (2, 16), generator=g)
+        labels = torch.randint(0, 3, (2,), generator=g) if "Sequence" in model_class else batch
+        loss = model(input_ids=batch, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    return {"losses": losses, "trainable": trainable, "state": hf_zero.full_state_dict(model)}

@@ -102,29 +102,55 @@ def test_ignore_mismatched_sizes_initializes_a_head_of_another_shape_as_transfor
         assert torch.equal(sharded["state"][name], value), name
 
 
-def test_a_saved_adapter_resumes_on_a_sharded_load(pools, base_dirs, tmp_path):
+@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]])
+def test_a_saved_adapter_resumes_on_a_sharded_load(pools, base_dirs, tmp_path, modules_to_save):
     """`from_pretrained(..., peft_config=adapter_dir)`: an adapter trained at stage 3 and saved by the PEFT model's
     `save_pretrained` comes back with its trained weights, trainable, and computes what PEFT's own
-    `PeftModel.from_pretrained` on transformers' load computes."""
+    `PeftModel.from_pretrained` on transformers' load computes; with `modules_to_save`, the trained copy of the head
+    comes from the adapter, not from the base model's files."""
     from peft import PeftModel
 
     adapter_dir = str(tmp_path / "adapter")
-    results = pools(2).values(checkpoint_cases.adapter_saved_then_loaded, base_dirs["llama"], adapter_dir, 3)
+    results = pools(2).values(checkpoint_cases.adapter_saved_then_loaded, base_dirs["llama"], adapter_dir, 3,
+                              modules_to_save)
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dirs["llama"]), adapter_dir)
     ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = reference(input_ids=ids).logits
+    adapter_weights = 8 + (1 if modules_to_save else 0)
     for r in results:
-        assert len(r["trained"]) == 8 and r["reloaded"].keys() == r["trained"].keys()
+        assert len(r["trained"]) == adapter_weights and r["reloaded"].keys() == r["trained"].keys()
         for name, value in r["trained"].items():
             assert torch.equal(r["reloaded"][name], value), name
         assert not torch.equal(r["trained"][next(k for k in r["trained"] if "lora_B" in k)], torch.zeros(1))
-        assert len(r["trainable"]) == 8 and all("lora_" in n for n in r["trainable"])
+        assert len(r["trainable"]) == adapter_weights
+        assert all("lora_" in n or "modules_to_save" in n for n in r["trainable"])
         torch.testing.assert_close(r["logits"], logits, rtol=0, atol=0)
     with pytest.raises(FileNotFoundError, match="no adapter_config.json there"):
         import hf_zero
 
         hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], peft_config=str(tmp_path))
+
+
+@pytest.mark.parametrize("case", [
+    ("llama", "AutoModelForSequenceClassification", {"num_labels": 3, "pad_token_id": 0}, {"task_type": "SEQ_CLS"}),
+    ("falcon", "AutoModelForCausalLM", {}, {"modules_to_save": ["lm_head"]}),
+    ("llama", "AutoModelForCausalLM", {}, {"modules_to_save": ["embed_tokens"]}),
+], ids=["seq_cls_task", "tied_head", "embeddings"])
+def test_lora_with_modules_trained_whole_equals_get_peft_model(pools, base_dirs, case):
+    """`modules_to_save` (PEFT trains a copy of the module whole; `task_type="SEQ_CLS"` sets it to the classifier):
+    the copy is read from the files under the original's names (a tied head: the embeddings'), or is the new head
+    the load initialized. Against transformers' load + `get_peft_model` + `initialize`: the same losses, trained
+    parameters and weights, bit for bit."""
+    kind, model_class, config_kwargs, lora_kwargs = case
+    sharded, ordinary = (pools(2).values(checkpoint_cases.lora_trained, base_dirs[kind], mode, model_class,
+                                         config_kwargs, lora_kwargs)[0] for mode in ("sharded", "ordinary"))
+    assert any("modules_to_save" in n for n in ordinary["trainable"])
+    assert sharded["trainable"] == ordinary["trainable"]
+    assert sharded["losses"] == ordinary["losses"]
+    assert sharded["state"].keys() == ordinary["state"].keys()
+    for name, value in ordinary["state"].items():
+        assert torch.equal(sharded["state"][name], value), name
 
 
 def test_lora_settings_that_read_the_loaded_weights_are_refused(base_dirs):
@@ -135,7 +161,6 @@ def test_lora_settings_that_read_the_loaded_weights_are_refused(base_dirs):
     for adapter, message in (
         (LoraConfig(target_modules=["q_proj"], use_dora=True), "cannot apply use_dora=True: it needs the loaded"),
         (LoraConfig(target_modules=["q_proj"], init_lora_weights="pissa"), "cannot apply init_lora_weights='pissa'"),
-        (LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]), "cannot apply modules_to_save"),
     ):
         with pytest.raises(ValueError, match=message):
             hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], peft_config=adapter)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,8 +52,15 @@ from .sequential import RangeReads, stored_tensors
 from .torch_bin import BinWeights, is_bin
 
 _PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps ([Note: names in the files])
+_MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")  # PEFT's trained copy of a module, per adapter: its
+# weights are the original's (`.original_module.`), read from the files under the original's names
 NOT_FROM_FILES = "_hf_zero_not_from_files"  # set on a parameter the files hold in another shape, initialized anew
 _Unit = tuple[FlatLayout, tuple[nn.Parameter, ...], int]  # what `fill` is asked for: layout, params, shard rank
+
+
+def trained_copy(name: str) -> bool:
+    """Whether `name` is a weight of PEFT's trained copy of a module (`modules_to_save`, [Note: names in the files])."""
+    return _MODULES_TO_SAVE.search(name) is not None
 
 
 def files_dtype(directory: str | os.PathLike[str]) -> torch.dtype:
@@ -159,8 +167,10 @@ class PretrainedSource:
         self._ahead: Future[list[_Staged]] | None = None  # the next unit's reads
         self._reader: ThreadPoolExecutor | None = None
         self._names: dict[int, list[str]] = {}  # id(param) -> every name it has (tied aliases)
+        self._params: dict[str, nn.Parameter] = {}  # name -> param
         for name, p in model.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), []).append(name)
+            self._params[name] = p
         self._prefix = f"{getattr(model, 'base_model_prefix', '') or ''}."  # [Note: names in the files]
 
     def _key(self, param: nn.Parameter, name: str) -> str | None:
@@ -169,6 +179,9 @@ class PretrainedSource:
         if getattr(param, NOT_FROM_FILES, False):
             return None
         for candidate in self._names.get(id(param), [name]):
+            original = _MODULES_TO_SAVE.sub(".original_module.", candidate)  # PEFT's trained copy of a module: the
+            if original != candidate and original in self._params:  # original's weight, by any of its names (tied)
+                return self._key(self._params[original], original)
             for key in self._spellings(candidate):
                 if key in self._renamed or key in self._built:
                     return key
@@ -178,8 +191,9 @@ class PretrainedSource:
         """`name` as the files may spell it: as is (and as the model under a PEFT wrapper names it), then with the
         base model's prefix taken away or added."""
         names = [name]
-        if name.startswith(_PEFT_ROOT):  # a PEFT model's name for a weight of the model it wraps
-            names.append(name[len(_PEFT_ROOT) :].replace(".base_layer.", "."))
+        if name.startswith(_PEFT_ROOT):  # a PEFT model's name for a weight of the model it wraps (in a wrapped layer,
+            # or the frozen original of a module it trains a copy of, `modules_to_save`)
+            names.append(name[len(_PEFT_ROOT) :].replace(".base_layer.", ".").replace(".original_module.", "."))
         spellings = []
         for n in names:
             spellings.append(n)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..api import initialize
-from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtype
+from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtype, trained_copy
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name
 from ..engine.collectives import CommGroup, broadcast_tensors
@@ -295,9 +295,11 @@ def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str])
     `get_peft_model` started, each `nn.Linear`'s own initialization, then `reset_lora_parameters`, layer by layer
     (so under one seed the adapter equals the one `get_peft_model` gives a loaded model, and the random state ends
     where it would), and rank 0's values broadcast. The base weights then come from the files
-    (their names under the wrapper, [Note: names in the files]). Initializations that read the base weights (DoRA,
-    PiSSA, OLoRA, LoftQ, EVA, ...) and `modules_to_save` (a copy of a loaded module) cannot run on the meta device:
-    refused by name."""
+    (their names under the wrapper, [Note: names in the files]); so do those of PEFT's trained copy of a module it
+    trains whole (`modules_to_save`, `task_type="SEQ_CLS"`'s classifier): read under the original's names (a tied
+    head: the embeddings'), or the new head the load initialized, copied by PEFT. A head made and initialized before
+    the adapter keeps its values. Initializations that read the base weights (DoRA, PiSSA, OLoRA, LoftQ, EVA, ...)
+    cannot run on the meta device: refused by name."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
@@ -315,7 +317,6 @@ def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str])
                 f"init_lora_weights={peft_config.init_lora_weights!r}",
                 peft_config.init_lora_weights not in (True, False, "gaussian"),
             ),
-            ("modules_to_save", bool(peft_config.modules_to_save)),
         )
         if bad
     ]
@@ -361,10 +362,26 @@ def _adapter(peft_config: Any) -> tuple[str | os.PathLike[str] | None, Any]:
 
 def _load_adapter(model: nn.Module, adapter_dir: str | os.PathLike[str]) -> None:
     """The saved adapter's weights into its matrices, made real by `_with_lora` (an adapter is small: every rank
-    reads it whole); a saved weight the model has no place for is refused."""
+    reads it whole), and into PEFT's trained copies of the modules it trains whole (`modules_to_save`), made real
+    here and marked not to be read from the base model's files; a saved weight the model has no place for is
+    refused."""
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
+    copies = {name for name, p in model.named_parameters() if p.is_meta and trained_copy(name)}
+    fresh = _make_real(model, copies)  # `modules_to_save`: the adapter holds the trained copies, not the base files
+    with torch.no_grad():
+        for param in fresh:
+            param.fill_(float("nan"))  # what the load does not fill stays NaN: found below
     result: Any = set_peft_model_state_dict(model, load_peft_weights(str(adapter_dir), device="cpu"))
+    names = {id(p): name for name, p in model.named_parameters()}
+    unloaded = [names.get(id(p), "?") for p in fresh if bool(p.detach().isnan().all())]
+    if unloaded:
+        raise ValueError(
+            f"{adapter_dir} does not hold the trained copies of the modules its config trains whole (modules_to_save), "
+            f"e.g. {unloaded[:3]}: it is incomplete, or was saved by another PEFT version."
+        )
+    for param in fresh:
+        setattr(param, NOT_FROM_FILES, True)  # its values are the adapter's, not the base model's
     unexpected = list(result.unexpected_keys)
     if unexpected:
         raise ValueError(
