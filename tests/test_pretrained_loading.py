@@ -161,6 +161,8 @@ def test_lora_settings_that_read_the_loaded_weights_are_refused(base_dirs):
     for adapter, message in (
         (LoraConfig(target_modules=["q_proj"], use_dora=True), "cannot apply use_dora=True: it needs the loaded"),
         (LoraConfig(target_modules=["q_proj"], init_lora_weights="pissa"), "cannot apply init_lora_weights='pissa'"),
+        (LoraConfig(target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [3, 5]}),
+         "cannot apply trainable_token_indices: it needs the loaded weights"),
     ):
         with pytest.raises(ValueError, match=message):
             hf_zero.from_pretrained(AutoModelForCausalLM, base_dirs["llama"], peft_config=adapter)

@@ -298,8 +298,9 @@ def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str])
     (their names under the wrapper, [Note: names in the files]); so do those of PEFT's trained copy of a module it
     trains whole (`modules_to_save`, `task_type="SEQ_CLS"`'s classifier): read under the original's names (a tied
     head: the embeddings'), or the new head the load initialized, copied by PEFT. A head made and initialized before
-    the adapter keeps its values. Initializations that read the base weights (DoRA, PiSSA, OLoRA, LoftQ, EVA, ...)
-    cannot run on the meta device: refused by name."""
+    the adapter keeps its values. Initializations that read the base weights (DoRA, PiSSA, OLoRA, LoftQ, EVA, ...,
+    and `trainable_token_indices`, whose trained rows start as the embedding's) cannot run on the meta device:
+    refused by name."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
@@ -317,6 +318,7 @@ def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str])
                 f"init_lora_weights={peft_config.init_lora_weights!r}",
                 peft_config.init_lora_weights not in (True, False, "gaussian"),
             ),
+            ("trainable_token_indices", bool(getattr(peft_config, "trainable_token_indices", None))),  # embedding rows
         )
         if bad
     ]
