@@ -225,3 +225,26 @@ def test_stream_order_reads_every_file_front_to_back():
                           "empty": []})
     assert order is not None and order.index("c") < order.index("a") < order.index("b") and "empty" in order
     assert stream_order({"a": [("f0", at(8)), ("f1", at(16))], "b": [("f0", at(16)), ("f1", at(8))]}) is None
+
+
+def test_a_peft_checkpoint_is_refused_with_the_way_to_its_adapter(pools, tmp_path):
+    """A checkpoint of a LoRA model holds its weights under PEFT's names: written as a transformers model directory,
+    transformers would load a model initialized at random (each name unexpected, each weight missing). Refused before
+    anything is written, naming the way to the adapter, which the test then takes: it loads into PEFT with the
+    trained weights."""
+    from peft import PeftModel
+
+    from tests._training import make_model
+
+    make_model("llama", seed=7).save_pretrained(tmp_path / "base")
+    ckpt, adapter_dir = tmp_path / "ckpt", tmp_path / "adapter"
+    trained = pools(2).values(checkpoint_cases.lora_checkpoint_then_adapter, str(tmp_path / "base"), str(ckpt),
+                              str(adapter_dir))[0]["trained"]
+    with pytest.raises(ValueError, match="holds a PEFT model .* initialized at random"):
+        hf_zero.consolidate(ckpt, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), adapter_dir)
+    state = reloaded.state_dict()
+    assert len(trained) == 8
+    for name, value in trained.items():
+        assert torch.equal(state[name], value), name

@@ -45,6 +45,7 @@ from .streams import MAX_STREAMS, FileStream, chunk_bytes_for, stream_order
 from .writer import HFShardWriter, parse_size, shard_groups
 
 logger = logging.getLogger(__name__)
+_PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps
 
 
 def consolidate(
@@ -90,6 +91,15 @@ def consolidate(
     manifest = Manifest.read(ckpt)
     if out.exists() and out.resolve() == ckpt.resolve():
         raise ValueError("consolidate needs an output_dir other than the checkpoint directory.")
+    if manifest.params and all(name.startswith(_PEFT_ROOT) for name in manifest.params):
+        raise ValueError(
+            f"{ckpt} holds a PEFT model (its weights are named {next(iter(manifest.params))!r}, ...): consolidate "
+            "writes a transformers model directory, which transformers would load as a model initialized at random "
+            "(none of these names is the base model's). The base weights did not train; what did is the adapter. "
+            "Write it with the PEFT model's save_pretrained(dir) on every rank (the Trainer's checkpoint-N folders "
+            "hold it), or from this checkpoint: hf_zero.from_pretrained(..., peft_config=<the same LoraConfig>), "
+            "hf_zero.load_checkpoint(ckpt, model), then model.save_pretrained(dir)."
+        )
     model_files = sorted({f for entries in manifest.slices.values() for f, _, _ in entries})
     check_sizes(ckpt, manifest, model_files)
     check_files(ckpt, manifest, [BUFFERS_FILE] if manifest.buffers else [], verify)
