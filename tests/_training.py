@@ -35,6 +35,8 @@ class Scenario:
     lora: bool = False  # peft LoRA (rank 8 on the attention projections) around the model
     repeat_batch: bool = False  # every step trains on step 0's batch (learnable: the loss falls fast)
     checkpointing: bool = False  # activation checkpointing (non-reentrant) on the sharded model
+    reentrant: bool = False  # with `checkpointing`: transformers' reentrant variant (it makes the embeddings' output
+    #   require grad itself, `enable_input_require_grads`, which frozen embeddings under LoRA need)
     ac: str = ""  # activation checkpointing users' other ways: "wrapper", "wrapper_reentrant" (torch's
     #               checkpoint_wrapper on every block), "user", "user_reentrant" (checkpoint(block, x) in forward)
     seed: int = 0  # model init seed (a resumed run starts from another init to prove the load)
@@ -391,7 +393,7 @@ def sharded_run(sc: Scenario) -> dict[str, Any]:
         model = with_lora(model, sc.model)
     freeze(model, sc.frozen)
     if sc.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": sc.reentrant})
     _activation_checkpointing(model, sc.ac)
     from tests._optimizers import build_optimizer
 
@@ -492,7 +494,8 @@ def _activation_checkpointing(model: nn.Module, how: str) -> None:
     if hasattr(model, "config"):
         model.config.use_cache = False  # a replayed layer would append to the KV cache twice (sharded or not)
     impl = CheckpointImpl.REENTRANT if how == "wrapper_reentrant" else CheckpointImpl.NO_REENTRANT
-    block = type(model.model.layers[0]) if hasattr(model, "model") else type(model.blocks[0])
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]  # under a PEFT wrapper too
+    block = type(layers[0]) if layers else type(model.blocks[0])
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=impl),
                                    check_fn=lambda m: isinstance(m, block))
 

@@ -39,6 +39,17 @@ def test_lora_matches_single_process_peft_and_saves_a_loadable_adapter(pools, tm
         assert torch.isfinite(reloaded(input_ids=ids).logits).all()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_with_transformers_activation_checkpointing_matches(pools, stage, reentrant):
+    """LoRA with transformers' activation checkpointing, as the Trainer turns it on (`gradient_checkpointing_enable`,
+    which also makes the frozen embeddings' output require grad: `enable_input_require_grads`, a forward hook on the
+    embedding module, which the reentrant variant needs for any gradient to reach the adapter): losses, norms and
+    weights as single-process training without checkpointing (fp32, 1e-5)."""
+    run_and_compare(pools, Scenario(model="llama", stage=stage, world=2, lora=True, lr=1e-2, checkpointing=True,
+                                    reentrant=reentrant))
+
+
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "falcon"])
 def test_lora_model_states_follow_the_formula_with_frozen_weights_at_compute_dtype(pools, kind, mixed_precision):
