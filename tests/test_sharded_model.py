@@ -266,3 +266,17 @@ def test_a_sharded_model_called_through_torch_compile_trains_as_the_model_itself
         assert r["compiled"][0] == r["eager"][0]
         for name, value in r["eager"][1].items():
             assert torch.equal(r["compiled"][1][name], value), name
+
+
+def test_a_compiled_wrapper_passed_to_the_api_is_named_with_the_way_round():
+    """`model = torch.compile(model)` after `initialize`, then `save_checkpoint(model, ...)`: the wrapper is not the
+    sharded model; the error says so and names `compiled._orig_mod` (checked on a stand-in engine: the wrapper is
+    made without compiling anything)."""
+    from hf_zero.engine.module import ENGINE_ATTR, get_engine
+
+    inner = torch.nn.Linear(2, 2)
+    inner.__dict__[ENGINE_ATTR] = object()  # what `attach` leaves on a sharded model
+    with pytest.raises(ValueError, match=r"OptimizedModule is not sharded .* pass the model you compiled, `compiled._orig_mod`"):
+        get_engine(torch.compile(inner))
+    with pytest.raises(ValueError, match=r"Linear is not sharded by hf_zero: pass the model returned by hf_zero.initialize\.$"):
+        get_engine(torch.nn.Linear(2, 2))

@@ -50,7 +50,13 @@ def get_engine(model: nn.Module) -> ZeroEngine:
     """The engine of a model sharded by `hf_zero.initialize`; `ValueError` for any other model."""
     engine = model.__dict__.get(ENGINE_ATTR) if isinstance(model, nn.Module) else None
     if engine is None:
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper: the engine is on the model it compiled
+        hint = (
+            " (torch.compile returned a wrapper: pass the model you compiled, `compiled._orig_mod`)"
+            if is_sharded(inner)
+            else ""
+        )
         raise ValueError(
-            f"{type(model).__name__} is not sharded by hf_zero: pass the model returned by hf_zero.initialize."
+            f"{type(model).__name__} is not sharded by hf_zero: pass the model returned by hf_zero.initialize{hint}."
         )
     return engine
