@@ -126,6 +126,10 @@ def test_a_saved_adapter_resumes_on_a_sharded_load(pools, base_dirs, tmp_path, m
         assert len(r["trainable"]) == adapter_weights
         assert all("lora_" in n or "modules_to_save" in n for n in r["trainable"])
         torch.testing.assert_close(r["logits"], logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="holds a PEFT adapter, not a model .* pass the base model's directory"):
+        import hf_zero
+
+        hf_zero.from_pretrained(AutoModelForCausalLM, adapter_dir)
     with pytest.raises(FileNotFoundError, match="no adapter_config.json there"):
         import hf_zero
 

@@ -87,6 +87,13 @@ def from_pretrained(
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"hf_zero.from_pretrained reads a local model directory; {path} is not one.")
+    has = os.path.isfile
+    if has(os.path.join(path, "adapter_config.json")) and not has(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"{path} holds a PEFT adapter, not a model (transformers' from_pretrained would load the base model its "
+            "adapter_config.json names, then the adapter): pass the base model's directory as path and this one as "
+            f"peft_config, hf_zero.from_pretrained(model_class, <base model directory>, peft_config={str(path)!r})."
+        )
     hf_config = _config(path, trust_remote_code, config_overrides)
     if dtype == "auto":
         dtype = getattr(hf_config, "dtype", None) or files_dtype(path)  # the files' where the config names none
