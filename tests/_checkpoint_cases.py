@@ -385,18 +385,16 @@ def lora_trained(path: str, mode: str, model_class: str, config_kwargs: dict[str
     return {"losses": losses, "trainable": trainable, "state": hf_zero.full_state_dict(model)}
 
 
-def lora_checkpoint_then_adapter(path: str, ckpt: str, adapter_dir: str) -> dict[str, Any]:
-    """LoRA trained one step on a sharded load and saved with `save_checkpoint`; then the way the refusal of its
-    consolidation names: the same adapter on a fresh sharded load, `load_checkpoint`, the PEFT model's
-    `save_pretrained`. The trained adapter weights."""
+def lora_checkpoint_and_adapter(path: str, ckpt: str, adapter_dir: str, modules_to_save: list[str] | None
+                                ) -> dict[str, Any]:
+    """LoRA (with `modules_to_save`) trained one step on a sharded load, saved with `save_checkpoint`, and its adapter
+    written by the PEFT model's own `save_pretrained` (every rank) into `adapter_dir`: the logits on a batch."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    def adapter() -> Any:
-        return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-
-    config = hf_zero.ZeroConfig(stage=3)
-    model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, path, config, peft_config=adapter(),
+    adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                         modules_to_save=modules_to_save)
+    model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, path, hf_zero.ZeroConfig(stage=3), peft_config=adapter,
                                          optimizer_fn=lambda m: make_optimizer(m, 1e-2))
     model.train()
     batch = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -404,8 +402,8 @@ def lora_checkpoint_then_adapter(path: str, ckpt: str, adapter_dir: str) -> dict
     opt.step()
     opt.zero_grad()
     hf_zero.save_checkpoint(ckpt, model, opt)
-    trained = {k: v.clone() for k, v in hf_zero.full_state_dict(model, rank0_only=False).items() if "lora_" in k}
-    again, _ = hf_zero.from_pretrained(AutoModelForCausalLM, path, config, peft_config=adapter())
-    hf_zero.load_checkpoint(ckpt, again)
-    again.save_pretrained(adapter_dir)
-    return {"trained": trained}
+    model.save_pretrained(adapter_dir)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROMPT)).logits
+    return {"logits": logits}

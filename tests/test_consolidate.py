@@ -227,24 +227,45 @@ def test_stream_order_reads_every_file_front_to_back():
     assert stream_order({"a": [("f0", at(8)), ("f1", at(16))], "b": [("f0", at(16)), ("f1", at(8))]}) is None
 
 
-def test_a_peft_checkpoint_is_refused_with_the_way_to_its_adapter(pools, tmp_path):
-    """A checkpoint of a LoRA model holds its weights under PEFT's names: written as a transformers model directory,
-    transformers would load a model initialized at random (each name unexpected, each weight missing). Refused before
-    anything is written, naming the way to the adapter, which the test then takes: it loads into PEFT with the
-    trained weights."""
+@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]])
+def test_a_peft_checkpoint_is_written_as_its_adapter(pools, tmp_path, modules_to_save):
+    """[Note: adapter export] A checkpoint of a LoRA model holds its weights under PEFT's names: written as a
+    transformers model directory, transformers would load a model initialized at random. It is written as what
+    trained, the adapter: the same files, keys and values as the PEFT model's own `save_pretrained` (the trained copy
+    of a `modules_to_save` head too), its config equal, and `PeftModel.from_pretrained` of it computes the trained
+    model's logits. A checkpoint without the adapter's config (saved before hf_zero recorded it) is refused."""
+    import json
+    import shutil
+
     from peft import PeftModel
+    from safetensors.torch import load_file
 
     from tests._training import make_model
 
     make_model("llama", seed=7).save_pretrained(tmp_path / "base")
-    ckpt, adapter_dir = tmp_path / "ckpt", tmp_path / "adapter"
-    trained = pools(2).values(checkpoint_cases.lora_checkpoint_then_adapter, str(tmp_path / "base"), str(ckpt),
-                              str(adapter_dir))[0]["trained"]
-    with pytest.raises(ValueError, match="holds a PEFT model .* initialized at random"):
-        hf_zero.consolidate(ckpt, tmp_path / "out", progress=False)
-    assert not (tmp_path / "out").exists()
-    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), adapter_dir)
-    state = reloaded.state_dict()
-    assert len(trained) == 8
-    for name, value in trained.items():
-        assert torch.equal(state[name], value), name
+    ckpt, live, out = tmp_path / "ckpt", tmp_path / "live", tmp_path / "out"
+    logits = pools(2).values(checkpoint_cases.lora_checkpoint_and_adapter, str(tmp_path / "base"), str(ckpt),
+                             str(live), modules_to_save)[0]["logits"]
+    assert hf_zero.consolidate(ckpt, out, progress=False) == ["adapter_model.safetensors"]
+    ours, peft_own = load_file(out / "adapter_model.safetensors"), load_file(live / "adapter_model.safetensors")
+    assert ours.keys() == peft_own.keys() and len(ours) == 8 + (1 if modules_to_save else 0)
+    for key, value in peft_own.items():
+        assert torch.equal(ours[key], value), key
+    def config(directory: Path) -> dict:
+        values = json.loads((directory / "adapter_config.json").read_text())
+        return {k: set(v) if k == "target_modules" else v for k, v in values.items()}  # a set, written as a list
+
+    assert config(out) == config(live)
+    assert not (out / "config.json").exists()  # an adapter directory, not a model's
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=torch.tensor(checkpoint_cases.PROMPT)).logits, logits,
+                                   rtol=1e-5, atol=1e-6)
+    old = tmp_path / "old"
+    shutil.copytree(ckpt, old)
+    manifest = json.loads((old / "hf_zero_manifest.json").read_text())
+    del manifest["peft"]
+    (old / "hf_zero_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="holds a PEFT model .* records no adapter config .* initialized at random"):
+        hf_zero.consolidate(old, tmp_path / "old_out", progress=False)
+    assert not (tmp_path / "old_out").exists()

@@ -36,11 +36,12 @@ from .format import (
     check_sizes,
     save_hf_files,
     set_config_dtype,
+    write_file_atomically,
 )
 from .owned import snapshot_owned, write_owned
 from .reader import FileCache, read_pieces
 from .sequential import Stored, stored_tensors
-from .stream import Entry, FileLayout, host_pieces, layout_from_json, model_layout
+from .stream import Entry, FileLayout, host_pieces, layout_from_json, model_layout, write_streamed
 from .streams import MAX_STREAMS, FileStream, chunk_bytes_for, stream_order
 from .writer import HFShardWriter, parse_size, shard_groups
 
@@ -92,14 +93,7 @@ def consolidate(
     if out.exists() and out.resolve() == ckpt.resolve():
         raise ValueError("consolidate needs an output_dir other than the checkpoint directory.")
     if manifest.params and all(name.startswith(_PEFT_ROOT) for name in manifest.params):
-        raise ValueError(
-            f"{ckpt} holds a PEFT model (its weights are named {next(iter(manifest.params))!r}, ...): consolidate "
-            "writes a transformers model directory, which transformers would load as a model initialized at random "
-            "(none of these names is the base model's). The base weights did not train; what did is the adapter. "
-            "Write it with the PEFT model's save_pretrained(dir) on every rank (the Trainer's checkpoint-N folders "
-            "hold it), or from this checkpoint: hf_zero.from_pretrained(..., peft_config=<the same LoraConfig>), "
-            "hf_zero.load_checkpoint(ckpt, model), then model.save_pretrained(dir)."
-        )
+        return _write_adapter(ckpt, manifest, out, out_dtype, verify)  # [Note: adapter export]
     model_files = sorted({f for entries in manifest.slices.values() for f, _, _ in entries})
     check_sizes(ckpt, manifest, model_files)
     check_files(ckpt, manifest, [BUFFERS_FILE] if manifest.buffers else [], verify)
@@ -387,6 +381,39 @@ def _write_cached(
         for name in manifest.buffers:
             writer.add(name, cache.get(BUFFERS_FILE).get_tensor(name), is_parameter=False)
             bar.update(1)
+
+
+def _write_adapter(ckpt: Path, manifest: Manifest, out: Path, dtype: torch.dtype | None, verify: bool) -> list[str]:
+    """[Note: adapter export] a PEFT model's checkpoint written as its adapter: `adapter_config.json` and
+    `adapter_model.safetensors` (then the tokenizer's files), what `PeftModel.save_pretrained` writes."""
+    from ..integrations.peft_export import ADAPTER_WEIGHTS, adapter_weights, write_adapter_config
+
+    if manifest.peft is None:
+        raise ValueError(
+            f"{ckpt} holds a PEFT model (its weights are named {next(iter(manifest.params))!r}, ...) but records no "
+            "adapter config (it was saved before hf_zero recorded them): written as a transformers model directory, "
+            "transformers would load it as a model initialized at random. What trained is the adapter: "
+            "hf_zero.from_pretrained(..., peft_config=<the same LoraConfig>), hf_zero.load_checkpoint(ckpt, model), "
+            "then model.save_pretrained(dir) writes it."
+        )
+    keys, model_class = adapter_weights(ckpt, manifest.peft, list(manifest.params))
+    model_files = sorted({f for name in keys.values() for f, _, _ in manifest.slices[name]})
+    check_files(ckpt, manifest, model_files, verify)
+    entries = []
+    with FileCache(ckpt) as cache:
+        for key, name in sorted(keys.items()):
+            info = manifest.params[name]
+            value = torch.empty(math.prod(info["shape"]), dtype=dtype_from_name(info["dtype"]))
+            read_pieces(cache, name, manifest.slices[name], 0, value.numel(), value)
+            value = value.view(info["shape"]).to(dtype or value.dtype)
+            entries.append(Entry(key, value.dtype, tuple(value.shape), host_pieces(value)))
+    out.mkdir(parents=True, exist_ok=True)
+    write_file_atomically(out / ADAPTER_WEIGHTS, lambda tmp: write_streamed(tmp, entries, {"format": "pt"}))
+    write_adapter_config(manifest.peft, out, model_class)
+    for name in HF_FILES:
+        if name not in ("config.json", "generation_config.json") and (ckpt / name).is_file():
+            shutil.copyfile(ckpt / name, out / name)  # the tokenizer; a model's config would make this look a model
+    return [ADAPTER_WEIGHTS]
 
 
 def _checkpoint_layout(ckpt: Path) -> FileLayout:

@@ -41,6 +41,7 @@ from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.step.optim import ShardedOptimizer, sharded_list
 from ..engine.step.pieces import Piece
+from ..integrations.peft_export import peft_configs
 from . import leftovers
 from .background import AsyncSave, FileJob, Snapshot, chain, checkpoint_group, finish_previous, snapshot
 from .format import (
@@ -386,6 +387,7 @@ def _manifest(
         engine=engine_state,
         user=dict(metadata or {}),
         layout=layout_to_json(model_layout(model)),
+        peft=peft_configs(model),
     )
 
 
