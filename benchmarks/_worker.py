@@ -108,8 +108,10 @@ def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return total
 
 
-def setup(engine: str, weights: str, micro: int, options: dict):
-    """Returns (step_fn(batch) -> loss, state_bytes_fn)."""
+def setup(engine: str, weights: str, micro: int, options: dict, bf16: bool = False):
+    """Returns (step_fn(batch) -> loss, state_bytes_fn). `bf16`: mixed precision as each engine's users turn it on:
+    hf_zero's `mixed_precision="bf16"`, DDP under the autocast Accelerate puts around the forward, FSDP2 with
+    Accelerate's `MixedPrecisionPolicy`, DeepSpeed's `"bf16": {"enabled": true}`."""
     from transformers import AutoModelForCausalLM
 
     def adamw(params):  # noqa: ANN001
@@ -120,7 +122,9 @@ def setup(engine: str, weights: str, micro: int, options: dict):
 
         stage = int(engine[7])
         extra = QUANTIZED if engine.endswith("_q") else {}
-        config = hf_zero.ZeroConfig(stage=stage, offload_optimizer=engine.endswith("offload"), **{**extra, **options})
+        precision = {"mixed_precision": "bf16"} if bf16 else {}
+        config = hf_zero.ZeroConfig(stage=stage, offload_optimizer=engine.endswith("offload"),
+                                    **{**precision, **extra, **options})
         model, opt = hf_zero.from_pretrained(AutoModelForCausalLM, weights, config, optimizer_fn=lambda m: adamw(m.parameters()))
         model.train()
 
@@ -146,7 +150,7 @@ def setup(engine: str, weights: str, micro: int, options: dict):
     elif engine == "fsdp2":
         from _peers import fsdp2_setup
 
-        PEER_CONFIG.update(fsdp2_setup(model, bf16=False))
+        PEER_CONFIG.update(fsdp2_setup(model, bf16=bf16))
         ddp, opt = model, adamw(model.parameters())
     elif engine == "fsdp2_noreshard":
         from torch.distributed.fsdp import fully_shard
@@ -161,12 +165,12 @@ def setup(engine: str, weights: str, micro: int, options: dict):
         from _peers import deepspeed_config
 
         if engine.startswith("ds3"):
-            cfg = deepspeed_config(model.config.hidden_size, micro=micro, bf16=False,
+            cfg = deepspeed_config(model.config.hidden_size, micro=micro, bf16=bf16,
                                    flavor="raw" if engine == "ds3_raw" else "hf")
         else:
             cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                    "zero_optimization": {"stage": int(engine[2])}, "steps_per_print": 10**9,
-                   "zero_allow_untested_optimizer": True}
+                   "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16}}
         PEER_CONFIG.update(cfg)
         ds_engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=cfg)
 
@@ -180,8 +184,13 @@ def setup(engine: str, weights: str, micro: int, options: dict):
     else:
         raise ValueError(engine)
 
+    autocast = bf16 and engine in ("local", "ddp", "fsdp2_noreshard")  # FSDP2's policy casts by itself
+    if autocast:
+        PEER_CONFIG.update({"autocast": "bfloat16"})
+
     def torch_step(batch):  # noqa: ANN001
-        loss = ddp(input_ids=batch, labels=batch).loss
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = ddp(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         opt.step()
@@ -200,6 +209,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--options", default="{}", help="JSON of extra ZeroConfig fields (hf_zero engines)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, the GPU of LOCAL_RANK")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: each engine's mixed precision")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     global DEVICE
@@ -228,7 +238,7 @@ def main() -> None:
     data = torch.randint(0, p["vocab"], (args.warmup + args.steps, p["global_batch"], p["seq"]), generator=g)
     _reset_peak()
     base = _rss("VmRSS:")
-    step, state_bytes = setup(args.engine, args.weights, micro, json.loads(args.options))
+    step, state_bytes = setup(args.engine, args.weights, micro, json.loads(args.options), args.precision == "bf16")
     setup_peak = _rss("VmHWM:")
     _reset_peak()
     train_base = _rss("VmRSS:")
@@ -253,7 +263,7 @@ def main() -> None:
     record = {
         "engine": args.engine, "preset": args.preset, "rank": rank, "world": world, "params": n_params,
         "device": args.device, "device_name": torch.cuda.get_device_name(DEVICE) if cuda else "cpu",
-        "options": json.loads(args.options), "peer_config": PEER_CONFIG,
+        "options": json.loads(args.options), "peer_config": PEER_CONFIG, "precision": args.precision,
         # A run's throughput is that of its median step: a step that another tenant of the machine slowed
         # down moves it little (the mean over all steps stays in `tokens_per_s_mean`).
         "tokens_per_s": p["global_batch"] * p["seq"] / statistics.median(step_s),
