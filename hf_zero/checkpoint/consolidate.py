@@ -63,7 +63,9 @@ def consolidate(
     Needs no process group and no GPU. Writes `model.safetensors` (or numbered shards and
     `model.safetensors.index.json`, as `save_pretrained` does), copies `config.json` (with its
     `dtype` set to the written one), `generation_config.json` and the tokenizer files the
-    checkpoint holds. Also available as `hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]`.
+    checkpoint holds. A PEFT model's checkpoint is written as its adapter instead (`adapter_model.safetensors`,
+    `adapter_config.json`: what `PeftModel.save_pretrained` writes, [Note: adapter export]). Also available as
+    `hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]`.
 
     Args:
         checkpoint_dir (`str` or `os.PathLike`): a directory written by `save_checkpoint`.

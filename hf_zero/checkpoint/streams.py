@@ -1,4 +1,4 @@
-"""Checkpoint files read front to back side by side, each a chunk ahead on its own thread, each through its checksum.
+"""Checkpoint files read front to back side by side, each a few chunks ahead on its own thread, through its checksum.
 
 [Note: streamed consolidation]
 Consolidation read every model file twice and wrote once, one step after the other: a pass hashing the files
@@ -45,7 +45,8 @@ MAX_STREAMS = 32  # files read side by side; more read through the page cache
 
 
 class FileStream:
-    """One file read in order, a chunk ahead on a thread, every byte through `digest`; ranges handed out as views.
+    """One file read in order, `ahead` chunks ahead on a thread, every byte through `digest`; ranges handed out as
+    views of the chunks.
 
     Example:
 
