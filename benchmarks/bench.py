@@ -84,6 +84,7 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
             "device_name": rounds[-1][0].get("device_name", "cpu"),
             "peer_config": rounds[-1][0].get("peer_config") or None,
             "precision": rounds[-1][0].get("precision", "fp32"),
+            "options": rounds[-1][0].get("options") or None,
         }
     return summary
 
@@ -143,6 +144,10 @@ def markdown(preset: str, summary: dict[str, dict], rs: list, rounds: int, steps
     if peers:
         lines += ["", "The peers' configurations, as each run recorded them (benchmarks/_peers.py):", ""]
         lines += [f"- {label}: `{json.dumps(config, sort_keys=True)}`" for label, config in peers]
+    ours = [(LABELS[e], s["options"]) for e, s in summary.items() if e.startswith("hf_zero") and s.get("options")]
+    if ours:
+        lines += ["", "hf_zero's settings beyond its defaults (`--hf-zero-options`):", ""]
+        lines += [f"- {label}: `{json.dumps(options, sort_keys=True)}`" for label, options in ours]
     return "\n".join(lines) + "\n"
 
 
@@ -210,6 +215,9 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                     help="bf16: each engine's mixed precision as its users turn it on (results named <preset>_bf16)")
+    ap.add_argument("--hf-zero-options", default="{}",
+                    help='JSON of ZeroConfig fields for every hf_zero engine, e.g. \'{"reduce_dtype": "bf16"}\'')
+    ap.add_argument("--label", default="", help="appended to the result files' names")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
     import torch
@@ -235,11 +243,12 @@ def compare(args: argparse.Namespace, weights: str) -> None:
     runs: dict[str, list[list[dict]]] = {e: [] for e in engines}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = args.preset + ("_bf16" if args.precision == "bf16" else "")
+    name = args.preset + ("_bf16" if args.precision == "bf16" else "") + args.label
     partial = out / f"{name}.partial.json"  # every finished run, in case a later one fails
     for r in range(args.rounds):
         for engine in engines:
-            runs[engine].append(run_one(engine, args.preset, weights, args.steps, args.warmup, args.threads,
+            options = json.loads(args.hf_zero_options) if engine.startswith("hf_zero") else None
+            runs[engine].append(run_one(engine, args.preset, weights, args.steps, args.warmup, args.threads, options,
                                         device=args.device, nproc=args.nproc, precision=args.precision))
             partial.write_text(json.dumps(runs))
             print(f"round {r + 1}/{args.rounds} {engine}: {runs[engine][-1][0]['tokens_per_s']:.1f} tokens/s", flush=True)
