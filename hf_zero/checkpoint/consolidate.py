@@ -298,6 +298,8 @@ def _write_streamed(
     """[Note: streamed consolidation] in streams.py: each model file read once, front to back, beside the casts
     and the writes; its checksum checked once it is read (the output still under temporary names)."""
     files = sorted({f for pieces in held.values() for f, _, _ in pieces})
+    listed = {f for entries in manifest.slices.values() for f, _, _ in entries}
+    check_files(ckpt, manifest, sorted(listed - set(files)), verify)  # a model file no piece is read from
     chunk = chunk_bytes_for(len(files))
     streams: dict[str, FileStream] = {}
     try:
