@@ -50,6 +50,8 @@ def test_consolidate_then_from_pretrained(exported, tmp_path):
     files = hf_zero.consolidate(exported["root"] / "ckpt", out, progress=False)
     assert files == ["model.safetensors"]
     assert (out / "config.json").is_file() and (out / "generation_config.json").is_file()
+    architectures = json.loads((out / "config.json").read_text())["architectures"]  # as save_pretrained names it
+    assert architectures == [{"llama": "LlamaForCausalLM", "falcon": "FalconForCausalLM"}[exported["kind"]]]
     if exported["kind"] == "falcon":  # tied weights are written once, as save_pretrained does
         from safetensors import safe_open
 

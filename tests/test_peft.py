@@ -86,7 +86,7 @@ def test_zero_trainer_trains_a_peft_model_like_the_stock_trainer(pools, tmp_path
     from tests import _trainer_cases as tc
 
     job = tc.Job(kind="llama", stage=stage, world=2, out_dir=str(tmp_path / "out"), lora=True,
-                 save_model_to=str(tmp_path / "final"))
+                 save_model_to=str(tmp_path / "final"), save_steps=4)
     got = pools(2).values(tc.run, job)[0]
     ref = tc.reference(replace(job, out_dir=str(tmp_path / "ref"), save_model_to=None))
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
@@ -95,6 +95,16 @@ def test_zero_trainer_trains_a_peft_model_like_the_stock_trainer(pools, tmp_path
     reloaded = PeftModel.from_pretrained(make_model("llama"), tmp_path / "final").state_dict()
     for k in (k for k in ref["state"] if "lora_" in k):
         np.testing.assert_array_equal(reloaded[k].numpy(), got["state"][k].numpy())
+    # [Note: adapter export] the last checkpoint's sharded state, consolidated offline: the adapter save_model wrote
+    import hf_zero
+    from safetensors.torch import load_file
+
+    assert hf_zero.consolidate(tmp_path / "out" / "checkpoint-4" / "hf_zero", tmp_path / "exported",
+                               progress=False) == ["adapter_model.safetensors"]
+    exported, saved = (load_file(d / "adapter_model.safetensors") for d in (tmp_path / "exported", tmp_path / "final"))
+    assert exported.keys() == saved.keys() and len(saved) > 0
+    for k, v in saved.items():
+        assert torch.equal(exported[k], v), k
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -37,6 +37,7 @@ import itertools
 import json
 import os
 import re
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -224,6 +225,7 @@ def save_hf_files(model: nn.Module, tokenizer: Any, directory: Path, dtype: torc
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(str(directory))
+        _set_config_architectures(directory / "config.json", model)
         if dtype is not None:
             set_config_dtype(directory / "config.json", dtype)
     generation = getattr(model, "generation_config", None)
@@ -231,6 +233,22 @@ def save_hf_files(model: nn.Module, tokenizer: Any, directory: Path, dtype: torc
         generation.save_pretrained(str(directory))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
+
+
+def _set_config_architectures(config_path: Path, model: nn.Module) -> None:
+    """As transformers' `save_pretrained`: `architectures` names the class saved (a PEFT model's base model's), which
+    a model built from a config has not set."""
+    if "transformers" not in sys.modules or not config_path.is_file():
+        return
+    from transformers import PreTrainedModel
+
+    unwrap = getattr(model, "get_base_model", None)  # under a PEFT wrapper, the model it wraps
+    base = unwrap() if callable(unwrap) else model
+    if not isinstance(base, PreTrainedModel):
+        return
+    config = json.loads(config_path.read_text())
+    config["architectures"] = [type(base).__name__]
+    write_bytes_atomically(config_path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 def set_config_dtype(config_path: Path, dtype: torch.dtype) -> None:
