@@ -309,58 +309,20 @@ def from_pretrained_buffers(path: str) -> dict[str, Any]:
                 "same_output": torch.equal(ordinary(x), sharded(x))}
 
 
-def classifier_from_pretrained(path: str, mode: str, lora: bool, ignore_mismatched_sizes: bool = False) -> dict[str, Any]:
-    """A 3-label sequence classifier loaded from `path` the sharded way (each rank's random state seeded with its
-    rank: rank 0's new head and adapter must reach every rank) or the ordinary way (transformers' from_pretrained,
-    then `get_peft_model`, then `initialize`, under `torch.manual_seed(0)`), with or without a LoRA adapter, then 2
-    ZeRO-3 steps on labels; `ignore_mismatched_sizes` as transformers takes it."""
-    from transformers import AutoModelForSequenceClassification
-
-    config = hf_zero.ZeroConfig(stage=3)
-    adapter = None
-    if lora:
-        from peft import LoraConfig
-
-        adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    kwargs: dict[str, Any] = {"num_labels": 3, "pad_token_id": 0}
-    if ignore_mismatched_sizes:
-        kwargs["ignore_mismatched_sizes"] = True
-    if mode == "sharded":
-        torch.manual_seed(dist.get_rank())
-        model, opt = hf_zero.from_pretrained(AutoModelForSequenceClassification, path, config, peft_config=adapter,
-                                             optimizer_fn=lambda m: make_optimizer(m, 1e-2), **kwargs)
-    else:
-        torch.manual_seed(0)
-        model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
-        if adapter is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, adapter)
-        model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), config)
-    model.train()
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
-    losses = []
-    for _ in range(2):
-        batch = torch.randint(1, 256, (2, 16), generator=g)
-        loss = model(input_ids=batch, labels=torch.randint(0, 3, (2,), generator=g)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "state": hf_zero.full_state_dict(model)}
-
-
-def lora_trained(path: str, mode: str, model_class: str, config_kwargs: dict[str, Any], lora_kwargs: dict[str, Any]
-                 ) -> dict[str, Any]:
-    """LoRA (with `lora_kwargs`: `modules_to_save`, `task_type`) on `model_class` loaded from `path` the sharded way
-    (each rank seeded with its rank) or the ordinary way (transformers' load, `get_peft_model`, `initialize`, under
-    seed 0), then 2 ZeRO-3 steps: losses, trainable names, full state."""
+def trained_from_pretrained(path: str, mode: str, model_class: str, config_kwargs: dict[str, Any],
+                            lora_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`model_class` (a causal LM, a sequence classifier, ...) loaded from `path` with `config_kwargs` (`num_labels`,
+    `ignore_mismatched_sizes`), with a LoRA adapter of `lora_kwargs` where given (`modules_to_save`, `task_type`),
+    the sharded way (each rank seeded with its rank: rank 0's new head and adapter must reach every rank) or the
+    ordinary way (transformers' load, `get_peft_model`, `initialize`, under seed 0), then 2 ZeRO-3 steps: losses,
+    trainable names, full state."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
     model_type = getattr(transformers, model_class)
     targets = ["query_key_value"] if "falcon" in path else ["q_proj", "v_proj"]
-    adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, **lora_kwargs)
+    adapter = None if lora_kwargs is None else LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
+                                                          **lora_kwargs)
     config = hf_zero.ZeroConfig(stage=3)
     if mode == "sharded":
         torch.manual_seed(dist.get_rank())
@@ -368,7 +330,8 @@ def lora_trained(path: str, mode: str, model_class: str, config_kwargs: dict[str
                                              optimizer_fn=lambda m: make_optimizer(m, 1e-2), **config_kwargs)
     else:
         torch.manual_seed(0)
-        model = get_peft_model(model_type.from_pretrained(path, **config_kwargs), adapter)
+        model = model_type.from_pretrained(path, **config_kwargs)
+        model = get_peft_model(model, adapter) if adapter is not None else model
         model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-2), config)
     model.train()
     g = torch.Generator().manual_seed(100 + dist.get_rank())

@@ -62,8 +62,9 @@ def test_a_new_classification_head_under_lora_is_initialized_as_transformers_ini
     is made and initialized by the load, and the adapter added after it must leave it so (it was replaced by
     uninitialized memory: a frozen head of garbage, silently). Against transformers' load + `get_peft_model`: the
     same losses and weights, bit for bit."""
-    sharded = pools(2).values(checkpoint_cases.classifier_from_pretrained, base_dirs["llama"], "sharded", True)[0]
-    ordinary = pools(2).values(checkpoint_cases.classifier_from_pretrained, base_dirs["llama"], "ordinary", True)[0]
+    sharded, ordinary = (pools(2).values(checkpoint_cases.trained_from_pretrained, base_dirs["llama"], mode,
+                                         "AutoModelForSequenceClassification", {"num_labels": 3, "pad_token_id": 0},
+                                         {})[0] for mode in ("sharded", "ordinary"))
     head = "base_model.model.score.weight"
     assert 0.01 < float(ordinary["state"][head].std()) < 0.03  # initializer_range 0.02
     assert sharded["losses"] == ordinary["losses"]
@@ -92,8 +93,10 @@ def test_ignore_mismatched_sizes_initializes_a_head_of_another_shape_as_transfor
     path = str(tmp_path / "five")
     with pytest.raises(ValueError, match=r"score.weight: file \[5, 64\] vs model \[3, 64\].*ignore_mismatched_sizes=True"):
         hf_zero.from_pretrained(AutoModelForSequenceClassification, path, num_labels=3, pad_token_id=0)
-    sharded = pools(2).values(checkpoint_cases.classifier_from_pretrained, path, "sharded", lora, True)[0]
-    ordinary = pools(2).values(checkpoint_cases.classifier_from_pretrained, path, "ordinary", lora, True)[0]
+    kwargs = {"num_labels": 3, "pad_token_id": 0, "ignore_mismatched_sizes": True}
+    sharded, ordinary = (pools(2).values(checkpoint_cases.trained_from_pretrained, path, mode,
+                                         "AutoModelForSequenceClassification", kwargs, {} if lora else None)[0]
+                         for mode in ("sharded", "ordinary"))
     head = ("base_model.model." if lora else "") + "score.weight"
     assert sharded["state"][head].shape == (3, 64)
     assert sharded["losses"] == ordinary["losses"]
@@ -147,7 +150,7 @@ def test_lora_with_modules_trained_whole_equals_get_peft_model(pools, base_dirs,
     the load initialized. Against transformers' load + `get_peft_model` + `initialize`: the same losses, trained
     parameters and weights, bit for bit."""
     kind, model_class, config_kwargs, lora_kwargs = case
-    sharded, ordinary = (pools(2).values(checkpoint_cases.lora_trained, base_dirs[kind], mode, model_class,
+    sharded, ordinary = (pools(2).values(checkpoint_cases.trained_from_pretrained, base_dirs[kind], mode, model_class,
                                          config_kwargs, lora_kwargs)[0] for mode in ("sharded", "ordinary"))
     assert any("modules_to_save" in n for n in ordinary["trainable"])
     assert sharded["trainable"] == ordinary["trainable"]
