@@ -30,7 +30,14 @@ def _consolidate(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         progress=not args.quiet,
     )
-    print(f"wrote {len(files)} weight file(s) to {args.output}: {', '.join(files)}")
+    if files == ["adapter_model.safetensors"]:  # [Note: adapter export] a PEFT model's checkpoint
+        print(
+            f"wrote the PEFT adapter (adapter_model.safetensors, adapter_config.json) to {args.output}: load it with "
+            f"PeftModel.from_pretrained(base_model, {args.output!r}) or hf_zero.from_pretrained(..., "
+            f"peft_config={args.output!r})"
+        )
+    else:
+        print(f"wrote {len(files)} weight file(s) to {args.output}: {', '.join(files)}")
     return 0
 
 

@@ -248,7 +248,11 @@ def test_a_peft_checkpoint_is_written_as_its_adapter(pools, tmp_path, modules_to
     ckpt, live, out = tmp_path / "ckpt", tmp_path / "live", tmp_path / "out"
     logits = pools(2).values(checkpoint_cases.lora_checkpoint_and_adapter, str(tmp_path / "base"), str(ckpt),
                              str(live), modules_to_save)[0]["logits"]
-    assert hf_zero.consolidate(ckpt, out, progress=False) == ["adapter_model.safetensors"]
+    if modules_to_save:  # the command line says what it wrote
+        done = run_cli(["consolidate", str(ckpt), str(out)])
+        assert done.returncode == 0 and "wrote the PEFT adapter" in done.stdout, done.stderr
+    else:
+        assert hf_zero.consolidate(ckpt, out, progress=False) == ["adapter_model.safetensors"]
     ours, peft_own = load_file(out / "adapter_model.safetensors"), load_file(live / "adapter_model.safetensors")
     assert ours.keys() == peft_own.keys() and len(ours) == 8 + (1 if modules_to_save else 0)
     for key, value in peft_own.items():
