@@ -190,7 +190,8 @@ def test_streams_read_unaligned_tensors_across_small_chunks(tmp_path):
     """A tensor whose bytes start at an offset its element size does not divide (a file of mixed dtypes) and cross
     chunk boundaries is assembled exactly, cast on the way; the stream's checksum is the file's; files on a
     filesystem that refuses O_DIRECT (tmpfs) read the same."""
-    from hf_zero.checkpoint.consolidate import _cast_pieces, _NoBar, _Scratch
+    from hf_zero.checkpoint.consolidate import _cast_pieces, _NoBar
+    from hf_zero.checkpoint.pretrained import Staging
     from hf_zero.checkpoint.format import Digest, checksum_of
     from hf_zero.checkpoint.sequential import stored_tensors
     from hf_zero.checkpoint.stream import Entry, host_pieces, write_streamed
@@ -208,7 +209,7 @@ def test_streams_read_unaligned_tensors_across_small_chunks(tmp_path):
             for dtype in (torch.float32, torch.bfloat16):
                 stream = FileStream(path, Digest(), chunk_bytes=4096, ahead=2)
                 got = torch.cat([p.clone() for p in _cast_pieces([(str(path), where, 0)], {str(path): stream},
-                                                                 dtype, _Scratch(), _NoBar())()])
+                                                                 dtype, Staging(), _NoBar())()])
                 assert torch.equal(got, values.to(dtype)), dtype
                 assert stream.finish() == checksum_of(path)
         finally:

@@ -39,6 +39,7 @@ from .format import (
     write_file_atomically,
 )
 from .owned import snapshot_owned, write_owned
+from .pretrained import PEFT_ROOT, Staging
 from .reader import FileCache, read_pieces
 from .sequential import Stored, stored_tensors
 from .stream import Entry, FileLayout, host_pieces, layout_from_json, model_layout, write_streamed
@@ -46,7 +47,6 @@ from .streams import MAX_STREAMS, FileStream, chunk_bytes_for, stream_order
 from .writer import HFShardWriter, parse_size, shard_groups
 
 logger = logging.getLogger(__name__)
-_PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps
 
 
 def consolidate(
@@ -94,7 +94,7 @@ def consolidate(
     manifest = Manifest.read(ckpt)
     if out.exists() and out.resolve() == ckpt.resolve():
         raise ValueError("consolidate needs an output_dir other than the checkpoint directory.")
-    if manifest.params and all(name.startswith(_PEFT_ROOT) for name in manifest.params):
+    if manifest.params and all(name.startswith(PEFT_ROOT) for name in manifest.params):
         return _write_adapter(ckpt, manifest, out, out_dtype, verify)  # [Note: adapter export]
     model_files = sorted({f for entries in manifest.slices.values() for f, _, _ in entries})
     check_sizes(ckpt, manifest, model_files)
@@ -305,7 +305,7 @@ def _write_streamed(
     try:
         for f in files:
             streams[f] = FileStream(ckpt / f, Digest.matching(manifest.files[f].checksum) if verify else None, chunk)
-        casting = _Scratch()
+        casting = Staging()  # host memory reused for every cast (fresh pages cost as much as the cast)
         entries = []
         for name in order:
             info = manifest.params[name]
@@ -326,7 +326,7 @@ def _write_streamed(
 
 
 def _cast_pieces(
-    pieces: Held, streams: dict[str, FileStream], dtype: torch.dtype, casting: _Scratch, bar: Any
+    pieces: Held, streams: dict[str, FileStream], dtype: torch.dtype, casting: Staging, bar: Any
 ) -> Callable[[], Iterator[torch.Tensor]]:
     """A parameter's bytes in `dtype`, streamed from its pieces' files: views of their chunks, or those cast into
     reused memory (each piece is written out before the next is made)."""
@@ -341,25 +341,16 @@ def _cast_pieces(
                     whole = view.numel() // size * size
                     view, carry = view[:whole], view[whole:].clone()
                 values = view.view(where.dtype)
-                yield values if where.dtype == dtype else casting.cast(values, dtype)
+                if where.dtype == dtype:
+                    yield values
+                    continue
+                casting.reset()  # the piece before was written out: the same memory again
+                cast = casting.take(values.numel(), dtype)
+                cast.copy_(values)
+                yield cast
         bar.update(1)
 
     return each
-
-
-class _Scratch:
-    """Host memory reused for every cast (fresh pages cost as much as the cast here)."""
-
-    def __init__(self) -> None:
-        self._memory = torch.empty(0, dtype=torch.uint8)
-
-    def cast(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = values.numel() * dtype.itemsize
-        if self._memory.numel() < nbytes:
-            self._memory = torch.empty(nbytes, dtype=torch.uint8)
-        out = self._memory[:nbytes].view(dtype)
-        out.copy_(values)
-        return out
 
 
 def _buffer_entry(ckpt: Path, name: str, dtype: torch.dtype | None) -> Entry:

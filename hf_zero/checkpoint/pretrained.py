@@ -51,7 +51,7 @@ from .reader import FileCache, hf_weight_map
 from .sequential import RangeReads, stored_tensors
 from .torch_bin import BinWeights, is_bin
 
-_PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps ([Note: names in the files])
+PEFT_ROOT = "base_model.model."  # where a PEFT model keeps the model it wraps ([Note: names in the files])
 _MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")  # PEFT's trained copy of a module, per adapter: its
 # weights are the original's (`.original_module.`), read from the files under the original's names
 NOT_FROM_FILES = "_hf_zero_not_from_files"  # set on a parameter the files hold in another shape, initialized anew
@@ -191,9 +191,9 @@ class PretrainedSource:
         """`name` as the files may spell it: as is (and as the model under a PEFT wrapper names it), then with the
         base model's prefix taken away or added."""
         names = [name]
-        if name.startswith(_PEFT_ROOT):  # a PEFT model's name for a weight of the model it wraps (in a wrapped layer,
+        if name.startswith(PEFT_ROOT):  # a PEFT model's name for a weight of the model it wraps (in a wrapped layer,
             # or the frozen original of a module it trains a copy of, `modules_to_save`)
-            names.append(name[len(_PEFT_ROOT) :].replace(".base_layer.", ".").replace(".original_module.", "."))
+            names.append(name[len(PEFT_ROOT) :].replace(".base_layer.", ".").replace(".original_module.", "."))
         spellings = []
         for n in names:
             spellings.append(n)
