@@ -1,10 +1,10 @@
 """Checkpoint files read front to back side by side, each a few chunks ahead on its own thread, through its checksum.
 
 [Note: streamed consolidation]
-Consolidation read every model file twice and wrote once, one step after the other: a pass hashing the files
-(which left them in the page cache), then each parameter assembled from the cache into fresh memory, cast, and
-held until the output file was complete, then the output written. On a fast volume its casts and writes in
-series, not the disk, were its time (0.55 of the disk beside it, 0.84B in bf16).
+A consolidation reads every model file (checksum included) and writes the output once; on a fast volume the time
+is the disk's only if the reads, the casts and the writes overlap and no byte is read twice or lands in fresh
+memory (checking the files first, then assembling each parameter from the page cache and writing the output at
+the end ran at 0.55 of the disk beside it, 0.84B in bf16).
 
 Every rank's model file holds its pieces of the parameters in the engine's order, and all files agree on that
 order, so the parameters can be written in an order in which every file is read once, front to back
