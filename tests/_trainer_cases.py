@@ -122,6 +122,7 @@ class Job:
     regional_compile: bool = False  # Accelerate's use_regional_compilation (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION)
     liger: bool = False  # --use_liger_kernel, with tests._training.apply_liger_like (Liger needs triton and a GPU)
     presharded: bool = False  # the model sharded (hf_zero.initialize, no optimizer) before the Trainer is built
+    neftune_alpha: float | None = None  # the Trainer's --neftune_noise_alpha (noise on the input embeddings)
 
     @property
     def accum(self) -> int:
@@ -235,6 +236,7 @@ def _common(job: Job) -> dict[str, Any]:
         **(dict(eval_strategy="steps", eval_steps=job.eval_steps) if job.eval_steps else {}),
         gradient_checkpointing=job.checkpointing, dataloader_num_workers=0, auto_find_batch_size=job.oom is not None,
         include_num_input_tokens_seen="all" if job.counts else "no", use_liger_kernel=job.liger,
+        neftune_noise_alpha=job.neftune_alpha,
         **(dict(torch_compile_backend=job.compile_backend) if job.compile_backend else {}),
     )
 

@@ -75,6 +75,19 @@ def test_liger_kernel_forward_reading_the_head_weight_trains_as_the_stock_traine
     _assert_close_to_reference(got, _reference(_ref_key(job)))
 
 
+def test_neftune_noise_trains_as_the_stock_trainer_on_the_same_ranks(pools, tmp_path):
+    """`--neftune_noise_alpha`: the Trainer hooks the input embeddings (a forward hook that adds uniform noise to
+    their output, from each rank's own random stream). At stage 3 (the embeddings gathered by hf_zero's hooks
+    around the same module) the losses, gradient norms and weights equal the stock Trainer's on the same two ranks
+    (DDP: each rank draws the same noise as here), and differ from a run without the noise."""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), neftune_alpha=5.0)
+    got = pools(2).values(tc.run, job)[0]
+    ddp = pools(2).values(tc.run, replace(job, out_dir=str(tmp_path / "ddp")), False)[0]
+    _assert_close_to_reference(got, ddp)
+    quiet = pools(2).values(tc.run, replace(job, out_dir=str(tmp_path / "quiet"), neftune_alpha=None))[0]
+    assert abs(quiet["losses"][-1] - got["losses"][-1]) > 1e-4  # the noise changed the training
+
+
 # the whole model in the slow tier (26-29 s on 2 cores: dynamo traces past each graph break of the hooks of a llama);
 # the suite compiles the whole of a smaller model in tests/test_sharded_model.py
 @pytest.mark.parametrize(("regional", "backend"), [(True, "aot_eager"),
