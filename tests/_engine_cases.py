@@ -33,6 +33,41 @@ def initialize_with_wrap(wrap_by_rank: list[Any]) -> float:
     return time.monotonic() - start
 
 
+def initialize_a_model_changed_on_rank_1(change: str, stage: int) -> None:
+    """initialize a model that rank 1 alone changed before: `change` is "resize" (the embeddings grown, as a main
+    process adding tokens), "freeze" (a layer frozen) or "config" (one layer fewer); the process group must stay
+    usable after the error (a barrier)."""
+    from transformers import LlamaForCausalLM
+
+    model = make_model("llama")
+    if dist.get_rank() == 1:
+        if change == "resize":
+            model.resize_token_embeddings(model.config.vocab_size + 8)
+        elif change == "freeze":
+            model.model.layers[0].requires_grad_(False)
+        else:
+            config = model.config
+            config.num_hidden_layers -= 1
+            model = LlamaForCausalLM(config)
+    try:
+        hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=stage))
+    except Exception:
+        dist.barrier()
+        raise
+
+
+def from_pretrained_with_a_directory_per_rank(paths: list[str]) -> None:
+    """`hf_zero.from_pretrained` of `paths[rank]` (one rank's directory missing or incomplete); the process group
+    must stay usable after the error (a barrier)."""
+    from transformers import LlamaForCausalLM
+
+    try:
+        hf_zero.from_pretrained(LlamaForCausalLM, paths[dist.get_rank()], hf_zero.ZeroConfig(stage=3))
+    except Exception:
+        dist.barrier()
+        raise
+
+
 def initialize_with_config(kwargs: dict[str, Any]) -> None:
     model = make_model("llama")
     hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(**kwargs))

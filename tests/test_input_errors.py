@@ -91,6 +91,48 @@ def test_error_on_one_rank_raises_on_all_without_hanging(pools):
     assert "ZeroConfig.wrap names ['NoSuchLayer']" in results[0].error
 
 
+@pytest.mark.parametrize(("change", "stage", "first"), [
+    ("resize", 3, "entry 0 is 'model.embed_tokens.weight [256, 64] torch.float32 grad' here and "
+                  "'model.embed_tokens.weight [264, 64] torch.float32 grad' there"),
+    ("freeze", 1, "entry 1 is 'model.layers.0.self_attn.q_proj.weight [64, 64] torch.float32 grad' here and "
+                  "'model.layers.0.self_attn.q_proj.weight [64, 64] torch.float32' there"),
+    ("config", 3, "rank 0 has 23 parameters and buffers, rank 1 14; entry 10 is "
+                  "'model.layers.1.self_attn.q_proj.weight [64, 64] torch.float32 grad' here and 'model.norm.weight"),
+])
+def test_a_model_that_differs_between_ranks_is_refused_on_every_rank(pools, change, stage, first):
+    """[Note: the same model on every rank] Rank 1 alone resized the embeddings (a main process that added tokens),
+    froze a layer, or built one layer fewer: the ranks would exchange pieces of other sizes (before, a crash in
+    gloo's transport or a hang). Every rank raises a ValueError at initialize, within seconds, naming the first
+    entry that differs and both ranks' counts, as DDP refuses such models; the process group stays usable."""
+    results = pools(2).run(engine_cases.initialize_a_model_changed_on_rank_1, change, stage, timeout=60)
+    for r in results:
+        assert r.error_type == "ValueError", r.traceback
+        assert "the model differs between ranks" in r.error and "Every rank must build the same model" in r.error
+    assert first in results[0].error, results[0].error
+    assert results[1].error.startswith("[rank 1]") and "rank 0" in results[1].error
+
+
+@pytest.mark.parametrize("broken", ["missing", "no_weights", "no_config"])
+def test_from_pretrained_with_the_directory_broken_on_one_rank_raises_on_every_rank(pools, tmp_path, broken):
+    """[Note: agreed load] A multi-node job whose model directory is missing or incomplete on one node (a local
+    path, copied to the first node only): the ranks there raise their error, and the others the same type naming the
+    rank, within seconds; before, they waited in the next collective until the process group's timeout."""
+    import shutil
+
+    from tests._training import make_model as build
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    build("llama").save_pretrained(good)
+    if broken != "missing":
+        shutil.copytree(good, bad)
+        (bad / ("model.safetensors" if broken == "no_weights" else "config.json")).unlink()
+    results = pools(2).run(engine_cases.from_pretrained_with_a_directory_per_rank, [str(good), str(bad)], timeout=60)
+    kind = "ValueError" if broken == "no_config" else "FileNotFoundError"
+    assert results[1].error_type == results[0].error_type == kind, (results[0].traceback, results[1].traceback)
+    assert "hf_zero.from_pretrained failed on rank(s) [1]" in results[0].error
+    assert str(bad) in results[0].error and str(bad) in results[1].error
+
+
 def test_argument_type_errors():
     model = make_model("llama")
     with pytest.raises(TypeError, match="expects an nn.Module as model"):

@@ -1,9 +1,21 @@
-"""`hf_zero.from_pretrained`: build a model on the meta device and fill its shards from the files."""
+"""`hf_zero.from_pretrained`: build a model on the meta device and fill its shards from the files.
+
+[Note: agreed load]
+Each rank reads its own copy of the model directory: on a multi-node job without a shared filesystem, a directory
+copied to the first node only, or copied there in full and elsewhere in part, fails on some ranks and not others.
+The load's steps that read files or run the caller's code (the config, the model built on the meta device, an
+adapter's config and weights, `optimizer_fn`) raise nothing at once: each runs under `agreement`, and before the
+next collective (rank 0's values of what the files lack, broadcast; `initialize`'s exchanges) the ranks agree
+whether any of them failed, so every rank raises, the failing one its own error and the others the same type naming
+it, instead of waiting in that collective until the process group's timeout. The parameters broadcast are agreed on
+too (their shapes): copies that differ between nodes are refused rather than met as a size mismatch in the backend.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +26,7 @@ from ..api import initialize
 from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtype, trained_copy
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name
-from ..engine.collectives import CommGroup, broadcast_tensors
+from ..engine.collectives import CommGroup, agreement, all_agree, broadcast_tensors
 from ..engine.step.optim import ShardedOptimizer
 from .conversions import checkpoint_conversions
 
@@ -83,10 +95,45 @@ def from_pretrained(
     ... )
     ```
     """
+    world = CommGroup.world()
+    # [Note: agreed load]: local steps, each agreed on before the next collective
+    with agreement(world, "hf_zero.from_pretrained"):
+        model, fresh = _build_from(
+            path, model_class, dtype, attn_implementation, trust_remote_code, ignore_mismatched_sizes, config_overrides
+        )
+    _share(fresh, world, "the weights the files lack")  # rank 0's values on every rank, as DDP's first broadcast
+    if peft_config is not None:
+        with agreement(world, "hf_zero.from_pretrained (peft_config)"):
+            adapter_dir, peft_config = _adapter(peft_config)
+            model, fresh = _with_lora(model, peft_config, path)
+        _share(fresh, world, "the adapter's matrices")
+        if adapter_dir is not None:
+            with agreement(world, "hf_zero.from_pretrained (the adapter's weights)"):
+                _load_adapter(model, adapter_dir)
+    model.eval()
+    with agreement(world, "hf_zero.from_pretrained (optimizer_fn)"):
+        optimizer = optimizer_fn(model) if optimizer_fn is not None else None
+    return initialize(model, optimizer, config, weights_from=path, device=device)
+
+
+def _build_from(
+    path: str | os.PathLike[str],
+    model_class: Any,
+    dtype: str | torch.dtype,
+    attn_implementation: str | None,
+    trust_remote_code: bool,
+    ignore_mismatched_sizes: bool,
+    config_overrides: dict[str, Any],
+) -> tuple[nn.Module, list[nn.Parameter]]:
+    """This rank's part of the load before any collective: the directory checked, the config read, the model built
+    on the meta device with its generation config; returns it and the parameters made here (`_build_empty`)."""
     from transformers import GenerationConfig
 
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"hf_zero.from_pretrained reads a local model directory; {path} is not one.")
+        raise FileNotFoundError(
+            f"hf_zero.from_pretrained reads a local model directory; {path} is not one on this machine (every node "
+            "reads its own copy: put the directory on a filesystem all nodes share, or copy it to each)."
+        )
     has = os.path.isfile
     if has(os.path.join(path, "adapter_config.json")) and not has(os.path.join(path, "config.json")):
         raise ValueError(
@@ -100,19 +147,27 @@ def from_pretrained(
         dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be 'auto' or a torch.dtype; got {dtype!r}.")
-    model: Any = _build_empty(
+    model: Any
+    model, fresh = _build_empty(
         model_class, hf_config, dtype, path, attn_implementation, trust_remote_code, ignore_mismatched_sizes
     )
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
-    if peft_config is not None:
-        adapter_dir, peft_config = _adapter(peft_config)
-        model = _with_lora(model, peft_config, path)
-        if adapter_dir is not None:
-            _load_adapter(model, adapter_dir)
-    model.eval()
-    optimizer = optimizer_fn(model) if optimizer_fn is not None else None
-    return initialize(model, optimizer, config, weights_from=path, device=device)
+    return model, fresh
+
+
+def _share(fresh: list[nn.Parameter], world: CommGroup, what: str) -> None:
+    """Rank 0's values of `fresh` on every rank, once the ranks agree on which parameters those are (each found them
+    in its own copy of the files: copies that differ between nodes are refused, not waited on)."""
+    if world.size == 1:
+        return
+    names = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in fresh)
+    if not all_agree(zlib.crc32(names.encode()) + (len(fresh) << 32), world):
+        raise ValueError(
+            f"[rank {world.global_rank}] hf_zero.from_pretrained: the ranks disagree on {what} ({len(fresh)} here): "
+            "their copies of the model directory differ. Give every node the same files."
+        )
+    broadcast_tensors([p.detach() for p in fresh], world)
 
 
 def _config(path: str | os.PathLike[str], trust_remote_code: bool, overrides: dict[str, Any]) -> Any:
@@ -154,9 +209,9 @@ def _build_empty(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     ignore_mismatched_sizes: bool = False,
-) -> nn.Module:
+) -> tuple[nn.Module, list[nn.Parameter]]:
     """The model with its parameters on the meta device and its buffers real, initialized as
-    transformers' `from_pretrained` initializes them.
+    transformers' `from_pretrained` initializes them; with the parameters made and initialized here.
 
     Parameters come from the files, so their initializers are skipped while the model is built (on the
     meta device they would do nothing, yet in a fresh process their dispatch costs seconds); then, as
@@ -189,10 +244,7 @@ def _build_empty(
             param._is_hf_initialized = True
     if hasattr(model, "initialize_weights"):
         model.initialize_weights()
-    world = CommGroup.world()
-    if fresh and world.size > 1:  # rank 0's values on every rank, as DDP's first broadcast gives
-        broadcast_tensors([p.detach() for p in fresh], world)
-    return model
+    return model, fresh  # the caller gives `fresh` rank 0's values on every rank, as DDP's first broadcast does
 
 
 def _untie_what_the_files_keep_apart(model: nn.Module, path: str | os.PathLike[str]) -> None:
@@ -294,7 +346,9 @@ def _make_real(model: nn.Module, names: set[str]) -> list[nn.Parameter]:
     return list(fresh.values())
 
 
-def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str]) -> nn.Module:
+def _with_lora(
+    model: nn.Module, peft_config: Any, path: str | os.PathLike[str]
+) -> tuple[nn.Module, list[nn.Parameter]]:
     """[Note: LoRA on a sharded load]
     `get_peft_model` on the model built on the meta device wraps its target layers, and PEFT creates the adapter's
     matrices on the host and then moves them to the device of the layer's weight: the meta device, which drops their
@@ -346,10 +400,7 @@ def _with_lora(model: nn.Module, peft_config: Any, path: str | os.PathLike[str])
                     layer: Any = matrices[adapter]
                     layer.reset_parameters()
                 module.reset_lora_parameters(adapter, peft_config.init_lora_weights)
-    world = CommGroup.world()
-    if world.size > 1:
-        broadcast_tensors([p.detach() for p in fresh], world)
-    return model
+    return model, fresh  # the caller broadcasts rank 0's values
 
 
 def _adapter(peft_config: Any) -> tuple[str | os.PathLike[str] | None, Any]:
