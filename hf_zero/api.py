@@ -155,14 +155,16 @@ def initialize(
         requested = _as_device(device)
         compute = validate_model(model, world, has_source=source is not None, requested=requested)
         check_optimizers(optimizer_list(optimizer), model, cfg.offload_dir)
+        if source is not None:
+            source.load_buffers(model)
     except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it
         error = e
     # Agree before the first collective: a mistake on one rank raises on every rank.
     raise_if_any_failed(error, world, "hf_zero.initialize")
     refuse_models_that_differ(model, world)  # [Note: the same model on every rank], before the first exchange
-    if source is not None:
-        source.load_buffers(model)
     engine = ZeroEngine(model, specs, cfg, world, compute, source)
+    if source is not None:  # [Note: read errors] in checkpoint/pretrained.py
+        raise_if_any_failed(source.error, world, f"hf_zero.initialize (reading {source.directory})")
     attach(model, engine)
     keep_fused_loss_head_gathered(model)
     if cfg.sequence_parallel > 1:  # [Note: sequence parallelism]

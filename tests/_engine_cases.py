@@ -68,6 +68,34 @@ def from_pretrained_with_a_directory_per_rank(paths: list[str]) -> None:
         raise
 
 
+def from_pretrained_with_a_read_failing_on_rank_1(path: str, stage: int) -> None:
+    """`hf_zero.from_pretrained` of `path` where rank 1's third read of the files fails with an I/O error (a node's
+    copy on a flaky filesystem); the process group must stay usable after the error (a barrier)."""
+    import errno
+
+    from transformers import LlamaForCausalLM
+
+    from hf_zero.checkpoint import sequential
+
+    reads = sequential.RangeReads.read
+    calls = [0]
+
+    def failing(self: Any, file: str, digest: Any = None) -> Any:
+        calls[0] += 1
+        if dist.get_rank() == 1 and calls[0] == 3:
+            raise OSError(errno.EIO, "Input/output error (injected)", file)
+        return reads(self, file, digest)
+
+    sequential.RangeReads.read = failing  # type: ignore[method-assign]
+    try:
+        hf_zero.from_pretrained(LlamaForCausalLM, path, hf_zero.ZeroConfig(stage=stage))
+    except Exception:
+        dist.barrier()
+        raise
+    finally:
+        sequential.RangeReads.read = reads  # type: ignore[method-assign]
+
+
 def initialize_with_config(kwargs: dict[str, Any]) -> None:
     model = make_model("llama")
     hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(**kwargs))

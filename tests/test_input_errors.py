@@ -133,6 +133,21 @@ def test_from_pretrained_with_the_directory_broken_on_one_rank_raises_on_every_r
     assert str(bad) in results[0].error and str(bad) in results[1].error
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_from_pretrained_with_a_read_failing_on_one_rank_raises_on_every_rank(pools, tmp_path, stage):
+    """[Note: read errors] An I/O error on rank 1's third read of the weights, amid the engine's construction (at
+    stage 1 each unit's shards are then all-gathered): rank 1 raises its OSError and rank 0 an OSError naming rank 1,
+    within seconds, once the engine is built; before, rank 0 waited for rank 1 in the next collective."""
+    from tests._training import make_model as build
+
+    build("llama").save_pretrained(tmp_path / "model")
+    results = pools(2).run(engine_cases.from_pretrained_with_a_read_failing_on_rank_1, str(tmp_path / "model"), stage,
+                           timeout=60)
+    assert results[1].error_type == "OSError" and "Input/output error (injected)" in results[1].error
+    assert results[0].error_type == "OSError", results[0].traceback
+    assert "failed on rank(s) [1]" in results[0].error and "Input/output error (injected)" in results[0].error
+
+
 def test_argument_type_errors():
     model = make_model("llama")
     with pytest.raises(TypeError, match="expects an nn.Module as model"):

@@ -172,6 +172,7 @@ class PretrainedSource:
             self._names.setdefault(id(p), []).append(name)
             self._params[name] = p
         self._prefix = f"{getattr(model, 'base_model_prefix', '') or ''}."  # [Note: names in the files]
+        self.error: Exception | None = None  # [Note: read errors] the first read that failed
 
     def _key(self, param: nn.Parameter, name: str) -> str | None:
         """The name the files hold `param` under, as the model names it (any of its tied names, with or without the
@@ -286,6 +287,19 @@ class PretrainedSource:
             self._ahead = self._reader.submit(self._read_unit, *self._plan[0], self._staging[0])
 
     def fill(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor) -> None:
+        """[Note: read errors] A read that fails (an I/O error on this node's copy) does not raise here, amid the
+        engine's construction, where the other ranks would wait for this one in its next collective: it is kept in
+        `error`, this and every later shard are zeroed, and `initialize` raises it on every rank once the engine is
+        built."""
+        if self.error is None:
+            try:
+                return self._fill(layout, params, shard_rank, out)
+            except Exception as e:  # noqa: BLE001 - whatever the type, every rank raises it (after the engine)
+                self.error = e
+                self._close()
+        out.zero_()
+
+    def _fill(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int, out: torch.Tensor) -> None:
         lo, hi = layout.shard_range(shard_rank)
         covered = lo  # only the padding between and after the pieces is zeroed: the copies write the rest (a
         for _, start, end in _pieces(layout, shard_rank):  # fresh shard's first touch is its costliest write)
