@@ -19,7 +19,8 @@ from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine
 from .engine.full_state import gathered_parameters as _gathered
 from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded
-from .engine.placement import check_compute_device, refuse_models_that_differ, validate_model
+from .engine.placement import check_compute_device, validate_model
+from .engine.same_model import refuse_configs_that_differ, refuse_models_that_differ
 from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.wrap import UnitSpec, units_for
 from .model import attach, unshard_and_detach, use_sharder
@@ -161,7 +162,8 @@ def initialize(
         error = e
     # Agree before the first collective: a mistake on one rank raises on every rank.
     raise_if_any_failed(error, world, "hf_zero.initialize")
-    refuse_models_that_differ(model, world)  # [Note: the same model on every rank], before the first exchange
+    refuse_configs_that_differ(cfg, world)  # [Note: the same model on every rank], before the first exchange
+    refuse_models_that_differ(model, world)
     engine = ZeroEngine(model, specs, cfg, world, compute, source)
     if source is not None:  # [Note: read errors] in checkpoint/pretrained.py
         raise_if_any_failed(source.error, world, f"hf_zero.initialize (reading {source.directory})")

@@ -96,6 +96,25 @@ def from_pretrained_with_a_read_failing_on_rank_1(path: str, stage: int) -> None
         sequential.RangeReads.read = reads  # type: ignore[method-assign]
 
 
+def train_with_a_config_per_rank(kwargs_by_rank: list[dict[str, Any]]) -> float:
+    """initialize with `kwargs_by_rank[rank]` as the ZeroConfig, then two steps; the last loss (the process group
+    must stay usable after an error: a barrier)."""
+    model = make_model("llama")
+    try:
+        model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3),
+                                        hf_zero.ZeroConfig(**kwargs_by_rank[dist.get_rank()]))
+    except Exception:
+        dist.barrier()
+        raise
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return float(loss)
+
+
 def initialize_with_config(kwargs: dict[str, Any]) -> None:
     model = make_model("llama")
     hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(**kwargs))

@@ -112,6 +112,34 @@ def test_a_model_that_differs_between_ranks_is_refused_on_every_rank(pools, chan
     assert results[1].error.startswith("[rank 1]") and "rank 0" in results[1].error
 
 
+@pytest.mark.parametrize(("rank_1", "here", "there"), [
+    ({"stage": 2}, "stage=3 here", "stage=2 on rank 1"),
+    ({"stage": 3, "mixed_precision": "bf16"}, "mixed_precision='no' here", "mixed_precision='bf16' on rank 1"),
+    ({"stage": 3, "prefetch": 2}, "prefetch=1 here", "prefetch=2 on rank 1"),
+])
+def test_a_config_that_differs_between_ranks_is_refused_on_every_rank(pools, rank_1, here, there):
+    """[Note: the same model on every rank] Another stage, precision or prefetch depth on one rank (a node launched
+    with another accelerate config file) issues other collectives: before, a hang. Every rank raises a ValueError at
+    initialize naming the setting, its value on each side and the rank."""
+    results = pools(2).run(engine_cases.train_with_a_config_per_rank, [{"stage": 3}, rank_1], timeout=60)
+    for r in results:
+        assert r.error_type == "ValueError" and "the ZeroConfig differs between ranks" in r.error, r.traceback
+    assert here in results[0].error and there in results[0].error, results[0].error
+
+
+def test_offload_dirs_may_differ_between_ranks(pools, tmp_path):
+    """A node-local offload directory may have another path on each rank (only whether there is one must agree):
+    the same losses as one directory shared by both."""
+    per_rank = [{"stage": 3, "offload_optimizer": True, "offload_dir": str(tmp_path / f"rank{r}")} for r in range(2)]
+    shared = [{"stage": 3, "offload_optimizer": True, "offload_dir": str(tmp_path / "shared")}] * 2
+    assert pools(2).values(engine_cases.train_with_a_config_per_rank, per_rank) == pools(2).values(
+        engine_cases.train_with_a_config_per_rank, shared)
+    none = [{"stage": 3, "offload_optimizer": True}, per_rank[1]]
+    results = pools(2).run(engine_cases.train_with_a_config_per_rank, none, timeout=60)
+    assert all(r.error_type == "ValueError" and "the ZeroConfig differs between ranks" in r.error for r in results)
+    assert "offload_dir set: False here, offload_dir set: True on rank 1" in results[0].error
+
+
 @pytest.mark.parametrize("broken", ["missing", "no_weights", "no_config"])
 def test_from_pretrained_with_the_directory_broken_on_one_rank_raises_on_every_rank(pools, tmp_path, broken):
     """[Note: agreed load] A multi-node job whose model directory is missing or incomplete on one node (a local

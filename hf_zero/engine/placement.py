@@ -27,14 +27,13 @@ puts its batches on another is refused by name (`check_compute_device`), not met
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..launch import accelerator_device, launch_env
-from .collectives import CommGroup, all_agree, bound_device, broadcast_, comm_device, gather_objects
+from .collectives import CommGroup, bound_device, broadcast_, comm_device
 
 
 @dataclass(frozen=True)
@@ -214,41 +213,6 @@ def validate_model(
     device = compute_device(model, world, has_source, requested)
     single_dtype(model)
     return device
-
-
-def _entries(model: nn.Module) -> list[str]:
-    """Each parameter and buffer of `model` as `name shape dtype [grad]`, in registration order."""
-    params = [f"{n} {list(p.shape)} {p.dtype}{' grad' if p.requires_grad else ''}" for n, p in model.named_parameters()]
-    return params + [f"{n} {list(b.shape)} {b.dtype} buffer" for n, b in model.named_buffers()]
-
-
-def refuse_models_that_differ(model: nn.Module, world: CommGroup) -> None:
-    """[Note: the same model on every rank]
-    Every rank shards its own copy of the model and the ranks exchange pieces of it by position: a rank whose
-    model has another parameter, shape, dtype or `requires_grad` (the embeddings resized on the main process only,
-    a layer frozen on one rank, another config on one node) would send pieces of other sizes, a crash in the
-    backend or a hang. DDP refuses such models at construction; so does `initialize`, on every rank alike (one
-    small all-reduce; the entries are gathered only when they differ), naming the first difference."""
-    if world.size == 1:
-        return
-    entries = _entries(model)
-    digest = hashlib.blake2b("\n".join(entries).encode(), digest_size=7).digest()
-    if all_agree(int.from_bytes(digest, "little"), world):
-        return
-    every = gather_objects(entries, world)
-    mine = every[world.rank]
-    other = next(r for r, theirs in enumerate(every) if theirs != mine)
-    theirs = every[other]
-    at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-    ours = mine[at] if at < len(mine) else "nothing"
-    them = theirs[at] if at < len(theirs) else "nothing"
-    raise ValueError(
-        f"[rank {world.global_rank}] hf_zero.initialize: the model differs between ranks: rank {world.global_rank} "
-        f"has {len(mine)} parameters and buffers, rank {world.global_rank_of(other)} {len(theirs)}; entry {at} is "
-        f"'{ours}' here and '{them}' there. Every rank must build the same model: the same config and files, and "
-        "the same changes before initialize on every rank (resize_token_embeddings, freezing, adding a head), "
-        "not on the main process only."
-    )
 
 
 def move_buffers(model: nn.Module, device: torch.device, sync_from: CommGroup | None) -> None:

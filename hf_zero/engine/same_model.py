@@ -1,0 +1,85 @@
+"""What every rank must hold alike before `initialize` shards anything: the model and the engine's settings.
+
+[Note: the same model on every rank]
+Every rank shards its own copy of the model and the ranks exchange pieces of it by position: a rank whose
+model has another parameter, shape, dtype or `requires_grad` (the embeddings resized on the main process only,
+a layer frozen on one rank, another config on one node) would send pieces of other sizes, a crash in the
+backend or a hang. DDP refuses such models at construction; so does `initialize`, on every rank alike (one
+small all-reduce; the entries are gathered only when they differ), naming the first difference. The same holds
+for the `ZeroConfig`: another stage, precision, bucket size or prefetch depth on one rank (a node launched with
+another accelerate config file) changes which collectives it issues and their sizes; every setting is compared
+but the offload directory's path (a node-local path may differ; whether there is one may not) and the process
+groups' timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+from torch import nn
+
+from ..config import ZeroConfig
+from .collectives import CommGroup, all_agree, gather_objects
+
+
+def _digest(entries: list[str]) -> int:
+    return int.from_bytes(hashlib.blake2b("\n".join(entries).encode(), digest_size=7).digest(), "little")
+
+
+def _first_difference(entries: list[str], world: CommGroup) -> tuple[int, list[str], int]:
+    """Every rank's entries gathered: (the global rank of the first rank whose entries differ from this one's,
+    theirs, the index of the first entry that differs)."""
+    every = gather_objects(entries, world)
+    other = next(r for r, theirs in enumerate(every) if theirs != entries)
+    theirs = every[other]
+    at = next((i for i, (a, b) in enumerate(zip(entries, theirs)) if a != b), min(len(entries), len(theirs)))
+    return world.global_rank_of(other), theirs, at
+
+
+def _entries(model: nn.Module) -> list[str]:
+    """Each parameter and buffer of `model` as `name shape dtype [grad]`, in registration order."""
+    params = [f"{n} {list(p.shape)} {p.dtype}{' grad' if p.requires_grad else ''}" for n, p in model.named_parameters()]
+    return params + [f"{n} {list(b.shape)} {b.dtype} buffer" for n, b in model.named_buffers()]
+
+
+def refuse_models_that_differ(model: nn.Module, world: CommGroup) -> None:
+    """[Note: the same model on every rank]: `ValueError` on every rank when the models differ."""
+    if world.size == 1:
+        return
+    mine = _entries(model)
+    if all_agree(_digest(mine), world):
+        return
+    other, theirs, at = _first_difference(mine, world)
+    ours = mine[at] if at < len(mine) else "nothing"
+    them = theirs[at] if at < len(theirs) else "nothing"
+    raise ValueError(
+        f"[rank {world.global_rank}] hf_zero.initialize: the model differs between ranks: rank {world.global_rank} "
+        f"has {len(mine)} parameters and buffers, rank {other} {len(theirs)}; entry {at} is '{ours}' here and "
+        f"'{them}' there. Every rank must build the same model: the same config and files, and the same changes "
+        "before initialize on every rank (resize_token_embeddings, freezing, adding a head), not on the main "
+        "process only."
+    )
+
+
+_LOCAL_SETTINGS = ("offload_dir", "group_timeout_s")  # compared as whether there is one / not at all
+
+
+def refuse_configs_that_differ(config: ZeroConfig, world: CommGroup) -> None:
+    """[Note: the same model on every rank]: `ValueError` on every rank when the `ZeroConfig`s differ."""
+    if world.size == 1:
+        return
+    mine = [
+        f"{f.name}={getattr(config, f.name)!r}"
+        if f.name not in _LOCAL_SETTINGS
+        else f"{f.name} set: {f.name == 'offload_dir' and config.offload_dir is not None}"
+        for f in dataclasses.fields(config)
+    ]
+    if all_agree(_digest(mine), world):
+        return
+    other, theirs, at = _first_difference(mine, world)
+    raise ValueError(
+        f"[rank {world.global_rank}] hf_zero.initialize: the ZeroConfig differs between ranks: {mine[at]} here, "
+        f"{theirs[at]} on rank {other}. Every rank must pass the same settings (the same TrainingArguments, the "
+        "same accelerate config file on every node), or the ranks would issue different collectives."
+    )
