@@ -12,7 +12,10 @@ model's bytes, each as a fraction of what the disk does.
    - `load_checkpoint` into the same model and optimizer, the page cache dropped first: against the read speed;
    - `hf_zero.consolidate` to bf16 (rank 0, the cache dropped): bytes read + bytes written / seconds, against the
      slower of the two speeds;
-   - `hf_zero.from_pretrained` of that directory into a new ZeRO-3 model (cache dropped): against the read speed.
+   - `hf_zero.from_pretrained` of that directory into a new ZeRO-3 model (cache dropped): against the read speed;
+     then, its shards still held, the first touch of as many fresh fp32 elements as its master shards have: the
+     floor fresh memory sets it on this machine, in the state the call met (on the VMs measured, memory the host
+     no longer backs costs several times the disk's time per byte).
    Every phase's time is from the first rank entering it to the last leaving it (barriers around it).
 
 The page cache is dropped with `/proc/sys/vm/drop_caches` (needs root); without it the read phases are marked
@@ -206,7 +209,10 @@ def _one_round(clock: _Clock, model, opt, work: Path, config, layers: int) -> No
     clock.probe("probe_before_from_pretrained", lambda: _read_ranges(mine))
     loaded = clock.phase("from_pretrained", lambda: hf_zero.from_pretrained(AutoModelForCausalLM, str(out), config),
                          drop=True)
-    del loaded  # freed outside the timed phase, as before
+    # its floor, right after it and with its shards still held: fresh memory in the state the phase met (measured
+    # at the start of the round, it met memory just freed by the round before, which the host still backs)
+    clock.phase("first_touch", lambda: _first_touch(n_params(layers) // world), drop=False)
+    del loaded  # freed outside the timed phases
     gc.collect()
     clock.probe("probe_after_from_pretrained", lambda: _read_ranges(mine))
 
@@ -248,7 +254,6 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             print(f"round {i + 1} of {args.rounds}", flush=True)
         clock = _Clock(rank)
-        clock.phase("first_touch", lambda: _first_touch(n_params(args.layers) // world), drop=False)
         _one_round(clock, model, opt, work, config, args.layers)
         rounds.append({"seconds": clock.seconds, "probe_bytes": clock.probe_bytes, "cached": clock.cached})
     if rank == 0:
@@ -342,7 +347,8 @@ def report(disk: dict, job: dict) -> tuple[str, dict]:
         for key in ("floor_fraction", "serial_fraction"):
             medians["from_pretrained"][key] = _median([t[key] for t in touches])
         lines += ["", "from_pretrained's floors: its read at the speed beside it, and the first touch of its fresh "
-                  "fp32 master shards (each rank its 1/2 of the parameters, both at once: "
+                  "fp32 master shards (each rank its 1/2 of the parameters, both at once, right after the call "
+                  "with its shards still held: "
                   + ", ".join(f"{t['first_touch_s']:.2f}" for t in touches) + " s). The call's time against the "
                   f"larger of the two (were they to overlap fully), median: "
                   f"{medians['from_pretrained']['floor_fraction']:.2f}; against their sum (one after the other): "
