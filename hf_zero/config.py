@@ -133,11 +133,13 @@ class ZeroConfig:
             all-gather as one broadcast per rank, a reduce-scatter as an all-reduce of the buffer);
             `"auto"` composes them on gloo (3.3x and 1.7x faster there at 100 MB,
             `benchmarks/collectives.py`) and uses the native ones on NCCL and other backends.
-        group_timeout_s (`float`, *optional*, defaults to 600):
-            Timeout of the process groups hf_zero creates at `initialize` (hybrid sharding, and the
-            gloo group background saves agree on), their creation included: a rank that stops
-            answering makes the others raise after this long instead of hanging. The default
-            process group's timeout is the launcher's (`--ddp_timeout` with the Trainer).
+        group_timeout_s (`float`, *optional*):
+            Timeout of the process groups hf_zero creates at `initialize` (hybrid sharding, sequence
+            parallelism, and the gloo group background saves agree on), their creation included: a rank
+            that stops answering makes the others raise after this long instead of hanging. By default
+            the default process group's own, which the launcher sets (`--ddp_timeout` with the Trainer,
+            `InitProcessGroupKwargs(timeout=...)` with Accelerate), so hf_zero's groups wait as long as
+            the job's others (600 s where that cannot be read).
         no_sync_keeps_grads (`bool`, *optional*, defaults to `False`):
             Stages 2-3: what `model.no_sync()` does (the Trainer and `accelerator.accumulate` use it
             on every micro-batch but the last). By default every micro-batch's gradients are still
@@ -283,8 +285,12 @@ class ZeroConfig:
             "(the backend's), composed (broadcasts and all-reduce) or auto (composed on gloo, native on NCCL)."
         },
     )
-    group_timeout_s: float = field(
-        default=600.0, metadata={"help": "Timeout in seconds of the process groups hf_zero creates (hybrid sharding)."}
+    group_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "Timeout in seconds of the process groups hf_zero creates (hybrid sharding, sequence parallelism, "
+            "background saves); by default the default process group's (--ddp_timeout)."
+        },
     )
     no_sync_keeps_grads: bool = field(
         default=False,
@@ -419,8 +425,10 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.quantization_block must be an int in [8, 1048576]; got {self.quantization_block!r}."
             )
-        if not (isinstance(self.group_timeout_s, (int, float)) and self.group_timeout_s > 0):
-            raise ValueError(f"ZeroConfig.group_timeout_s must be > 0 seconds; got {self.group_timeout_s!r}.")
+        if self.group_timeout_s is not None and not (
+            isinstance(self.group_timeout_s, (int, float)) and self.group_timeout_s > 0
+        ):
+            raise ValueError(f"ZeroConfig.group_timeout_s must be None or > 0 seconds; got {self.group_timeout_s!r}.")
         if not (isinstance(self.initial_loss_scale, (int, float)) and self.initial_loss_scale > 0):
             raise ValueError(f"ZeroConfig.initial_loss_scale must be > 0; got {self.initial_loss_scale!r}.")
         if (

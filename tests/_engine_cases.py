@@ -115,6 +115,19 @@ def train_with_a_config_per_rank(kwargs_by_rank: list[dict[str, Any]]) -> float:
     return float(loss)
 
 
+def group_timeouts(overrides: dict[str, Any]) -> list[float]:
+    """The timeouts (s) of the groups hf_zero made for a hybrid ZeRO-3 model (shard groups of one rank, a replicate
+    group of all: their creation is what the timeout guards): the world's, the shard, replicate and save groups'."""
+    def seconds(pg: Any) -> float:
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+
+    model, _ = hf_zero.initialize(make_model("llama"), None,
+                                  hf_zero.ZeroConfig(stage=3, shard_group_size=1, **overrides))
+    engine = model.zero_engine
+    return [seconds(dist.group.WORLD), seconds(engine.plan.shard_group.pg), seconds(engine.plan.replicate_group.pg),
+            seconds(engine.save_group.pg)]
+
+
 def initialize_with_config(kwargs: dict[str, Any]) -> None:
     model = make_model("llama")
     hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(**kwargs))

@@ -28,7 +28,7 @@ from tests._training import make_model, make_optimizer
         ({"offload_params": True, "offload_optimizer": True, "stage": 2}, "ZeroConfig.offload_params needs stage=3"),
         ({"offload_params": True}, "ZeroConfig.offload_params needs stage=3 and offload_optimizer=True"),
         ({"shard_group_size": -2}, "ZeroConfig.shard_group_size must be None or a positive int"),
-        ({"group_timeout_s": 0}, "ZeroConfig.group_timeout_s must be > 0 seconds"),
+        ({"group_timeout_s": 0}, "ZeroConfig.group_timeout_s must be None or > 0 seconds"),
         ({"prefetch": -1}, "ZeroConfig.prefetch must be an int >= 0"),
         ({"bucket_size_mb": -1}, "ZeroConfig.bucket_size_mb must be a number >= 0"),
         ({"bucket_size_mb": "25"}, "ZeroConfig.bucket_size_mb must be a number >= 0"),
@@ -174,6 +174,22 @@ def test_from_pretrained_with_a_read_failing_on_one_rank_raises_on_every_rank(po
     assert results[1].error_type == "OSError" and "Input/output error (injected)" in results[1].error
     assert results[0].error_type == "OSError", results[0].traceback
     assert "failed on rank(s) [1]" in results[0].error and "Input/output error (injected)" in results[0].error
+
+
+def test_hf_zeros_groups_wait_as_long_as_the_default_group_unless_told():
+    """By default the groups hf_zero creates (hybrid sharding's, background saves') take the default process group's
+    timeout, which the launcher set (the Trainer's --ddp_timeout): before, 600 s whatever it was, so a job that
+    raised --ddp_timeout for a long pause on one rank still failed after 10 minutes on a hybrid group. The pool's
+    default group waits 60 s; `group_timeout_s` still sets them."""
+    from tests._dist import DistPool
+
+    pool = DistPool(2)
+    try:
+        assert pool.values(engine_cases.group_timeouts, {}) == [[60.0] * 4] * 2
+        told = pool.values(engine_cases.group_timeouts, {"group_timeout_s": 123.0})
+        assert [t[:3] for t in told] == [[60.0, 123.0, 123.0]] * 2  # (the save group is made once per process)
+    finally:
+        pool.close()
 
 
 def test_argument_type_errors():

@@ -44,7 +44,7 @@ def plan_for_stage(
     stage: int,
     world: CommGroup,
     shard_group_size: int | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float | None = None,
     collectives: BulkCollectives = "auto",
     offload_params: bool = False,
 ) -> StagePlan:

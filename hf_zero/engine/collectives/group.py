@@ -146,7 +146,27 @@ class Pending:
             then()
 
 
-def hybrid_groups(world: CommGroup, group_size: int, timeout_s: float) -> tuple[CommGroup, CommGroup]:
+_FALLBACK_TIMEOUT_S = 600.0  # where the default group's own cannot be read
+
+
+def group_timeout(timeout_s: float | None) -> datetime.timedelta:
+    """The timeout of a group hf_zero creates: `timeout_s` (`ZeroConfig.group_timeout_s`) or, for None, the default
+    process group's own (what the launcher set: the Trainer's `--ddp_timeout`, Accelerate's
+    `InitProcessGroupKwargs(timeout=...)`), so that hf_zero's groups wait as long as the job's others."""
+    if timeout_s is not None:
+        return datetime.timedelta(seconds=timeout_s)
+    try:
+        world = dist.group.WORLD
+        backend = world._get_backend(torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))  # type: ignore[union-attr]
+        timeout = backend.options._timeout
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    return datetime.timedelta(seconds=_FALLBACK_TIMEOUT_S)
+
+
+def hybrid_groups(world: CommGroup, group_size: int, timeout_s: float | None) -> tuple[CommGroup, CommGroup]:
     """This rank's shard group (`group_size` consecutive ranks) and replicate group (the ranks at the
     same position in every shard group). Every rank creates every group, in the same order."""
     if world.size % group_size:
@@ -154,7 +174,7 @@ def hybrid_groups(world: CommGroup, group_size: int, timeout_s: float) -> tuple[
             f"ZeroConfig.shard_group_size ({group_size}) must divide the world size ({world.size}); use the "
             "number of ranks per node."
         )
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = group_timeout(timeout_s)
     n_groups = world.size // group_size
     rank = world.rank
     shard = replicate = None
@@ -173,12 +193,12 @@ def hybrid_groups(world: CommGroup, group_size: int, timeout_s: float) -> tuple[
     return shard, replicate
 
 
-def sequence_group(world: CommGroup, size: int, timeout_s: float) -> CommGroup:
+def sequence_group(world: CommGroup, size: int, timeout_s: float | None) -> CommGroup:
     """This rank's sequence-parallel group: `size` consecutive ranks, which train on the same samples, each on
     its own part of every sequence ([Note: sequence parallelism]). Every rank creates every group, in order."""
     if size == 1:
         return CommGroup.single()
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = group_timeout(timeout_s)
     mine = None
     for g in range(world.size // size):
         ranks = list(range(g * size, (g + 1) * size))
@@ -193,7 +213,7 @@ def sequence_group(world: CommGroup, size: int, timeout_s: float) -> CommGroup:
 _HOST_GROUPS: dict[tuple[int, ...], CommGroup] = {}
 
 
-def host_side_group(world: CommGroup, timeout_s: float) -> CommGroup:
+def host_side_group(world: CommGroup, timeout_s: float | None) -> CommGroup:
     """A gloo group over `world`'s ranks, for collectives a background thread issues (asynchronous saves agree on
     it), made once per set of ranks, with the engine's group timeout. A collective the first time: `initialize`
     makes it on every rank, so no group is created later, when a rank's death would leave the others waiting in
@@ -203,7 +223,7 @@ def host_side_group(world: CommGroup, timeout_s: float) -> CommGroup:
     ranks = tuple(world.global_rank_of(r) for r in range(world.size))
     group = _HOST_GROUPS.get(ranks)
     if group is None:
-        pg = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        pg = dist.new_group(list(ranks), backend="gloo", timeout=group_timeout(timeout_s))
         group = _HOST_GROUPS[ranks] = CommGroup.of(pg, world.rank, world.size)
     return group
 
