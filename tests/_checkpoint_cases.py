@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -253,6 +254,35 @@ def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dic
         save_module.write_streamed = original
     outcome["seconds"] = time.monotonic() - start
     del errno_module
+    return outcome
+
+
+def save_into_a_directory_per_rank(roots: list[str], how: str) -> dict[str, Any]:
+    """Each rank saves into the same name under its own root (`roots[rank]`), as ranks on nodes whose output path
+    is a node-local disk: `how` is "checkpoint" (`save_checkpoint`, after one at the shared root that must stay
+    whole), "async" (the same, asynchronous) or "pretrained" (`model.save_pretrained(..., parallel=True)`). The
+    ranks wait 1 s for the shared directory instead of 120."""
+    import hf_zero.checkpoint.shared as shared
+
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    mine = Path(roots[dist.get_rank()])
+    hf_zero.save_checkpoint(Path(roots[0]) / "ckpt", model, opt, metadata={"attempt": "first"})  # shared: fine
+    before, shared.VISIBLE_WITHIN_S = shared.VISIBLE_WITHIN_S, 1.0
+    start = time.monotonic()
+    try:
+        if how == "pretrained":
+            model.save_pretrained(mine / "model", parallel=True)
+        else:
+            hf_zero.save_checkpoint(mine / "ckpt", model, opt, metadata={"attempt": "second"}, async_save=how == "async")
+        outcome = {"error_type": None, "error": None}
+    except Exception as e:  # noqa: BLE001
+        outcome = {"error_type": type(e).__name__, "error": str(e)}
+    finally:
+        shared.VISIBLE_WITHIN_S = before
+    outcome["seconds"] = time.monotonic() - start
+    dist.barrier()  # the process group is still usable
+    outcome["left"] = sorted(p.name for p in mine.iterdir())
     return outcome
 
 

@@ -207,3 +207,22 @@ def test_chained_background_saves_run_one_after_another_and_pass_on_a_failure(tm
     with pytest.raises(OSError, match="No space left"):
         background.finish_previous(owner)  # what the next save (or train()'s end) does
     assert order == ["first", "second"] and third.done()  # the chained work never ran
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "async", "pretrained"])
+def test_a_directory_not_shared_by_every_rank_is_refused_before_anything_is_written(pools, tmp_path, how):
+    """[Note: shared directory] The output path on a node-local disk of a multi-node job (here: each rank its own
+    root): rank 0 would have committed a checkpoint without the other node's files, found unloadable only at the
+    resume. Every rank raises a ValueError before writing, naming the directory and the fix; no checkpoint appears
+    at either root, and the earlier checkpoint at the shared root stays loadable."""
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    for root in roots:
+        root.mkdir()
+    got = pools(2).values(checkpoint_cases.save_into_a_directory_per_rank, [str(r) for r in roots], how)
+    for outcome in got:
+        assert outcome["error_type"] == "ValueError", outcome
+        assert "is not on a filesystem every rank shares" in outcome["error"] and outcome["seconds"] < 30, outcome
+    assert "failed on rank(s) [1]" in got[0]["error"]
+    assert got[0]["left"] == ["ckpt"] and got[1]["left"] == []  # rank 0's root: only the first, shared save
+    manifest = json.loads((roots[0] / "ckpt" / "hf_zero_manifest.json").read_text())
+    assert manifest["user"] == {"attempt": "first"}

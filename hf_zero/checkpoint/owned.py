@@ -36,6 +36,7 @@ from ..engine.step.pieces import Piece
 from ..engine.step.whole import deal
 from .background import frozen
 from .format import fsync_file, write_bytes_atomically
+from .shared import require_shared
 from .stream import PIECE_NUMEL, Entry, FileLayout, host_pieces, write_streamed
 from .writer import INDEX_FILE, WEIGHT_FILE
 
@@ -269,6 +270,7 @@ def write_owned(
     """Write the model's tensors into `directory` as [Note: owned tensors] says; a collective. Returns every
     file written (on every rank). The side files (config, tokenizer) are the caller's. `on_round(done, total)`
     is called after each round (a progress bar); `layout` names tensors stored otherwise ([Note: file layout])."""
+    require_shared(directory, engine.world, f"model.save_pretrained ({directory})")  # [Note: shared directory]
     plan, names, exchange, files = _prepare(engine, dtype, max_bytes, on_round, layout or {})
     written, error = _write_files(directory, files, engine.world.rank)  # pulls the rounds as it writes
     exchange.drain()
@@ -281,6 +283,7 @@ def snapshot_owned(
     """[Note: owned tensors] in two halves, for an asynchronous save ([Note: asynchronous save]): every round is
     run now (a collective) and this rank's tensors copied to host memory (pinned for an accelerator); the
     returned work writes, renames and indexes the files, agreeing on the group it is given (the save thread's)."""
+    require_shared(directory, engine.world, f"model.save_pretrained ({directory})")  # [Note: shared directory]
     plan, names, exchange, files = _prepare(engine, dtype, max_bytes, None, layout or {})
     copies: list[tuple[str, list[Entry]]] = []
     error: Exception | None = None

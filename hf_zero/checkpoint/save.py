@@ -58,6 +58,7 @@ from .format import (
     write_file_atomically,
 )
 from .owned_state import owned_entries
+from .shared import require_shared
 from .stream import Entry, host_pieces, layout_to_json, model_layout, write_streamed
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ def save_checkpoint(
     taken: Snapshot | None = None
     error: BaseException | None = None
     try:
+        require_shared(staging, world, "hf_zero.save_checkpoint")  # [Note: shared directory]; every rank, at once
         staging.mkdir(parents=True, exist_ok=True)
         jobs, record = _rank_jobs(model, engine, optimizers)
         if async_save:
