@@ -286,6 +286,26 @@ def save_into_a_directory_per_rank(roots: list[str], how: str) -> dict[str, Any]
     return outcome
 
 
+def load_a_checkpoint_per_rank(root: str) -> dict[str, Any]:
+    """Save checkpoints after step 1 (`root/one`) and step 2 (`root/two`), then rank 0 loads `one` and rank 1 `two`
+    (each complete and valid); the process group must stay usable after the error (a barrier)."""
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for step, name in enumerate(("one", "two"), 1):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        hf_zero.save_checkpoint(Path(root) / name, model, opt, metadata={"step": step})
+    try:
+        hf_zero.load_checkpoint(Path(root) / ("one", "two")[dist.get_rank()], model, opt)
+        outcome = {"error_type": None, "error": None}
+    except Exception as e:  # noqa: BLE001
+        outcome = {"error_type": type(e).__name__, "error": str(e)}
+    dist.barrier()
+    return outcome
+
+
 def _buffered_classes() -> tuple[type, type]:
     """A tiny transformers model whose one buffer only `_init_weights` fills (its `__init__` leaves zeros),
     registered with AutoConfig as `hfz_buffered`."""

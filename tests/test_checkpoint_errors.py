@@ -226,3 +226,15 @@ def test_a_directory_not_shared_by_every_rank_is_refused_before_anything_is_writ
     assert got[0]["left"] == ["ckpt"] and got[1]["left"] == []  # rank 0's root: only the first, shared save
     manifest = json.loads((roots[0] / "ckpt" / "hf_zero_manifest.json").read_text())
     assert manifest["user"] == {"attempt": "first"}
+
+
+def test_ranks_given_different_checkpoints_are_refused_on_every_rank(pools, tmp_path):
+    """Each rank reads only its own shards from the checkpoint it is given: rank 0 given step 1's and rank 1 step
+    2's (paths that differ, or a "latest" each rank resolved while a save was being committed) resumed a model
+    whose shards came from two steps, silently. Now every rank raises a ValueError naming both checkpoints."""
+    got = pools(2).values(checkpoint_cases.load_a_checkpoint_per_rank, str(tmp_path))
+    for outcome in got:
+        assert outcome["error_type"] == "ValueError", outcome
+        assert "the ranks load different checkpoints" in outcome["error"], outcome
+    assert f"{tmp_path / 'one'} (metadata {{'step': 1}}) here, {tmp_path / 'two'} (metadata {{'step': 2}}) on rank 1" \
+        in got[0]["error"], got[0]["error"]

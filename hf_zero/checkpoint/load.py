@@ -10,6 +10,7 @@ the optimizer state first, the masters last, once a copy of them is held ([Note:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from ..engine.calls import Call
-from ..engine.collectives import raise_if_any_failed
+from ..engine.collectives import CommGroup, all_agree, gather_objects, raise_if_any_failed
 from ..engine.engine import ZeroEngine
 from ..engine.flat import FlatPart
 from ..engine.module import get_engine
@@ -107,6 +108,7 @@ def load_checkpoint(
     raise_if_any_failed(error, engine.world, "hf_zero.load_checkpoint")
     if manifest is None:  # unreachable: a missing manifest raised above
         raise RuntimeError(f"[rank {engine.world.global_rank}] hf_zero.load_checkpoint read no manifest")
+    _refuse_other_checkpoints(manifest, directory, engine.world)
     engine.hooks.wait_reductions()
     staged: list[Staged] = []
     backup: MasterBackup | None = None
@@ -269,6 +271,27 @@ def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizers: list[Shard
     if manifest.buffers:
         needed.add(BUFFERS_FILE)
     return sorted(needed)
+
+
+def _refuse_other_checkpoints(manifest: Manifest, directory: Path, world: CommGroup) -> None:
+    """Every rank must load the same checkpoint: each reads only its own shards from the one it was given, so ranks
+    given different ones (paths that differ, a "latest" each rank resolved on its own while a save was being
+    committed) would resume a model whose shards come from different steps, silently. One all-reduce of the
+    manifest's digest; on a difference every rank raises, naming both."""
+    if world.size == 1:
+        return
+    digest = hashlib.blake2b(manifest.to_json().encode(), digest_size=7).digest()
+    if all_agree(int.from_bytes(digest, "little"), world):
+        return
+    mine = (digest, str(directory), manifest.user)
+    every = gather_objects(mine, world)
+    other = next(r for r, theirs in enumerate(every) if theirs[0] != digest)
+    raise ValueError(
+        f"[rank {world.global_rank}] hf_zero.load_checkpoint: the ranks load different checkpoints: {mine[1]} "
+        f"(metadata {mine[2]}) here, {every[other][1]} (metadata {every[other][2]}) on rank "
+        f"{world.global_rank_of(other)}. Pass the same checkpoint on every rank (resolve 'latest' once, e.g. on rank "
+        "0, and broadcast it)."
+    )
 
 
 def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path) -> None:
