@@ -20,7 +20,7 @@ from .engine.full_state import gathered_parameters as _gathered
 from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded
 from .engine.placement import check_compute_device, validate_model
-from .engine.same_model import refuse_configs_that_differ, refuse_models_that_differ
+from .engine.same_model import refuse_configs_that_differ, refuse_models_that_differ, refuse_weights_that_differ
 from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.wrap import UnitSpec, units_for
 from .model import attach, unshard_and_detach, use_sharder
@@ -134,6 +134,7 @@ def initialize(
     specs: list[UnitSpec] = []
     cfg = ZeroConfig()
     source: PretrainedSource | None = None
+    fingerprint = 0  # of the files, where the weights come from them
     compute = torch.device("cpu")  # decided by validate_model below, once
     try:
         _check_arguments(model, optimizer, config)
@@ -153,6 +154,7 @@ def initialize(
         if weights_from is not None:
             source = PretrainedSource(weights_from, model, _file_conversions(model))
             source.check(specs)
+            fingerprint = source.fingerprint()
         requested = _as_device(device)
         compute = validate_model(model, world, has_source=source is not None, requested=requested)
         check_optimizers(optimizer_list(optimizer), model, cfg.offload_dir)
@@ -164,6 +166,8 @@ def initialize(
     raise_if_any_failed(error, world, "hf_zero.initialize")
     refuse_configs_that_differ(cfg, world)  # [Note: the same model on every rank], before the first exchange
     refuse_models_that_differ(model, world)
+    if source is not None:
+        refuse_weights_that_differ(fingerprint, str(source.directory), world)
     engine = ZeroEngine(model, specs, cfg, world, compute, source)
     if source is not None:  # [Note: read errors] in checkpoint/pretrained.py
         raise_if_any_failed(source.error, world, f"hf_zero.initialize (reading {source.directory})")

@@ -192,6 +192,28 @@ def test_hf_zeros_groups_wait_as_long_as_the_default_group_unless_told():
         pool.close()
 
 
+def test_from_pretrained_of_different_weights_on_each_rank_is_refused_on_every_rank(pools, tmp_path):
+    """[Note: the same model on every rank] A node whose copy at the model path holds another checkpoint of the
+    same architecture (same shapes, other values): each rank filled its shards from its own copy, a model mixed from
+    both, silently (DDP broadcasts rank 0's weights). Now every rank raises a ValueError naming both directories; a
+    byte-identical copy at another path loads."""
+    import shutil
+
+    from tests._training import make_model as build
+
+    build("llama", seed=0).save_pretrained(tmp_path / "a")
+    build("llama", seed=1).save_pretrained(tmp_path / "b")
+    shutil.copytree(tmp_path / "a", tmp_path / "a_copy")
+    same = pools(2).run(engine_cases.from_pretrained_with_a_directory_per_rank, [str(tmp_path / "a"),
+                                                                                 str(tmp_path / "a_copy")])
+    assert all(r.ok for r in same), [r.traceback for r in same]
+    results = pools(2).run(engine_cases.from_pretrained_with_a_directory_per_rank, [str(tmp_path / "a"),
+                                                                                    str(tmp_path / "b")], timeout=60)
+    for r in results:
+        assert r.error_type == "ValueError" and "hold different weight files" in r.error, r.traceback
+    assert f"({tmp_path / 'a'} here, {tmp_path / 'b'} on rank 1)" in results[0].error, results[0].error
+
+
 def test_argument_type_errors():
     model = make_model("llama")
     with pytest.raises(TypeError, match="expects an nn.Module as model"):

@@ -32,6 +32,7 @@ are the files' keys as transformers renames them, and a weight it builds from se
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import os
@@ -147,6 +148,9 @@ class Staging:
         self._used = 0
 
 
+_SAMPLE = 1 << 16  # bytes of each weight file's start and end that `PretrainedSource.fingerprint` reads
+
+
 class PretrainedSource:
     """A `ShardSource` reading a `save_pretrained` directory by byte range."""
 
@@ -173,6 +177,22 @@ class PretrainedSource:
             self._params[name] = p
         self._prefix = f"{getattr(model, 'base_model_prefix', '') or ''}."  # [Note: names in the files]
         self.error: Exception | None = None  # [Note: read errors] the first read that failed
+
+    def fingerprint(self) -> int:
+        """[Note: the same model on every rank] A digest of the weight files' sizes and of their first and last
+        `_SAMPLE` bytes (the header and the first tensor's values, the last tensor's values), in name order: equal
+        for byte-identical copies on different nodes, different for another checkpoint of the same architecture
+        (its values differ), without reading the weights."""
+        digest = hashlib.blake2b(digest_size=7)
+        for name in sorted(set(self.weight_map.values())):
+            path = self.directory / name
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                digest.update(f"{name}:{size};".encode())
+                digest.update(f.read(_SAMPLE))
+                f.seek(max(0, size - _SAMPLE))
+                digest.update(f.read(_SAMPLE))
+        return int.from_bytes(digest.digest(), "little")
 
     def _key(self, param: nn.Parameter, name: str) -> str | None:
         """The name the files hold `param` under, as the model names it (any of its tied names, with or without the

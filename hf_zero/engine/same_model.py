@@ -9,7 +9,11 @@ small all-reduce; the entries are gathered only when they differ), naming the fi
 for the `ZeroConfig`: another stage, precision, bucket size or prefetch depth on one rank (a node launched with
 another accelerate config file) changes which collectives it issues and their sizes; every setting is compared
 but the offload directory's path (a node-local path may differ; whether there is one may not) and the process
-groups' timeout.
+groups' timeout. And for a load from files (`hf_zero.from_pretrained`, `weights_from=`), the files: each rank reads
+its own shards from its own copy of the directory, so copies that hold different weights of the same shapes (another
+checkpoint at the same path on one node) would make a model mixed from both, silently, where DDP broadcasts rank 0's
+weights; the ranks compare a digest of the files' sizes and of their first and last 64 KiB (the header and the
+values at both ends), which another checkpoint's values change and an identical copy does not.
 """
 
 from __future__ import annotations
@@ -82,4 +86,20 @@ def refuse_configs_that_differ(config: ZeroConfig, world: CommGroup) -> None:
         f"[rank {world.global_rank}] hf_zero.initialize: the ZeroConfig differs between ranks: {mine[at]} here, "
         f"{theirs[at]} on rank {other}. Every rank must pass the same settings (the same TrainingArguments, the "
         "same accelerate config file on every node), or the ranks would issue different collectives."
+    )
+
+
+def refuse_weights_that_differ(fingerprint: int, directory: str, world: CommGroup) -> None:
+    """[Note: the same model on every rank]: `ValueError` on every rank when the model directories each rank reads its
+    shards from hold other files (`PretrainedSource.fingerprint`): each rank would fill its shards from its own copy,
+    a model mixed from two checkpoints, where DDP broadcasts rank 0's weights."""
+    if world.size == 1 or all_agree(fingerprint, world):
+        return
+    every = gather_objects((fingerprint, directory), world)
+    other = next(r for r, theirs in enumerate(every) if theirs[0] != fingerprint)
+    raise ValueError(
+        f"[rank {world.global_rank}] hf_zero: the ranks' model directories hold different weight files ({directory} "
+        f"here, {every[other][1]} on rank {world.global_rank_of(other)}): each rank reads its own shards from its "
+        "own copy, so the model would mix two checkpoints. Give every node a byte-identical copy of the same "
+        "directory (or one on a filesystem they share)."
     )
