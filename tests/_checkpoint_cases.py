@@ -186,6 +186,16 @@ def adapter_saved_then_loaded(path: str, adapter_dir: str, stage: int, modules_t
             "trainable": sorted(n for n, p in again.named_parameters() if p.requires_grad)}
 
 
+def adapter_per_rank(path: str, adapter_dirs: list[str], stage: int) -> dict[str, torch.Tensor]:
+    """A sharded load with `adapter_dirs[rank]` as `peft_config` (nodes whose copies of the adapter differ): the
+    adapter's weights the model holds, whole."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, path, hf_zero.ZeroConfig(stage=stage),
+                                       peft_config=adapter_dirs[dist.get_rank()])
+    return {k: v.clone() for k, v in hf_zero.full_state_dict(model, rank0_only=False).items() if "lora_" in k}
+
+
 def other_heads_from(path: str, stage: int) -> dict[str, Any]:
     """A causal LM's files loaded, with each rank's random state seeded differently (`torch.manual_seed(rank)`), into
     `AutoModelForSequenceClassification` (its `score` head absent from the files: initialized) and into `AutoModel`

@@ -105,6 +105,28 @@ def test_ignore_mismatched_sizes_initializes_a_head_of_another_shape_as_transfor
         assert torch.equal(sharded["state"][name], value), name
 
 
+def test_adapter_copies_that_differ_between_ranks_load_as_rank_0s(pools, base_dirs, tmp_path):
+    """Each rank reads the adapter directory given as `peft_config` from its own node: copies that differ (another
+    adapter at the same path on one node) filled each rank's shards from its own copy, an adapter mixed from both,
+    silently. Now rank 0's values go to every rank, as DDP's first broadcast gives: the loaded adapter is rank 0's."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import load_peft_weights
+
+    dirs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dirs["llama"]),
+                              LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        peft.save_pretrained(tmp_path / f"adapter{seed}")
+        dirs.append(str(tmp_path / f"adapter{seed}"))
+    first = load_peft_weights(dirs[0], device="cpu")
+    for got in pools(2).values(checkpoint_cases.adapter_per_rank, base_dirs["llama"], dirs, 3):
+        assert len(got) == len(first) == 8
+        for name, value in got.items():
+            saved = name.replace(".default", "")
+            assert torch.equal(value, first[saved]), name
+
+
 @pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]])
 def test_a_saved_adapter_resumes_on_a_sharded_load(pools, base_dirs, tmp_path, modules_to_save):
     """`from_pretrained(..., peft_config=adapter_dir)`: an adapter trained at stage 3 and saved by the PEFT model's

@@ -110,6 +110,9 @@ def from_pretrained(
         if adapter_dir is not None:
             with agreement(world, "hf_zero.from_pretrained (the adapter's weights)"):
                 _load_adapter(model, adapter_dir)
+            # each rank read its own copy of the adapter, whose shards it fills from it: rank 0's values on every
+            # rank, as DDP's first broadcast gives (copies that differ between nodes would mix, silently)
+            _share([p for p in model.parameters() if not p.is_meta], world, "the adapter's weights")
     model.eval()
     with agreement(world, "hf_zero.from_pretrained (optimizer_fn)"):
         optimizer = optimizer_fn(model) if optimizer_fn is not None else None
