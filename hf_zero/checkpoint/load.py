@@ -10,7 +10,6 @@ the optimizer state first, the masters last, once a copy of them is held ([Note:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 from ..engine.calls import Call
-from ..engine.collectives import CommGroup, all_agree, gather_objects, raise_if_any_failed
+from ..engine.collectives import CommGroup, digest_of, first_to_differ, raise_if_any_failed
 from ..engine.engine import ZeroEngine
 from ..engine.flat import FlatPart
 from ..engine.module import get_engine
@@ -280,17 +279,15 @@ def _refuse_other_checkpoints(manifest: Manifest, directory: Path, world: CommGr
     manifest's digest; on a difference every rank raises, naming both."""
     if world.size == 1:
         return
-    digest = hashlib.blake2b(manifest.to_json().encode(), digest_size=7).digest()
-    if all_agree(int.from_bytes(digest, "little"), world):
+    mine = (str(directory), manifest.user)
+    differs = first_to_differ(digest_of(manifest.to_json()), mine, world)
+    if differs is None:
         return
-    mine = (digest, str(directory), manifest.user)
-    every = gather_objects(mine, world)
-    other = next(r for r, theirs in enumerate(every) if theirs[0] != digest)
+    other, (theirs, metadata) = differs
     raise ValueError(
-        f"[rank {world.global_rank}] hf_zero.load_checkpoint: the ranks load different checkpoints: {mine[1]} "
-        f"(metadata {mine[2]}) here, {every[other][1]} (metadata {every[other][2]}) on rank "
-        f"{world.global_rank_of(other)}. Pass the same checkpoint on every rank (resolve 'latest' once, e.g. on rank "
-        "0, and broadcast it)."
+        f"[rank {world.global_rank}] hf_zero.load_checkpoint: the ranks load different checkpoints: {mine[0]} "
+        f"(metadata {mine[1]}) here, {theirs} (metadata {metadata}) on rank {other}. Pass the same checkpoint on "
+        "every rank (resolve 'latest' once, e.g. on rank 0, and broadcast it)."
     )
 
 

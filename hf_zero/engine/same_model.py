@@ -19,26 +19,16 @@ values at both ends), which another checkpoint's values change and an identical 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 from torch import nn
 
 from ..config import ZeroConfig
-from .collectives import CommGroup, all_agree, gather_objects
+from .collectives import CommGroup, digest_of, first_to_differ
 
 
-def _digest(entries: list[str]) -> int:
-    return int.from_bytes(hashlib.blake2b("\n".join(entries).encode(), digest_size=7).digest(), "little")
-
-
-def _first_difference(entries: list[str], world: CommGroup) -> tuple[int, list[str], int]:
-    """Every rank's entries gathered: (the global rank of the first rank whose entries differ from this one's,
-    theirs, the index of the first entry that differs)."""
-    every = gather_objects(entries, world)
-    other = next(r for r, theirs in enumerate(every) if theirs != entries)
-    theirs = every[other]
-    at = next((i for i, (a, b) in enumerate(zip(entries, theirs)) if a != b), min(len(entries), len(theirs)))
-    return world.global_rank_of(other), theirs, at
+def _first_entry_that_differs(mine: list[str], theirs: list[str]) -> int:
+    """The index of the first entry where `mine` and `theirs` differ (the shorter's length where one is a prefix)."""
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
 
 
 def _entries(model: nn.Module) -> list[str]:
@@ -52,9 +42,11 @@ def refuse_models_that_differ(model: nn.Module, world: CommGroup) -> None:
     if world.size == 1:
         return
     mine = _entries(model)
-    if all_agree(_digest(mine), world):
+    differs = first_to_differ(digest_of("\n".join(mine)), mine, world)
+    if differs is None:
         return
-    other, theirs, at = _first_difference(mine, world)
+    other, theirs = differs
+    at = _first_entry_that_differs(mine, theirs)
     ours = mine[at] if at < len(mine) else "nothing"
     them = theirs[at] if at < len(theirs) else "nothing"
     raise ValueError(
@@ -79,9 +71,11 @@ def refuse_configs_that_differ(config: ZeroConfig, world: CommGroup) -> None:
         else f"{f.name} set: {f.name == 'offload_dir' and config.offload_dir is not None}"
         for f in dataclasses.fields(config)
     ]
-    if all_agree(_digest(mine), world):
+    differs = first_to_differ(digest_of("\n".join(mine)), mine, world)
+    if differs is None:
         return
-    other, theirs, at = _first_difference(mine, world)
+    other, theirs = differs
+    at = _first_entry_that_differs(mine, theirs)
     raise ValueError(
         f"[rank {world.global_rank}] hf_zero.initialize: the ZeroConfig differs between ranks: {mine[at]} here, "
         f"{theirs[at]} on rank {other}. Every rank must pass the same settings (the same TrainingArguments, the "
@@ -93,13 +87,15 @@ def refuse_weights_that_differ(fingerprint: int, directory: str, world: CommGrou
     """[Note: the same model on every rank]: `ValueError` on every rank when the model directories each rank reads its
     shards from hold other files (`PretrainedSource.fingerprint`): each rank would fill its shards from its own copy,
     a model mixed from two checkpoints, where DDP broadcasts rank 0's weights."""
-    if world.size == 1 or all_agree(fingerprint, world):
+    if world.size == 1:
         return
-    every = gather_objects((fingerprint, directory), world)
-    other = next(r for r, theirs in enumerate(every) if theirs[0] != fingerprint)
+    differs = first_to_differ(fingerprint, directory, world)
+    if differs is None:
+        return
+    other, theirs = differs
     raise ValueError(
         f"[rank {world.global_rank}] hf_zero: the ranks' model directories hold different weight files ({directory} "
-        f"here, {every[other][1]} on rank {world.global_rank_of(other)}): each rank reads its own shards from its "
-        "own copy, so the model would mix two checkpoints. Give every node a byte-identical copy of the same "
-        "directory (or one on a filesystem they share)."
+        f"here, {theirs} on rank {other}): each rank reads its own shards from its own copy, so the model would mix "
+        "two checkpoints. Give every node a byte-identical copy of the same directory (or one on a filesystem they "
+        "share)."
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from ..api import initialize
 from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtype, trained_copy
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name
-from ..engine.collectives import CommGroup, agreement, all_agree, broadcast_tensors
+from ..engine.collectives import CommGroup, agreement, all_agree, broadcast_tensors, digest_of
 from ..engine.step.optim import ShardedOptimizer
 from .conversions import checkpoint_conversions
 
@@ -164,8 +163,7 @@ def _share(fresh: list[nn.Parameter], world: CommGroup, what: str) -> None:
     in its own copy of the files: copies that differ between nodes are refused, not waited on)."""
     if world.size == 1:
         return
-    names = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in fresh)
-    if not all_agree(zlib.crc32(names.encode()) + (len(fresh) << 32), world):
+    if not all_agree(digest_of(";".join(f"{tuple(p.shape)}:{p.dtype}" for p in fresh)), world):
         raise ValueError(
             f"[rank {world.global_rank}] hf_zero.from_pretrained: the ranks disagree on {what} ({len(fresh)} here): "
             "their copies of the model directory differ. Give every node the same files."

@@ -6,7 +6,17 @@
 - agree.py: agreement among ranks (a failure on one rank raises on all of them), small objects.
 """
 
-from .agree import agreement, all_agree, barrier, broadcast_object, failed_ranks, gather_objects, raise_if_any_failed
+from .agree import (
+    agreement,
+    all_agree,
+    barrier,
+    broadcast_object,
+    digest_of,
+    failed_ranks,
+    first_to_differ,
+    gather_objects,
+    raise_if_any_failed,
+)
 from .group import (
     BulkCollectives,
     CommGroup,
@@ -41,6 +51,8 @@ __all__ = [
     "Pending",
     "agreement",
     "all_agree",
+    "digest_of",
+    "first_to_differ",
     "all_gather_into",
     "all_gather_rows",
     "all_reduce_",

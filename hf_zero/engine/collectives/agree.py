@@ -7,6 +7,7 @@ next collective.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -36,6 +37,21 @@ def all_agree(value: int, group: CommGroup) -> bool:
     t = torch.tensor([value, -value], dtype=torch.int64, device=comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
     return int(t[0]) == value and int(t[1]) == -value
+
+
+def digest_of(text: str) -> int:
+    """A 56-bit digest of `text`, for `all_agree` and `first_to_differ`."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def first_to_differ(digest: int, value: Any, group: CommGroup) -> tuple[int, Any] | None:
+    """None where every rank of `group` passed the same `digest` (one small all-reduce); else the global rank and the
+    `value` (small, picklable; gathered only then) of the first rank whose digest differs from this one's."""
+    if all_agree(digest, group):
+        return None
+    every = gather_objects((digest, value), group)
+    other = next(r for r, (theirs, _) in enumerate(every) if theirs != digest)
+    return group.global_rank_of(other), every[other][1]
 
 
 def gather_objects(obj: Any, group: CommGroup) -> list[Any]:
