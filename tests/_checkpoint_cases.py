@@ -254,16 +254,23 @@ def save_with_fault(path: str, failing_rank: int, errno_code: int | None) -> dic
         return original(filename, entries, metadata)
 
     save_module.write_streamed = failing_save_file
-    start = time.monotonic()
     try:
-        hf_zero.save_checkpoint(path, model, opt, metadata={"attempt": "second"})
-        outcome = {"error_type": None, "error": None}
-    except Exception as e:  # noqa: BLE001
-        outcome = {"error_type": type(e).__name__, "error": str(e)}
+        outcome = _attempt(lambda: hf_zero.save_checkpoint(path, model, opt, metadata={"attempt": "second"}))
     finally:
         save_module.write_streamed = original
-    outcome["seconds"] = time.monotonic() - start
     del errno_module
+    return outcome
+
+
+def _attempt(call: Any) -> dict[str, Any]:
+    """`call()`'s outcome on this rank: the error's type and text (None for none) and the seconds it took."""
+    start = time.monotonic()
+    try:
+        call()
+        outcome: dict[str, Any] = {"error_type": None, "error": None}
+    except Exception as e:  # noqa: BLE001
+        outcome = {"error_type": type(e).__name__, "error": str(e)}
+    outcome["seconds"] = time.monotonic() - start
     return outcome
 
 
@@ -279,18 +286,14 @@ def save_into_a_directory_per_rank(roots: list[str], how: str) -> dict[str, Any]
     mine = Path(roots[dist.get_rank()])
     hf_zero.save_checkpoint(Path(roots[0]) / "ckpt", model, opt, metadata={"attempt": "first"})  # shared: fine
     before, shared.VISIBLE_WITHIN_S = shared.VISIBLE_WITHIN_S, 1.0
-    start = time.monotonic()
     try:
         if how == "pretrained":
-            model.save_pretrained(mine / "model", parallel=True)
+            outcome = _attempt(lambda: model.save_pretrained(mine / "model", parallel=True))
         else:
-            hf_zero.save_checkpoint(mine / "ckpt", model, opt, metadata={"attempt": "second"}, async_save=how == "async")
-        outcome = {"error_type": None, "error": None}
-    except Exception as e:  # noqa: BLE001
-        outcome = {"error_type": type(e).__name__, "error": str(e)}
+            outcome = _attempt(lambda: hf_zero.save_checkpoint(mine / "ckpt", model, opt, metadata={"attempt": "second"},
+                                                               async_save=how == "async"))
     finally:
         shared.VISIBLE_WITHIN_S = before
-    outcome["seconds"] = time.monotonic() - start
     dist.barrier()  # the process group is still usable
     outcome["left"] = sorted(p.name for p in mine.iterdir())
     return outcome
@@ -307,11 +310,7 @@ def load_a_checkpoint_per_rank(root: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         hf_zero.save_checkpoint(Path(root) / name, model, opt, metadata={"step": step})
-    try:
-        hf_zero.load_checkpoint(Path(root) / ("one", "two")[dist.get_rank()], model, opt)
-        outcome = {"error_type": None, "error": None}
-    except Exception as e:  # noqa: BLE001
-        outcome = {"error_type": type(e).__name__, "error": str(e)}
+    outcome = _attempt(lambda: hf_zero.load_checkpoint(Path(root) / ("one", "two")[dist.get_rank()], model, opt))
     dist.barrier()
     return outcome
 
