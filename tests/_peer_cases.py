@@ -118,6 +118,19 @@ def baseline(loop: Loop) -> None:
         loop.opt.zero_grad()
 
 
+@scenario(dtype=torch.float64)
+def float64_model(loop: Loop) -> None:
+    """The baseline loop on a model in float64 (scientific models, numerical checks), clipped by the 2-norm and by
+    the max-norm: DDP keeps every number in float64, and so must the masters, the norms and their reductions."""
+    baseline(loop)
+    loss = loop.loss(7)
+    loop.backward(loss)
+    clip = torch.nn.utils.clip_grad_norm_
+    loop.note("norm", clip(loop.model.parameters(), 0.01, norm_type=math.inf))
+    loop.opt.step()
+    loop.opt.zero_grad()
+
+
 @scenario()
 def torch_clip_grad_norm(loop: Loop) -> None:
     """`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`: the unchanged line of a DDP loop."""
@@ -534,7 +547,8 @@ def run_scenario(name: str, stage: int, **config: Any) -> dict[str, Any]:
     rank = dist.get_rank()
     ref = _build(build)
     ref_twin = copy.deepcopy(ref) if build.get("twin") else None
-    ref_loop = Loop(ref, _optimizer(ref, build), PlainDP(ref), rank, stage, sharded=False, twin=ref_twin)
+    ref_loop = Loop(ref, _optimizer(ref, build), PlainDP(ref), rank, stage, sharded=False, twin=ref_twin,
+                    dtype=build.get("dtype", torch.float32))
     fn(ref_loop)
     reference = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
 
@@ -544,7 +558,7 @@ def run_scenario(name: str, stage: int, **config: Any) -> dict[str, Any]:
     twin = copy.deepcopy(model) if build.get("twin") else None
     try:
         model, opt = hf_zero.initialize(model, _optimizer(model, build), zcfg)
-        loop = Loop(model, opt, Idle(), rank, stage, sharded=True, twin=twin)
+        loop = Loop(model, opt, Idle(), rank, stage, sharded=True, twin=twin, dtype=build.get("dtype", torch.float32))
         fn(loop)
         state = hf_zero.full_state_dict(model, rank0_only=False)
     except Exception as e:  # noqa: BLE001 - the refusal goes back to the test

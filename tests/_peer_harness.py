@@ -138,10 +138,12 @@ class Loop:
     sharded: bool
     record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     twin: nn.Module | None = None  # a copy of the model made before sharding (`scenario(twin=True)`)
+    dtype: torch.dtype = torch.float32  # the model's and its batches' (`scenario(dtype=...)`)
 
     def batch(self, step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1000 * step + self.rank)
-        return torch.randn(n, D_IN, generator=g).to(DEVICE), torch.randn(n, D_OUT, generator=g).to(DEVICE)
+        x, y = torch.randn(n, D_IN, generator=g), torch.randn(n, D_OUT, generator=g)
+        return x.to(DEVICE, self.dtype), y.to(DEVICE, self.dtype)
 
     def loss(self, step: int, **kwargs: Any) -> torch.Tensor:
         x, y = self.batch(step)
@@ -164,7 +166,7 @@ def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
     """Register a scenario; `build`: the model's constructor arguments and `freeze` (names frozen before
     initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay), `adafactor` (torch's Adafactor),
     `twin` (a copy of the model made before initialize, in `loop.twin`), `groups` (a function of the model giving
-    AdamW's param groups)."""
+    AdamW's param groups), `dtype` (the model and its batches in that dtype)."""
 
     def register(fn: Scenario) -> Scenario:
         SCENARIOS[fn.__name__] = (build, fn)
@@ -196,7 +198,7 @@ def _build(build: dict[str, Any]) -> nn.Module:
     for name, p in model.named_parameters():
         if any(name.startswith(f) for f in build.get("freeze", ())):
             p.requires_grad_(False)
-    return model.to(DEVICE)
+    return model.to(DEVICE, build.get("dtype", torch.float32))
 
 
 def _optimizer(model: nn.Module, build: dict[str, Any]) -> torch.optim.Optimizer:

@@ -30,6 +30,16 @@ def test_peer_scenario_is_exact_or_refused(pools, name, stage):
         assert max(r["weights"].values()) <= TOL, (rank, {k: v for k, v in r["weights"].items() if v > TOL})
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_float64_model_keeps_float64_precision(pools, stage):
+    """An fp64 model: masters, norms and their reductions in fp64, so it matches DDP to fp64's precision (it
+    crashed in clipping, and its norm was reduced in fp32: 7e-8 relative)."""
+    for r in pools(2).values(peer.run_scenario, "float64_model", stage):
+        assert r["error"] is None, r["error"]
+        assert peer.worst_difference(r["reference"], r["record"]) <= 1e-12, (r["reference"], r["record"])
+        assert max(r["weights"].values()) <= 1e-12, r["weights"]
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_resume_calls_the_models_own_load_state_dict_for_its_buffers(pools, tmp_path, stage):
     """A buffer that grew during training comes back with its saved shape: the model's `load_state_dict` override

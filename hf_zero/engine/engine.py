@@ -366,12 +366,14 @@ class ZeroEngine:
         if not shards:  # nothing trainable: the norm is zero on every rank
             shards = [torch.zeros(1, device=self.device)]
         comm = comm_device(group)  # the shards may be on the host (offload); the collective is not
+        # fp32 holds any norm of fp32/bf16/fp16 gradients; fp64 gradients (an fp64 model) keep fp64, as torch's does
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in shards) else torch.float32
         if math.isinf(norm_type):
-            local = torch.stack([g.detach().abs().max().float() for g in shards]).max()
+            local = torch.stack([g.detach().abs().max().to(dtype) for g in shards]).max()
             total = max_scalar_(local.reshape(1).to(comm), group)[0]
         else:
             local = torch.stack([_power_sum(g.detach(), norm_type) for g in shards]).sum()
-            summed = local.float().reshape(1).to(comm)
+            summed = local.to(dtype).reshape(1).to(comm)
             all_reduce_(summed, group)
             total = summed[0] ** (1.0 / norm_type)
         if max_norm is not None and not math.isinf(float(max_norm)):
@@ -575,7 +577,8 @@ _NORM_CHUNK = 1 << 15  # elements per chunk whose norm is taken in fp32 on the h
 
 
 def _power_sum(shard: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """sum(|shard| ** norm_type) in float64, from fp32 norms taken in one `_foreach_norm` call.
+    """sum(|shard| ** norm_type) in float64, from fp32 norms taken in one `_foreach_norm` call (fp64 norms for an
+    fp64 shard, whose values fp32 could not hold).
 
     On the host, of 32k-element chunks. Not `vector_norm(shard) ** p`: on the CPU its fp32 accumulation drifts
     with the length (2.7e-5 relative on a 590k-element shard, 7.7e-5 at 4M, where
@@ -590,5 +593,6 @@ def _power_sum(shard: torch.Tensor, norm_type: float) -> torch.Tensor:
     clipping against `clip_grad_norm_`'s 8).
     """
     pieces = list(shard.split(_NORM_CHUNK)) if shard.device.type == "cpu" else [shard]
-    norms = torch._foreach_norm(pieces, norm_type, dtype=torch.float32)
+    dtype = torch.float64 if shard.dtype == torch.float64 else torch.float32
+    norms = torch._foreach_norm(pieces, norm_type, dtype=dtype)
     return torch.stack(norms).double().pow_(norm_type).sum()
