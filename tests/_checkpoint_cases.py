@@ -299,6 +299,27 @@ def save_into_a_directory_per_rank(roots: list[str], how: str) -> dict[str, Any]
     return outcome
 
 
+def save_where_something_else_is(root: str) -> dict[str, Any]:
+    """Each write of a sharded model given a path that holds something else: `save_checkpoint` into a run folder
+    with the user's files, into a file, and into an empty directory (fine); `save_pretrained` (both ways) into a
+    file. The outcome of each on this rank, and what the run folder holds afterwards."""
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    base = Path(root)
+    outcomes = {
+        "run_folder": _attempt(lambda: hf_zero.save_checkpoint(base / "run", model, opt)),
+        "file": _attempt(lambda: hf_zero.save_checkpoint(base / "notes.txt", model, opt)),
+        "empty": _attempt(lambda: hf_zero.save_checkpoint(base / "empty", model, opt)),
+        "pretrained_file": _attempt(lambda: model.save_pretrained(base / "notes.txt")),
+        "parallel_file": _attempt(lambda: model.save_pretrained(base / "notes.txt", parallel=True)),
+    }
+    dist.barrier()  # the process group is still usable
+    outcomes["run_left"] = sorted(p.name for p in (base / "run").iterdir())
+    outcomes["file_left"] = (base / "notes.txt").read_text()
+    outcomes["empty_left"] = sorted(p.name for p in (base / "empty").iterdir())
+    return outcomes
+
+
 def load_a_checkpoint_per_rank(root: str) -> dict[str, Any]:
     """Save checkpoints after step 1 (`root/one`) and step 2 (`root/two`), then rank 0 loads `one` and rank 1 `two`
     (each complete and valid); the process group must stay usable after the error (a barrier)."""

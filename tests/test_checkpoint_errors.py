@@ -148,6 +148,26 @@ def test_saving_over_an_existing_checkpoint_replaces_it(pools, saved, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing left aside
 
 
+def test_a_path_that_holds_something_else_is_refused_and_left_as_it_was(pools, tmp_path):
+    """`save_checkpoint` swaps its directory in as a whole (the old one deleted): given a run folder with the user's
+    files (or a file) it deleted them. Now every rank raises a `ValueError` naming what is there before anything
+    is written; an empty directory is fine. `save_pretrained` into a file raises a `ValueError` too (it was a bare
+    FileExistsError)."""
+    (tmp_path / "run" / "runs").mkdir(parents=True)
+    (tmp_path / "run" / "train.log").write_text("step 1")
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "empty").mkdir()
+    for r in pools(2).values(checkpoint_cases.save_where_something_else_is, str(tmp_path)):
+        for key in ("run_folder", "file", "pretrained_file", "parallel_file"):
+            assert r[key]["error_type"] == "ValueError", (key, r[key])
+        assert "not an hf_zero checkpoint (no hf_zero_manifest.json; it holds runs, train.log)" in r["run_folder"]["error"]
+        assert "is a file" in r["file"]["error"] and "is a file" in r["pretrained_file"]["error"]
+        assert r["empty"]["error"] is None, r["empty"]
+        assert r["run_left"] == ["runs", "train.log"] and r["file_left"] == "keep me"
+        assert "hf_zero_manifest.json" in r["empty_left"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt", "run"]  # nothing left aside
+
+
 @pytest.mark.parametrize("stage,budget", [(3, None), (2, 6000)], ids=["stage3", "stage2-bf16-budget"])
 def test_async_save_writes_the_checkpoint_a_sync_save_writes(pools, tmp_path, stage, budget):
     """[Note: asynchronous save]: an asynchronous save, with training steps taken while it writes, gives the

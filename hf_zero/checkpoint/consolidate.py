@@ -44,7 +44,7 @@ from .reader import FileCache, read_pieces
 from .sequential import Stored, stored_tensors
 from .stream import Entry, FileLayout, host_pieces, layout_from_json, model_layout, write_streamed
 from .streams import MAX_STREAMS, FileStream, chunk_bytes_for, stream_order
-from .writer import HFShardWriter, parse_size, shard_groups
+from .writer import HFShardWriter, make_directory, parse_size, shard_groups
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def save_pretrained_async(
     work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.pins_host, layout=model_layout(model))
     with agreement(engine.world, f"model.save_pretrained ({output_dir})"):
         if engine.world.rank == 0:
-            target.mkdir(parents=True, exist_ok=True)
+            make_directory(target)
             save_hf_files(model, tokenizer, target, out_dtype)
     group = checkpoint_group(engine)
     return chain(engine, target, lambda: work(group))
@@ -402,7 +402,7 @@ def _write_adapter(ckpt: Path, manifest: Manifest, out: Path, dtype: torch.dtype
             read_pieces(cache, name, manifest.slices[name], 0, value.numel(), value)
             value = value.view(info["shape"]).to(dtype or value.dtype)
             entries.append(Entry(key, value.dtype, tuple(value.shape), host_pieces(value)))
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out)
     write_file_atomically(out / ADAPTER_WEIGHTS, lambda tmp: write_streamed(tmp, entries, {"format": "pt"}))
     write_adapter_config(manifest.peft, out, model_class)
     for name in HF_FILES:

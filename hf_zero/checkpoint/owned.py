@@ -38,7 +38,7 @@ from .background import frozen
 from .format import fsync_file, write_bytes_atomically
 from .shared import require_shared
 from .stream import PIECE_NUMEL, Entry, FileLayout, host_pieces, write_streamed
-from .writer import INDEX_FILE, WEIGHT_FILE
+from .writer import INDEX_FILE, WEIGHT_FILE, make_directory
 
 
 @dataclass(frozen=True)
@@ -336,7 +336,7 @@ def _write_files(
     agrees on it: a rank that failed still serves the others' rounds)."""
     written: list[Path] = []
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_directory(directory)
         for name, entries in files:
             tmp = directory / f".{name}.partial"
             written.append(tmp)

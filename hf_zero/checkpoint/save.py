@@ -81,8 +81,9 @@ def save_checkpoint(
     See [Note: checkpoint layout] in `hf_zero/checkpoint/format.py` and [Note: atomic save].
 
     Args:
-        path (`str` or `os.PathLike`): the checkpoint directory to create (replaced if it exists).
-            Every rank must see the same filesystem at this path.
+        path (`str` or `os.PathLike`): the checkpoint directory to create; an hf_zero checkpoint already there
+            is replaced, anything else at the path is refused (the directory is swapped in as a whole, so what it
+            held would be deleted). Every rank must see the same filesystem at this path.
         model (`nn.Module`): a model returned by `hf_zero.initialize`. Its `config` and
             `generation_config`, when it has them, are saved beside the shards.
         optimizer (`ShardedOptimizer` or a list or tuple of them, *optional*): its state and param groups are
@@ -100,6 +101,8 @@ def save_checkpoint(
         `Path`: the checkpoint directory; with `async_save`, an `AsyncSave` whose `wait()` returns it.
 
     Raises:
+        ValueError: on every rank, before anything is written, where `path` holds something other than an hf_zero
+            checkpoint (a file, a run folder, a model directory).
         OSError: a rank could not write (disk full, read-only folder), on that rank;
             `RuntimeError` naming it on the others. Nothing existing is deleted.
 
@@ -117,6 +120,8 @@ def save_checkpoint(
         optimizers = sharded_list(optimizer, "save_checkpoint")
         _check_json(metadata)
         _check_async(async_save, snapshot_budget_bytes)
+        if world.rank == 0:  # the rank that swaps the new checkpoint in ([Note: atomic save])
+            _refuse_other_contents(target)
     finish_previous(engine)  # [Note: asynchronous save] the next save starts after the previous one
     engine.settle_masters()  # [Note: edits between steps]
     with agreement(world, f"hf_zero.save_checkpoint (removing what killed saves left beside {target})"):
@@ -391,6 +396,29 @@ def _manifest(
         layout=layout_to_json(model_layout(model)),
         peft=peft_configs(model),
     )
+
+
+def _refuse_other_contents(target: Path) -> None:
+    """`ValueError` where `target` holds something other than an hf_zero checkpoint: the commit moves what is at
+    the target aside and deletes it ([Note: atomic save]), so a run folder, a model directory or a file given as
+    the path would be lost. An empty directory and a committed checkpoint (its manifest written last) are fine."""
+    if not target.exists() and not target.is_symlink():
+        return
+    if not target.is_dir():
+        raise ValueError(
+            f"save_checkpoint: {target} is a file, not a checkpoint directory. Pass a directory path of its own."
+        )
+    if (target / MANIFEST).is_file():
+        return
+    held = sorted(child.name for child in target.iterdir())
+    if held:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ValueError(
+            f"save_checkpoint: {target} exists and is not an hf_zero checkpoint (no {MANIFEST}; it holds {shown}). "
+            "A checkpoint replaces the directory at its path as a whole (written beside it, then swapped in), so "
+            f"what is there would be deleted. Pass a path of its own, e.g. {target / 'checkpoint-1'}, or remove "
+            "the directory first."
+        )
 
 
 def _swap_into_place(staging: Path, target: Path, token: str) -> None:

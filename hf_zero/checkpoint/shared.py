@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from ..engine.collectives import CommGroup, agreement, broadcast_object, raise_if_any_failed
+from .writer import make_directory
 
 VISIBLE_WITHIN_S = 120.0  # NFS keeps a name's absence up to its attribute cache's acdirmax (60 s by default)
 
@@ -35,7 +36,7 @@ def require_shared(directory: Path, world: CommGroup, what: str) -> None:
     with agreement(world, f"{what} (creating {directory})"):
         if world.rank == 0:
             made = not directory.exists()
-            directory.mkdir(parents=True, exist_ok=True)
+            make_directory(directory)
             probe.write_text(token)
     unseen = None
     if world.rank != 0 and not _sees(probe, token):

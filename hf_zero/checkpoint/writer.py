@@ -72,6 +72,13 @@ def shard_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return groups
 
 
+def make_directory(directory: Path) -> None:
+    """Create the output directory `directory` (and its parents); `ValueError` where a file is at that path."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} is a file; a from_pretrained directory is written there. Pass a directory path.")
+    directory.mkdir(parents=True, exist_ok=True)
+
+
 class HFShardWriter:
     """Writes tensors into `from_pretrained`-style safetensors shards, one shard in memory at a time."""
 
@@ -87,7 +94,7 @@ class HFShardWriter:
         self.dtype = dtype
         self._layout = layout  # [Note: file layout] names stored otherwise than the model's; a callable is asked
         # at the first write (an offline consolidation learns it beside its reads: importing transformers costs s)
-        output_dir.mkdir(parents=True, exist_ok=True)
+        make_directory(output_dir)
         self._open: dict[str, torch.Tensor] = {}
         self._open_bytes = 0
         self._written: list[tuple[Path, list[str]]] = []  # temporary shard files and their tensor names
