@@ -376,6 +376,30 @@ def test_bin_files_that_cannot_be_mapped_are_refused_and_safetensors_come_first(
         assert torch.equal(value, expected[name]), name
 
 
+@pytest.mark.parametrize("stale_shards", [False, True])
+def test_a_single_file_beside_a_stale_index_loads_as_transformers_loads_it(tmp_path, stale_shards):
+    """Saved sharded, then as one file into the same directory: transformers' `save_pretrained` leaves the old
+    index (and another tool may leave the old shards). `from_pretrained` reads `model.safetensors` first; so must
+    hf_zero (it read the index: a missing file, or with the old shards there, the old weights, silently)."""
+    import hf_zero
+
+    old, new = make_model("llama", seed=1), make_model("llama", seed=2)
+    kept = tmp_path / "kept"
+    old.save_pretrained(kept, max_shard_size="20KB")
+    directory = tmp_path / "model"
+    old.save_pretrained(directory, max_shard_size="20KB")
+    new.save_pretrained(directory)
+    if stale_shards:
+        for f in kept.glob("model-*.safetensors"):
+            shutil.copy(f, directory / f.name)
+    assert (directory / "model.safetensors.index.json").is_file()
+    expected = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    assert torch.equal(expected["lm_head.weight"], new.state_dict()["lm_head.weight"])
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, directory, hf_zero.ZeroConfig(stage=3))
+    for name, value in hf_zero.full_state_dict(model).items():
+        assert torch.equal(value, expected[name]), name
+
+
 @pytest.mark.parametrize("head", ["different", "equal"])
 def test_a_tied_head_the_files_also_hold_is_tied_as_transformers_ties_it(tmp_path, head):
     """`tie_word_embeddings=True` with the head in the files too: with other values than the embeddings (the config

@@ -75,16 +75,17 @@ def read_pieces(cache: FileCache, key: str, stored: list[list[Any]], start: int,
 
 
 def hf_weight_map(directory: Path) -> dict[str, str]:
-    """`{tensor name: file}` of a Hugging Face model directory (single file or sharded with an index): its
-    safetensors files where it has them (as transformers prefers them), else its `pytorch_model*.bin` files
-    ([Note: .bin weights] in torch_bin.py)."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+    """`{tensor name: file}` of a Hugging Face model directory (single file or sharded with an index), in the order
+    transformers' `from_pretrained` looks for them: `model.safetensors`, then the index, then `pytorch_model*.bin`
+    ([Note: .bin weights] in torch_bin.py). A directory saved sharded and then as one file keeps the stale index
+    (transformers' `save_pretrained` does not remove it), so the single file must come first."""
     single = directory / "model.safetensors"
     if single.is_file():
         with safe_open(str(single), framework="pt", device="cpu") as f:
             return {k: "model.safetensors" for k in f.keys()}
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
     from_bin = bin_weight_map(directory)
     if from_bin is not None:
         return from_bin
