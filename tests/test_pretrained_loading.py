@@ -400,6 +400,24 @@ def test_a_single_file_beside_a_stale_index_loads_as_transformers_loads_it(tmp_p
         assert torch.equal(value, expected[name]), name
 
 
+def test_loader_keywords_read_the_files_transformers_reads_or_are_refused(tmp_path):
+    """`subfolder` took the config from the subfolder and the weights from the folder above (another model's,
+    silently); now both come from it, as transformers'. `variant` and `gguf_file` would read files other than
+    transformers' and are refused naming what to do."""
+    import hf_zero
+
+    make_model("llama", seed=1).save_pretrained(tmp_path)
+    make_model("llama", seed=2).save_pretrained(tmp_path / "sub")
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path, subfolder="sub").state_dict()
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, tmp_path, hf_zero.ZeroConfig(stage=3), subfolder="sub")
+    for name, value in hf_zero.full_state_dict(model).items():
+        assert torch.equal(value, expected[name]), name
+    with pytest.raises(TypeError, match=r"variant: it reads model.safetensors"):
+        hf_zero.from_pretrained(AutoModelForCausalLM, tmp_path, hf_zero.ZeroConfig(stage=3), variant="fp16")
+    with pytest.raises(TypeError, match=r"not GGUF"):
+        hf_zero.from_pretrained(AutoModelForCausalLM, tmp_path, hf_zero.ZeroConfig(stage=3), gguf_file="m.gguf")
+
+
 @pytest.mark.parametrize("head", ["different", "equal"])
 def test_a_tied_head_the_files_also_hold_is_tied_as_transformers_ties_it(tmp_path, head):
     """`tie_word_embeddings=True` with the head in the files too: with other values than the embeddings (the config

@@ -80,7 +80,8 @@ def from_pretrained(
             refused.
         config_overrides: attributes of the model's config to change before it is built, as `from_pretrained`
             takes them (`use_cache=False`, `max_position_embeddings=8192`, `rope_parameters={...}`); a name the config
-            does not have raises `TypeError`.
+            does not have raises `TypeError`. `subfolder="..."` reads the model from that folder of `path`, as
+            `from_pretrained` does.
 
     Returns:
         `tuple[nn.Module, ShardedOptimizer | None]`: as `hf_zero.initialize`.
@@ -95,6 +96,14 @@ def from_pretrained(
     ```
     """
     world = CommGroup.world()
+    subfolder = config_overrides.pop("subfolder", None)  # as transformers': config and weights both from there
+    if subfolder:
+        path = os.path.join(path, subfolder)
+    if config_overrides.get("gguf_file") is not None:  # the config would come from it, the weights not
+        raise TypeError(
+            "hf_zero.from_pretrained reads safetensors (or pytorch_model*.bin) weights, not GGUF: load it with "
+            "transformers' from_pretrained(path, gguf_file=...), save_pretrained(new_dir), and load new_dir."
+        )
     # [Note: agreed load]: local steps, each agreed on before the next collective
     with agreement(world, "hf_zero.from_pretrained"):
         model, fresh = _build_from(
@@ -198,6 +207,13 @@ _LOADER_KEYWORDS = {
     "offload_folder": "use ZeroConfig(offload_dir=...)",
     "quantization_config": "load the quantized model with transformers' from_pretrained, then hf_zero.initialize",
     "revision": "hf_zero.from_pretrained reads a local directory (download it first, e.g. huggingface-cli download)",
+    "variant": "it reads model.safetensors (or its index); save the variant's weights under those names "
+    "(transformers' from_pretrained(path, variant=...).save_pretrained(new_dir)) and load new_dir",
+    "use_safetensors": "drop it: safetensors weights are read where there are any, else pytorch_model*.bin",
+    "output_loading_info": "drop it: weights the files lack are refused or named in a warning",
+    "key_mapping": "save the model with transformers' names (from_pretrained(path, key_mapping=...)"
+    ".save_pretrained(new_dir)) and load new_dir",
+    "tp_plan": "drop it: hf_zero shards the model itself (ZeroConfig)",
     "cache_dir": "hf_zero.from_pretrained reads a local directory (download it first, e.g. huggingface-cli download)",
 }
 
