@@ -268,6 +268,11 @@ class ZeroModel:
                 "save_pretrained of a sharded model writes safetensors locally; push the written directory with "
                 "huggingface_hub afterwards."
             )
+        if kwargs.get("variant") is not None:  # it would write model.safetensors over the directory's main weights
+            raise ValueError(
+                f"save_pretrained of a sharded model writes model.safetensors; variant={kwargs['variant']!r} is not "
+                "supported: save into a directory of its own instead."
+            )
         from .checkpoint.consolidate import save_pretrained as write_pretrained
 
         engine = self.zero_engine

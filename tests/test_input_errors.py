@@ -228,6 +228,20 @@ def test_argument_type_errors():
     assert "make it a submodule of the model before hf_zero.initialize" in str(caught.value)
 
 
+def test_save_pretrained_arguments_it_cannot_honour_are_refused(tmp_path):
+    """A sharded model's `save_pretrained` writes safetensors named model*.safetensors: a `variant` (it wrote
+    model.safetensors over the directory's main weights, silently), `safe_serialization=False` and `push_to_hub`
+    are refused, and nothing is written."""
+    model, _ = hf_zero.initialize(make_model("llama"), None, hf_zero.ZeroConfig(stage=3))
+    with pytest.raises(ValueError, match="variant='fp16' is not supported"):
+        model.save_pretrained(tmp_path / "a", variant="fp16")
+    with pytest.raises(ValueError, match="writes safetensors locally"):
+        model.save_pretrained(tmp_path / "b", safe_serialization=False)
+    with pytest.raises(ValueError, match="writes safetensors locally"):
+        model.save_pretrained(tmp_path / "c", push_to_hub=True)
+    assert not any(tmp_path.iterdir())
+
+
 def test_optimizer_that_already_stepped_is_refused():
     model = make_model("llama")
     opt = make_optimizer(model, 1e-3)
