@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -398,10 +399,14 @@ def _manifest(
     )
 
 
+_SHARD_FILE = re.compile(r"(model|optim)-rank\d{5}-of-\d{5}\.safetensors")  # `model_file`, `optim_file`
+
+
 def _refuse_other_contents(target: Path) -> None:
     """`ValueError` where `target` holds something other than an hf_zero checkpoint: the commit moves what is at
     the target aside and deletes it ([Note: atomic save]), so a run folder, a model directory or a file given as
-    the path would be lost. An empty directory and a committed checkpoint (its manifest written last) are fine."""
+    the path would be lost. An empty directory and a checkpoint (its manifest, or at least its shard files, there)
+    are fine."""
     if not target.exists() and not target.is_symlink():
         return
     if not target.is_dir():
@@ -411,6 +416,8 @@ def _refuse_other_contents(target: Path) -> None:
     if (target / MANIFEST).is_file():
         return
     held = sorted(child.name for child in target.iterdir())
+    if any(_SHARD_FILE.fullmatch(name) for name in held):  # a checkpoint of ours whose manifest is gone: replaced
+        return
     if held:
         shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
         raise ValueError(
