@@ -196,9 +196,16 @@ def single_dtype(model: nn.Module) -> torch.dtype:
     """The one floating-point dtype of the model's parameters; `ValueError` for several, or an integer one."""
     dtypes = {p.dtype for p in model.parameters()}
     if len(dtypes) > 1:
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, p in model.named_parameters():
+            by_dtype.setdefault(p.dtype, []).append(name)
+        fewest = min(by_dtype, key=lambda d: len(by_dtype[d]))
         raise ValueError(
-            f"hf_zero needs the model's parameters in one dtype; found {sorted(map(str, dtypes))}. "
-            "Cast the model with model.to(dtype), or set ZeroConfig(mixed_precision=...)."
+            f"hf_zero needs the model's parameters in one dtype; found {sorted(map(str, dtypes))}, e.g. "
+            f"{by_dtype[fewest][:3]} in {fewest} (transformers keeps a model's `_keep_in_fp32_modules` in float32 "
+            "when it loads the rest in bf16/fp16). Load or cast the whole model in float32 (from_pretrained(..., "
+            "dtype=torch.float32), model.float()) and compute in half precision with "
+            "ZeroConfig(mixed_precision='bf16'), whose master weights are float32 anyway."
         )
     if dtypes and not next(iter(dtypes)).is_floating_point:
         raise ValueError(f"hf_zero can only shard floating-point parameters; found {dtypes}.")
