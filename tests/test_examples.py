@@ -241,6 +241,34 @@ def test_dpo_at_stage_3_matches_stock_dpo_trainer_under_ddp(assets, tmp_path, st
         np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+def test_grpo_at_stage_3_matches_stock_grpo_trainer_under_ddp(tmp_path):
+    """TRL's GRPOTrainer (online RL) with hf_zero mixed in against TRL's stock GRPOTrainer under DDP, both under
+    `accelerate launch` on 2 processes: every step generates on the sharded model (ranks ending their completions
+    at different steps keep each other's gathers going), scores, and trains against a reference model (KL, beta
+    0.04). The sampled lengths, rewards, KL, losses and gradient norms within 1e-5 relative, and equal saved
+    weights (fp32)."""
+    pytest.importorskip("trl")
+    from safetensors.torch import load_file
+
+    from tests._training import make_model, make_tokenizer
+
+    base, zero, stock = tmp_path / "base", tmp_path / "zero", tmp_path / "stock"
+    make_model("llama", seed=3).save_pretrained(base)
+    make_tokenizer(str(base))
+    _run(ACCELERATE + ["tests/_grpo_run.py", str(base), str(zero), "3"])
+    _run(ACCELERATE + ["tests/_grpo_run.py", str(base), str(stock), "stock"], baseline=True)
+    got, want = json.loads((zero / "logged.json").read_text()), json.loads((stock / "logged.json").read_text())
+    assert len(got) == 2 and all(w["completions/min_length"] < w["completions/max_length"] for w in want)  # uneven
+    assert want[1]["kl"] > 0
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for key in w:
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    a, b = load_file(zero / "final" / "model.safetensors"), load_file(stock / "final" / "model.safetensors")
+    for name in b:
+        np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 def _two_node_config(directory: Path, machine_rank: int, port: int) -> Path:
     """`accelerate_configs/two_nodes_8gpu.yaml` for two "nodes" on this machine: 2 CPU processes each."""
     import yaml
