@@ -44,6 +44,24 @@ def test_good_checkpoint_loads(pools, saved, tmp_path):
         assert r["error_type"] is None and not r["unchanged"]  # the control: loading does change the model
 
 
+def test_a_trainer_checkpoint_folder_loads_and_consolidates_and_a_run_folder_names_its_checkpoints(pools, saved,
+                                                                                                 tmp_path):
+    """`checkpoint-N` (the Trainer's, holding the sharded state in `hf_zero/`: what `last_complete_checkpoint`
+    returns) is read through its `hf_zero/` by `load_checkpoint` and `consolidate`; the run folder above it is
+    refused naming the checkpoints it holds."""
+    import hf_zero
+
+    run = tmp_path / "run"
+    shutil.copytree(saved, run / "checkpoint-2" / "hf_zero")
+    assert hf_zero.last_complete_checkpoint(run) == run / "checkpoint-2"
+    for r in pools(2).values(checkpoint_cases.load_into_fresh_model, str(run / "checkpoint-2"), "llama", 3):
+        assert r["error_type"] is None and not r["unchanged"], r
+    hf_zero.consolidate(run / "checkpoint-2", tmp_path / "a", progress=False)
+    hf_zero.consolidate(saved, tmp_path / "b", progress=False)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    _expect(pools, run, "FileNotFoundError", "It holds checkpoints (checkpoint-2): pass one of them")
+
+
 def test_missing_shard_file(pools, saved, tmp_path):
     ckpt = _copy(saved, tmp_path)
     (ckpt / "model-rank00001-of-00002.safetensors").unlink()

@@ -36,6 +36,7 @@ from .format import (
     check_sizes,
     save_hf_files,
     set_config_dtype,
+    sharded_state_dir,
     write_file_atomically,
 )
 from .owned import snapshot_owned, write_owned
@@ -68,7 +69,8 @@ def consolidate(
     `hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]`.
 
     Args:
-        checkpoint_dir (`str` or `os.PathLike`): a directory written by `save_checkpoint`.
+        checkpoint_dir (`str` or `os.PathLike`): a directory written by `save_checkpoint`, or a Trainer's
+            `checkpoint-N` (an Accelerate `save_state` folder) whose `hf_zero/` holds one.
         output_dir (`str` or `os.PathLike`): where to write (created; weight files of an earlier
             save there are replaced).
         dtype (`str` or `torch.dtype`, *optional*): `"bf16"`, `"fp16"` or `"fp32"`; defaults to the
@@ -88,7 +90,7 @@ def consolidate(
     >>> model = AutoModelForCausalLM.from_pretrained("llama-domain")
     ```
     """
-    ckpt, out = Path(checkpoint_dir), Path(output_dir)
+    ckpt, out = sharded_state_dir(checkpoint_dir), Path(output_dir)  # a Trainer's checkpoint-N: its hf_zero/
     out_dtype = parse_dtype(dtype)
     parse_size(max_shard_size)
     manifest = Manifest.read(ckpt)

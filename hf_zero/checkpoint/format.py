@@ -55,6 +55,7 @@ FORMAT_VERSION = 3  # 3: the manifest's `layout`; 2: xxh3_128 checksums ([Note: 
 READABLE_VERSIONS = (1, 2, 3)
 CHECKSUM = "xxh3_128"
 MANIFEST = "hf_zero_manifest.json"
+SUBDIR = "hf_zero"  # where the Trainer (`checkpoint-N/`) and Accelerate (`save_state(dir)`) keep the sharded state
 BUFFERS_FILE = "buffers.safetensors"
 STATE_SEP = "::"  # between a parameter name and an optimizer state key
 HF_FILES = (
@@ -155,9 +156,16 @@ class Manifest:
             raise FileNotFoundError(f"No hf_zero checkpoint at {directory}: the directory does not exist.")
         path = directory / MANIFEST
         if not path.is_file():
+            held = sorted(c.name for c in directory.iterdir() if (c / SUBDIR / MANIFEST).is_file())
+            hint = (
+                f" It holds checkpoints ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): pass one of them, "
+                f"e.g. hf_zero.last_complete_checkpoint({str(directory)!r})."
+                if held
+                else " Resume from an earlier checkpoint."
+            )
             raise FileNotFoundError(
                 f"{directory} has no {MANIFEST}: it is not an hf_zero checkpoint, or its save did not finish "
-                "(the manifest is written last). Resume from an earlier checkpoint."
+                f"(the manifest is written last).{hint}"
             )
         try:
             raw = json.loads(path.read_text())
@@ -305,10 +313,20 @@ def check_checksum(directory: Path, manifest: Manifest, name: str, checksum: str
         )
 
 
+def sharded_state_dir(directory: str | os.PathLike[str]) -> Path:
+    """The directory holding a checkpoint's sharded state: `directory` itself, or its `hf_zero/` where the
+    Trainer's `checkpoint-N` or Accelerate's `save_state` folder is given (what `last_complete_checkpoint`
+    returns)."""
+    path = Path(directory)
+    if not (path / MANIFEST).is_file() and (path / SUBDIR / MANIFEST).is_file():
+        return path / SUBDIR
+    return path
+
+
 def last_complete_checkpoint(
     output_dir: str | os.PathLike[str],
     pattern: str = r"checkpoint-(\d+)",
-    subdir: str = "hf_zero",
+    subdir: str = SUBDIR,
     also_required: tuple[str, ...] = (),
 ) -> Path | None:
     """The newest `output_dir/<pattern>` directory whose hf_zero checkpoint is complete.

@@ -29,7 +29,17 @@ from ..engine.step.optim import ShardedOptimizer, sharded_list
 from ..engine.step.pieces import Piece
 from .background import finish_previous
 from .backup import MasterBackup
-from .format import BUFFERS_FILE, STATE_SEP, Digest, Manifest, check_checksum, check_files, check_sizes, optim_file_for
+from .format import (
+    BUFFERS_FILE,
+    STATE_SEP,
+    Digest,
+    Manifest,
+    check_checksum,
+    check_files,
+    check_sizes,
+    optim_file_for,
+    sharded_state_dir,
+)
 from .owned_state import (
     PARAM,
     check_flat_loadable,
@@ -58,7 +68,8 @@ def load_checkpoint(
     that saved. Each rank reads only the byte ranges its shards need.
 
     Args:
-        path (`str` or `os.PathLike`): the checkpoint directory.
+        path (`str` or `os.PathLike`): the checkpoint directory, or a Trainer's `checkpoint-N` (an Accelerate
+            `save_state` folder) whose `hf_zero/` holds it.
         model (`nn.Module`): a model returned by `hf_zero.initialize`, of the same architecture.
         optimizer (`ShardedOptimizer` or a list or tuple of them, *optional*): restored too (state, param-group
             hyperparameters); several optimizers in the order they were saved.
@@ -87,7 +98,7 @@ def load_checkpoint(
     engine = get_engine(model)
     engine.calls.begin(Call.LOAD_CHECKPOINT, read_now=True)  # [Note: call order]
     finish_previous(engine)  # [Note: asynchronous save]: a checkpoint being written is read once committed
-    directory = Path(path)
+    directory = sharded_state_dir(path)  # a Trainer's checkpoint-N: its hf_zero/
     manifest: Manifest | None = None
     needed: list[str] = []
     error: BaseException | None = None
