@@ -234,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
         "consolidate",
         help="write a sharded hf_zero checkpoint as a from_pretrained directory (offline, bounded memory)",
     )
-    c.add_argument("checkpoint", help="checkpoint directory written by hf_zero.save_checkpoint, or a Trainer's checkpoint-N")
+    c.add_argument(
+        "checkpoint", help="checkpoint directory written by hf_zero.save_checkpoint, or a Trainer's checkpoint-N"
+    )
     c.add_argument("output", help="output directory for the Hugging Face model")
     c.add_argument(
         "--dtype",
