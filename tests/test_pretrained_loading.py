@@ -418,6 +418,62 @@ def test_loader_keywords_read_the_files_transformers_reads_or_are_refused(tmp_pa
         hf_zero.from_pretrained(AutoModelForCausalLM, tmp_path, hf_zero.ZeroConfig(stage=3), gguf_file="m.gguf")
 
 
+_REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+"""
+_REMOTE_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_tiny import TinyRemoteConfig
+
+
+class TinyRemoteForCausalLM(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+"""
+
+
+@pytest.mark.parametrize("how", ["initialize", "from_pretrained"])
+def test_a_remote_code_model_saves_its_code_and_loads_back(tmp_path, monkeypatch, how):
+    """A model whose code lives in its directory (`trust_remote_code`, `auto_map` in config.json): its
+    `save_pretrained` and the consolidation of its checkpoint lacked `modeling_*.py`, so transformers could not
+    load them; now both copy the code as transformers' `save_pretrained` does, and load with the trained
+    weights."""
+    import hf_zero
+
+    package = tmp_path / "code" / "tinyremote"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "configuration_tiny.py").write_text(_REMOTE_CONFIG)
+    (package / "modeling_tiny.py").write_text(_REMOTE_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    config_module = importlib.import_module("tinyremote.configuration_tiny")
+    model_module = importlib.import_module("tinyremote.modeling_tiny")
+    config_module.TinyRemoteConfig.register_for_auto_class()
+    model_module.TinyRemoteForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    config = config_module.TinyRemoteConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model_module.TinyRemoteForCausalLM(config).save_pretrained(tmp_path / "base")
+    zero = hf_zero.ZeroConfig(stage=3)
+    if how == "initialize":
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", trust_remote_code=True)
+        model, _ = hf_zero.initialize(model, None, zero)
+    else:
+        model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, tmp_path / "base", zero, trust_remote_code=True)
+    expected = hf_zero.full_state_dict(model)
+    model.save_pretrained(tmp_path / "saved")
+    hf_zero.save_checkpoint(tmp_path / "ckpt", model)
+    hf_zero.consolidate(tmp_path / "ckpt", tmp_path / "consolidated", progress=False)
+    for directory in ("saved", "consolidated"):
+        assert {"configuration_tiny.py", "modeling_tiny.py"} <= {p.name for p in (tmp_path / directory).iterdir()}
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / directory, trust_remote_code=True)
+        assert type(loaded).__name__ == "TinyRemoteForCausalLM"
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, expected[name]), (directory, name)
+
+
 @pytest.mark.parametrize("head", ["different", "equal"])
 def test_a_tied_head_the_files_also_hold_is_tied_as_transformers_ties_it(tmp_path, head):
     """`tie_word_embeddings=True` with the head in the files too: with other values than the embeddings (the config

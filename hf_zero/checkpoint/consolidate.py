@@ -28,7 +28,6 @@ from ..engine.module import get_engine
 from .background import AsyncSave, chain, checkpoint_group
 from .format import (
     BUFFERS_FILE,
-    HF_FILES,
     Digest,
     Manifest,
     check_checksum,
@@ -37,6 +36,7 @@ from .format import (
     save_hf_files,
     set_config_dtype,
     sharded_state_dir,
+    side_files,
     write_file_atomically,
 )
 from .owned import snapshot_owned, write_owned
@@ -122,9 +122,8 @@ def consolidate(
         raise
     finally:
         bar.close()
-    for name in HF_FILES:
-        if (ckpt / name).is_file():
-            shutil.copyfile(ckpt / name, out / name)
+    for name in side_files(ckpt):  # config, tokenizer, a remote-code model's code
+        shutil.copyfile(ckpt / name, out / name)
     saved_dtype = dtype_from_name(next(iter(manifest.params.values()))["dtype"]) if manifest.params else torch.float32
     set_config_dtype(out / "config.json", out_dtype or saved_dtype)
     return files
@@ -407,9 +406,9 @@ def _write_adapter(ckpt: Path, manifest: Manifest, out: Path, dtype: torch.dtype
     make_directory(out)
     write_file_atomically(out / ADAPTER_WEIGHTS, lambda tmp: write_streamed(tmp, entries, {"format": "pt"}))
     write_adapter_config(manifest.peft, out, model_class)
-    for name in HF_FILES:
-        if name not in ("config.json", "generation_config.json") and (ckpt / name).is_file():
-            shutil.copyfile(ckpt / name, out / name)  # the tokenizer; a model's config would make this look a model
+    for name in side_files(ckpt):  # the tokenizer; a model's config or code would make this look a model
+        if name not in ("config.json", "generation_config.json") and not name.endswith(".py"):
+            shutil.copyfile(ckpt / name, out / name)
     return [ADAPTER_WEIGHTS]
 
 

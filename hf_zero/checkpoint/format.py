@@ -58,18 +58,19 @@ MANIFEST = "hf_zero_manifest.json"
 SUBDIR = "hf_zero"  # where the Trainer (`checkpoint-N/`) and Accelerate (`save_state(dir)`) keep the sharded state
 BUFFERS_FILE = "buffers.safetensors"
 STATE_SEP = "::"  # between a parameter name and an optimizer state key
-HF_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
+SHARD_FILE = re.compile(r"(model|optim)-rank\d{5}-of-\d{5}\.safetensors")  # `model_file`, `optim_file`
+
+
+def side_files(directory: Path) -> list[str]:
+    """The files of a checkpoint that belong to the model directory it becomes (`config.json`, the tokenizer's
+    files, a remote-code model's `*.py`, ...): every regular file but hf_zero's own (the manifest, the shards,
+    the buffers) and temporary ones."""
+    own = {MANIFEST, BUFFERS_FILE}
+    return sorted(
+        f.name
+        for f in directory.iterdir()
+        if f.is_file() and f.name not in own and not SHARD_FILE.fullmatch(f.name) and not f.name.startswith(".")
+    )
 
 
 def model_file(rank: int, world: int) -> str:
@@ -239,8 +240,22 @@ def save_hf_files(model: nn.Module, tokenizer: Any, directory: Path, dtype: torc
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(str(directory))
+    _save_model_code(model, directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
+
+
+def _save_model_code(model: nn.Module, directory: Path) -> None:
+    """As transformers' `save_pretrained`: a model whose code came with its directory (`trust_remote_code`, its
+    class registered for an auto class) gets its `modeling_*.py` copied beside the weights, which `auto_map` in
+    `config.json` names; without them `from_pretrained(dir, trust_remote_code=True)` cannot load it."""
+    unwrap = getattr(model, "get_base_model", None)  # under a PEFT wrapper, the model it wraps
+    base = unwrap() if callable(unwrap) else model
+    if getattr(base, "_auto_class", None) is None or "transformers" not in sys.modules:
+        return
+    from transformers.dynamic_module_utils import custom_object_save
+
+    custom_object_save(base, str(directory), config=getattr(base, "config", None))
 
 
 def _set_config_architectures(config_path: Path, model: nn.Module) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -49,6 +48,7 @@ from .format import (
     BUFFERS_FILE,
     FORMAT_VERSION,
     MANIFEST,
+    SHARD_FILE,
     STATE_SEP,
     FileEntry,
     Manifest,
@@ -399,9 +399,6 @@ def _manifest(
     )
 
 
-_SHARD_FILE = re.compile(r"(model|optim)-rank\d{5}-of-\d{5}\.safetensors")  # `model_file`, `optim_file`
-
-
 def _refuse_other_contents(target: Path) -> None:
     """`ValueError` where `target` holds something other than an hf_zero checkpoint: the commit moves what is at
     the target aside and deletes it ([Note: atomic save]), so a run folder, a model directory or a file given as
@@ -416,7 +413,7 @@ def _refuse_other_contents(target: Path) -> None:
     if (target / MANIFEST).is_file():
         return
     held = sorted(child.name for child in target.iterdir())
-    if any(_SHARD_FILE.fullmatch(name) for name in held):  # a checkpoint of ours whose manifest is gone: replaced
+    if any(SHARD_FILE.fullmatch(name) for name in held):  # a checkpoint of ours whose manifest is gone: replaced
         return
     if held:
         shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
