@@ -176,6 +176,39 @@ def test_from_pretrained_with_a_read_failing_on_one_rank_raises_on_every_rank(po
     assert "failed on rank(s) [1]" in results[0].error and "Input/output error (injected)" in results[0].error
 
 
+def test_a_quantized_checkpoint_is_refused_on_every_rank_not_read_as_weights(pools, tmp_path):
+    """An FP8 checkpoint (DeepSeek-V3's and Qwen3-FP8's kind: `quantization_config` in config.json, each matrix in
+    float8 beside its `weight_scale_inv`): transformers dequantizes it on load; hf_zero read the fp8 codes as the
+    weights (q_proj's largest value 448 where the model's is 0.08), silently. Now refused on every rank, naming the
+    way (transformers' from_pretrained, then initialize), by `from_pretrained` and by `initialize(weights_from=)`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests._training import make_model as build
+
+    model_dir = tmp_path / "fp8"
+    build("llama").save_pretrained(model_dir)
+    stored = {}
+    for name, value in load_file(model_dir / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            scale = value.abs().max() / 448.0
+            stored[name] = (value / scale).to(torch.float8_e4m3fn)
+            stored[name.removesuffix("weight") + "weight_scale_inv"] = scale.reshape(1, 1)
+        else:
+            stored[name] = value
+    save_file(stored, model_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    results = pools(2).run(engine_cases.from_pretrained_with_a_directory_per_rank, [str(model_dir)] * 2, timeout=60)
+    for r in results:
+        assert r.error_type == "ValueError" and "holds quantized weights" in r.error, r.traceback
+        assert "quant_method 'fp8'" in r.error and "transformers' from_pretrained" in r.error
+    with pytest.raises(ValueError, match="holds quantized weights"):
+        hf_zero.initialize(build("llama"), None, hf_zero.ZeroConfig(stage=3), weights_from=model_dir)
+
+
 def test_hf_zeros_groups_wait_as_long_as_the_default_group_unless_told():
     """By default the groups hf_zero creates (hybrid sharding's, background saves') take the default process group's
     timeout, which the launcher set (the Trainer's --ddp_timeout): before, 600 s whatever it was, so a job that

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import math
 import os
 import re
@@ -76,6 +77,29 @@ def files_dtype(directory: str | os.PathLike[str]) -> torch.dtype:
         dtypes = [stored.dtype for _, stored in sorted(stored_tensors(Path(directory) / first).items())]  # keys() order
     floating = [d for d in dtypes if d.is_floating_point and "float8_" not in str(d)]
     return (floating or dtypes or [torch.float32])[0]
+
+
+def refuse_quantized(directory: Path) -> None:
+    """`ValueError` for a directory whose weights are stored quantized (`quantization_config` in its config.json:
+    FP8 checkpoints, GPTQ, AWQ, bitsandbytes...): its files hold fp8 or integer codes and their scales, which
+    transformers' loader dequantizes or hands to a quantizer; read as they are they would be taken for the
+    weights themselves."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        quantization = json.loads(config_file.read_text()).get("quantization_config")
+    except (ValueError, AttributeError):
+        return  # not ours to judge: the config's own reader reports it
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ValueError(
+            f"{directory} holds quantized weights (quantization_config, quant_method {method!r} in its config.json): "
+            "hf_zero reads the files' tensors as they are stored and would take the quantized codes for the "
+            "weights. Load the model with transformers' from_pretrained (which dequantizes it or applies its "
+            "quantizer) and pass it to hf_zero.initialize, or save a dequantized copy with save_pretrained and "
+            "load that."
+        )
 
 
 class Built(Protocol):
@@ -160,6 +184,7 @@ class PretrainedSource:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"No model directory at {self.directory}.")
+        refuse_quantized(self.directory)
         self.weight_map = hf_weight_map(self.directory)
         self._bins = BinWeights(self.directory)  # [Note: .bin weights], where the directory has those
         names = conversions(list(self.weight_map), self._meta) if conversions is not None else None
