@@ -106,6 +106,42 @@ def loop(use_zero: bool, stage: int = 3, steps: int = 4, accum: int = 2, save_at
     }
 
 
+def automatic_checkpoint_naming(project_dir: str) -> dict[str, Any]:
+    """Accelerate's `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2)`: `save_state()` after
+    each of 3 steps (Accelerate names and rotates `checkpoints/checkpoint_N`), one more step, then `load_state()`
+    with no directory (the newest). The folders left, each one's contents, and whether the loaded weights equal
+    those of the last save."""
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    import hf_zero
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    project = ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = hf_zero.ZeroAccelerator(zero_plugin=hf_zero.ZeroPlugin(zero_stage=3), project_config=project)
+    model = make_model("llama")
+    model, opt = accelerator.prepare(model, make_optimizer(model, 1e-3))
+    batch = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(accelerator.process_index))
+    saved: dict[str, torch.Tensor] = {}
+    for _ in range(3):
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        opt.step()
+        opt.zero_grad()
+        accelerator.save_state()
+        saved = {k: v.detach().clone() for k, v in accelerator.get_state_dict(model).items()}
+    accelerator.backward(model(input_ids=batch, labels=batch).loss)
+    opt.step()
+    opt.zero_grad()
+    accelerator.load_state()
+    loaded = accelerator.get_state_dict(model)
+    root = os.path.join(project_dir, "checkpoints")
+    return {"folders": {f: sorted(os.listdir(os.path.join(root, f))) for f in sorted(os.listdir(root))},
+            "equal": all(torch.equal(loaded[k], v) for k, v in saved.items()) if accelerator.is_main_process else None}
+
+
 def preemption_stops_together(save_dir: str, signal_rank: int, signal_step: int) -> dict[str, Any]:
     """ZeroPlugin(zero_save_on_preemption=True): rank `signal_rank` gets SIGUSR1 during step `signal_step`; the
     loop asks `accelerator.preempted()` after each step and, once it says so, saves and stops. Returns the step

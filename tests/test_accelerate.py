@@ -111,6 +111,16 @@ def test_save_state_and_load_state_resume(pools, tmp_path, two_optimizers, async
         np.testing.assert_array_equal(resumed["state"][name].numpy(), value.numpy())
 
 
+def test_automatic_checkpoint_naming_rotates_and_load_state_takes_the_newest(pools, tmp_path):
+    """Accelerate's automatic checkpoint naming: `save_state()` writes `checkpoints/checkpoint_N` (the sharded state
+    in its `hf_zero/`), `total_limit` rotates them, and `load_state()` with no directory loads the newest, as
+    stock Accelerate does (it was refused, asking for a directory)."""
+    results = pools(2).values(ac.automatic_checkpoint_naming, str(tmp_path))
+    assert list(results[0]["folders"]) == ["checkpoint_1", "checkpoint_2"]
+    assert all("hf_zero" in contents for contents in results[0]["folders"].values())
+    assert results[0]["equal"] is True
+
+
 # the slow tier (16 s on 2 cores): the same world size resumes in test_save_state_and_load_state_resume, another
 # world size through hf_zero.load_checkpoint in tests/test_checkpoint.py
 @pytest.mark.parametrize("resume_world", [pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])

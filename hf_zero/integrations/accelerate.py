@@ -34,7 +34,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from ..api import attach_optimizer, full_state_dict, initialize
-from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
+from ..checkpoint import last_complete_checkpoint, load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
 from ..config import ZeroConfig
 from ..engine.module import get_engine, is_sharded
 from ..engine.step.optim import ShardedOptimizer
@@ -327,10 +327,24 @@ class ZeroAccelerator(Accelerator):
         if self._zero_model is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
         if input_dir is None:
-            raise ValueError("ZeroAccelerator.load_state needs the checkpoint directory (input_dir).")
+            input_dir = self._latest_state()
         with self._without_engine_objects():
             super().load_state(input_dir, load_kwargs, **kwargs)
         load_checkpoint(os.path.join(input_dir, CHECKPOINT_SUBDIR), self._zero_model, self._optimizer_arg())
+
+    def _latest_state(self) -> str:
+        """`load_state()` without a directory, as Accelerate's: with `automatic_checkpoint_naming`, the newest
+        `project_dir/checkpoints/checkpoint_N` (here the newest whose sharded state is complete)."""
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError(
+                "ZeroAccelerator.load_state needs the checkpoint directory (input_dir), or a ProjectConfiguration "
+                "with automatic_checkpoint_naming=True to take the newest one."
+            )
+        root = os.path.join(self.project_dir, "checkpoints")
+        latest = last_complete_checkpoint(root, pattern=r"checkpoint_(\d+)", subdir=CHECKPOINT_SUBDIR)
+        if latest is None:
+            raise FileNotFoundError(f"No complete checkpoint_N under {root} to load.")
+        return str(latest)
 
     def _optimizer_arg(self) -> ShardedOptimizer | list[ShardedOptimizer] | None:
         """The prepared optimizers as the checkpoint functions take them (one saves as one, several as a list)."""
