@@ -123,6 +123,7 @@ class Job:
     liger: bool = False  # --use_liger_kernel, with tests._training.apply_liger_like (Liger needs triton and a GPU)
     presharded: bool = False  # the model sharded (hf_zero.initialize, no optimizer) before the Trainer is built
     neftune_alpha: float | None = None  # the Trainer's --neftune_noise_alpha (noise on the input embeddings)
+    evaluate_first: bool = False  # trainer.evaluate() before trainer.train() (the base model's eval loss first)
 
     @property
     def accum(self) -> int:
@@ -301,6 +302,7 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
 
     apply_liger = transformers.trainer.apply_liger_kernel
     transformers.trainer.apply_liger_kernel = apply_liger_like  # used only by `use_liger_kernel=True` runs (job.liger)
+    first_eval = trainer.evaluate()["eval_loss"] if job.evaluate_first else None
     try:
         trainer.train(resume_from_checkpoint=job.resume_from)
     finally:
@@ -329,6 +331,7 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         "train_batch_size": trainer._train_batch_size,
         "attempts": (attempts.attempts, attempts.order, len(trainer.model.zero_engine.parts)) if attempts else None,
         "compiled_frames": compiled,
+        "first_eval": first_eval,
     }
 
 

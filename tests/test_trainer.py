@@ -34,7 +34,8 @@ def _reference(job: tc.Job) -> dict:
 
 def _ref_key(job: tc.Job) -> tc.Job:
     return replace(job, stage=0, world=1, out_dir="/tmp/hf_zero-ref", save_steps=None, stop_after=None,
-                   resume_from=None, seed=0, checkpointing=False, save_model_to=None, tokenizer_dir=None)
+                   resume_from=None, seed=0, checkpointing=False, save_model_to=None, tokenizer_dir=None,
+                   evaluate_first=False)
 
 
 def _assert_close_to_reference(got: dict, ref: dict) -> None:
@@ -52,6 +53,18 @@ def test_zero_trainer_matches_stock_trainer(pools, tmp_path, kind, stage):
     got = pools(2).values(tc.run, job)[0]
     assert got["world"] == 2 and len(got["losses"]) == job.steps
     _assert_close_to_reference(got, _reference(_ref_key(job)))
+
+
+def test_evaluate_before_train_then_trains_as_the_stock_trainer(pools, tmp_path):
+    """`trainer.evaluate()` first (the base model's loss, as examples do), then `train()`: the model is sharded for
+    the evaluation, its optimizer attached when training starts; losses, norms and weights equal the stock
+    Trainer's. (transformers 5.24's stock Trainer under DDP does not wrap a model it evaluated first: its ranks then
+    train apart; the single-process reference has no ranks to part.)"""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"), evaluate_first=True)
+    got = pools(2).values(tc.run, job)[0]
+    reference = _reference(_ref_key(job))
+    _assert_close_to_reference(got, reference)
+    assert got["first_eval"] is not None and abs(got["first_eval"] - got["eval_loss"]) > 1e-4
 
 
 # stage 3 (every block gathered, split and reduced) in the suite for the MoE (Mixtral: fused 3-D experts, each rank's
