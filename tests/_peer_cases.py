@@ -118,19 +118,6 @@ def baseline(loop: Loop) -> None:
         loop.opt.zero_grad()
 
 
-@scenario(dtype=torch.float64)
-def float64_model(loop: Loop) -> None:
-    """The baseline loop on a model in float64 (scientific models, numerical checks), clipped by the 2-norm and by
-    the max-norm: DDP keeps every number in float64, and so must the masters, the norms and their reductions."""
-    baseline(loop)
-    loss = loop.loss(7)
-    loop.backward(loss)
-    clip = torch.nn.utils.clip_grad_norm_
-    loop.note("norm", clip(loop.model.parameters(), 0.01, norm_type=math.inf))
-    loop.opt.step()
-    loop.opt.zero_grad()
-
-
 @scenario()
 def torch_clip_grad_norm(loop: Loop) -> None:
     """`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`: the unchanged line of a DDP loop."""

@@ -7,6 +7,7 @@ Registered in the same `SCENARIOS` when tests/_peer_cases.py imports this module
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -407,3 +408,25 @@ def optimizer_state_read_by_parameter(loop: Loop) -> None:
         loop.opt.step()
         loop.opt.zero_grad()
         loop.note("moment", loop.opt.state[loop.model.head.weight]["exp_avg"].norm())
+
+
+@scenario(dtype=torch.float64)
+def float64_model(loop: Loop) -> None:
+    """A model in float64 (scientific models, numerical checks): two micro-batches per step (the first under
+    no_sync), clipped by torch's 2-norm, then a step clipped by the max-norm. DDP keeps every number in float64, and
+    so must the masters, the norms and their reductions."""
+    clip = torch.nn.utils.clip_grad_norm_
+    for step in range(3):
+        for micro in range(2):
+            loss = loop.loss(10 * step + micro) / 2
+            loop.note("loss", loss)
+            with loop.model.no_sync() if micro == 0 and loop.sharded else contextlib.nullcontext():
+                loss.backward()
+        loop.dp.after_backward()
+        loop.note("norm", clip(loop.model.parameters(), 0.05))
+        loop.opt.step()
+        loop.opt.zero_grad()
+    loop.backward(loop.loss(7))
+    loop.note("norm", clip(loop.model.parameters(), 0.01, norm_type=math.inf))
+    loop.opt.step()
+    loop.opt.zero_grad()
