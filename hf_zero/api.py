@@ -18,7 +18,7 @@ from .engine.collectives.group import sequence_group
 from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine
 from .engine.full_state import gathered_parameters as _gathered
 from .engine.full_state import unique_params
-from .engine.module import engine_of_param, get_engine, is_sharded
+from .engine.module import engine_of_param, get_engine, is_sharded, wrapped_model
 from .engine.placement import check_compute_device, validate_model
 from .engine.same_model import refuse_configs_that_differ, refuse_models_that_differ, refuse_weights_that_differ
 from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
@@ -199,8 +199,7 @@ def keep_fused_loss_head_gathered(model: nn.Module) -> None:
     the Trainer's `--use_liger_kernel`): its fused linear cross-entropy takes `lm_head.weight` as an argument and
     never calls the head, so at stage 3 the head's unit is kept gathered through each forward ([Note: direct use]).
     Called by `initialize` and by the integrations that shard a model before Liger is applied to it."""
-    get_base = getattr(model, "get_base_model", None)  # PEFT
-    base = get_base() if callable(get_base) else model
+    base = wrapped_model(model)  # PEFT: the model inside
     forward = getattr(base, "forward", None)
     where = getattr(getattr(forward, "__func__", forward), "__module__", None) or ""
     get_head = getattr(model, "get_output_embeddings", None)

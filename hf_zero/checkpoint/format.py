@@ -49,6 +49,7 @@ import xxhash
 from torch import nn
 
 from ..dtypes import dtype_name
+from ..engine.module import wrapped_model
 
 FORMAT_NAME = "hf_zero"
 FORMAT_VERSION = 3  # 3: the manifest's `layout`; 2: xxh3_128 checksums ([Note: checksums]); 1: sha256
@@ -249,8 +250,7 @@ def _save_model_code(model: nn.Module, directory: Path) -> None:
     """As transformers' `save_pretrained`: a model whose code came with its directory (`trust_remote_code`, its
     class registered for an auto class) gets its `modeling_*.py` copied beside the weights, which `auto_map` in
     `config.json` names; without them `from_pretrained(dir, trust_remote_code=True)` cannot load it."""
-    unwrap = getattr(model, "get_base_model", None)  # under a PEFT wrapper, the model it wraps
-    base = unwrap() if callable(unwrap) else model
+    base = wrapped_model(model)  # under a PEFT wrapper, the model it wraps
     if getattr(base, "_auto_class", None) is None or "transformers" not in sys.modules:
         return
     from transformers.dynamic_module_utils import custom_object_save
@@ -265,8 +265,7 @@ def _set_config_architectures(config_path: Path, model: nn.Module) -> None:
         return
     from transformers import PreTrainedModel
 
-    unwrap = getattr(model, "get_base_model", None)  # under a PEFT wrapper, the model it wraps
-    base = unwrap() if callable(unwrap) else model
+    base = wrapped_model(model)  # under a PEFT wrapper, the model it wraps
     if not isinstance(base, PreTrainedModel):
         return
     config = json.loads(config_path.read_text())

@@ -60,3 +60,9 @@ def get_engine(model: nn.Module) -> ZeroEngine:
             f"{type(model).__name__} is not sharded by hf_zero: pass the model returned by hf_zero.initialize{hint}."
         )
     return engine
+
+
+def wrapped_model(model: nn.Module) -> nn.Module:
+    """The model a wrapper that has `get_base_model()` (a PEFT model) holds, or `model` itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model

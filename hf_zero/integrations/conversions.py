@@ -31,6 +31,7 @@ from torch import nn
 
 from ..checkpoint.pretrained import Conversions, FileNames
 from ..checkpoint.stream import FileLayout, Parts
+from ..engine.module import wrapped_model
 
 
 @dataclass
@@ -125,8 +126,7 @@ def _convert(converter: Any, inputs: dict[str, list[torch.Tensor]], layer_name: 
 
 def _pretrained_model(model: nn.Module) -> Any:
     """The transformers model in `model` (itself, or the one a PEFT model wraps), or None."""
-    get_base = getattr(model, "get_base_model", None)
-    inner = get_base() if callable(get_base) else model
+    inner = wrapped_model(model)
     config = getattr(inner, "config", None)
     if getattr(config, "model_type", None) is None or not hasattr(inner, "base_model_prefix"):
         return None

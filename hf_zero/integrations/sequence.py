@@ -49,6 +49,7 @@ from torch import nn
 from ..engine.collectives import CommGroup
 from ..engine.collectives.ops import all_reduce_
 from ..engine.collectives.sequence import all_to_all_dims, gather_dim
+from ..engine.module import wrapped_model
 from .tiled_loss import tiled_cross_entropy
 
 ATTENTION = "hf_zero_sequence"  # the name registered in transformers' attention and mask registries
@@ -99,8 +100,7 @@ def check(model: nn.Module, size: int) -> None:
             "ZeroConfig.sequence_parallel works on Hugging Face decoder models (a `config` with "
             f"num_attention_heads); {type(model).__name__} has none."
         )
-    get_base = getattr(model, "get_base_model", None)
-    base = get_base() if callable(get_base) else model  # peft: the model inside
+    base = wrapped_model(model)  # peft: the model inside
     if not getattr(base, "_supports_attention_backend", False):
         raise ValueError(
             f"ZeroConfig.sequence_parallel: {type(base).__name__} computes attention in its own code rather than "
