@@ -40,8 +40,9 @@ def test_a_single_file_beside_a_stale_index_loads_as_transformers_loads_it(tmp_p
 
 def test_loader_keywords_read_the_files_transformers_reads_or_are_refused(tmp_path):
     """`subfolder` took the config from the subfolder and the weights from the folder above (another model's,
-    silently); now both come from it, as transformers'. `variant` and `gguf_file` would read files other than
-    transformers' and are refused naming what to do."""
+    silently); now both come from it, as transformers'. A dtype by name (`dtype="bfloat16"`) is taken as
+    transformers takes it. `variant` and `gguf_file` would read files other than transformers' and are refused
+    naming what to do."""
     import hf_zero
 
     make_model("llama", seed=1).save_pretrained(tmp_path)
@@ -50,6 +51,8 @@ def test_loader_keywords_read_the_files_transformers_reads_or_are_refused(tmp_pa
     model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, tmp_path, hf_zero.ZeroConfig(stage=3), subfolder="sub")
     for name, value in hf_zero.full_state_dict(model).items():
         assert torch.equal(value, expected[name]), name
+    by_name, _ = hf_zero.from_pretrained(AutoModelForCausalLM, tmp_path, hf_zero.ZeroConfig(stage=3), dtype="bfloat16")
+    assert {p.dtype for p in by_name.parameters()} == {torch.bfloat16}  # a dtype by name, as transformers takes it
     with pytest.raises(TypeError, match=r"variant: it reads model.safetensors"):
         hf_zero.from_pretrained(AutoModelForCausalLM, tmp_path, hf_zero.ZeroConfig(stage=3), variant="fp16")
     with pytest.raises(TypeError, match=r"not GGUF"):

@@ -24,7 +24,7 @@ from torch import nn
 from ..api import initialize
 from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtype, trained_copy
 from ..config import ZeroConfig
-from ..dtypes import dtype_from_name
+from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import CommGroup, agreement, all_agree, broadcast_tensors, digest_of
 from ..engine.step.optim import ShardedOptimizer
 from .conversions import checkpoint_conversions
@@ -158,8 +158,10 @@ def _build_from(
     if dtype == "auto":
         dtype = getattr(hf_config, "dtype", None) or files_dtype(path)  # the files' where the config names none
         dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str) and dtype in ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16"):
+        dtype = parse_dtype(dtype) or dtype  # "bfloat16", as transformers' from_pretrained takes it, or "bf16"
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be 'auto' or a torch.dtype; got {dtype!r}.")
+        raise TypeError(f"dtype must be 'auto', a torch.dtype or its name ('bfloat16', 'bf16', ...); got {dtype!r}.")
     model: Any
     model, fresh = _build_empty(
         model_class, hf_config, dtype, path, attn_implementation, trust_remote_code, ignore_mismatched_sizes
