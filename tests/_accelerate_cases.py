@@ -142,6 +142,37 @@ def automatic_checkpoint_naming(project_dir: str) -> dict[str, Any]:
             "equal": all(torch.equal(loaded[k], v) for k, v in saved.items()) if accelerator.is_main_process else None}
 
 
+def state_hooks_refused(directory: str) -> dict[str, Any]:
+    """A save-state and a load-state pre-hook registered on a ZeroAccelerator (diffusers' way of saving a model
+    themselves): what `save_state` and `load_state` raise on this rank, and that the group is still usable."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    import hf_zero
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = hf_zero.ZeroAccelerator(zero_plugin=hf_zero.ZeroPlugin(zero_stage=3))
+    model = make_model("llama")
+    model, opt = accelerator.prepare(model, make_optimizer(model, 1e-3))
+    seen: list[int] = []
+    outcome: dict[str, Any] = {}
+    handle = accelerator.register_save_state_pre_hook(lambda models, weights, out: seen.append(len(models)))
+    try:
+        accelerator.save_state(directory)
+    except ValueError as e:
+        outcome["save"] = str(e)
+    handle.remove()
+    accelerator.save_state(directory)  # without the hook: fine
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: seen.append(len(models)))
+    try:
+        accelerator.load_state(directory)
+    except ValueError as e:
+        outcome["load"] = str(e)
+    torch.distributed.barrier()
+    outcome["hook_calls"] = seen
+    return outcome
+
+
 def preemption_stops_together(save_dir: str, signal_rank: int, signal_step: int) -> dict[str, Any]:
     """ZeroPlugin(zero_save_on_preemption=True): rank `signal_rank` gets SIGUSR1 during step `signal_step`; the
     loop asks `accelerator.preempted()` after each step and, once it says so, saves and stops. Returns the step

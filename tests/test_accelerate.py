@@ -121,6 +121,17 @@ def test_automatic_checkpoint_naming_rotates_and_load_state_takes_the_newest(poo
     assert results[0]["equal"] is True
 
 
+def test_state_hooks_that_would_get_no_model_are_refused_on_every_rank(pools, tmp_path):
+    """Accelerate calls `register_save_state_pre_hook` / `register_load_state_pre_hook` hooks with the models it
+    saves; hf_zero saves the sharded model itself, so they got an empty list and did nothing, silently. Now
+    `save_state` / `load_state` refuse them on every rank, naming the way; without them the state saves."""
+    for r in pools(2).values(ac.state_hooks_refused, str(tmp_path / "state")):
+        assert "accelerator.register_save_state_pre_hook would get no model" in r["save"], r
+        assert "accelerator.register_load_state_pre_hook would get no model" in r["load"], r
+        assert r["hook_calls"] == []
+    assert (tmp_path / "state" / "hf_zero" / "hf_zero_manifest.json").is_file()
+
+
 # the slow tier (16 s on 2 cores): the same world size resumes in test_save_state_and_load_state_resume, another
 # world size through hf_zero.load_checkpoint in tests/test_checkpoint.py
 @pytest.mark.parametrize("resume_world", [pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])

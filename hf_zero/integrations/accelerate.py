@@ -36,6 +36,7 @@ from torch import nn
 from ..api import attach_optimizer, full_state_dict, initialize
 from ..checkpoint import last_complete_checkpoint, load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
 from ..config import ZeroConfig
+from ..engine.collectives import CommGroup, agreement
 from ..engine.module import get_engine, is_sharded
 from ..engine.step.optim import ShardedOptimizer
 from .compile import check_compile_request, compile_as_requested
@@ -273,6 +274,8 @@ class ZeroAccelerator(Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         if self._zero_model is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
+        with agreement(CommGroup.world(), "ZeroAccelerator.save_state"):
+            self._refuse_state_hooks(self._save_model_state_pre_hook, "register_save_state_pre_hook")
         with self._without_engine_objects():
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         directory = str(location or output_dir)
@@ -326,11 +329,25 @@ class ZeroAccelerator(Accelerator):
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         if self._zero_model is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
-        if input_dir is None:
-            input_dir = self._latest_state()
+        with agreement(CommGroup.world(), "ZeroAccelerator.load_state"):
+            self._refuse_state_hooks(self._load_model_state_pre_hook, "register_load_state_pre_hook")
+            if input_dir is None:
+                input_dir = self._latest_state()
         with self._without_engine_objects():
             super().load_state(input_dir, load_kwargs, **kwargs)
         load_checkpoint(os.path.join(input_dir, CHECKPOINT_SUBDIR), self._zero_model, self._optimizer_arg())
+
+    @staticmethod
+    def _refuse_state_hooks(hooks: Any, registered_with: str) -> None:
+        """Accelerate calls its save/load-state hooks with the models it saves or loads; a sharded model is saved
+        and loaded by hf_zero (its `hf_zero/` folder), so a hook would get none and do nothing, silently."""
+        if hooks:
+            raise ValueError(
+                f"A hook given to accelerator.{registered_with} would get no model: hf_zero saves and loads the "
+                "sharded model itself (the state's hf_zero/ folder), not through Accelerate's list of models. Do "
+                "what the hook does after save_state / load_state instead (e.g. model.save_pretrained(dir) on every "
+                "rank), and remove the hook."
+            )
 
     def _latest_state(self) -> str:
         """`load_state()` without a directory, as Accelerate's: with `automatic_checkpoint_naming`, the newest
