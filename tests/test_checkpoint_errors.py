@@ -166,6 +166,20 @@ def test_saving_over_an_existing_checkpoint_replaces_it(pools, saved, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing left aside
 
 
+def test_saving_through_a_link_to_a_checkpoint_replaces_the_link_not_what_it_names(pools, saved, tmp_path):
+    """`latest -> step-1`, then a save to `latest`: the new checkpoint is at `latest`, `step-1` is as it was, and
+    nothing is left aside (the commit raised from `rmtree` on the link it had moved aside, after committing)."""
+    step = _copy(saved, tmp_path)
+    before = (step / "hf_zero_manifest.json").read_text()
+    (tmp_path / "latest").symlink_to("ckpt")
+    pools(2).values(sharded_run, Scenario(model="llama", stage=2, world=2, steps=2, accum=1,
+                                          save_to=str(tmp_path / "latest")))
+    assert not (tmp_path / "latest").is_symlink()
+    assert json.loads((tmp_path / "latest" / "hf_zero_manifest.json").read_text())["stage"] == 2
+    assert (step / "hf_zero_manifest.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "latest"]
+
+
 def test_a_path_that_holds_something_else_is_refused_and_left_as_it_was(pools, tmp_path):
     """`save_checkpoint` swaps its directory in as a whole (the old one deleted): given a run folder with the user's
     files (or a file) it deleted them. Now every rank raises a `ValueError` naming what is there before anything

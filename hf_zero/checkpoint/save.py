@@ -427,11 +427,13 @@ def _refuse_other_contents(target: Path) -> None:
 
 def _swap_into_place(staging: Path, target: Path, token: str) -> None:
     previous = target.parent / f".{target.name}.previous-{token}"
-    if target.exists():
+    if target.exists() or target.is_symlink():
         os.rename(target, previous)
     os.rename(staging, target)
     _fsync_dir(target.parent)
-    if previous.exists():
+    if previous.is_symlink():  # the path was a link (`latest` -> a checkpoint): the link goes, what it named stays
+        previous.unlink()
+    elif previous.exists():
         shutil.rmtree(previous)
 
 
