@@ -168,7 +168,8 @@ def test_saving_over_an_existing_checkpoint_replaces_it(pools, saved, tmp_path):
 
 def test_saving_through_a_link_to_a_checkpoint_replaces_the_link_not_what_it_names(pools, saved, tmp_path):
     """`latest -> step-1`, then a save to `latest`: the new checkpoint is at `latest`, `step-1` is as it was, and
-    nothing is left aside (the commit raised from `rmtree` on the link it had moved aside, after committing)."""
+    nothing is left aside (the commit raised from `rmtree` on the link it had moved aside, after committing). A link
+    to nothing is replaced too."""
     step = _copy(saved, tmp_path)
     before = (step / "hf_zero_manifest.json").read_text()
     (tmp_path / "latest").symlink_to("ckpt")
@@ -177,7 +178,11 @@ def test_saving_through_a_link_to_a_checkpoint_replaces_the_link_not_what_it_nam
     assert not (tmp_path / "latest").is_symlink()
     assert json.loads((tmp_path / "latest" / "hf_zero_manifest.json").read_text())["stage"] == 2
     assert (step / "hf_zero_manifest.json").read_text() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "latest"]
+    (tmp_path / "dangling").symlink_to("gone")  # a link to nothing is replaced as well
+    pools(2).values(sharded_run, Scenario(model="llama", stage=2, world=2, steps=1, accum=1,
+                                          save_to=str(tmp_path / "dangling")))
+    assert (tmp_path / "dangling" / "hf_zero_manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "dangling", "latest"]
 
 
 def test_a_path_that_holds_something_else_is_refused_and_left_as_it_was(pools, tmp_path):

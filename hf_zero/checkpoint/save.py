@@ -404,7 +404,7 @@ def _refuse_other_contents(target: Path) -> None:
     the target aside and deletes it ([Note: atomic save]), so a run folder, a model directory or a file given as
     the path would be lost. An empty directory and a checkpoint (its manifest, or at least its shard files, there)
     are fine."""
-    if not target.exists() and not target.is_symlink():
+    if not target.exists():  # nothing there, or a link to nothing (replaced by the checkpoint)
         return
     if not target.is_dir():
         raise ValueError(
