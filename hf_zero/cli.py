@@ -1,6 +1,6 @@
 """The `hf-zero` command.
 
-hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB]
+hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB] [--overwrite]
 hf-zero leftovers RUN_DIR [--remove]
 hf-zero preemptible OUTPUT_DIR -- LAUNCH COMMAND...
 hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L] [--micro-batch B] [--attention sdpa]
@@ -20,8 +20,12 @@ if TYPE_CHECKING:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from .checkpoint.consolidate import consolidate
+    from pathlib import Path
 
+    from .checkpoint.consolidate import consolidate
+    from .checkpoint.target import check_target
+
+    check_target(Path(args.output), overwrite=args.overwrite, flag="--overwrite")  # [Note: output record]
     files = consolidate(
         args.checkpoint,
         args.output,
@@ -29,6 +33,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         verify=not args.no_verify,
         progress=not args.quiet,
+        overwrite=args.overwrite,
     )
     if files == ["adapter_model.safetensors"]:  # [Note: adapter export] a PEFT model's checkpoint
         print(
@@ -247,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 500MB (default 5GB)")
     c.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the checkpoint files")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into OUTPUT even where it holds files hf_zero did not write there (a model directory, other "
+        "files): same-named files are replaced. Without it such an OUTPUT is refused and left as it is",
+    )
     c.set_defaults(func=_consolidate)
     left = sub.add_parser(
         "leftovers", help="list (and --remove) what killed saves left under a run folder ([Note: leftovers])"

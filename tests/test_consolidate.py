@@ -90,6 +90,51 @@ def test_cli_errors_are_clear(tmp_path):
         hf_zero.consolidate(tmp_path, tmp_path / "o", dtype="int8")
 
 
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_cli_never_writes_over_files_it_did_not_write(exported, tmp_path):
+    """`hf-zero consolidate` into a model folder (the base model a run started from), into a file, and into a
+    folder of other files is refused naming what is there, every file left byte for byte; its own earlier output
+    is replaced; `--overwrite` writes into the model folder and the result loads as the checkpoint."""
+    from tests._training import make_model
+
+    ckpt = str(exported["root"] / "ckpt")
+    base = tmp_path / "base"
+    make_model(exported["kind"], seed=3).save_pretrained(base)
+    notes = tmp_path / "run"
+    (notes / "logs").mkdir(parents=True)
+    (notes / "notes.txt").write_text("my notes")
+    (notes / "logs" / "events").write_bytes(b"\x00\x01")
+    a_file = tmp_path / "model.bin"
+    a_file.write_bytes(b"user data")
+    cases = [(base, "is a model directory that hf_zero did not write \\(config.json, "),
+             (notes, "is a folder of other files that hf_zero did not write \\(logs/, notes.txt\\)"),
+             (a_file, "model.bin is a file; a from_pretrained directory is written there")]
+    for target, message in cases:
+        before = _tree(tmp_path)
+        done = run_cli(["consolidate", ckpt, str(target)])
+        assert done.returncode == 2, done.stdout
+        assert __import__("re").search(message, done.stderr), done.stderr
+        assert _tree(tmp_path) == before, target  # nothing written, nothing removed
+        with pytest.raises(ValueError, match="Nothing was written|is a file"):
+            hf_zero.consolidate(ckpt, target, progress=False)
+    assert "--overwrite to write into it anyway" in run_cli(["consolidate", ckpt, str(base)]).stderr
+
+    out = tmp_path / "out"
+    assert run_cli(["consolidate", ckpt, str(out), "--quiet"]).returncode == 0
+    done = run_cli(["consolidate", ckpt, str(out), "--quiet", "--max-shard-size", "40KB"])  # its own output: replaced
+    assert done.returncode == 0, done.stderr
+    assert not (out / "model.safetensors").exists() and (out / "model.safetensors.index.json").is_file()
+    (out / "README.md").write_text("the user's model card")  # no longer only ours
+    assert run_cli(["consolidate", ckpt, str(out)]).returncode == 2 and (out / "README.md").is_file()
+
+    done = run_cli(["consolidate", ckpt, str(base), "--quiet", "--overwrite"])
+    assert done.returncode == 0, done.stderr
+    _check_reloaded(base, exported)
+
+
 _PEAK = """
 import resource, sys
 import hf_zero

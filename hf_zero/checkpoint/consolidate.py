@@ -45,7 +45,8 @@ from .reader import FileCache, read_pieces
 from .sequential import Stored, stored_tensors
 from .stream import Entry, FileLayout, host_pieces, layout_from_json, model_layout, write_streamed
 from .streams import MAX_STREAMS, FileStream, chunk_bytes_for, stream_order
-from .writer import HFShardWriter, make_directory, parse_size, shard_groups
+from .target import check_target, record_output
+from .writer import INDEX_FILE, HFShardWriter, make_directory, parse_size, shard_groups
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ def consolidate(
     *,
     verify: bool = True,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> list[str]:
     """Write a sharded checkpoint as a Hugging Face model directory, offline and in bounded memory.
 
@@ -71,13 +73,16 @@ def consolidate(
     Args:
         checkpoint_dir (`str` or `os.PathLike`): a directory written by `save_checkpoint`, or a Trainer's
             `checkpoint-N` (an Accelerate `save_state` folder) whose `hf_zero/` holds one.
-        output_dir (`str` or `os.PathLike`): where to write (created; weight files of an earlier
-            save there are replaced).
+        output_dir (`str` or `os.PathLike`): where to write: a new or empty directory, or one an earlier
+            consolidation wrote (its files are replaced). A directory holding anything else is refused
+            before anything is written ([Note: output record] in target.py).
         dtype (`str` or `torch.dtype`, *optional*): `"bf16"`, `"fp16"` or `"fp32"`; defaults to the
             saved master dtype (fp32 in mixed precision).
         max_shard_size (`int` or `str`, *optional*, defaults to `"5GB"`): the largest output file.
         verify (`bool`, *optional*, defaults to `True`): check the files' checksums first.
         progress (`bool`, *optional*, defaults to `True`): show a progress bar of tensors written.
+        overwrite (`bool`, *optional*, defaults to `False`): write into `output_dir` even where it holds files
+            hf_zero did not write there (same-named files are replaced, the others left).
 
     Returns:
         `list[str]`: the weight files written.
@@ -96,6 +101,7 @@ def consolidate(
     manifest = Manifest.read(ckpt)
     if out.exists() and out.resolve() == ckpt.resolve():
         raise ValueError("consolidate needs an output_dir other than the checkpoint directory.")
+    check_target(out, overwrite=overwrite)
     if manifest.params and all(name.startswith(PEFT_ROOT) for name in manifest.params):
         return _write_adapter(ckpt, manifest, out, out_dtype, verify)  # [Note: adapter export]
     model_files = sorted({f for entries in manifest.slices.values() for f, _, _ in entries})
@@ -122,10 +128,12 @@ def consolidate(
         raise
     finally:
         bar.close()
-    for name in side_files(ckpt):  # config, tokenizer, a remote-code model's code
+    copied = side_files(ckpt)
+    for name in copied:  # config, tokenizer, a remote-code model's code
         shutil.copyfile(ckpt / name, out / name)
     saved_dtype = dtype_from_name(next(iter(manifest.params.values()))["dtype"]) if manifest.params else torch.float32
     set_config_dtype(out / "config.json", out_dtype or saved_dtype)
+    record_output(out, [*files, *([INDEX_FILE] if len(files) > 1 else []), *copied])
     return files
 
 
@@ -382,7 +390,7 @@ def _write_cached(
 def _write_adapter(ckpt: Path, manifest: Manifest, out: Path, dtype: torch.dtype | None, verify: bool) -> list[str]:
     """[Note: adapter export] a PEFT model's checkpoint written as its adapter: `adapter_config.json` and
     `adapter_model.safetensors` (then the tokenizer's files), what `PeftModel.save_pretrained` writes."""
-    from ..integrations.peft_export import ADAPTER_WEIGHTS, adapter_weights, write_adapter_config
+    from ..integrations.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_weights, write_adapter_config
 
     if manifest.peft is None:
         raise ValueError(
@@ -406,9 +414,11 @@ def _write_adapter(ckpt: Path, manifest: Manifest, out: Path, dtype: torch.dtype
     make_directory(out)
     write_file_atomically(out / ADAPTER_WEIGHTS, lambda tmp: write_streamed(tmp, entries, {"format": "pt"}))
     write_adapter_config(manifest.peft, out, model_class)
-    for name in side_files(ckpt):  # the tokenizer; a model's config or code would make this look a model
-        if name not in ("config.json", "generation_config.json") and not name.endswith(".py"):
-            shutil.copyfile(ckpt / name, out / name)
+    model_own = ("config.json", "generation_config.json")  # a model's config or code would make this look a model
+    copied = [n for n in side_files(ckpt) if n not in model_own and not n.endswith(".py")]
+    for name in copied:  # the tokenizer
+        shutil.copyfile(ckpt / name, out / name)
+    record_output(out, [ADAPTER_WEIGHTS, ADAPTER_CONFIG, *copied])
     return [ADAPTER_WEIGHTS]
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"  # what PEFT's config writer names it
 
 
 def peft_configs(model: nn.Module) -> dict[str, dict[str, Any]] | None:
