@@ -1,8 +1,9 @@
 """The peer scenarios' harness (tests/_peer_cases.py has the scenarios): the models, plain data parallelism by
 hand (the reference), the loop object a scenario gets, and the registry.
 
-`PlainDP` is DDP's semantics by hand: before every forward with grad mode on the buffers are broadcast from rank 0,
-after every backward the gradients averaged over the ranks, a gradient a rank lacks counting as zero and a parameter
+`PlainDP` is DDP's semantics by hand: the buffers are broadcast from rank 0 at the start of the first forward and of
+every forward that follows a forward with grad outside `no_sync` (DDP's `require_forward_param_sync`), after every
+backward the gradients averaged over the ranks, a gradient a rank lacks counting as zero and a parameter
 no rank reached keeping `.grad = None` (DDP's `broadcast_buffers=True`, with `find_unused_parameters=True`). `Idle`
 is hf_zero's side, where the engine does that itself.
 """
@@ -88,11 +89,14 @@ class PlainDP:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.due = True  # DDP's `require_forward_param_sync`: the next forward broadcasts the buffers
+        self.in_no_sync = False
 
     def before_forward(self) -> None:
-        if torch.is_grad_enabled():  # DDP syncs buffers in forwards that will have a backward
+        if self.due:
             for b in self.model.buffers():
                 dist.broadcast(b, 0)
+        self.due = torch.is_grad_enabled() and not self.in_no_sync  # what DDP's post-forward sets
 
     def after_backward(self) -> None:
         """Average the gradients over the ranks: which parameters have one anywhere in one collective, then their

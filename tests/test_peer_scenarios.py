@@ -60,3 +60,19 @@ def test_stage_3_without_prefetch(pools, name):
         assert r["error"] is None, r["error"]
         assert peer.worst_difference(r["reference"], r["record"]) <= TOL
         assert max(r["weights"].values()) <= TOL
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_batchnorm_statistics_follow_ddps_rule(pools, stage):
+    """BatchNorm against torch's DDP on the same ranks: evaluation before training, accumulation with the first
+    micro-batch under no_sync, a forward without grad in train mode, two evaluation forwards after each step.
+    DDP broadcasts rank 0's buffers at the first forward after a synchronising training forward (with grad or
+    not), and not after a no_sync one: every loss, eval loss, weight and running statistic on every rank within
+    1e-5 of DDP's (each rank evaluated with its own statistics before, 1e-1 apart)."""
+    from tests import _buffer_cases
+
+    for rank, r in enumerate(pools(2).values(_buffer_cases.batchnorm_against_ddp, stage)):
+        assert peer.worst_difference(r["reference"], r["record"]) <= TOL, (rank, r["reference"], r["record"])
+        for name, value in r["ref_state"].items():
+            got = r["state"][name].to(value.dtype)
+            assert (got - value).abs().max() <= TOL * (value.abs().max() + 1e-12), (rank, name, got, value)

@@ -122,7 +122,8 @@ class ZeroEngine:
         self.units = [Unit([next(parts) for _ in split], self.plan.params, self.plan.grads) for split in grouped]
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self._grads_resting = False  # [Note: resting gradients] some `.grad` holds a stand-in
-        self.in_no_sync = False  # inside no_sync(): DDP broadcasts no buffers there
+        self.in_no_sync = False  # inside no_sync(): the forward leaves the buffers' broadcast not due
+        self._buffers_due = True  # [Note: buffer broadcast] the next forward broadcasts them (DDP's flag)
         self._edit_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # [Note: edits between steps]
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
@@ -279,15 +280,17 @@ class ZeroEngine:
         parameters unfrozen or given new `.data` since, and broadcast the buffers ([Note: buffer broadcast])."""
         refuse_uneven_join(self.model)  # [Note: uneven inputs]: before any collective
         grad = torch.is_grad_enabled()
-        if grad or self.plan.params.uses_gather:
+        broadcast = self._buffers_due and self.config.broadcast_buffers and self.world.size > 1
+        broadcast = broadcast and bool(self._persistent_buffers)
+        self._buffers_due = grad and not self.in_no_sync  # [Note: buffer broadcast]: DDP's rule for the next one
+        if grad or broadcast or self.plan.params.uses_gather:
             self.calls.begin(Call.FORWARD if grad else Call.FORWARD_NO_GRAD, read_now=False)
             self._structure.refuse_changes()
-        if not grad:
-            return
-        self._wake_grads()
-        refuse_unfrozen(self._frozen_parts)
-        refuse_replaced_data(self.parts)
-        if self.config.broadcast_buffers and self.world.size > 1 and not self.in_no_sync:
+        if grad:
+            self._wake_grads()
+            refuse_unfrozen(self._frozen_parts)
+            refuse_replaced_data(self.parts)
+        if broadcast:
             self._broadcast_buffers()
 
     def _before_direct_call(self) -> None:
@@ -300,10 +303,13 @@ class ZeroEngine:
 
     def _broadcast_buffers(self) -> None:
         """[Note: buffer broadcast]
-        DDP's default (`broadcast_buffers=True`): before each forward with grad mode on and outside `no_sync`,
-        rank 0's buffers overwrite every rank's, one broadcast per dtype. So BatchNorm's running statistics,
-        which each rank updates from its own batch, are rank 0's on every rank after each training forward's
-        start, and evaluation and checkpoints agree with DDP's. `ZeroConfig(broadcast_buffers=False)` keeps
+        DDP's default (`broadcast_buffers=True`), DDP's rule exactly: rank 0's buffers overwrite every rank's, one
+        broadcast per dtype, at the start of the first forward and of every forward (with grad or without) that
+        follows a forward with grad outside `no_sync` (DDP's `require_forward_param_sync`, set after each forward).
+        So the first evaluation forward after a step normalises with rank 0's running statistics on every rank, the
+        first micro-batch of an accumulated step starts from rank 0's and the later ones (after a `no_sync` forward)
+        from each rank's own, as under DDP. A forward without grad that broadcasts is a collective, so it begins a
+        header ([Note: call order]) at every stage. `ZeroConfig(broadcast_buffers=False)` keeps
         each rank's own (FSDP's behaviour). Unlike DDP, only the persistent buffers (those `state_dict` holds)
         travel: non-persistent ones are constants the model derives the same way on every rank (rotary
         frequencies, position ids), and a LLaMA or Falcon has no other, so it pays no broadcast."""
