@@ -43,6 +43,32 @@ class PointsDataset(Dataset):
         return {"input_x": self.x[i, 0] if self.dim == 1 else self.x[i], "labels": self.y[i]}
 
 
+class ImagesDataset(Dataset):
+    """Images of 3 classes whose brightness differs by row, so each rank's BatchNorm statistics differ."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+        scale = 1.0 + (torch.arange(n) % 4).float()
+        self.pixels = torch.randn(n, 3, 16, 16, generator=g) * scale[:, None, None, None] + self.labels[:, None, None, None]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.pixels[i], "labels": self.labels[i]}
+
+
+def resnet_model(seed: int) -> torch.nn.Module:
+    """A tiny transformers ResNet (BatchNorm in every block) for 3 classes."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(seed)
+    config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3,
+                          layer_type="basic")
+    return ResNetForImageClassification(config)
+
+
 def scalar_model(seed: int) -> torch.nn.Module:
     """The upstream Trainer tests' kind of model: a `PreTrainedModel` with two scalar parameters, no submodule."""
     from transformers import PretrainedConfig, PreTrainedModel
@@ -259,6 +285,8 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         model = scalar_model(job.seed)
     elif job.kind == "mlp":
         model = MLPRegressor(job.seed)
+    elif job.kind == "resnet":
+        model = resnet_model(job.seed)
     else:
         model = make_model(job.kind, seed=job.seed)
     if job.lora:
@@ -280,8 +308,11 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     attempts = _AttemptStart() if job.oom is not None and zero else None
     callbacks = [c for c in (_StopAt(job.stop_after) if job.stop_after else None, window, snapshots, oom, attempts)
                  if c is not None]
-    if job.kind in BLOCKLESS:
-        train_data: Dataset = PointsDataset(job.global_batch * job.steps, seed=1, dim=BLOCKLESS[job.kind])
+    if job.kind == "resnet":
+        train_data: Dataset = ImagesDataset(job.global_batch * job.steps, seed=1)
+        eval_data: Dataset = ImagesDataset(job.eval_rows or job.global_batch, seed=2)
+    elif job.kind in BLOCKLESS:
+        train_data = PointsDataset(job.global_batch * job.steps, seed=1, dim=BLOCKLESS[job.kind])
         eval_data: Dataset = PointsDataset(job.global_batch, seed=2, dim=BLOCKLESS[job.kind])
     else:
         train_data = TokenDataset(job.global_batch * job.steps, 16, seed=1)

@@ -124,6 +124,7 @@ class ZeroEngine:
         self._grads_resting = False  # [Note: resting gradients] some `.grad` holds a stand-in
         self.in_no_sync = False  # inside no_sync(): the forward leaves the buffers' broadcast not due
         self._buffers_due = True  # [Note: buffer broadcast] the next forward broadcasts them (DDP's flag)
+        self._as_unwrapped = False  # [Note: buffer broadcast] forwards run as on the module DDP wraps
         self._edit_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # [Note: edits between steps]
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
@@ -274,6 +275,16 @@ class ZeroEngine:
         finally:
             self.hooks.requires_grad_sync, self.in_no_sync = previous
 
+    @contextlib.contextmanager
+    def as_unwrapped(self) -> Iterator[None]:
+        """Forwards inside run as on the module a DDP wrapper holds ([Note: buffer broadcast]): no buffer broadcast,
+        DDP's flag left as it was. The stock Trainer evaluates `self.model`, not its DDP wrapper."""
+        previous, self._as_unwrapped = self._as_unwrapped, True
+        try:
+            yield
+        finally:
+            self._as_unwrapped = previous
+
     def _before_forward(self) -> None:
         """As each forward of the model begins (not a recomputation): the header of a forward that issues collectives
         ([Note: call order]) and the refusal of parameters assigned since `initialize`; then, with grad, refuse
@@ -281,8 +292,9 @@ class ZeroEngine:
         refuse_uneven_join(self.model)  # [Note: uneven inputs]: before any collective
         grad = torch.is_grad_enabled()
         broadcast = self._buffers_due and self.config.broadcast_buffers and self.world.size > 1
-        broadcast = broadcast and bool(self._persistent_buffers)
-        self._buffers_due = grad and not self.in_no_sync  # [Note: buffer broadcast]: DDP's rule for the next one
+        broadcast = broadcast and bool(self._persistent_buffers) and not self._as_unwrapped
+        if not self._as_unwrapped:
+            self._buffers_due = grad and not self.in_no_sync  # [Note: buffer broadcast]: DDP's rule for the next one
         if grad or broadcast or self.plan.params.uses_gather:
             self.calls.begin(Call.FORWARD if grad else Call.FORWARD_NO_GRAD, read_now=False)
             self._structure.refuse_changes()
@@ -309,7 +321,9 @@ class ZeroEngine:
         So the first evaluation forward after a step normalises with rank 0's running statistics on every rank, the
         first micro-batch of an accumulated step starts from rank 0's and the later ones (after a `no_sync` forward)
         from each rank's own, as under DDP. A forward without grad that broadcasts is a collective, so it begins a
-        header ([Note: call order]) at every stage. `ZeroConfig(broadcast_buffers=False)` keeps
+        header ([Note: call order]) at every stage. The stock Trainer evaluates the module DDP wraps, not the
+        wrapper, so its evaluation broadcasts nothing and leaves the flag: `ZeroTrainer` runs its evaluation loop
+        inside `as_unwrapped()` for the same numbers. `ZeroConfig(broadcast_buffers=False)` keeps
         each rank's own (FSDP's behaviour). Unlike DDP, only the persistent buffers (those `state_dict` holds)
         travel: non-persistent ones are constants the model derives the same way on every rank (rotary
         frequencies, position ids), and a LLaMA or Falcon has no other, so it pays no broadcast."""

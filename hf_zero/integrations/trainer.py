@@ -193,6 +193,14 @@ class ZeroTrainerMixin(_TrainerBase):
         return self.optimizer
 
     # ---- evaluation -------------------------------------------------------------------------
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """As the Trainer's, whose evaluation runs `self.model` rather than its DDP wrapper: no buffer broadcast
+        (BatchNorm's running statistics are each rank's own, as under DDP), [Note: buffer broadcast]."""
+        if not is_sharded(self.model):
+            return super().evaluation_loop(*args, **kwargs)
+        with get_engine(self._zero_model()).as_unwrapped():
+            return super().evaluation_loop(*args, **kwargs)
+
     def prediction_step(
         self,
         model: nn.Module,
