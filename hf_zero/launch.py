@@ -24,6 +24,8 @@ class LaunchEnv:
     use_fsdp: bool  # ACCELERATE_USE_FSDP
     local_world_size: int | None  # LOCAL_WORLD_SIZE: ranks per node
     local_rank: int | None = None  # LOCAL_RANK: this rank's index on its node
+    world_size: int | None = None  # WORLD_SIZE: processes in the job, as the launcher started them
+    use_cpu: bool = False  # ACCELERATE_USE_CPU
 
 
 def _int(value: str | None) -> int | None:
@@ -48,7 +50,17 @@ def launch_env() -> LaunchEnv:
         use_fsdp=env.get("ACCELERATE_USE_FSDP", "").lower() in _TRUE,
         local_world_size=local if local else None,
         local_rank=_int(env.get("LOCAL_RANK")),
+        world_size=_int(env.get("WORLD_SIZE")),
+        use_cpu=env.get("ACCELERATE_USE_CPU", "").lower() in _TRUE,
     )
+
+
+def has_accelerator() -> bool:
+    """Whether this process sees a device torch computes on other than the CPU (CUDA, XPU, ...)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
 
 
 def accelerator_device(

@@ -295,3 +295,33 @@ def distill(use_zero: bool, steps: int = 2, teacher_later: bool = False) -> dict
     state = accelerator.get_state_dict(student)
     return {"losses": losses, "teacher_sharded": is_sharded(teacher),
             "state": {k: v.detach().clone() for k, v in state.items()} if accelerator.is_main_process else None}
+
+
+def launched_world_checked() -> dict[str, Any]:
+    """A launch of 2 processes without ACCELERATE_USE_CPU: `ZeroAccelerator()` on a machine without GPUs sees both
+    ranks; after an Accelerate state made first without `cpu=True` (one process, as Accelerate then believes) it
+    refuses on every rank, naming the fix."""
+    import os
+
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState, GradientState
+
+    import hf_zero
+
+    saved = os.environ.pop("ACCELERATE_USE_CPU", None)
+    try:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        processes = hf_zero.ZeroAccelerator().num_processes
+        AcceleratorState._reset_state(True)
+        PartialState(cpu=False)
+        try:
+            hf_zero.ZeroAccelerator(cpu=False)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        AcceleratorState._reset_state(True)
+        return {"processes": processes, "error": error}
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_CPU"] = saved

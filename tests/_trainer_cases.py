@@ -150,6 +150,7 @@ class Job:
     presharded: bool = False  # the model sharded (hf_zero.initialize, no optimizer) before the Trainer is built
     neftune_alpha: float | None = None  # the Trainer's --neftune_noise_alpha (noise on the input embeddings)
     evaluate_first: bool = False  # trainer.evaluate() before trainer.train() (the base model's eval loss first)
+    use_cpu_flag: bool = True  # pass use_cpu=True on a CPU machine (False: as a plain torchrun launch does)
 
     @property
     def accum(self) -> int:
@@ -255,7 +256,7 @@ def _common(job: Job) -> dict[str, Any]:
         adam_epsilon=1e-6,  # see tests/_training.make_optimizer: keeps Adam's rounding sensitivity far below 1e-5
         max_grad_norm=1.0, logging_steps=1, report_to="none", seed=0, disable_tqdm=True, optim=job.optim,
         optim_target_modules=list(job.optim_target_modules) if job.optim_target_modules else None,
-        use_cpu=device().type == "cpu",
+        use_cpu=device().type == "cpu" and job.use_cpu_flag,
         save_strategy="steps" if job.save_steps else "no", save_steps=job.save_steps or 500,
         save_total_limit=job.save_total_limit,
         **(dict(eval_strategy="steps", eval_steps=job.save_steps, load_best_model_at_end=True,
@@ -364,6 +365,34 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         "compiled_frames": compiled,
         "first_eval": first_eval,
     }
+
+
+def run_launched_without_use_cpu(job: Job, configured_state: bool = False) -> dict[str, Any]:
+    """`run(job)` as a plain `torchrun` launch on a CPU machine gives it: no `use_cpu`, no ACCELERATE_USE_CPU.
+    `configured_state`: an Accelerate state made first without `cpu=True` (one process, as Accelerate then
+    believes), which the Trainer is told to use; returns the error the arguments raise."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    import hf_zero
+
+    saved = os.environ.pop("ACCELERATE_USE_CPU", None)
+    try:
+        if not configured_state:
+            return run(replace(job, use_cpu_flag=False))
+        AcceleratorState._reset_state(reset_partial_state=True)
+        PartialState()
+        try:
+            hf_zero.ZeroTrainingArguments(output_dir=job.out_dir, zero_stage=job.stage, report_to="none",
+                                          accelerator_config={"use_configured_state": True})
+        except ValueError as e:
+            return {"error": str(e)}
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+        return {"error": None}
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_CPU"] = saved
 
 
 def run_with_a_second_trainer(job: Job) -> dict[str, Any]:

@@ -153,3 +153,10 @@ def test_preemption_stops_every_rank_at_the_same_step(pools, tmp_path):
     assert [r["stopped"] for r in results] == [2, 2]
     assert (tmp_path / "state" / "hf_zero" / "hf_zero_manifest.json").is_file()
     assert all(r["handler_restored"] for r in results)
+
+
+def test_a_launch_believed_to_be_one_process_is_refused_on_every_rank(pools):
+    """[Note: launched world] Accelerate's view of the job against the launcher's WORLD_SIZE, before any step."""
+    for r in pools(2).values(ac.launched_world_checked):
+        assert r["processes"] == 2, r
+        assert r["error"] is not None and "started 2 processes (WORLD_SIZE=2) but Accelerate sees 1" in r["error"], r

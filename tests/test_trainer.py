@@ -586,3 +586,18 @@ def test_resnet_batchnorm_trains_and_evaluates_as_stock_ddp(pools, tmp_path, sta
         np.testing.assert_allclose(got[key], ddp[key], rtol=TOL, atol=0, err_msg=key)
     for name, value in ddp["state"].items():
         assert rel_err(got["state"][name].numpy(), value.numpy()) <= TOL, name
+
+
+def test_a_cpu_launch_without_use_cpu_trains_as_the_launched_processes(pools, tmp_path):
+    """2 processes launched on a machine without GPUs, without --use_cpu or ACCELERATE_USE_CPU (a plain torchrun):
+    the stock Trainer believes it is one process (no distributed sampler: each rank trains the same batches);
+    ZeroTrainingArguments trains on the CPU as the 2-process run launched, with the single-process reference's
+    numbers. Where the Trainer is made to believe one process (an Accelerate state configured first), it is
+    refused on every rank naming the fix."""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"))
+    got = pools(2).values(tc.run_launched_without_use_cpu, job)
+    assert [r["world"] for r in got] == [2, 2]
+    _assert_close_to_reference(got[0], _reference(_ref_key(job)))
+    for r in pools(2).values(tc.run_launched_without_use_cpu, job, True):
+        assert r["error"] is not None and "The launcher started 2 processes (WORLD_SIZE=2) but the Trainer sees 1" in \
+            r["error"] and "--use_cpu" in r["error"], r

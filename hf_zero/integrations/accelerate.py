@@ -137,6 +137,14 @@ class ZeroAccelerator(Accelerator):
             self._signals = SignalRecorder()
             self._signals.install()
         super().__init__(*args, mixed_precision="no", **kwargs)
+        launched = env.world_size or 1
+        if launched > 1 and self.num_processes != launched:  # [Note: launched world] in training_args.py
+            raise ValueError(
+                f"The launcher started {launched} processes (WORLD_SIZE={launched}) but Accelerate sees "
+                f"{self.num_processes}: each rank would train the same batches as a copy of one process. On a machine "
+                "without GPUs pass cpu=True or set ACCELERATE_USE_CPU=true; do not create a PartialState or "
+                "Accelerator with other settings before this one."
+            )
         check_compile_request(self.state.dynamo_plugin, self.zero_config.stage)  # [Note: compile]: refused up front
         self._zero_model: nn.Module | None = None
         self._inference_models = 0  # models prepared without trainable parameters (sharded for inference)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, make_dataclass
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainingArguments
 
 from ..config import ZeroConfig
+from ..launch import has_accelerator
 from .settings import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
+
+logger = logging.getLogger(__name__)
 
 
 class _ZeroArguments:
@@ -45,6 +49,8 @@ class _ZeroArguments:
         optim: Any
         save_total_limit: int | None
         parallelism_config: Any
+        use_cpu: bool
+        world_size: int
         zero_shard_group_size: int | None  # the fields the mixin adds
         zero_sequence_parallel: int
         zero_hybrid_shard: bool
@@ -63,7 +69,40 @@ class _ZeroArguments:
         self._refuse_incompatible()
         snapshot_budget(self)
         self.to_zero_config()
+        self._cpu_where_launched()
         super().__post_init__()  # type: ignore[misc]  # TrainingArguments, after this mixin in the MRO, has it
+        self._check_launched_world()
+
+    def _cpu_where_launched(self) -> None:
+        """[Note: launched world]
+        `torchrun` / `accelerate launch` started WORLD_SIZE processes, on a machine with no GPU, without
+        `--use_cpu` or `ACCELERATE_USE_CPU`: the stock Trainer then decides it is one process (no distributed
+        sampler, every rank logging) while hf_zero shards over the launcher's process group, so each rank would
+        train the same batches: several copies of one process, half the work asked for. There is nothing else
+        such a launch can mean, so it trains on the CPU as the N-process run it is (`use_cpu=True`)."""
+        env = launch_env()
+        if self.use_cpu or env.use_cpu or (env.world_size or 1) <= 1 or has_accelerator():
+            return
+        self.use_cpu = True
+        logger.info(
+            "hf_zero: %d processes launched on a machine without a GPU: training on the CPU across all of them "
+            "(use_cpu=True).",
+            env.world_size,
+        )
+
+    def _check_launched_world(self) -> None:
+        """[Note: launched world] what the Trainer believes against what the launcher started, before any step;
+        the same decision on every rank (both come from the environment), so every rank raises."""
+        launched = launch_env().world_size or 1
+        believed = int(self.world_size)
+        if launched > 1 and believed != launched:
+            raise ValueError(
+                f"The launcher started {launched} processes (WORLD_SIZE={launched}) but the Trainer sees {believed}: "
+                f"each rank would train the same batches as a copy of one process. On a machine without GPUs pass "
+                "--use_cpu (use_cpu=True) or set ACCELERATE_USE_CPU=true; on GPUs launch with one process per GPU "
+                "(torchrun --nproc_per_node N or accelerate launch --num_processes N) and let the Trainer set up "
+                "the process group (do not create a PartialState or Accelerator with other settings first)."
+            )
 
     def _refuse_incompatible(self) -> None:
         env = launch_env()
