@@ -1,0 +1,387 @@
+"""A differential fuzzer: training programs drawn from a grammar of what users do, run under torch's DDP and under
+hf_zero at stages 1-3 on the same ranks, compared number by number.
+
+A `Program` is a model (blocks, an optional BatchNorm, optionally a tied weight), an optimizer and scheduler,
+engine settings (offload, prefetch) and a list of operations between steps: training steps of 1-3 micro-batches
+(the first ones under `no_sync` or not), clipping by torch's `clip_grad_norm_` (2, 1, inf) or `clip_grad_value_`,
+`zero_grad(set_to_none=...)`, freezing and unfreezing a block, evaluation forwards, a forward without grad in train
+mode, a learning-rate change, and a checkpoint saved and resumed into a fresh model at another stage. Every program
+is made from its seed (`draw`), so a seed names it.
+
+`run_program` runs one program on every rank of a pool: under `DistributedDataParallel` (its defaults,
+`find_unused_parameters=True`), then under hf_zero at each stage, from the same weights and data. The outcome of a
+stage is `exact` (losses, returned norms, eval losses, every final weight and buffer within `TOL`), `refused` (a
+`ValueError` / `TypeError` naming the pattern: never silent), or `diverged` / `crashed` with what differed.
+`shrink` removes operations and settings while the divergence stays, for the smallest program that shows it.
+
+[Note: fuzz noise]
+Adam divides a gradient by the root of its running square: where a gradient is tiny, a difference of one rounding
+in the clipping coefficient or a summation order moves that element by up to a full step, so a correct fp32 run
+can land 1e-5 from DDP's on one element. A program that differs in fp32 is run again in float64 on both sides
+(the engine keeps float64 through masters, norms and reductions): exact there (1e-9), the fp32 difference was
+rounding and is counted as `noise`; different there too, it is a divergence, shrunk in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hf_zero
+from tests._peer_harness import D_IN, D_OUT, Net
+
+TOL = {"float32": 1e-5, "float64": 1e-9}  # relative
+REFUSALS = ("ValueError", "TypeError")
+STAGES = (1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One training program (see the module docstring); `ops` are tuples `(kind, *arguments)`."""
+
+    seed: int
+    blocks: int = 3
+    batchnorm: bool = False
+    tie: bool = False
+    optimizer: str = "adamw"  # adamw | sgd | adam_amsgrad | rmsprop
+    scheduler: bool = False
+    offload: str = "none"  # none | optimizer | params
+    prefetch: int = 1
+    ops: tuple[tuple[Any, ...], ...] = ()
+    dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> Program:
+        raw = json.loads(text)
+        raw["ops"] = tuple(tuple(op) for op in raw["ops"])
+        return Program(**raw)
+
+
+def draw(seed: int) -> Program:
+    """The program of `seed`: its settings and 2-6 operations, at least one training step."""
+    rng = random.Random(seed)
+    blocks = rng.choice((2, 3))
+    ops: list[tuple[Any, ...]] = []
+    for _ in range(rng.randint(2, 6)):
+        kind = rng.choices(("step", "eval", "nograd", "freeze", "lr", "resume"), weights=(8, 2, 1, 2, 1, 1))[0]
+        if kind == "step":
+            clip = rng.choice((None, None, ("norm", 0.5, 2.0), ("norm", 0.3, 1.0), ("norm", 0.2, "inf"),
+                               ("value", 0.05), ("optimizer", 0.4), ("model", 0.4)))
+            ops.append(("step", rng.randint(1, 3), rng.random() < 0.7, clip, rng.random() < 0.7))
+        elif kind == "freeze":
+            ops.append(("freeze", rng.randrange(blocks), rng.random() < 0.5))
+        elif kind == "lr":
+            ops.append(("lr", rng.choice((0.5, 2.0))))
+        elif kind == "resume":
+            ops.append(("resume", rng.choice(STAGES)))
+        else:
+            ops.append((kind,))
+    if not any(op[0] == "step" for op in ops):
+        ops.append(("step", 2, True, None, True))
+    return Program(
+        seed=seed,
+        blocks=blocks,
+        batchnorm=rng.random() < 0.4,
+        tie=blocks == 3 and rng.random() < 0.3,
+        optimizer=rng.choice(("adamw", "adamw", "sgd", "adam_amsgrad", "rmsprop")),
+        scheduler=rng.random() < 0.3,
+        offload=rng.choice(("none", "none", "optimizer", "params")),
+        prefetch=rng.choice((0, 1, 2)),
+        ops=tuple(ops),
+    )
+
+
+# ---- running one program on this rank ------------------------------------------------------------------------
+def _model(program: Program) -> nn.Module:
+    torch.manual_seed(program.seed)
+    model = Net(n=program.blocks, batchnorm=program.batchnorm)
+    if program.tie:
+        model.blocks[2].lin.weight = model.blocks[0].lin.weight
+    return model.to(getattr(torch, program.dtype))
+
+
+def _optimizer(program: Program, params: Any) -> torch.optim.Optimizer:
+    if program.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+    if program.optimizer == "adam_amsgrad":
+        return torch.optim.Adam(params, lr=0.01, amsgrad=True)
+    if program.optimizer == "rmsprop":
+        return torch.optim.RMSprop(params, lr=0.005, momentum=0.5)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _scheduler(program: Program, opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if program.scheduler else None
+
+
+def _batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    return (torch.randn(4, D_IN, generator=g) * (1 + rank)).to(dtype), torch.randn(4, D_OUT, generator=g).to(dtype)
+
+
+def _config(program: Program, stage: int) -> hf_zero.ZeroConfig:
+    return hf_zero.ZeroConfig(
+        stage=stage, wrap=("Block",), bucket_size_mb=0, prefetch=program.prefetch,
+        offload_optimizer=program.offload != "none", offload_params=program.offload == "params" and stage == 3,
+    )
+
+
+@dataclasses.dataclass
+class _Run:
+    """One run's live objects: the model as the loop calls it, its optimizer and scheduler, and what it records."""
+
+    model: nn.Module
+    inner: nn.Module  # the module whose parameters are frozen and compared (DDP's `.module`)
+    opt: Any
+    sched: Any
+    no_sync: Any
+    dtype: torch.dtype
+    record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def note(self, key: str, value: Any) -> None:
+        self.record.setdefault(key, []).append(float(value))
+
+
+def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
+    kind = op[0]
+    if kind == "step":
+        _, micros, use_no_sync, clip, set_to_none = op
+        for micro in range(micros):
+            x, y = _batch(step, micro, rank, run.dtype)
+            quiet = use_no_sync and micro < micros - 1
+            with run.no_sync() if quiet else contextlib.nullcontext():
+                loss = nn.functional.mse_loss(run.model(x), y) / micros
+                loss.backward()
+            run.note("loss", loss.detach())
+        params = list(run.inner.parameters())
+        if clip is not None and clip[0] == "norm":
+            norm_type = float(clip[2]) if clip[2] != "inf" else float("inf")
+            run.note("norm", torch.nn.utils.clip_grad_norm_(params, clip[1], norm_type=norm_type))
+        elif clip is not None and clip[0] == "value":
+            torch.nn.utils.clip_grad_value_(params, clip[1])
+        elif clip is not None:  # hf_zero's own APIs (the sharded optimizer's, the model's); torch's under DDP
+            owner = run.opt if clip[0] == "optimizer" else run.model
+            sharded = hasattr(owner, "clip_grad_norm_") and run.model is run.inner
+            norm = owner.clip_grad_norm_(clip[1]) if sharded else torch.nn.utils.clip_grad_norm_(params, clip[1])
+            run.note("norm", norm)
+        run.opt.step()
+        if run.sched is not None:
+            run.sched.step()
+        run.opt.zero_grad(set_to_none=set_to_none)
+    elif kind == "eval":
+        run.model.eval()
+        with torch.no_grad():
+            x, y = _batch(900 + step, 0, rank, run.dtype)
+            run.note("eval", nn.functional.mse_loss(run.model(x), y))
+        run.model.train()
+    elif kind == "nograd":
+        with torch.no_grad():
+            run.model(_batch(800 + step, 0, rank, run.dtype)[0])
+    elif kind == "freeze":
+        for p in run.inner.blocks[op[1]].parameters():
+            p.requires_grad_(not op[2])
+    elif kind == "lr":
+        for group in run.opt.param_groups:
+            group["lr"] = group["lr"] * op[1]
+
+
+def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    model = _model(program)
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    opt = _optimizer(program, model.parameters())
+    run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype))
+    for step, op in enumerate(program.ops):
+        if op[0] == "resume":  # a resumed DDP job: a fresh wrapper (rank 0's buffers, its flag due) on the same state
+            frozen = [p for p in model.parameters() if not p.requires_grad]
+            for p in frozen:  # DDP's reducer holds only what requires grad when it is built
+                p.requires_grad_(True)
+            ddp = DistributedDataParallel(model, find_unused_parameters=True)
+            for p in frozen:
+                p.requires_grad_(False)
+            run.model, run.no_sync = ddp, ddp.no_sync
+        else:
+            _apply(run, op, step, rank)
+    return run.record, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _sharded(program: Program, stage: int) -> _Run:
+    model = _model(program)
+    model, opt = hf_zero.initialize(model, _optimizer(program, model.parameters()), _config(program, stage))
+    return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype))
+
+
+def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
+    """Save a checkpoint, build a fresh sharded model at `stage`, load it; what is frozen stays frozen."""
+    hf_zero.save_checkpoint(directory, run.model, run.opt)
+    frozen = [name for name, p in run.inner.named_parameters() if not p.requires_grad]
+    sched_state = run.sched.state_dict() if run.sched is not None else None
+    fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage)  # other weights: the load must win
+    hf_zero.load_checkpoint(directory, fresh.model, fresh.opt)
+    fresh.record = run.record
+    for name, p in fresh.inner.named_parameters():
+        p.requires_grad_(name not in frozen)
+    if fresh.sched is not None and sched_state is not None:
+        fresh.sched.load_state_dict(sched_state)
+    return fresh
+
+
+def _run_sharded(program: Program, stage: int, rank: int, directory: str) -> tuple[dict, dict]:
+    run = _sharded(program, stage)
+    for step, op in enumerate(program.ops):
+        if op[0] == "resume":
+            run = _resume(run, program, op[1], f"{directory}/step{step}")
+        else:
+            _apply(run, op, step, rank)
+    state = hf_zero.full_state_dict(run.model, rank0_only=False)
+    return run.record, {k: v.detach().clone() for k, v in state.items()}
+
+
+def _difference(reference: tuple[dict, dict], got: tuple[dict, dict], tol: float) -> str | None:
+    """What differs beyond `tol` between two runs' records and final states, or None."""
+    (ref_record, ref_state), (record, state) = reference, got
+    if ref_record.keys() != record.keys():
+        return f"recorded {sorted(record)}, DDP {sorted(ref_record)}"
+    for key, values in ref_record.items():
+        if len(values) != len(record[key]):
+            return f"{key}: {len(record[key])} values, DDP {len(values)}"
+        for i, (a, b) in enumerate(zip(record[key], values)):
+            if abs(a - b) > tol * max(abs(b), 1e-6):
+                return f"{key}[{i}]: {a!r}, DDP {b!r}"
+    for name, value in ref_state.items():
+        if name not in state:
+            return f"{name} missing"
+        got_value = state[name].to(value.dtype)
+        scale = float(value.abs().max()) + 1e-12
+        if float((got_value - value).abs().max()) > tol * scale:
+            return f"{name}: {float((got_value - value).abs().max()):.3g} from DDP's (max {scale:.3g})"
+    return None
+
+
+def run_program(text: str, stages: tuple[int, ...] = STAGES) -> dict[int, str]:
+    """On every rank of a pool: the outcome of the program (`Program.to_json`) at each stage, as
+    `exact`, `refused: <message>`, `diverged: <what>` or `crashed: <type>: <message>`."""
+    program = Program.from_json(text)
+    rank = dist.get_rank()
+    reference = _run_ddp(program, rank)
+    directory = [tempfile.mkdtemp(prefix="hf_zero-fuzz-") if rank == 0 else ""]
+    dist.broadcast_object_list(directory, 0)
+    outcomes: dict[int, str] = {}
+    try:
+        for stage in stages:
+            try:
+                got = _run_sharded(program, stage, rank, f"{directory[0]}/stage{stage}")
+            except Exception as e:  # noqa: BLE001 - the outcome goes back to the driver
+                kind = "refused" if type(e).__name__ in REFUSALS and "hf_zero" in str(e) else "crashed"
+                outcomes[stage] = f"{kind}: {type(e).__name__}: {e}"
+                continue
+            difference = _difference(reference, got, TOL[program.dtype])
+            outcomes[stage] = "exact" if difference is None else f"diverged: {difference}"
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(directory[0], ignore_errors=True)
+    return outcomes
+
+
+# ---- the driver's side -------------------------------------------------------------------------------------------
+def verdict(per_rank: list[dict[int, str]]) -> dict[int, str]:
+    """One outcome per stage over the ranks: a refusal must be on every rank (else `diverged: refused on some`)."""
+    merged: dict[int, str] = {}
+    for stage in per_rank[0]:
+        outcomes = [r[stage] for r in per_rank]
+        bad = [o for o in outcomes if o.startswith(("diverged", "crashed"))]
+        if bad:
+            merged[stage] = bad[0]
+        elif all(o.startswith("refused") for o in outcomes):
+            merged[stage] = outcomes[0]
+        elif any(o.startswith("refused") for o in outcomes):
+            merged[stage] = "diverged: refused on some ranks only"
+        else:
+            merged[stage] = "exact"
+    return merged
+
+
+def is_silent(outcome: str) -> bool:
+    return outcome.startswith(("diverged", "crashed"))
+
+
+def shrink(program: Program, fails: Any) -> Program:
+    """The smallest program found, removing operations and simplifying settings, for which `fails(program)` holds."""
+    simpler = [dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
+               dict(prefetch=1), dict(optimizer="adamw")]
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(program.ops)):
+            candidate = dataclasses.replace(program, ops=program.ops[:i] + program.ops[i + 1 :])
+            if any(op[0] == "step" for op in candidate.ops) and fails(candidate):
+                program, changed = candidate, True
+                break
+        for change in simpler:
+            candidate = dataclasses.replace(program, **change)
+            if candidate != program and fails(candidate):
+                program, changed = candidate, True
+    return program
+
+
+def write_report(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+@dataclasses.dataclass
+class Finding:
+    """What one program gave: the outcome per stage (`exact`, `refused: ...`, `noise`, `diverged: ...`), and for a
+    divergence the shrunk program that shows it."""
+
+    program: Program
+    outcomes: dict[int, str]
+    shrunk: Program | None = None
+
+    @property
+    def silent(self) -> bool:
+        return any(is_silent(o) for o in self.outcomes.values())
+
+
+def outcomes_of(run: Any, program: Program, stages: tuple[int, ...] = STAGES, timeout: float = 180.0) -> dict[int, str]:
+    """`run_program` on every rank through `run` (a pool's `run`); a hang or an error outside the runs is a crash."""
+    try:
+        results = run(run_program, program.to_json(), stages, timeout=timeout)
+    except TimeoutError as e:
+        return {stage: f"crashed: hang: {e}" for stage in stages}
+    failed = [r for r in results if not r.ok]
+    if failed:
+        return {stage: f"crashed: {failed[0].error_type}: {failed[0].error}" for stage in stages}
+    return verdict([r.value for r in results])
+
+
+def check(run: Any, program: Program, shrink_found: bool = True) -> Finding:
+    """The program's finding: fp32 outcomes, fp32 differences re-run in float64 ([Note: fuzz noise]), a
+    divergence that stays shrunk (in float64)."""
+    outcomes = outcomes_of(run, program)
+    for stage, outcome in outcomes.items():
+        if not outcome.startswith("diverged"):
+            continue
+        again = outcomes_of(run, dataclasses.replace(program, dtype="float64"), (stage,))[stage]
+        outcomes[stage] = "noise" if again == "exact" else again
+    finding = Finding(program, outcomes)
+    bad = [s for s, o in outcomes.items() if is_silent(o)]
+    if bad and shrink_found:
+        stage = bad[0]
+        wide = dataclasses.replace(program, dtype="float64") if outcomes[stage].startswith("diverged") else program
+        finding.shrunk = shrink(wide, lambda q: is_silent(outcomes_of(run, q, (stage,))[stage]))
+    return finding

@@ -1,0 +1,49 @@
+"""The differential fuzzer (tests/_fuzz.py) on a fixed slice of seeds: every program at stages 1-3 equals torch's
+DDP on the same 2 ranks (or is refused by name); `make fuzz` runs as many as asked (benchmarks/fuzz.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests import _fuzz as fuzz
+
+SLICE = range(1000, 1016)  # fixed seeds: 16 programs, 48 runs beside DDP
+
+
+@pytest.mark.parametrize("seed", SLICE)
+def test_fuzzed_program_equals_ddp_or_is_refused(pools, seed):
+    finding = fuzz.check(lambda *a, **k: pools(2).run(*a, **k), fuzz.draw(seed), shrink_found=False)
+    assert not finding.silent, (finding.outcomes, finding.program)
+
+
+def test_the_grammar_draws_every_operation_and_setting():
+    """The slice and the long runs reach what the grammar names: each kind of operation, clipping API and
+    setting appears among 200 programs."""
+    programs = [fuzz.draw(seed) for seed in range(200)]
+    kinds = {op[0] for p in programs for op in p.ops}
+    assert kinds == {"step", "eval", "nograd", "freeze", "lr", "resume"}
+    clips = {op[3][0] for p in programs for op in p.ops if op[0] == "step" and op[3] is not None}
+    assert clips == {"norm", "value", "optimizer", "model"}
+    assert {p.offload for p in programs} == {"none", "optimizer", "params"}
+    assert {p.optimizer for p in programs} == {"adamw", "sgd", "adam_amsgrad", "rmsprop"}
+    assert any(p.tie for p in programs) and any(p.batchnorm for p in programs) and any(p.scheduler for p in programs)
+    assert fuzz.Program.from_json(programs[7].to_json()) == programs[7]
+
+
+def test_shrink_keeps_only_what_the_failure_needs():
+    """A failure that needs a resume and BatchNorm: the shrunk program holds one step, the resume and BatchNorm."""
+    program = dataclasses.replace(
+        fuzz.draw(3), batchnorm=True, tie=True, scheduler=True, offload="optimizer",
+        ops=(("step", 2, True, None, True), ("eval",), ("resume", 2), ("lr", 2.0), ("step", 1, False, None, False)),
+    )
+    seen = []
+
+    def fails(p: fuzz.Program) -> bool:
+        seen.append(p)
+        return p.batchnorm and any(op[0] == "resume" for op in p.ops)
+
+    shrunk = fuzz.shrink(program, fails)
+    assert shrunk.batchnorm and not shrunk.tie and not shrunk.scheduler and shrunk.offload == "none"
+    assert [op[0] for op in shrunk.ops] == ["resume", "step"] and len(seen) > 5
