@@ -3,7 +3,7 @@
 hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB] [--overwrite]
 hf-zero leftovers RUN_DIR [--remove]
 hf-zero preemptible OUTPUT_DIR -- LAUNCH COMMAND...
-hf-zero estimate --model PATH_OR_CONFIG --world-size N [--nodes M] [--seq-len L] [--micro-batch B] [--attention sdpa]
+hf-zero estimate MODEL_DIR_OR_HUB_ID --world-size N [--nodes M] [--seq-len L] [--micro-batch B] [--attention sdpa]
                  [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB] [--host-memory 1TB]
                  [--disk 4TB]
 """
@@ -104,9 +104,11 @@ def _run_forwarding_signals(command: list[str]) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     from .checkpoint.writer import parse_size
-    from .estimate import Workload, estimate, format_table
+    from .estimate import Workload, estimate, format_table, recommend
 
-    hf_config, model = _meta_model(args.model)
+    if (args.model_path is None) == (args.model is None):
+        raise ValueError("give the model once: hf-zero estimate MODEL_DIR_OR_HUB_ID (or --model PATH).")
+    hf_config, model = _meta_model(args.model_path or args.model)
     if args.time:
         return _step_time(model, hf_config, args)
     trainable_note = _trainable(model, args)
@@ -143,6 +145,23 @@ def _estimate(args: argparse.Namespace) -> int:
         "GiB per device / per node:"
     )
     print(format_table(rows, device_memory, host_memory, disk))
+    budget = device_memory or 80 * 10**9
+    row, why = recommend(rows, budget, host_memory, disk)
+    assumed = "" if device_memory else " (80GB devices assumed: pass --device-memory)"
+    if row is None:
+        print(f"Recommended: none{assumed}: {why}")
+    else:
+        flags = (
+            f"--zero_stage {row.stage}"
+            + {
+                "none": "",
+                "optimizer": " --zero_offload_optimizer",
+                "optimizer+params": " --zero_offload_optimizer --zero_offload_params",
+                "disk": " --zero_offload_optimizer --zero_offload_dir DIR",
+                "disk+params": " --zero_offload_optimizer --zero_offload_params --zero_offload_dir DIR",
+            }[row.offload]
+        )
+        print(f"Recommended{assumed}: {why} Trainer flags: {flags}")
     return 0
 
 
@@ -174,10 +193,7 @@ def _step_time(model: Any, hf_config: Any, args: argparse.Namespace) -> int:
         sequence_parallel=args.sequence_parallel,
     )
     print(format_predictions(ModelShape.from_model(model, hf_config), job, hw, worlds))
-    print(
-        "Assumptions: hf_zero/steptime.py, [Note: step-time model]; validated against measured step times in "
-        "docs/performance.md."
-    )
+    print("How the model predicts, and how it compares with measured step times: docs/performance.md.")
     return 0
 
 
@@ -211,7 +227,8 @@ def _trainable(model: Any, args: argparse.Namespace) -> str:
 
 
 def _meta_model(path: str) -> tuple[Any, nn.Module]:
-    """A model built on the meta device from a config.json or a model directory (no weights read)."""
+    """A model built on the meta device from a config.json, a model directory, or a hub id whose config is in the
+    local hub cache (no weights read, nothing downloaded)."""
     import json
     import os
 
@@ -225,11 +242,28 @@ def _meta_model(path: str) -> tuple[Any, nn.Module]:
         if "model_type" not in raw:
             raise ValueError(f"{path} has no 'model_type'; pass a Hugging Face config.json.")
         config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    elif path.count("/") == 1 and not path.startswith((".", "/")):
+        config = _cached_hub_config(path)
     else:
-        raise FileNotFoundError(f"--model {path}: no such config.json or model directory.")
+        raise FileNotFoundError(f"{path}: no such config.json or model directory.")
     with torch.device("meta"):  # the checkpoint's own dtype does not matter: master weights are fp32
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return config, model
+
+
+def _cached_hub_config(repo_id: str) -> Any:
+    """The config of hub model `repo_id` from the local hub cache; `FileNotFoundError` saying how to get it."""
+    from huggingface_hub import try_to_load_from_cache
+    from transformers import AutoConfig
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if not isinstance(cached, str):
+        raise FileNotFoundError(
+            f"{repo_id}: not a local directory, and its config.json is not in the hub cache. Fetch it (only the "
+            f"config is read): `hf download {repo_id} config.json --local-dir ./{repo_id.split('/')[1]}`, then pass "
+            "that directory."
+        )
+    return AutoConfig.from_pretrained(os.path.dirname(cached))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,8 +307,18 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("command_line", nargs=argparse.REMAINDER, help="-- then the launch command")
     pre.set_defaults(func=_preemptible)
 
-    e = sub.add_parser("estimate", help="memory per device and per node for every stage and offload setting")
-    e.add_argument("--model", required=True, help="a config.json or a model directory (only the config is read)")
+    e = sub.add_parser(
+        "estimate",
+        help="memory per device and per node for every stage and offload setting, and the configuration to use",
+    )
+    e.add_argument(
+        "model_path",
+        nargs="?",
+        metavar="MODEL_DIR_OR_HUB_ID",
+        help="a model directory, a config.json, or a hub id whose config is in the local hub cache (only the config "
+        "is read)",
+    )
+    e.add_argument("--model", default=None, help="the same, as a flag")
     e.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs) in all")
     e.add_argument("--nodes", type=int, default=1, help="number of machines (default 1)")
     e.add_argument("--seq-len", type=int, default=2048)

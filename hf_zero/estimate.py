@@ -295,11 +295,63 @@ def grad_sizes_of_params(specs: list[UnitSpec]) -> list[int]:
     return [p.numel() for spec in specs for p in spec.params if p.requires_grad] or [0]
 
 
+def fits(row: Estimate, device_memory: int | None, host_memory: int | None, disk: int | None) -> list[str]:
+    """What `row` overflows of the sizes given (`"device"`, `"host"`, `"disk"`); empty when it fits."""
+    needs = (row.device_total, row.host_per_node, row.disk_per_node)
+    limits = (device_memory, host_memory, disk)
+    return [
+        name for name, need, have in zip(("device", "host", "disk"), needs, limits) if have is not None and need > have
+    ]
+
+
+# Cheapest first: no offload before host offload before disk, and within each the lower stage (fewer collectives)
+_PREFERENCE = ("none", "optimizer", "optimizer+params", "disk", "disk+params")
+
+
+def recommend(
+    rows: list[Estimate], device_memory: int, host_memory: int | None = None, disk: int | None = None
+) -> tuple[Estimate | None, str]:
+    """The configuration to train with, and why: the fastest that fits (no offload before offload, host before
+    disk, then the lowest stage: each step up costs communication), keeping a tenth of the device free for the
+    allocator's fragmentation. `(None, why)` when no row fits.
+
+    Example:
+
+    ```python
+    >>> row, why = recommend(rows, device_memory=80 * 10**9)
+    >>> row.stage, row.offload
+    (3, 'none')
+    ```
+    """
+    usable = int(device_memory * 0.9)
+    fitting = [r for r in rows if not fits(r, usable, host_memory, disk)]
+    if not fitting:
+        smallest = min(rows, key=lambda r: r.device_total)
+        return None, (
+            f"nothing fits in {device_memory / 2**30:.0f} GiB per device with a tenth kept free (the smallest, stage "
+            f"{smallest.stage} with offload {smallest.offload}, needs {smallest.device_total / 2**30:.1f} GiB): add "
+            "devices (--world-size), turn on --gradient-checkpointing, or shorten --seq-len / --micro-batch."
+        )
+    best = min(fitting, key=lambda r: (_PREFERENCE.index(r.offload), r.stage))
+    reason = (
+        "the lowest stage without offload that fits"
+        if best.offload == "none"
+        else (f"no stage fits without offload; offload {best.offload!r} at the lowest stage that fits")
+    )
+    host = f"; {best.host_per_node / 2**30:.0f} GiB of host memory per node" if best.host_per_node else ""
+    on_disk = f"; {best.disk_per_node / 2**30:.0f} GiB of disk per node" if best.disk_per_node else ""
+    return best, (
+        f"stage {best.stage}, offload {best.offload}: {reason} ({best.device_total / 2**30:.1f} of "
+        f"{device_memory / 2**30:.1f} GiB per device, a tenth kept free{host}{on_disk})."
+    )
+
+
 def format_table(
     rows: list[Estimate], device_memory: int | None = None, host_memory: int | None = None, disk: int | None = None
 ) -> str:
-    """A markdown table of the rows (GiB), with a 'fits' column when any size is given: a row fits when its
-    per-device, host-per-node and disk-per-node bytes are within the sizes given.
+    """A markdown table of the rows (GiB), its columns aligned, with a 'fits' column when any size is given: a row
+    fits when its per-device, host-per-node and disk-per-node bytes are within the sizes given; a row that does
+    not says what it overflows.
 
     Example:
 
@@ -308,28 +360,36 @@ def format_table(
     ```
     """
     gib = 2**30
-    head = (
-        "| stage | offload | model states | gathered units | activations | buffers | per device | host per node "
-        "| disk per node |"
-    )
-    sep = "|---|---|---|---|---|---|---|---|---|"
-    limits = (device_memory, host_memory, disk)
-    if any(x is not None for x in limits):
-        head, sep = head + " fits |", sep + "---|"
-    lines = [head, sep]
+    head = [
+        "stage",
+        "offload",
+        "model states",
+        "gathered units",
+        "activations",
+        "buffers",
+        "per device",
+        "host per node",
+        "disk per node",
+    ]
+    sized = any(x is not None for x in (device_memory, host_memory, disk))
+    table = []
     for r in rows:
-        line = (
-            f"| {r.stage} | {r.offload} | {r.model_states / gib:.2f} | {r.gathered_units / gib:.2f} | "
-            f"{r.activations / gib:.2f} | {r.buffers / gib:.2f} | {r.device_total / gib:.2f} | "
-            f"{r.host_per_node / gib:.1f} | {r.disk_per_node / gib:.1f} |"
-        )
-        if any(x is not None for x in limits):
-            needs = (r.device_total, r.host_per_node, r.disk_per_node)
-            over = [
-                name
-                for name, need, have in zip(("device", "host", "disk"), needs, limits)
-                if have is not None and need > have
-            ]
-            line += f" {'yes' if not over else 'no (' + ', '.join(over) + ')'} |"
-        lines.append(line)
-    return "\n".join(lines)
+        cells = [str(r.stage), r.offload] + [
+            f"{v / gib:.2f}" for v in (r.model_states, r.gathered_units, r.activations, r.buffers, r.device_total)
+        ]
+        cells += [f"{r.host_per_node / gib:.1f}", f"{r.disk_per_node / gib:.1f}"]
+        if sized:
+            over = fits(r, device_memory, host_memory, disk)
+            cells.append("yes" if not over else "no (" + ", ".join(over) + ")")
+        table.append(cells)
+    if sized:
+        head.append("fits")
+    widths = [max(len(c) for c in column) for column in zip(head, *table)]
+    numeric = [False, False] + [True] * 7 + [False]
+
+    def line(cells: list[str]) -> str:
+        padded = [c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if numeric[i] else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(head), rule, *(line(cells) for cells in table)])

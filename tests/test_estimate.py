@@ -20,6 +20,11 @@ from tests._training import Scenario, freeze, make_model, sharded_run, with_lora
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _cells(line: str) -> list[str]:
+    """A table line's cells, stripped."""
+    return [c.strip() for c in line.split("|")[1:-1]]
+
+
 @pytest.mark.parametrize(
     "sc",
     [
@@ -142,11 +147,13 @@ def test_cli_prints_the_table_for_big_configs(tmp_path, name, config):
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 13  # stages 0-3 x offload settings
     params = float(done.stdout.split(": ")[1].split("B parameters")[0]) * 1e9
-    stage3 = next(r for r in rows if r.startswith("| 3 | none |")).split("|")
+    stage3 = next(r for r in rows if _cells(r)[:2] == ["3", "none"]).split("|")
     # fp32 master (the gather source, cast on gather), fp32 gradient shards and Adam moments: 16 bytes per
     # parameter / 16 ranks
     assert float(stage3[3]) == pytest.approx(16 * params / 16 / 2**30, rel=0.01)
     fits = {r.split("|")[2].strip() + str(r.split("|")[1].strip()): r.split("|")[-2].strip() for r in rows}
+    widths = {len(line) for line in done.stdout.splitlines() if line.startswith("|")}
+    assert len(widths) == 1  # the columns are aligned: every line of the table is as long
     assert fits["none0"] == "no (device)" and fits["optimizer+params3"] == "yes"
 
 
@@ -184,7 +191,7 @@ def test_llama_70b_on_one_node_fits_with_disk_offload_only(tmp_path):
     assert done.returncode == 0, done.stderr
     params = float(done.stdout.split(": ")[1].split("B parameters")[0]) * 1e9
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
-            for line in done.stdout.splitlines() if line.startswith("| 3 |")}
+            for line in done.stdout.splitlines() if line.startswith("| 3 ")}
     host_offload, disk = rows[("3", "optimizer")], rows[("3", "disk")]
     assert host_offload[-1] == "no (host)" and disk[-1] == "yes"
     host, on_disk = float(disk[5]), float(disk[6])
@@ -261,7 +268,7 @@ def test_cli_estimate_learns_the_frozen_trainable_split(tmp_path, flags):
     header = done.stdout.splitlines()[0]
     params = float(header.split(": ")[1].split("B parameters")[0]) * 1e9
     trained = float(header.split("trainable ")[1].split("M of")[0]) * 1e6
-    stage3 = next(r for r in done.stdout.splitlines() if r.startswith("| 3 | none |")).split("|")
+    stage3 = next(r for r in done.stdout.splitlines() if _cells(r)[:2] == ["3", "none"]).split("|")
     expected = (2 * (params - trained) + 16 * trained) / 16 / 2**30
     assert float(stage3[3]) == pytest.approx(expected, rel=0.01)
     assert float(stage3[3]) < 16 * params / 16 / 2**30 / 4  # far below full fine-tuning's
@@ -294,3 +301,44 @@ def test_stage3_estimate_equals_a_hand_count_of_the_padded_shards(world):
     assert got.parameters == {"device": 4 * shard} and got.gradients == {"device": 4 * shard}
     assert got.optimizer_states == {"device": 8 * real + 4 * pieces}
     assert real < shard or world == 2  # the padding is really there for 3 and 7 ranks
+
+
+def test_estimate_takes_a_model_directory_or_a_cached_hub_id_and_recommends(tmp_path, monkeypatch):
+    """`hf-zero estimate MODEL_DIR_OR_HUB_ID`: a model directory, or a hub id whose config.json is in the hub cache
+    (nothing downloaded); a hub id not cached says how to fetch its config. The table's columns are aligned and
+    it ends with one recommended configuration: the lowest stage without offload that fits, else offload."""
+    import huggingface_hub.constants
+
+    model_dir = tmp_path / "llama-70b"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(LLAMA_70B))
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3-70B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(LLAMA_70B))
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    flags = ["--world-size", "64", "--nodes", "8", "--seq-len", "4096", "--gradient-checkpointing",
+             "--device-memory", "80GB"]
+    by_dir, by_id = _cli(["estimate", str(model_dir), *flags]), _cli(["estimate", "meta-llama/Llama-3-70B", *flags])
+    assert by_dir.returncode == 0 and by_id.returncode == 0, (by_dir.stderr, by_id.stderr)
+    assert by_dir.stdout == by_id.stdout
+    table = [line for line in by_dir.stdout.splitlines() if line.startswith("|")]
+    assert len({len(line) for line in table}) == 1 and len(table) == 15
+    recommended = by_dir.stdout.splitlines()[-1]
+    assert recommended.startswith("Recommended: stage 3, offload none: the lowest stage without offload that fits")
+    assert recommended.endswith("Trainer flags: --zero_stage 3"), recommended
+    rows = {tuple(_cells(line)[:2]): _cells(line) for line in table[2:]}
+    assert rows[("2", "none")][-1] == "no (device)" and rows[("3", "none")][-1] == "yes"
+
+    few = _cli(["estimate", str(model_dir), "--world-size", "8", "--seq-len", "4096", "--gradient-checkpointing",
+                "--device-memory", "80GB", "--host-memory", "2TB"])
+    assert "Recommended: stage 3, offload optimizer: no stage fits without offload" in few.stdout, few.stdout
+    assert few.stdout.rstrip().endswith("--zero_stage 3 --zero_offload_optimizer")
+    none = _cli(["estimate", str(model_dir), "--world-size", "2", "--device-memory", "24GB", "--host-memory", "64GB"])
+    assert "Recommended: none: nothing fits in 22 GiB per device" in none.stdout, none.stdout
+
+    missing = _cli(["estimate", "nobody/none-such", "--world-size", "8"])
+    assert missing.returncode == 2 and "hf download nobody/none-such config.json --local-dir" in missing.stderr
+    twice = _cli(["estimate", str(model_dir), "--model", str(model_dir), "--world-size", "8"])
+    assert twice.returncode == 2 and "give the model once" in twice.stderr
