@@ -3,6 +3,7 @@
 hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB] [--overwrite]
 hf-zero leftovers RUN_DIR [--remove]
 hf-zero preemptible OUTPUT_DIR -- LAUNCH COMMAND...
+hf-zero from-deepspeed DS_CONFIG_JSON | --fsdp ACCELERATE_CONFIG_YAML
 hf-zero estimate MODEL_DIR_OR_HUB_ID --world-size N [--nodes M] [--seq-len L] [--micro-batch B] [--attention sdpa]
                  [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB] [--host-memory 1TB]
                  [--disk 4TB]
@@ -266,6 +267,24 @@ def _cached_hub_config(repo_id: str) -> Any:
     return AutoConfig.from_pretrained(os.path.dirname(cached))
 
 
+def _from_peer(args: argparse.Namespace) -> int:
+    from .migrate import read_config
+
+    kind = "fsdp" if args.fsdp else "deepspeed"
+    t = read_config(args.config, kind)
+    head = ("key", "value", "hf_zero")
+    widths = [max(len(row[i]) for row in [head, *t.rows]) for i in range(2)]
+    print(f"{args.config} ({'Accelerate FSDP plugin' if args.fsdp else 'DeepSpeed'} settings):")
+    for row in [head, *t.rows]:
+        print(f"  {row[0].ljust(widths[0])}  {row[1][:40].ljust(min(widths[1], 40))}  {row[2]}")
+    print(f"\nTrainer flags:  {t.flags() or '(none: the defaults)'}")
+    print(f"In code:        hf_zero.{t.code()}")
+    unmapped = t.unmapped
+    if unmapped:
+        print(f"{len(unmapped)} key(s) have no hf_zero counterpart: {', '.join(row[0] for row in unmapped)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero command-line tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -306,6 +325,15 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("output_dir", help="the job's output_dir (where the preemption marker is left)")
     pre.add_argument("command_line", nargs=argparse.REMAINDER, help="-- then the launch command")
     pre.set_defaults(func=_preemptible)
+
+    peer = sub.add_parser(
+        "from-deepspeed",
+        help="translate a DeepSpeed config (or, with --fsdp, an accelerate config with the FSDP plugin) into "
+        "hf_zero's flags and ZeroConfig, naming each key that has no counterpart",
+    )
+    peer.add_argument("config", help="a ds_config.json (as given to --deepspeed), or an accelerate config YAML")
+    peer.add_argument("--fsdp", action="store_true", help="CONFIG is an accelerate config YAML with fsdp_config")
+    peer.set_defaults(func=_from_peer)
 
     e = sub.add_parser(
         "estimate",
