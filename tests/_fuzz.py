@@ -205,7 +205,8 @@ def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[
     opt = _optimizer(program, model.parameters())
     run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype))
     for step, op in enumerate(program.ops):
-        if op[0] == "resume":  # a resumed DDP job: a fresh wrapper (rank 0's buffers, its flag due) on the same state
+        if op[0] == "resume":  # a resumed DDP job: a fresh wrapper (rank 0's buffers, its flag due) on the same state,
+            opt.zero_grad(set_to_none=True)  # and no `.grad` (a fresh process has none, zeros kept or not)
             frozen = [p for p in model.parameters() if not p.requires_grad]
             for p in frozen:  # DDP's reducer holds only what requires grad when it is built
                 p.requires_grad_(True)
