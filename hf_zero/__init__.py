@@ -28,6 +28,23 @@ from .integrations.pretrained import from_pretrained
 __version__ = "0.1.0"
 
 
+def _library_logger() -> None:
+    """hf_zero's messages (the start-up line on rank 0, a CPU launch taken as multi-process) on stderr at INFO, as
+    transformers gives its own logger a handler; configure `logging.getLogger("hf_zero")` to change that."""
+    import logging
+
+    root = logging.getLogger("hf_zero")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+_library_logger()
+
+
 _LAZY = {
     "ZeroTrainer": "trainer",
     "ZeroTrainerMixin": "trainer",

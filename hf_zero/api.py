@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -24,6 +25,8 @@ from .engine.same_model import refuse_configs_that_differ, refuse_models_that_di
 from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.wrap import UnitSpec, units_for
 from .model import attach, unshard_and_detach, use_sharder
+
+logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -172,6 +175,8 @@ def initialize(
     if source is not None:  # [Note: read errors] in checkpoint/pretrained.py
         raise_if_any_failed(source.error, world, f"hf_zero.initialize (reading {source.directory})")
     attach(model, engine)
+    if world.rank == 0:
+        logger.info(startup_line(engine, specs))
     keep_fused_loss_head_gathered(model)
     if cfg.sequence_parallel > 1:  # [Note: sequence parallelism]
         from .integrations import sequence
@@ -182,6 +187,37 @@ def initialize(
 
         tiled_mlp.enable(model)
     return model, shard_optimizers(optimizer, engine)
+
+
+def startup_line(engine: ZeroEngine, specs: list[UnitSpec]) -> str:
+    """The one line `initialize` logs on rank 0: what was set up, and the model-state memory per rank that an
+    Adam-style optimizer brings at its first step (`hf-zero estimate`'s count, exact against the engine's)."""
+    from .estimate import model_states
+
+    config = engine.config
+    params = {id(p): p for p in engine.model.parameters()}.values()
+    total = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    adam = model_states(specs, config, engine.world.size, engine.world.rank, engine.model_dtype).total()
+    offload = "optimizer and parameters" if config.offload_params else "optimizer" if config.offload_optimizer else ""
+    where = f" in {config.offload_dir}" if config.offload_dir else " to host memory" if offload else ""
+    trainable = f" ({_count(trained)} trainable)" if trained != total else ""
+    backend = engine.world.backend or "one process"
+    return (
+        f"hf_zero: ZeRO stage {config.stage} on {engine.world.size} rank(s) ({engine.device.type}, {backend}), "
+        f"{len(engine.units)} units, {_count(total)} parameters{trainable}, compute "
+        f"{str(engine.param_dtype).removeprefix('torch.')}"
+        + (f", {offload} offloaded{where}" if offload else "")
+        + f"; model states per rank: {_size(engine.memory().total())} now, {_size(adam)} with Adam's state"
+    )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _file_conversions(model: nn.Module) -> Conversions | None:

@@ -179,3 +179,19 @@ def test_importing_hf_zero_leaves_dynamo_unimported():
     code = "import sys, hf_zero, hf_zero.cli; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_initialize_logs_one_startup_line_on_rank_0(pools, stage):
+    """One line on rank 0 (none on the others): stage, ranks, units, parameters, and the model-state memory per rank
+    with Adam's state, which equals what the rank holds after its first step."""
+    import re
+
+    from tests import _startup_cases
+
+    results = pools(2).values(_startup_cases.startup_and_first_step, stage)
+    assert results[1]["records"] == []
+    (line,) = results[0]["records"]
+    assert line.startswith(f"hf_zero: ZeRO stage {stage} on 2 rank(s) (cpu, gloo), ") and "parameters" in line, line
+    with_adam = float(re.search(r"([\d.]+) MiB with Adam's state", line).group(1))
+    assert with_adam == pytest.approx(results[0]["after_step"] / 2**20, abs=0.05), line

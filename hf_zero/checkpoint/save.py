@@ -176,7 +176,7 @@ def save_checkpoint(
     handle = chain(engine, target, write_and_commit)  # the previous one is finished: it starts at once
     if taken is not None:
         taken.consumed.wait()  # the entries beyond the snapshot budget are read from the training tensors: wait
-        logger.info(
+        logger.debug(
             "hf_zero: asynchronous save of %s: %.1f MB snapshotted to host memory, %.1f MB written at the call "
             "(rank %d)",
             target,

@@ -258,14 +258,14 @@ class ZeroTrainerMixin(_TrainerBase):
                 tokenizer=self.processing_class,
                 dtype=get_engine(self._zero_model()).param_dtype,
                 parallel=True,
-                progress=not self.args.disable_tqdm,
+                progress=False,  # the Trainer's own bar is the one shown
             )
         else:
             save_pretrained(
                 self._zero_model(),
                 output_dir,
                 tokenizer=self.processing_class,
-                progress=not self.args.disable_tqdm and self.args.should_save,
+                progress=False,  # the Trainer's own bar is the one shown
             )
         if self.args.should_save:
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
