@@ -96,3 +96,15 @@ def accelerator_device(
         f"no device bound to the process group, the current device is 0 on every rank). Launch with torchrun or "
         f"accelerate launch, or call torch.{kind}.set_device(local_rank) before hf_zero.initialize."
     )
+
+
+def cpu_launch_warning(world_size: int) -> str:
+    """What a launch of `world_size` processes on a machine without GPUs is told (once per node) before training:
+    a launch config for GPUs (`accelerate launch --config_file ...8gpu.yaml`, `torchrun --nproc_per_node 8`) starts
+    CPU processes there, which would otherwise go unnoticed until the first step's speed."""
+    return (
+        f"hf_zero: {world_size} processes were launched, and this machine has no GPU that torch can use (torch "
+        f"{torch.__version__}, CUDA available: {torch.cuda.is_available()}): they train on the CPU. If the launch "
+        "config meant GPUs, check the machine (nvidia-smi) and that torch is a CUDA build; for CPU training on "
+        "purpose, pass --use_cpu or use accelerate_configs/cpu_2proc.yaml to silence this."
+    )

@@ -3,6 +3,8 @@ stock Trainer (in one process), returning the logged losses, the eval loss and t
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import os
 from dataclasses import dataclass, replace
@@ -367,6 +369,25 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _hf_zero_records() -> Any:
+    """The messages logged on the "hf_zero" logger inside the block."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("hf_zero").addHandler(keep)
+    try:
+        yield records
+    finally:
+        logging.getLogger("hf_zero").removeHandler(keep)
+
+
 def run_launched_without_use_cpu(job: Job, configured_state: bool = False) -> dict[str, Any]:
     """`run(job)` as a plain `torchrun` launch on a CPU machine gives it: no `use_cpu`, no ACCELERATE_USE_CPU.
     `configured_state`: an Accelerate state made first without `cpu=True` (one process, as Accelerate then
@@ -379,7 +400,9 @@ def run_launched_without_use_cpu(job: Job, configured_state: bool = False) -> di
     saved = os.environ.pop("ACCELERATE_USE_CPU", None)
     try:
         if not configured_state:
-            return run(replace(job, use_cpu_flag=False))
+            with _hf_zero_records() as records:
+                result = run(replace(job, use_cpu_flag=False))
+            return {**result, "records": records}
         AcceleratorState._reset_state(reset_partial_state=True)
         PartialState()
         try:

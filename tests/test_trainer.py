@@ -598,6 +598,9 @@ def test_a_cpu_launch_without_use_cpu_trains_as_the_launched_processes(pools, tm
     got = pools(2).values(tc.run_launched_without_use_cpu, job)
     assert [r["world"] for r in got] == [2, 2]
     _assert_close_to_reference(got[0], _reference(_ref_key(job)))
+    said = [m for m in got[0]["records"] if "processes were launched, and this machine has no GPU" in m]
+    assert len(said) == 1 and "--use_cpu" in said[0], got[0]["records"]  # once a node, before training
+    assert not any("no GPU" in m for m in got[1]["records"])
     for r in pools(2).values(tc.run_launched_without_use_cpu, job, True):
         assert r["error"] is not None and "The launcher started 2 processes (WORLD_SIZE=2) but the Trainer sees 1" in \
             r["error"] and "--use_cpu" in r["error"], r

@@ -23,6 +23,7 @@ sharded model needs:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, make_dataclass, replace
@@ -39,11 +40,13 @@ from ..config import ZeroConfig
 from ..engine.collectives import CommGroup, agreement
 from ..engine.module import get_engine, is_sharded
 from ..engine.step.optim import ShardedOptimizer
+from ..launch import cpu_launch_warning
 from .compile import check_compile_request, compile_as_requested
 from .preemption import SignalRecorder
 from .settings import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
 
 CHECKPOINT_SUBDIR = "hf_zero"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +129,8 @@ class ZeroAccelerator(Accelerator):
         requested = kwargs.pop("mixed_precision", None) or env.mixed_precision or "no"
         if "cpu" not in kwargs and not torch.cuda.is_available():
             kwargs["cpu"] = True
+            if (env.world_size or 1) > 1 and not env.use_cpu and not env.local_rank:
+                logger.warning(cpu_launch_warning(env.world_size or 1))
         self.zero_plugin = zero_plugin or ZeroPlugin()
         config = self.zero_plugin.to_zero_config(str(requested).lower())
         # Accelerate's ParallelismConfig(sp_size= / cp_size=) asks for hf_zero's sequence parallelism; Accelerate

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainingArguments
 
 from ..config import ZeroConfig
-from ..launch import has_accelerator
+from ..launch import cpu_launch_warning, has_accelerator
 from .settings import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
 
 logger = logging.getLogger(__name__)
@@ -84,11 +84,8 @@ class _ZeroArguments:
         if self.use_cpu or env.use_cpu or (env.world_size or 1) <= 1 or has_accelerator():
             return
         self.use_cpu = True
-        logger.info(
-            "hf_zero: %d processes launched on a machine without a GPU: training on the CPU across all of them "
-            "(use_cpu=True).",
-            env.world_size,
-        )
+        if not env.local_rank:
+            logger.warning(cpu_launch_warning(env.world_size or 1))
 
     def _check_launched_world(self) -> None:
         """[Note: launched world] what the Trainer believes against what the launcher started, before any step;
