@@ -59,6 +59,7 @@ class Program:
     offload: str = "none"  # none | optimizer | params
     prefetch: int = 1
     ops: tuple[tuple[Any, ...], ...] = ()
+    frozen: tuple[int, ...] = ()  # blocks frozen before the model is wrapped (unfrozen later by a `freeze` op)
     dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
 
     def to_json(self) -> str:
@@ -68,6 +69,7 @@ class Program:
     def from_json(text: str) -> Program:
         raw = json.loads(text)
         raw["ops"] = tuple(tuple(op) for op in raw["ops"])
+        raw["frozen"] = tuple(raw.get("frozen", ()))
         return Program(**raw)
 
 
@@ -102,6 +104,7 @@ def draw(seed: int) -> Program:
         offload=rng.choice(("none", "none", "optimizer", "params")),
         prefetch=rng.choice((0, 1, 2)),
         ops=tuple(ops),
+        frozen=(rng.randrange(blocks),) if rng.random() < 0.25 else (),
     )
 
 
@@ -201,7 +204,8 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
 
 def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
     model = _model(program)
-    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)  # built over every parameter: DDP's reducer
+    _freeze_at_start(program, model)  # never reduces one frozen when it is built, so it is frozen after
     opt = _optimizer(program, model.parameters())
     run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype))
     for step, op in enumerate(program.ops):
@@ -219,8 +223,16 @@ def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[
     return run.record, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _sharded(program: Program, stage: int) -> _Run:
+def _freeze_at_start(program: Program, model: nn.Module) -> None:
+    for i in program.frozen:
+        for p in model.blocks[i].parameters():
+            p.requires_grad_(False)
+
+
+def _sharded(program: Program, stage: int, resumed: bool = False) -> _Run:
     model = _model(program)
+    if not resumed:
+        _freeze_at_start(program, model)
     model, opt = hf_zero.initialize(model, _optimizer(program, model.parameters()), _config(program, stage))
     return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype))
 
@@ -230,7 +242,7 @@ def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
     hf_zero.save_checkpoint(directory, run.model, run.opt)
     frozen = [name for name, p in run.inner.named_parameters() if not p.requires_grad]
     sched_state = run.sched.state_dict() if run.sched is not None else None
-    fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage)  # other weights: the load must win
+    fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage, resumed=True)  # the load must win
     hf_zero.load_checkpoint(directory, fresh.model, fresh.opt)
     fresh.record = run.record
     for name, p in fresh.inner.named_parameters():
@@ -322,7 +334,7 @@ def is_silent(outcome: str) -> bool:
 
 def shrink(program: Program, fails: Any) -> Program:
     """The smallest program found, removing operations and simplifying settings, for which `fails(program)` holds."""
-    simpler = [dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
+    simpler = [dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
                dict(prefetch=1), dict(optimizer="adamw")]
     changed = True
     while changed:

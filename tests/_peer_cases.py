@@ -50,8 +50,8 @@ from tests._peer_harness import (
 # Scenarios hf_zero refuses, with a piece of the message (every other scenario must be exact), by stage; those of
 # tests/_peer_cases_model.py are added from its own REFUSED when it is imported below.
 REFUSED: dict[str, dict[int, str]] = {
-    "unfreeze_later": {s: "was frozen (requires_grad=False) when hf_zero.initialize ran" for s in (1, 2, 3)},
     "grad_scaler": {s: "mixed_precision='fp16'" for s in (1, 2, 3)},
+    "unfreeze_part_of_a_unit_later": {s: "unit 'blocks.0' was frozen only in part at initialize" for s in (1, 2, 3)},
     "cast_to_bf16_for_evaluation": {s: "a conversion to torch.bfloat16 on " for s in (1, 2, 3)},
     "deepcopy_for_an_ema": {s: "copy.deepcopy of a sharded model" for s in (1, 2, 3)},
     "grad_rows_zeroed_before_step": {s: "'head.weight'.grad of a model sharded by hf_zero" for s in (1, 2, 3)},
@@ -219,6 +219,12 @@ def model_zero_grad(loop: Loop) -> None:
 @scenario(freeze=("blocks.0.",))
 def unfreeze_later(loop: Loop) -> None:
     """Progressive unfreezing: block 0 frozen at set-up, made trainable after the first step."""
+    _steps(loop, before=lambda step: _set_trainable(loop.model.blocks[0], step >= 1))
+
+
+@scenario(freeze=("blocks.0.lin.",))
+def unfreeze_part_of_a_unit_later(loop: Loop) -> None:
+    """Progressive unfreezing of a unit frozen only in part at set-up (its norm trains, its linear layer not)."""
     _steps(loop, before=lambda step: _set_trainable(loop.model.blocks[0], step >= 1))
 
 

@@ -29,6 +29,7 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert {p.offload for p in programs} == {"none", "optimizer", "params"}
     assert {p.optimizer for p in programs} == {"adamw", "sgd", "adam_amsgrad", "rmsprop"}
     assert any(p.tie for p in programs) and any(p.batchnorm for p in programs) and any(p.scheduler for p in programs)
+    assert any(p.frozen for p in programs)
     assert fuzz.Program.from_json(programs[7].to_json()) == programs[7]
 
 

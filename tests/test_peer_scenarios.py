@@ -76,3 +76,17 @@ def test_batchnorm_statistics_follow_ddps_rule(pools, stage):
         for name, value in r["ref_state"].items():
             got = r["state"][name].to(value.dtype)
             assert (got - value).abs().max() <= TOL * (value.abs().max() + 1e-12), (rank, name, got, value)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("setting, message", [
+    ({"offload_optimizer": True}, "with offload_optimizer its master weights and optimizer state would have to move"),
+    ({"mixed_precision": "bf16"}, "under mixed precision a frozen part keeps only its torch.bfloat16 copy"),
+])
+def test_unfreezing_a_unit_frozen_at_initialize_is_refused_where_it_cannot_train_exactly(pools, stage, setting, message):
+    """A unit frozen whole at initialize starts training when unfrozen (test_peer_scenario_is_exact_or_refused:
+    unfreeze_later); where its frozen part cannot be what training starts from, every rank refuses at the forward
+    after the change, naming the parameter, why, and the way (trainable at initialize, frozen right after)."""
+    for r in pools(2).values(peer.run_scenario, "unfreeze_later", stage, **setting):
+        assert r["error"] is not None and r["error"].startswith("ValueError: hf_zero: parameter 'blocks.0."), r["error"]
+        assert message in r["error"] and "leave it trainable at initialize" in r["error"], r["error"]

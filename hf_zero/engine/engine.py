@@ -27,7 +27,7 @@ from .collectives import (
     raise_if_any_failed,
 )
 from .flat import FlatPart, take_edits
-from .forward_checks import ModelStructure, refuse_replaced_data, refuse_uneven_join, refuse_unfrozen
+from .forward_checks import ModelStructure, refuse_replaced_data, refuse_uneven_join, unfrozen_parts
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
@@ -300,10 +300,38 @@ class ZeroEngine:
             self._structure.refuse_changes()
         if grad:
             self._wake_grads()
-            refuse_unfrozen(self._frozen_parts)
+            self._start_unfrozen_units()
             refuse_replaced_data(self.parts)
         if broadcast:
             self._broadcast_buffers()
+
+    def _start_unfrozen_units(self) -> None:
+        """[Note: requires_grad after initialize] in forward_checks.py: units frozen whole at `initialize` whose
+        parameters were unfrozen since start training here; what cannot is refused, naming why."""
+        for part in unfrozen_parts(self._frozen_parts, self._why_frozen_stays):
+            unit = next(u for u in self.units if part in u.parts)
+            for real, held in zip(part.params, part.held_params):  # stage 3: as the next gather would
+                real.requires_grad_(held.requires_grad)  # ([Note: resting parameters])
+            unit.start_training()
+            self.hooks.watch_grads(unit)
+            self._frozen_parts.remove(part)
+
+    def _why_frozen_stays(self, part: FlatPart) -> str | None:
+        """Why a part frozen at `initialize` cannot start training, or None."""
+        unit = next(u for u in self.units if part in u.parts)
+        if len(unit.parts) > 1:
+            return (
+                f"unit '{unit.name}' was frozen only in part at initialize (its other parameters train from their own "
+                "flat part)"
+            )
+        if self.param_dtype != self.master_dtype:
+            return (
+                f"under mixed precision a frozen part keeps only its {self.param_dtype} copy, not the "
+                f"{self.master_dtype} weights training would start from"
+            )
+        if self.config.offload_optimizer:
+            return "with offload_optimizer its master weights and optimizer state would have to move to the host"
+        return None
 
     def _before_direct_call(self) -> None:
         """As a module of the root is called outside the model's forward ([Note: direct calls] in hooks.py): at

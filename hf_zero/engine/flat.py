@@ -336,6 +336,13 @@ class FlatPart(ReadsPartSettings):
         return self.grads.has_trainable
 
     @property
+    def held_params(self) -> tuple[torch.Tensor, ...]:
+        """What the modules hold for the part's parameters now: the real ones, or (stage 3, resharded) their
+        stand-ins, whose `requires_grad` is the one user code sets between passes ([Note: resting parameters])."""
+        slots = self.module_slots
+        return self.params if slots is None or slots.holds_real else slots.resting
+
+    @property
     def sparse_lookup(self) -> bool:
         """Whether the part is a plain embedding lookup whose gradient travels as rows
         ([Note: sparse lookup gradients] in sparse.py)."""

@@ -6,7 +6,7 @@ Each raises on every rank alike (every rank holds the same parameters), at the f
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,23 +15,35 @@ from torch import nn
 from .flat import FlatPart
 
 
-def refuse_unfrozen(frozen_parts: list[FlatPart]) -> None:
+def unfrozen_parts(frozen_parts: list[FlatPart], why_not: Callable[[FlatPart], str | None]) -> list[FlatPart]:
     """[Note: requires_grad after initialize]
-    Which parameters can train is fixed at `initialize`: a parameter frozen then lives in a frozen part (its
-    only copy in the compute dtype, no master, no gradient buffer, no optimizer state: [Note: frozen
-    parameters] in unit.py). Freezing a trainable one later is followed (its gradient is `None` while it
-    is frozen, as in torch); unfreezing a frozen one is refused at the next forward, on every rank (the
-    same parameters on each), before it could silently not train."""
+    A parameter frozen at `initialize` lives in a frozen part: its only copy in the compute dtype, no master, no
+    gradient buffer, no optimizer state ([Note: frozen parameters] in unit.py). Freezing a trainable one later is
+    followed (its gradient is `None` while it is frozen, as in torch). Unfreezing one (gradual unfreezing: a
+    model frozen but for its head, its blocks unfrozen from the top as training goes) is found at the next forward
+    with grad: where its unit was frozen whole at `initialize`, that unit starts training from there, exactly as
+    under DDP (its gradients reduced, the optimizer stepping it if its param groups hold it, as torch's does). That
+    needs what the part keeps to be what training starts from: no separate fp32 master (mixed precision keeps only
+    the compute dtype's copy of a frozen part) and no offloaded optimizer (its master would live on the host). A
+    unit frozen only in part (LoRA's base weights beside the adapters), or one of those settings, is refused on every
+    rank (the same parameters on each), naming the way: leave the parameter trainable at `initialize` and freeze
+    it right after, which hf_zero follows from then on. `why_not(part)`: why a part cannot start training, or
+    None; returns the parts to start."""
+    woken = []
     for part in frozen_parts:
-        for name, p in zip(part.spec.param_names, part.params):
-            if p.requires_grad:
-                raise ValueError(
-                    f"hf_zero: parameter '{name}' was frozen (requires_grad=False) when hf_zero.initialize ran and "
-                    "now requires grad: hf_zero gives gradient, master and optimizer state only to the parameters "
-                    "trainable at initialize, so it would never train. For progressive unfreezing, leave it "
-                    "trainable at initialize (build the optimizer over it too) and freeze it with "
-                    "requires_grad_(False) right after: hf_zero follows freezing and unfreezing from then on."
-                )
+        names = [name for name, p in zip(part.spec.param_names, part.held_params) if p.requires_grad]
+        if not names:
+            continue
+        why = why_not(part)
+        if why is not None:
+            raise ValueError(
+                f"hf_zero: parameter '{names[0]}' was frozen (requires_grad=False) when hf_zero.initialize ran and now "
+                f"requires grad, and it cannot start training here: {why}. For progressive unfreezing in this "
+                "setting, leave it trainable at initialize (build the optimizer over it too) and freeze it with "
+                "requires_grad_(False) right after: hf_zero follows freezing and unfreezing from then on."
+            )
+        woken.append(part)
+    return woken
 
 
 def refuse_uneven_join(model: nn.Module) -> None:

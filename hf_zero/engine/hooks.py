@@ -93,6 +93,7 @@ class UnitHooks:
         self.direct_call: nn.Module | None = None  # [Note: direct calls] the root's module whose direct call runs
         self._handles: list[RemovableHandle] = []
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
+        self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
         self._register()
 
     # ---- registration -----------------------------------------------------------------------
@@ -109,16 +110,24 @@ class UnitHooks:
                 self._handles.append(register_first_pre_hook(member, partial(self._member_pre_forward, unit)))
             for member in modules[:-1]:
                 self._handles.append(member.register_forward_hook(partial(self._member_post_forward, unit)))
-            for p in unit.params:
-                if p.requires_grad:  # which parameters got gradients; the reduction-gated prefetch is polled here
-                    # Through a weak reference: a hook a parameter holds is invisible to the garbage collector,
-                    # so a strong one would keep the hooks, the engine and the model (its offload files) alive.
-                    hook = partial(weakly, weakref.WeakMethod(self._on_grad_ready), weakref.ref(unit))
-                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
+            self.watch_grads(unit)
         for member in members(self.root):  # [Note: direct calls]
             self._handles.append(register_first_pre_hook(member, partial(self._pre_direct_call, self.root)))
             end = partial(self._post_direct_call, self.root)
             self._handles.append(member.register_forward_hook(end, always_call=True))
+
+    def watch_grads(self, unit: Unit) -> None:
+        """Hook the unit's parameters that can get gradients (which got them; the reduction-gated prefetch is polled
+        there); once per parameter, also for a unit that starts training after `initialize`."""
+        part = unit.trainable_part
+        for p in part.params if part is not None else ():
+            if id(p) in self._watched:
+                continue
+            self._watched.add(id(p))
+            # Through a weak reference: a hook a parameter holds is invisible to the garbage collector,
+            # so a strong one would keep the hooks, the engine and the model (its offload files) alive.
+            hook = partial(weakly, weakref.WeakMethod(self._on_grad_ready), weakref.ref(unit))
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def remove(self) -> None:
         for h in self._handles:

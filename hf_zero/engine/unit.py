@@ -130,6 +130,14 @@ class Unit:
     def has_trainable(self) -> bool:
         return self.trainable_part is not None
 
+    def start_training(self) -> None:
+        """[Note: requires_grad after initialize] a unit frozen whole at `initialize` (one frozen part) whose
+        parameters were unfrozen since: its part takes gradients from now on. Between passes only."""
+        self._require("start_training", _TRAIN.IDLE)
+        if self.trainable_part is not None or len(self.parts) != 1:
+            raise self._illegal("start_training", "only a unit frozen whole at initialize starts training")
+        self.trainable_part = self.parts[0]
+
     @property
     def placement(self) -> Placement:
         return self._grads().placement
