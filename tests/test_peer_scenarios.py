@@ -6,6 +6,7 @@ names the pattern and what to do instead. Never a silent difference, never a han
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import _peer_cases as peer
 
@@ -90,3 +91,17 @@ def test_unfreezing_a_unit_frozen_at_initialize_is_refused_where_it_cannot_train
     for r in pools(2).values(peer.run_scenario, "unfreeze_later", stage, **setting):
         assert r["error"] is not None and r["error"].startswith("ValueError: hf_zero: parameter 'blocks.0."), r["error"]
         assert message in r["error"] and "leave it trainable at initialize" in r["error"], r["error"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_grad_scaler_state_resumes_through_the_checkpoint_metadata(pools, tmp_path, stage):
+    """`save_checkpoint(..., metadata={"scaler": scaler.state_dict()})`, then a fresh scaler loaded from what
+    `load_checkpoint` returns: the resumed run's losses, scales (halved at the overflow, grown after) and weights
+    are the uninterrupted run's."""
+    for r in pools(2).values(peer.grad_scaler_resumed, stage, str(tmp_path / "ckpt")):
+        straight, resumed = r["straight"], r["resumed"]
+        assert straight["record"]["scale"] == [2.0**17, 2.0**16, 2.0**17, 2.0**18], straight["record"]
+        assert resumed["record"]["scale"] == straight["record"]["scale"]
+        assert resumed["record"]["loss"][2:] == straight["record"]["loss"][2:]
+        for name, value in straight["state"].items():
+            assert torch.equal(resumed["state"][name], value), name

@@ -170,11 +170,10 @@ def _grad_message(name: str) -> str:
 
 
 GRAD_SCALER_MESSAGE = (
-    "hf_zero: torch.amp.GradScaler cannot drive a sharded optimizer: each rank holds a shard of the "
-    "gradients, so the scaler's overflow check would see a part of them, and ranks could disagree on "
-    "skipping a step. Drop the GradScaler (call loss.backward() and optimizer.step() directly) and set "
-    "ZeroConfig(mixed_precision='fp16'), whose loss scaling checks every shard on every rank; or use "
-    "bf16, which needs no loss scaling."
+    "hf_zero: torch.amp.GradScaler was given an optimizer over a sharded model's parameters that is not the one "
+    "hf_zero.initialize returned: their .grad holds no gradient (the gradients live in the shards). Pass the "
+    "optimizer hf_zero.initialize returned to scaler.unscale_ / scaler.step: it unscales and checks every rank's "
+    "shards ([Note: grad scaler] in step/amp.py)."
 )
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 

@@ -22,7 +22,6 @@ from torch import nn
 
 from ..calls import Call
 from ..engine import ZeroEngine
-from ..resting import GRAD_SCALER_MESSAGE
 from .optim_configs import carry_configs
 from .optim_state import OptimizerState, PieceMap, described, to_load
 from .stepping import Attached
@@ -223,7 +222,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     _is_accelerate_prepared = True  # Accelerate must not wrap it again
-    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands its scale to step(), which refuses it
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, group_names: list[list[str]], pieces: PieceMap
@@ -267,7 +265,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads of step(); ours returns the closure's loss
         """Update this rank's shards and gather the new parameters. Skipped (returns early) when no
         gradient was reduced since `zero_grad`, or when an fp16 overflow was found."""
-        _refuse_grad_scaler(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -275,6 +272,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._check_attached("step")
         self.step_was_skipped = not self._engine.steps.step(self.optimizer)
         return loss
+
+    def unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """[Note: grad scaler] in amp.py: what `torch.amp.GradScaler` does to an optimizer's gradients (multiply by
+        `inv_scale`, record an inf or NaN in `found_inf`), on this rank's gradient shards, the flag agreed by every
+        rank. Called by the scaler; returns its record."""
+        self._check_attached("unscale_ (torch.amp.GradScaler)")
+        return self._engine.steps.unscale(self.optimizer, inv_scale, found_inf)
 
     def train(self) -> None:
         """The optimizer's own `train()`, where it has one (schedule-free optimizers: the weights move back from
@@ -377,14 +381,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             f"optimizer.{what}()",
             "use hf_zero.save_checkpoint / hf_zero.load_checkpoint, which stream the state from and to the files.",
         )
-
-
-def _refuse_grad_scaler(optimizer: ShardedOptimizer) -> None:
-    """`torch.amp.GradScaler.step` sets `grad_scale` / `found_inf` on an optimizer that handles scaling itself
-    (`_step_supports_amp_scaling`); ours refuses: the scaler would look for infinities in this rank's shards only,
-    so ranks could disagree on skipping a step, and hf_zero's own fp16 scaling is exact."""
-    if "grad_scale" in optimizer.__dict__ or "found_inf" in optimizer.__dict__:
-        raise ValueError(GRAD_SCALER_MESSAGE)
 
 
 def sharded_list(optimizer: Any, caller: str) -> list[ShardedOptimizer]:

@@ -201,15 +201,7 @@ class OptimizerSteps:
             )
         if engine.hooks.unsynced:
             raise ValueError(_NEVER_SYNCED)
-        if self._verdict is None:
-            ok = (engine.has_grads or bool(self._kept)) and (
-                engine.scaler is None or engine.scaler.check_and_update(engine.parts, engine.world)
-            )
-            self._verdict = self._used_anywhere() if ok else {}
-            for key, flags in self._verdict.items():  # [Note: zero gradients kept]
-                kept = self._kept.get(key, [False] * len(flags))
-                self._kept[key] = flags[:] = [a or b for a, b in zip(flags, kept)]
-        used = self._verdict
+        used = self._round()
         if not used:
             return False
         for piece in engine.pieces:  # [Note: gradient shard lifetime] units without a reduction are skipped
@@ -225,6 +217,61 @@ class OptimizerSteps:
             release_free_host_memory()  # [Note: host heap]: after an offloaded step only
         engine.release_gathered()  # no copy gathered before the step is used after it
         return True
+
+    def _round(self) -> dict[int, list[bool]]:
+        """This round's verdict, decided by its first step (or unscale): per part, which parameters got a gradient
+        anywhere ([Note: unused parameters]); empty when the round is skipped (no gradient, an fp16 overflow)."""
+        engine = self.engine
+        if self._verdict is None:
+            ok = (engine.has_grads or bool(self._kept)) and (
+                engine.scaler is None or engine.scaler.check_and_update(engine.parts, engine.world)
+            )
+            self._verdict = self._used_anywhere() if ok else {}
+            for key, flags in self._verdict.items():  # [Note: zero gradients kept]
+                kept = self._kept.get(key, [False] * len(flags))
+                self._kept[key] = flags[:] = [a or b for a, b in zip(flags, kept)]
+        return self._verdict
+
+    def unscale(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
+        """[Note: grad scaler] in amp.py: `optimizer`'s gradient shards multiplied by `inv_scale`, and `found_inf`
+        set where any rank's hold an inf or NaN (the same on every rank); the scaler's record of it."""
+        engine = self.engine
+        entry = self.attached_to(optimizer)
+        if entry is not None and entry.whole is not None:
+            raise ValueError(
+                "hf_zero: torch.amp.GradScaler with an optimizer that steps whole parameters (Adafactor, Muon, ... "
+                "[Note: whole-parameter step]) is not supported: its gradients are gathered whole on their owners "
+                "inside the step. Use ZeroConfig(mixed_precision='fp16') (loss scaling by the engine) or bf16."
+            )
+        if engine.scaler is not None:
+            raise ValueError(
+                "hf_zero: torch.amp.GradScaler together with ZeroConfig(mixed_precision='fp16'), which scales the "
+                "loss itself: the gradients would be scaled twice. Use one: drop the GradScaler (the engine's scaling "
+                "checks every shard on every rank), or set mixed_precision='no' and compute under "
+                "torch.autocast(dtype=torch.float16) as with DDP."
+            )
+        engine.settle_masters()  # the reductions landed in the shards
+        used = self._round()
+        held = {id(t) for group in optimizer.param_groups for t in group["params"]}
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for piece in engine.pieces:
+            if not used or not used[id(piece.part)][piece.slot_index] or piece.part.grads.is_zero:
+                continue  # no gradient anywhere (None under DDP), or the unit got no reduction (zeros)
+            for t, (a, b) in zip(piece.optim_params, piece.bounds):
+                if id(t) in held:
+                    grad = piece.grad[a:b]
+                    by_device.setdefault(grad.device, []).append(grad)
+        flag = torch.zeros((), dtype=torch.float32, device=comm_device(engine.world))
+        for device, grads in by_device.items():
+            local = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(device))
+            flag += local.to(flag.device)
+        if engine.world.size > 1:
+            max_scalar_(flag, engine.world)
+        found_inf.copy_((found_inf + flag.to(found_inf.device)).clamp_(max=1.0))
+        return {found_inf.device: found_inf}
 
     def publish_masters(self) -> None:
         """Publish every unit's master shard into its parameters after the optimizer moved the masters outside
