@@ -175,7 +175,7 @@ def initialize(
     if source is not None:  # [Note: read errors] in checkpoint/pretrained.py
         raise_if_any_failed(source.error, world, f"hf_zero.initialize (reading {source.directory})")
     attach(model, engine)
-    if world.rank == 0:
+    if world.rank == 0 and logger.isEnabledFor(logging.INFO):
         logger.info(startup_line(engine, specs))
     keep_fused_loss_head_gathered(model)
     if cfg.sequence_parallel > 1:  # [Note: sequence parallelism]
