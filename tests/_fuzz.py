@@ -60,6 +60,7 @@ class Program:
     prefetch: int = 1
     ops: tuple[tuple[Any, ...], ...] = ()
     frozen: tuple[int, ...] = ()  # blocks frozen before the model is wrapped (unfrozen later by a `freeze` op)
+    amp: bool = False  # steps through torch.amp.GradScaler (scale, unscale_ before clipping, step, update)
     dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
 
     def to_json(self) -> str:
@@ -105,6 +106,7 @@ def draw(seed: int) -> Program:
         prefetch=rng.choice((0, 1, 2)),
         ops=tuple(ops),
         frozen=(rng.randrange(blocks),) if rng.random() < 0.25 else (),
+        amp=rng.random() < 0.25,
     )
 
 
@@ -131,6 +133,10 @@ def _scheduler(program: Program, opt: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if program.scheduler else None
 
 
+def _scaler(program: Program) -> Any:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if program.amp else None
+
+
 def _batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
     return (torch.randn(4, D_IN, generator=g) * (1 + rank)).to(dtype), torch.randn(4, D_OUT, generator=g).to(dtype)
@@ -153,6 +159,7 @@ class _Run:
     sched: Any
     no_sync: Any
     dtype: torch.dtype
+    scaler: Any = None  # a torch.amp.GradScaler, or None
     record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def note(self, key: str, value: Any) -> None:
@@ -168,9 +175,11 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
             quiet = use_no_sync and micro < micros - 1
             with run.no_sync() if quiet else contextlib.nullcontext():
                 loss = nn.functional.mse_loss(run.model(x), y) / micros
-                loss.backward()
+                (run.scaler.scale(loss) if run.scaler is not None else loss).backward()
             run.note("loss", loss.detach())
         params = list(run.inner.parameters())
+        if run.scaler is not None and clip is not None:
+            run.scaler.unscale_(run.opt)
         if clip is not None and clip[0] == "norm":
             norm_type = float(clip[2]) if clip[2] != "inf" else float("inf")
             run.note("norm", torch.nn.utils.clip_grad_norm_(params, clip[1], norm_type=norm_type))
@@ -181,7 +190,12 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
             sharded = hasattr(owner, "clip_grad_norm_") and run.model is run.inner
             norm = owner.clip_grad_norm_(clip[1]) if sharded else torch.nn.utils.clip_grad_norm_(params, clip[1])
             run.note("norm", norm)
-        run.opt.step()
+        if run.scaler is not None:
+            run.scaler.step(run.opt)
+            run.scaler.update()
+            run.note("scale", run.scaler.get_scale())
+        else:
+            run.opt.step()
         if run.sched is not None:
             run.sched.step()
         run.opt.zero_grad(set_to_none=set_to_none)
@@ -207,7 +221,7 @@ def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[
     ddp = DistributedDataParallel(model, find_unused_parameters=True)  # built over every parameter: DDP's reducer
     _freeze_at_start(program, model)  # never reduces one frozen when it is built, so it is frozen after
     opt = _optimizer(program, model.parameters())
-    run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype))
+    run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype), _scaler(program))
     for step, op in enumerate(program.ops):
         if op[0] == "resume":  # a resumed DDP job: a fresh wrapper (rank 0's buffers, its flag due) on the same state,
             opt.zero_grad(set_to_none=True)  # and no `.grad` (a fresh process has none, zeros kept or not)
@@ -234,16 +248,20 @@ def _sharded(program: Program, stage: int, resumed: bool = False) -> _Run:
     if not resumed:
         _freeze_at_start(program, model)
     model, opt = hf_zero.initialize(model, _optimizer(program, model.parameters()), _config(program, stage))
-    return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype))
+    return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype),
+                _scaler(program))
 
 
 def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
     """Save a checkpoint, build a fresh sharded model at `stage`, load it; what is frozen stays frozen."""
-    hf_zero.save_checkpoint(directory, run.model, run.opt)
+    scaler_state = run.scaler.state_dict() if run.scaler is not None else None
+    hf_zero.save_checkpoint(directory, run.model, run.opt, metadata={"scaler": scaler_state})
     frozen = [name for name, p in run.inner.named_parameters() if not p.requires_grad]
     sched_state = run.sched.state_dict() if run.sched is not None else None
     fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage, resumed=True)  # the load must win
-    hf_zero.load_checkpoint(directory, fresh.model, fresh.opt)
+    meta = hf_zero.load_checkpoint(directory, fresh.model, fresh.opt)
+    if fresh.scaler is not None:
+        fresh.scaler.load_state_dict(meta["scaler"])
     fresh.record = run.record
     for name, p in fresh.inner.named_parameters():
         p.requires_grad_(name not in frozen)
@@ -334,7 +352,7 @@ def is_silent(outcome: str) -> bool:
 
 def shrink(program: Program, fails: Any) -> Program:
     """The smallest program found, removing operations and simplifying settings, for which `fails(program)` holds."""
-    simpler = [dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
+    simpler = [dict(amp=False), dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
                dict(prefetch=1), dict(optimizer="adamw")]
     changed = True
     while changed:

@@ -9,7 +9,7 @@ import pytest
 
 from tests import _fuzz as fuzz
 
-SLICE = range(1000, 1016)  # fixed seeds: 16 programs, 48 runs beside DDP
+SLICE = range(1000, 1010)  # fixed seeds: 10 programs, 30 runs beside DDP
 
 
 @pytest.mark.parametrize("seed", SLICE)
@@ -29,7 +29,7 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert {p.offload for p in programs} == {"none", "optimizer", "params"}
     assert {p.optimizer for p in programs} == {"adamw", "sgd", "adam_amsgrad", "rmsprop"}
     assert any(p.tie for p in programs) and any(p.batchnorm for p in programs) and any(p.scheduler for p in programs)
-    assert any(p.frozen for p in programs)
+    assert any(p.frozen for p in programs) and any(p.amp for p in programs)
     assert fuzz.Program.from_json(programs[7].to_json()) == programs[7]
 
 
