@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf_zero-installed
 
-.PHONY: install demo parity-demo test test-slow fuzz lint gpu-check gpu-rehearse gpu-wheels compat clean
+.PHONY: install demo parity-demo test test-slow fuzz docs lint gpu-check gpu-rehearse gpu-wheels compat clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,10 @@ FUZZ_FIRST_SEED ?= 0
 fuzz: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python benchmarks/fuzz.py --programs $(FUZZ_PROGRAMS) \
 		--first-seed $(FUZZ_FIRST_SEED)
+
+# The documentation site (mkdocs.yml): http://127.0.0.1:8000 while it runs; tests/test_docs.py builds it strictly.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 # Lint, format and type checks of the package (settings in pyproject.toml); `make test` runs them first.
 lint: $(STAMP)
