@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import random
 import shutil
 import tempfile
@@ -306,6 +307,16 @@ def run_program(text: str, stages: tuple[int, ...] = STAGES) -> dict[int, str]:
     """On every rank of a pool: the outcome of the program (`Program.to_json`) at each stage, as
     `exact`, `refused: <message>`, `diverged: <what>` or `crashed: <type>: <message>`."""
     program = Program.from_json(text)
+    library = logging.getLogger("hf_zero")
+    level = library.level
+    library.setLevel(logging.WARNING)  # no start-up line per run
+    try:
+        return _outcomes(program, stages)
+    finally:
+        library.setLevel(level)
+
+
+def _outcomes(program: Program, stages: tuple[int, ...]) -> dict[int, str]:
     rank = dist.get_rank()
     reference = _run_ddp(program, rank)
     directory = [tempfile.mkdtemp(prefix="hf_zero-fuzz-") if rank == 0 else ""]
