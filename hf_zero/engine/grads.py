@@ -143,7 +143,7 @@ class FlatGrads(ReadsPartSettings):
         return self._shard
 
     def mark_used(self, param: torch.Tensor) -> None:
-        """Record that `param` received a gradient ([Note: unused parameters] in engine.py)."""
+        """Record that `param` received a gradient ([Note: unused parameters] in step/stepping.py)."""
         self.used[self._index[id(param)]] = True
 
     @property

@@ -11,7 +11,7 @@ state (Adam's `step`), and a fixed set of host buffers (pinned when the compute 
 accelerator).
 
 The optimizer steps in windows of at most `WINDOW_NUMEL` consecutive elements of the files, made
-of its chunks ([Note: optimizer chunks] in engine.py). A window's master and state are read into
+of its chunks ([Note: optimizer chunks] in pieces.py). A window's master and state are read into
 host buffers `READ_AHEAD` windows ahead of the one being stepped, on background threads; the
 optimizer's chunk tensors of that window are pointed at the buffers (`Tensor.set_`), and so are
 their state entries and gradients; the user's optimizer steps just those (every window starts

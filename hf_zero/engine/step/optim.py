@@ -5,7 +5,7 @@ The user builds any elementwise `torch.optim.Optimizer` (AdamW, Adam, SGD, ...) 
 `model.parameters()`, with its own param groups and per-group hyperparameters. `initialize`
 keeps that optimizer object and replaces each group's `params` by the pieces of those
 parameters that fall into this rank's shard: 1D views of the units' `sharded_master` (in
-chunks of bounded size, [Note: optimizer chunks] in engine.py), whose `.grad` are the matching
+chunks of bounded size, [Note: optimizer chunks] in pieces.py), whose `.grad` are the matching
 views of the gradient shards (`FlatGrads.shard`). So the optimizer updates the master shards in
 place, with every group's hyperparameters intact, and its state is created for the shards only.
 That is exact for elementwise optimizers only; every other optimizer steps on whole parameters,
