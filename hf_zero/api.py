@@ -373,11 +373,6 @@ def model_state_memory(model: nn.Module) -> ModelStateMemory:
     return get_engine(model).memory()
 
 
-def engine_of(model: nn.Module) -> ZeroEngine:
-    """The `ZeroEngine` behind a sharded model (for integrations and tests)."""
-    return get_engine(model)
-
-
 def attach_optimizer(model: nn.Module, optimizer: Any) -> Any:
     """Shard an optimizer (or a list or tuple of them, as `initialize`) built over the parameters of a model that
     `initialize` already sharded; returns it sharded, in the shape given.

@@ -72,11 +72,6 @@ class Placement:
         """Whether host buffers are pinned: the compute device is an accelerator."""
         return self.device.type != "cpu"
 
-    @property
-    def master_on_host(self) -> bool:
-        """Whether the master shard lives in host memory (offloaded, or a CPU-only run)."""
-        return self.master_device.type == "cpu"
-
     def alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer on `device`, pinned when it is host memory beside an accelerator."""
         return torch.empty(numel, dtype=dtype, device=device, pin_memory=device.type == "cpu" and self.pins_host)
