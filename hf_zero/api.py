@@ -21,6 +21,7 @@ from .engine.full_state import gathered_parameters as _gathered
 from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded, wrapped_model
 from .engine.placement import check_compute_device, validate_model
+from .engine.quantized import check_quantized
 from .engine.same_model import refuse_configs_that_differ, refuse_models_that_differ, refuse_weights_that_differ
 from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.wrap import UnitSpec, units_for
@@ -153,6 +154,7 @@ def initialize(
             from .integrations import tiled_mlp
 
             tiled_mlp.check(model)
+        check_quantized(model, cfg)  # [Note: quantized base]
         specs = units_for(model, cfg)
         if weights_from is not None:
             source = PretrainedSource(weights_from, model, _file_conversions(model))

@@ -127,3 +127,45 @@ def test_merge_and_unload_on_rank_0_as_ddp_scripts_do(pools, tmp_path, stage):
     assert len(expected) == 8  # the four attention projections of both layers
     for name, weight in expected.items():
         torch.testing.assert_close(state[name], weight, rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def quantizable(tmp_path_factory):
+    """Tiny LLaMA and Falcon checkpoints for bitsandbytes to quantize on load."""
+    from tests._training import make_model
+
+    root = tmp_path_factory.mktemp("qlora")
+    for kind in ("llama", "falcon"):
+        make_model(kind).save_pretrained(root / kind)
+    return root
+
+
+@pytest.mark.parametrize("kind, stage, quant_type, double", [
+    ("llama", 1, "nf4", True), ("llama", 2, "nf4", True), ("llama", 3, "nf4", True), ("llama", 3, "fp4", False),
+    ("falcon", 2, "nf4", False), ("falcon", 3, "fp4", True),
+])
+def test_qlora_on_a_sharded_4bit_base_equals_one_process(pools, quantizable, kind, stage, quant_type, double):
+    """[Note: quantized base] QLoRA as PEFT users build it (transformers' 4-bit load with the codes stored as
+    float32, prepare_model_for_kbit_training, LoRA) under hf_zero on 2 ranks: losses, clipped gradient norms and
+    adapter weights after 3 AdamW steps within 1e-5 of the same QLoRA in one process on both ranks' batches, with
+    bitsandbytes' own kernels on both sides."""
+    from tests import _qlora_cases
+
+    for rank, r in enumerate(pools(2).values(_qlora_cases.qlora_against_one_process, str(quantizable / kind), stage,
+                                             quant_type, double)):
+        for key in ("loss", "norm"):
+            np.testing.assert_allclose(r["record"][key], r["reference"][key], rtol=1e-5, err_msg=f"{rank} {key}")
+        assert r["adapters"].keys() == r["ref_adapters"].keys() and len(r["adapters"]) >= 4
+        for name, value in r["ref_adapters"].items():
+            assert rel_err(r["adapters"][name].numpy(), value.numpy()) <= 1e-5, (rank, name)
+
+
+def test_a_4bit_base_the_engine_cannot_shard_exactly_is_refused_naming_the_way(pools, quantizable):
+    from tests import _qlora_cases
+
+    for r in pools(2).values(_qlora_cases.qlora_refusals, str(quantizable / "llama")):
+        assert "bnb_4bit_quant_storage=torch.float32" in r["uint8"], r["uint8"]
+        assert "would cast the packed codes" in r["mixed_precision"] and "bnb_4bit_quant_storage=torch.bfloat16" in \
+            r["mixed_precision"]
+        assert "int8 gathers would quantize the packed codes again" in r["quantized_weights"]
+        assert "requires grad: its data are packed codes" in r["trainable_base"]

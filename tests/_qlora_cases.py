@@ -1,0 +1,84 @@
+"""QLoRA on a sharded 4-bit base (tests/test_peft.py): a tiny model quantized by transformers + bitsandbytes on
+the CPU, LoRA by peft, under hf_zero on every rank and in one process on both ranks' batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hf_zero
+
+
+def _qlora(base: str, quant_type: str, double: bool, storage: str = "float32") -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
+                           bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=getattr(torch, storage))
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=q, dtype=torch.float32,
+                                                 device_map={"": "cpu"})
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(0)
+    targets = ["q_proj", "v_proj", "up_proj"] if "llama" in base else ["query_key_value", "dense_h_to_4h"]
+    return get_peft_model(model, LoraConfig(r=4, target_modules=targets, lora_dropout=0.0))
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(rank))
+
+
+def _train(model: torch.nn.Module, opt: Any, x: torch.Tensor) -> dict[str, list[float]]:
+    record: dict[str, list[float]] = {"loss": [], "norm": []}
+    for _ in range(3):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        record["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+        record["loss"].append(float(loss.detach()))
+    return record
+
+
+def qlora_against_one_process(base: str, stage: int, quant_type: str, double: bool) -> dict[str, Any]:
+    """3 steps (clipping at 0.5) of QLoRA under hf_zero at `stage`, and in this process alone on both ranks'
+    batches; the losses (mean over ranks), norms and adapter weights of each."""
+    ref = _qlora(base, quant_type, double)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    ref_record = _train(ref, ref_opt, torch.cat([_batch(r) for r in range(dist.get_world_size())]))
+    model = _qlora(base, quant_type, double)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage))
+    record = _train(model, opt, _batch(dist.get_rank()))
+    losses = torch.tensor(record["loss"])
+    dist.all_reduce(losses)
+    record["loss"] = (losses / dist.get_world_size()).tolist()
+    state = hf_zero.full_state_dict(model, rank0_only=False)
+    return {
+        "reference": ref_record, "record": record,
+        "ref_adapters": {k: v.detach().clone() for k, v in ref.state_dict().items() if "lora_" in k},
+        "adapters": {k: v.detach().clone() for k, v in state.items() if "lora_" in k},
+    }
+
+
+def qlora_refusals(base: str) -> dict[str, str]:
+    """What `initialize` refuses for a 4-bit base, by case: codes stored as uint8, mixed precision, int8 gathers,
+    a quantized weight left trainable."""
+    cases = {
+        "uint8": (dict(storage="uint8"), {}, False),
+        "mixed_precision": ({}, {"mixed_precision": "bf16"}, False),
+        "quantized_weights": ({}, {"quantized_weights": True, "stage": 3}, False),
+        "trainable_base": ({}, {}, True),
+    }
+    out = {}
+    for case, (load, config, unfreeze) in cases.items():
+        model = _qlora(base, "nf4", True, **load)
+        if unfreeze:
+            next(p for n, p in model.named_parameters() if "base_layer" in n).requires_grad_(True)
+        try:
+            hf_zero.initialize(model, None, hf_zero.ZeroConfig(**{"stage": 2, **config}))
+            out[case] = ""
+        except ValueError as e:
+            out[case] = str(e)
+    return out
