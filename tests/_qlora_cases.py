@@ -11,7 +11,7 @@ import torch.distributed as dist
 import hf_zero
 
 
-def _qlora(base: str, quant_type: str, double: bool, storage: str = "float32") -> torch.nn.Module:
+def qlora_model(base: str, quant_type: str, double: bool, storage: str = "float32") -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -44,10 +44,10 @@ def _train(model: torch.nn.Module, opt: Any, x: torch.Tensor) -> dict[str, list[
 def qlora_against_one_process(base: str, stage: int, quant_type: str, double: bool) -> dict[str, Any]:
     """3 steps (clipping at 0.5) of QLoRA under hf_zero at `stage`, and in this process alone on both ranks'
     batches; the losses (mean over ranks), norms and adapter weights of each."""
-    ref = _qlora(base, quant_type, double)
+    ref = qlora_model(base, quant_type, double)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     ref_record = _train(ref, ref_opt, torch.cat([_batch(r) for r in range(dist.get_world_size())]))
-    model = _qlora(base, quant_type, double)
+    model = qlora_model(base, quant_type, double)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage))
     record = _train(model, opt, _batch(dist.get_rank()))
@@ -73,7 +73,7 @@ def qlora_refusals(base: str) -> dict[str, str]:
     }
     out = {}
     for case, (load, config, unfreeze) in cases.items():
-        model = _qlora(base, "nf4", True, **load)
+        model = qlora_model(base, "nf4", True, **load)
         if unfreeze:
             next(p for n, p in model.named_parameters() if "base_layer" in n).requires_grad_(True)
         try:

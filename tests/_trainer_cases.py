@@ -153,6 +153,7 @@ class Job:
     neftune_alpha: float | None = None  # the Trainer's --neftune_noise_alpha (noise on the input embeddings)
     evaluate_first: bool = False  # trainer.evaluate() before trainer.train() (the base model's eval loss first)
     use_cpu_flag: bool = True  # pass use_cpu=True on a CPU machine (False: as a plain torchrun launch does)
+    base_dir: str | None = None  # kind "qlora": the checkpoint bitsandbytes quantizes on load (tests/_qlora_cases.py)
 
     @property
     def accum(self) -> int:
@@ -290,6 +291,10 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         model = MLPRegressor(job.seed)
     elif job.kind == "resnet":
         model = resnet_model(job.seed)
+    elif job.kind == "qlora":
+        from tests._qlora_cases import qlora_model
+
+        model = qlora_model(str(job.base_dir), "nf4", True)
     else:
         model = make_model(job.kind, seed=job.seed)
     if job.lora:
