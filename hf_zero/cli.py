@@ -109,10 +109,22 @@ def _estimate(args: argparse.Namespace) -> int:
 
     if (args.model_path is None) == (args.model is None):
         raise ValueError("give the model once: hf-zero estimate MODEL_DIR_OR_HUB_ID (or --model PATH).")
-    hf_config, model = _meta_model(args.model_path or args.model)
+    if args.qlora and (args.time or args.dtype == "fp16"):
+        raise ValueError("--qlora estimates memory with --dtype bf16 or fp32 (the dtype the 4-bit base is loaded in).")
+    dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[args.dtype] if args.qlora else "float32"
+    hf_config, model = _meta_model(args.model_path or args.model, dtype)
     if args.time:
         return _step_time(model, hf_config, args)
+    if args.qlora and not args.lora_rank:
+        args.lora_rank = 16
     trainable_note = _trainable(model, args)
+    n = sum(p.numel() for p in model.parameters())  # before a 4-bit base packs two weights in a byte
+    scales = 0
+    if args.qlora:  # [Note: quantized base]: the packed codes in the loaded dtype, computed in it (no mixed precision)
+        from .estimate import as_4bit
+
+        scales = as_4bit(model)
+        trainable_note += f"; 4-bit base (NF4, double quantization), {scales / 2**30:.2f} GiB of scales on every rank"
     device_memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     host_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
     disk = parse_size(args.disk, "--disk") if args.disk else None
@@ -124,7 +136,7 @@ def _estimate(args: argparse.Namespace) -> int:
         attention=args.attention,
         tiled_mlp=args.tiled_mlp,
     )
-    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
+    mixed = "no" if args.qlora else {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[args.dtype]
     rows = estimate(
         model,
         hf_config,
@@ -133,12 +145,17 @@ def _estimate(args: argparse.Namespace) -> int:
         workload=workload,
         mixed_precision=mixed,
         optimizer=args.optimizer,
+        whole_state_bytes=scales,
     )
-    n = sum(p.numel() for p in model.parameters())
+    state = (
+        f"{'Adam' if args.optimizer == 'adamw' else 'Adafactor'} in {args.dtype}, no fp32 master"
+        if args.qlora
+        else ("fp32 Adam on flat shards" if args.optimizer == "adamw" else "Adafactor on whole parameters")
+    )
     print(
         f"{type(model).__name__}: {n / 1e9:.2f}B parameters; {args.world_size} ranks on {args.nodes} node(s); "
         f"micro-batch {args.micro_batch} x {args.seq_len} tokens; {args.attention} attention; compute {args.dtype}, "
-        f"{'fp32 Adam on flat shards' if args.optimizer == 'adamw' else 'Adafactor on whole parameters'}; "
+        f"{state}; "
         f"activation checkpointing {'on' if args.gradient_checkpointing else 'off'}"
         + (f"; sequence parallelism {args.sequence_parallel}" if args.sequence_parallel > 1 else "")
         + ("; tiled MLP" if args.tiled_mlp else "")
@@ -227,7 +244,7 @@ def _trainable(model: Any, args: argparse.Namespace) -> str:
     )
 
 
-def _meta_model(path: str) -> tuple[Any, nn.Module]:
+def _meta_model(path: str, dtype: str = "float32") -> tuple[Any, nn.Module]:
     """A model built on the meta device from a config.json, a model directory, or a hub id whose config is in the
     local hub cache (no weights read, nothing downloaded)."""
     import json
@@ -247,8 +264,8 @@ def _meta_model(path: str) -> tuple[Any, nn.Module]:
         config = _cached_hub_config(path)
     else:
         raise FileNotFoundError(f"{path}: no such config.json or model directory.")
-    with torch.device("meta"):  # the checkpoint's own dtype does not matter: master weights are fp32
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device("meta"):  # the checkpoint's own dtype does not matter: master weights are fp32 (QLoRA: `dtype`)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return config, model
 
 
@@ -389,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
         "state, no fp32 master), e.g. 'layers\\.(30|31)\\.'",
     )
     e.add_argument("--lora-rank", type=int, default=0, help="estimate LoRA training (peft) of this rank")
+    e.add_argument(
+        "--qlora",
+        action="store_true",
+        help="QLoRA: the base's linear weights in 4 bits (NF4, double quantization, stored as --dtype elements), "
+        "LoRA of --lora-rank (default 16) trained in --dtype, no mixed precision",
+    )
     e.add_argument(
         "--lora-targets", default=None, help="comma-separated module names for LoRA (default: peft's for the model)"
     )

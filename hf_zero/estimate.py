@@ -208,6 +208,40 @@ def activation_bytes(config: Any, workload: Workload, dtype_bytes: int) -> int:
     return layer_total + logits
 
 
+QLORA_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one scale per 64 weights
+
+
+def as_4bit(model: nn.Module, double_quant: bool = True) -> int:
+    """[Note: quantized base] in engine/quantized.py, for the estimate: each linear weight transformers quantizes
+    for QLoRA (every `nn.Linear`'s but the output head's and the LoRA adapters') replaced, on the meta device, by the
+    packed codes bitsandbytes stores, `(numel + 1) // (2 * itemsize)` elements of the model's dtype, frozen.
+    Returns the bytes of their quantization state (block scales; with `double_quant` one byte per block plus the
+    second level's scales; code tables), which every rank keeps whole.
+
+    Example:
+
+    ```python
+    >>> scales = as_4bit(meta_peft_model)   # then estimate(meta_peft_model, ..., mixed_precision="no")
+    ```
+    """
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    scales = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module is head or "lora_" in name:
+            continue
+        weight = module.weight
+        numel, dtype = weight.numel(), weight.dtype
+        packed = torch.empty(((numel + 1) // (2 * dtype.itemsize), 1), dtype=dtype, device="meta")
+        module.weight = nn.Parameter(packed, requires_grad=False)
+        blocks = -(-numel // QLORA_BLOCK)
+        if double_quant:  # uint8 block scales, an fp32 scale per 256 of them, the two code tables, an offset
+            scales += blocks + 4 * -(-blocks // 256) + 4 * (16 + 256) + 4
+        else:  # fp32 block scales and the code table
+            scales += 4 * blocks + 4 * 16
+    return scales
+
+
 def estimate(
     model: nn.Module,
     hf_config: Any,
@@ -217,13 +251,15 @@ def estimate(
     workload: Workload = Workload(),
     mixed_precision: str = "bf16",
     optimizer: str = "adamw",
+    whole_state_bytes: int = 0,
 ) -> list[Estimate]:
     """Rows for stages 0-3 with no offload, optimizer offload, (stage 3) parameter offload, (stages 1-3)
     disk offload (`offload_dir`) and (stage 3) disk offload with `offload_params`.
 
     `model` may live on the meta device (only shapes are read). `optimizer`: `"adamw"` or `"adafactor"` (on whole
     parameters, [Note: whole-parameter step]: its owned state, and one largest parameter's master and gradient
-    in transit among the buffers; offload_dir does not take it, so no disk rows).
+    in transit among the buffers; offload_dir does not take it, so no disk rows). `whole_state_bytes`: model state
+    every rank keeps whole on the device besides its shards (a 4-bit base's quantization state, `as_4bit`).
     """
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ValueError(f"--world-size ({world_size}) must be a positive multiple of --nodes ({nodes}).")
@@ -278,7 +314,7 @@ def estimate(
                 Estimate(
                     stage=stage,
                     offload=offload,
-                    model_states=worst.total("device"),
+                    model_states=worst.total("device") + whole_state_bytes,
                     gathered_units=gathered,
                     activations=activation_bytes(hf_config, workload, e),
                     buffers=buffers,

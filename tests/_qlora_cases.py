@@ -21,7 +21,8 @@ def qlora_model(base: str, quant_type: str, double: bool, storage: str = "float3
                                                  device_map={"": "cpu"})
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(0)
-    targets = ["q_proj", "v_proj", "up_proj"] if "llama" in base else ["query_key_value", "dense_h_to_4h"]
+    targets = ["q_proj", "v_proj", "up_proj"] if model.config.model_type == "llama" else ["query_key_value",
+                                                                                          "dense_h_to_4h"]
     return get_peft_model(model, LoraConfig(r=4, target_modules=targets, lora_dropout=0.0))
 
 
@@ -82,3 +83,22 @@ def qlora_refusals(base: str) -> dict[str, str]:
         except ValueError as e:
             out[case] = str(e)
     return out
+
+
+def qlora_memory(base: str, stage: int) -> dict[str, int]:
+    """The model state this rank holds after one QLoRA step at `stage` (hf_zero's count of its shards), and the
+    bytes of the 4-bit weights' quantization state it keeps whole beside them."""
+    model = qlora_model(base, "nf4", True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scales = 0
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        if state is not None:
+            held = [state.absmax, state.code, state.offset] + ([state.state2.absmax, state.state2.code]
+                                                                if state.nested else [])
+            scales += sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
+    model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage))
+    x = _batch(dist.get_rank())
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()  # the state after a step, its gradients still held (what the estimate counts)
+    return {"measured": hf_zero.model_state_memory(model).total(), "scales": scales}

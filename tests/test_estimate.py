@@ -342,3 +342,22 @@ def test_estimate_takes_a_model_directory_or_a_cached_hub_id_and_recommends(tmp_
     assert missing.returncode == 2 and "hf download nobody/none-such config.json --local-dir" in missing.stderr
     twice = _cli(["estimate", str(model_dir), "--model", str(model_dir), "--world-size", "8"])
     assert twice.returncode == 2 and "give the model once" in twice.stderr
+
+
+def test_cli_qlora_counts_the_4bit_base(tmp_path):
+    """`--qlora`: the base's linear weights as 4-bit codes (a quarter of their bf16 bytes), the head and embeddings
+    in bf16, the scales on every rank; the header says so and counts the model's own parameters."""
+    path = tmp_path / "llama-70b.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    base = ["estimate", str(path), "--world-size", "8", "--lora-rank", "16"]
+    lora, qlora = _cli(base), _cli(base + ["--qlora"])
+    assert lora.returncode == 0 and qlora.returncode == 0, qlora.stderr
+    assert "70.59B parameters" in qlora.stdout and "4-bit base (NF4, double quantization), 1.01 GiB of scales" in \
+        qlora.stdout
+    states = {name: float(_cells(next(r for r in done.stdout.splitlines() if _cells(r)[:2] == ["3", "none"]))[2])
+              for name, done in (("lora", lora), ("qlora", qlora))}
+    linear = 70.55e9 - 2 * 128256 * 8192  # the weights bitsandbytes quantizes (all but embeddings and head)
+    saved = linear * (2 - 0.5) / 8 / 2**30  # bf16 shard -> packed codes, per rank
+    assert states["lora"] - states["qlora"] == pytest.approx(saved - 1.01, rel=0.02), states
+    refused = _cli(base + ["--qlora", "--dtype", "fp16"])
+    assert refused.returncode == 2 and "--qlora estimates memory with --dtype bf16 or fp32" in refused.stderr

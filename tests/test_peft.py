@@ -190,3 +190,28 @@ def test_qlora_through_zero_trainer_equals_the_stock_trainer_under_ddp(pools, qu
     assert len(adapters) >= 4
     for name in adapters:
         assert rel_err(got["state"][name].numpy(), ddp["state"][name].numpy()) <= 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_qlora_estimate_counts_what_a_rank_holds(pools, quantizable, stage):
+    """`hf-zero estimate --qlora`'s count (`as_4bit` on the meta model: the packed codes as frozen weights of the
+    model's dtype, the quantization scales whole on every rank) against what each rank holds after a QLoRA step
+    (hf_zero's own count of its shards, plus the scales bitsandbytes keeps): within 5%, and the scales exact."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_zero.estimate import Workload, as_4bit, estimate
+    from tests import _qlora_cases
+
+    config = AutoConfig.from_pretrained(quantizable / "llama")
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    meta = get_peft_model(meta, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0))
+    scales = as_4bit(meta)
+    rows = estimate(meta, config, world_size=2, workload=Workload(seq_len=16), mixed_precision="no",
+                    whole_state_bytes=scales)
+    predicted = next(r for r in rows if r.stage == stage and r.offload == "none").model_states
+    measured = pools(2).values(_qlora_cases.qlora_memory, str(quantizable / "llama"), stage)
+    assert {r["scales"] for r in measured} == {scales}
+    worst = max(r["measured"] + r["scales"] for r in measured)
+    assert abs(predicted - worst) <= 0.05 * worst, (predicted, worst)
