@@ -39,10 +39,18 @@ def batches(groups: int) -> list[list[list[dict[str, torch.Tensor]]]]:
     return out
 
 
-def reference(groups: int) -> dict[str, Any]:
+def _model(kind: str) -> Any:
+    """The cases' model; Falcon under sdpa (its attention is split around torch's sdpa call)."""
+    model = make_model(kind)
+    if kind == "falcon":
+        model.config._attn_implementation = "sdpa"  # as from_pretrained(..., attn_implementation="sdpa") sets it
+    return model
+
+
+def reference(groups: int, kind: str = "llama") -> dict[str, Any]:
     """One process, whole sequences, every group's micro-batches: the mean over groups of the accumulated loss."""
     torch.set_num_threads(1)
-    model = make_model("llama")
+    model = _model(kind)
     opt = make_optimizer(model, 1e-3)
     losses, norms = [], []
     for step in batches(groups):
@@ -63,14 +71,15 @@ def reference(groups: int) -> dict[str, Any]:
     }
 
 
-def split_run(stage: int, size: int, checkpointing: bool = False, tiled: bool = False) -> dict[str, Any]:
+def split_run(stage: int, size: int, checkpointing: bool = False, tiled: bool = False, kind: str = "llama"
+              ) -> dict[str, Any]:
     """Each group of `size` ranks trains on its group's micro-batches, each rank on 1/size of every sequence;
     `tiled`: with `tiled_mlp`, tiles of 3 tokens ([Note: tiled MLP]), the tiles run counted."""
     from hf_zero.integrations import tiled_mlp
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model("llama")
+    model = _model(kind)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = make_optimizer(model, 1e-3)

@@ -4,6 +4,8 @@ training equals single-process training on the whole sequences (fp32: losses, gr
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -182,7 +184,8 @@ def test_logits_without_labels_come_back_whole_and_generate_runs_unsplit(pools):
         (2, "odd", "a training sequence of 15 tokens does not split into 2 equal parts"),
         (2, "packed", "position_ids restart inside a sequence"),
         (3, "heads", "the model has 4 attention heads and 2 key-value heads; the attention heads must be a multiple"),
-        (2, "falcon", "FalconForCausalLM computes attention in its own code rather than through transformers'"),
+        (2, "falcon", "FalconForCausalLM computes attention in its own code, split around torch's "
+                      "scaled_dot_product_attention only under attn_implementation='sdpa' (it runs 'eager'"),
         (2, "scaled", "this model changes the head's output before returning it"),
     ],
 )
@@ -257,3 +260,23 @@ def test_packed_documents_without_sequence_parallelism_equal_one_process(pools, 
         assert r["within_documents"] < 1e-5, r["within_documents"]
         np.testing.assert_allclose(r["losses"], r["reference"], rtol=1e-5)
         assert max(r["weights"].values()) <= 1e-5, {k: v for k, v in r["weights"].items() if v > 1e-5}
+
+
+@functools.lru_cache(maxsize=None)
+def _falcon_reference(groups: int) -> dict:
+    return cases.reference(groups, "falcon")
+
+
+@pytest.mark.parametrize("stage, checkpointing", [(1, False), (2, False), (3, False), (3, True)])
+def test_falcon_with_one_key_value_head_splits_around_its_own_attention(pools, stage, checkpointing):
+    """Falcon computes attention in its own code (multi-query: one key-value head); its sdpa call is split (heads
+    for tokens around it, the key-value head replicated for the query heads and its gradient summed back): 2 ranks on
+    one sequence with padding and ignored labels, accumulation and clipping, as one process on the whole sequences
+    (fp32: losses 1e-6, norms and weights 1e-5), with gradient checkpointing replaying the split attention."""
+    ref = _falcon_reference(1)
+    results = pools(2).values(cases.split_run, stage, 2, checkpointing, False, "falcon")
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-6)
+        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5)
+    for name, value in ref["state"].items():
+        assert rel_err(results[0]["state"][name], value) <= 1e-5, name

@@ -12,9 +12,12 @@ registry (`AttentionInterface`), by one that exchanges, with an all-to-all over 
 every head for every token of 1/N of the heads (the Ulysses scheme); runs the model's own attention
 implementation (sdpa, eager, flash) on whole sequences with causal masking over global positions, and the
 padding mask of the whole batch where there is one; and exchanges back. Any decoder that calls its attention
-through the registry (LLaMA, Mistral, Qwen2, Gemma, ...; not Falcon, whose attention is its own code) works
-without model code; the attention heads must be a multiple of N, the key-value heads a multiple or a divisor
-(then each rank gets a copy of the ones its query heads use).
+through the registry (LLaMA, Mistral, Qwen2, Gemma, ...) works without model code; the attention heads must be a
+multiple of N, the key-value heads a multiple or a divisor (then each rank gets a copy of the ones its query heads
+use). A model whose attention is its own code and ends in `torch.nn.functional.scaled_dot_product_attention`
+(Falcon with rotary positions, under sdpa: `OWN_ATTENTION`) is split the same way around that call: while one of
+its attention modules runs a split forward, the function it calls is the exchange around torch's own (the
+module's own mask, built for this rank's tokens, is replaced by the whole sequence's).
 
 The loss: each rank's cross-entropy is summed over its tokens and divided by the number of labelled tokens of
 the whole micro-batch (every rank of the group holds all the labels, so no collective is needed to count
@@ -38,9 +41,10 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +54,7 @@ from ..engine.collectives import CommGroup
 from ..engine.collectives.ops import all_reduce_
 from ..engine.collectives.sequence import all_to_all_dims, gather_dim
 from ..engine.module import wrapped_model
+from ..engine.passes import in_backward
 from .tiled_loss import tiled_cross_entropy
 
 ATTENTION = "hf_zero_sequence"  # the name registered in transformers' attention and mask registries
@@ -90,6 +95,10 @@ class SequenceParallel:
     handles: list[Any]  # the model's two hooks
     head: nn.Module | None = None  # the LM head whose forward computes the tiled loss ([Note: tiled loss])
     active: SequenceSplit | None = None  # the split of the forward running now
+    own_attention: bool = False  # attention in the model's own code, split around its sdpa call (`OWN_ATTENTION`)
+    # the split of each forward by its rotary tables, for a recomputation in the backward (gradient checkpointing
+    # replays the attention with the same inputs, after the forward's split ended): id -> (weak ref, split)
+    recomputed: dict[int, tuple[Any, SequenceSplit]] = field(default_factory=dict)
 
 
 def check(model: nn.Module, size: int) -> None:
@@ -102,11 +111,7 @@ def check(model: nn.Module, size: int) -> None:
         )
     base = wrapped_model(model)  # peft: the model inside
     if not getattr(base, "_supports_attention_backend", False):
-        raise ValueError(
-            f"ZeroConfig.sequence_parallel: {type(base).__name__} computes attention in its own code rather than "
-            "through transformers' attention registry, so its attention cannot be split by sequence. Models that "
-            "use the registry (LLaMA, Mistral, Qwen2, Gemma, ...) can; train this one without sequence_parallel."
-        )
+        _check_own_attention(base, config)
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     if heads % size or (kv % size and size % kv):
@@ -117,10 +122,42 @@ def check(model: nn.Module, size: int) -> None:
             "that divides both."
         )
     inner = getattr(config, "_attn_implementation", None) or "eager"
+    if _own_attention_modules(base):
+        return
     if inner != ATTENTION and inner != "eager" and inner not in _attention_functions():
         raise ValueError(
             f"ZeroConfig.sequence_parallel: the model's attention implementation {inner!r} is not in transformers' "
             "attention registry; load the model with attn_implementation='sdpa' (or 'eager', 'flash_attention_2')."
+        )
+
+
+OWN_ATTENTION = ("FalconAttention",)  # attention modules of their own code that end in torch's sdpa
+
+
+def _own_attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ in OWN_ATTENTION]
+
+
+def _check_own_attention(base: nn.Module, config: Any) -> None:
+    """A model that computes attention in its own code: split around its sdpa call where that is the whole of it
+    (`OWN_ATTENTION`, rotary positions, sdpa), else refused naming why."""
+    own = _own_attention_modules(base)
+    why = None
+    if not own:
+        why = "computes attention in its own code rather than through transformers' attention registry"
+    elif getattr(config, "alibi", False):
+        why = "adds ALiBi biases inside its own attention code, which would see only this rank's tokens"
+    elif (getattr(config, "_attn_implementation", None) or "eager") != "sdpa":
+        why = (
+            f"computes attention in its own code, split around torch's scaled_dot_product_attention only under "
+            f"attn_implementation='sdpa' (it runs {getattr(config, '_attn_implementation', None)!r}: load it with "
+            "attn_implementation='sdpa')"
+        )
+    if why is not None:
+        raise ValueError(
+            f"ZeroConfig.sequence_parallel: {type(base).__name__} {why}, so its attention cannot be split by "
+            "sequence. Models that use the registry (LLaMA, Mistral, Qwen2, Gemma, ...) and Falcon with rotary "
+            "positions under sdpa can; train this one without sequence_parallel."
         )
 
 
@@ -136,12 +173,19 @@ def enable(model: nn.Module, group: CommGroup) -> None:
     ]
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    state = SequenceParallel(group, inner, handles, head if isinstance(head, nn.Linear) else None)
+    own = _own_attention_modules(wrapped_model(model))
+    for module in own:  # the exchange around its sdpa call, while a split forward runs
+        handles.append(module.register_forward_pre_hook(_own_attention_begins, with_kwargs=True))
+        handles.append(module.register_forward_hook(_own_attention_ends, always_call=True))
+    state = SequenceParallel(
+        group, inner, handles, head if isinstance(head, nn.Linear) else None, own_attention=bool(own)
+    )
     for sub in model.modules():
         sub._hf_zero_sequence = state  # type: ignore[assignment]
     if state.head is not None:
         state.head.forward = functools.partial(_head_forward, state.head, state.head.forward)
-    config._attn_implementation = ATTENTION
+    if not own:
+        config._attn_implementation = ATTENTION
 
 
 def disable(model: nn.Module) -> None:
@@ -234,7 +278,8 @@ def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     kwargs["use_cache"] = False
     kwargs[ATTENTION] = split
     state.active = split
-    config._attn_implementation = ATTENTION  # split: attention through `_attention`
+    if not state.own_attention:
+        config._attn_implementation = ATTENTION  # split: attention through `_attention`
     return args, kwargs
 
 
@@ -353,6 +398,60 @@ def _attention(
     mask = _whole_mask(split.padding, query, owner.inner)
     out, _ = inner(runs, query, key, value, mask, **kwargs)  # (batch, tokens, heads/N, dim)
     return all_to_all_dims(out, group, split_dim=1, cat_dim=2), None  # (batch, tokens/N, heads, dim)
+
+
+_TORCH_SDPA: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _own_attention_begins(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    """An `OWN_ATTENTION` module starts: in a split forward, or its replay in the backward (found by the rotary
+    tables it is given, the same tensors), its sdpa call becomes the exchange around torch's."""
+    state = _owner(module)
+    tables = kwargs.get("position_embeddings")
+    cos = tables[0] if isinstance(tables, tuple) and tables and isinstance(tables[0], torch.Tensor) else None
+    split = state.active
+    if split is not None and cos is not None:
+        for old in [k for k, (ref, _) in state.recomputed.items() if ref() is None]:
+            del state.recomputed[old]
+        state.recomputed[id(cos)] = (weakref.ref(cos), split)
+    elif split is None and cos is not None and in_backward():
+        ref, found = state.recomputed.get(id(cos), (None, None))
+        split = found if ref is not None and ref() is cos else None
+    if split is None:
+        return
+    _TORCH_SDPA.setdefault("sdpa", torch.nn.functional.scaled_dot_product_attention)
+    torch.nn.functional.scaled_dot_product_attention = functools.partial(_split_sdpa, split)
+
+
+def _own_attention_ends(module: nn.Module, args: Any, output: Any) -> None:
+    if "sdpa" in _TORCH_SDPA:
+        torch.nn.functional.scaled_dot_product_attention = _TORCH_SDPA["sdpa"]
+
+
+def _split_sdpa(
+    split: SequenceSplit,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """torch's sdpa on whole sequences for 1/N of the heads: (batch, heads, tokens/N, dim) in and out. The module's
+    own mask (causal over this rank's tokens) is replaced by the whole sequence's, with the batch's padding."""
+    group = split.group
+    split.calls[0] += 1
+    if key.shape[1] % group.size:  # fewer key-value heads than ranks (Falcon's one): each query head its own copy
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    query, key, value = (all_to_all_dims(t, group, split_dim=1, cat_dim=2) for t in (query, key, value))
+    mask = _whole_mask(split.padding, query, "sdpa")
+    out = _TORCH_SDPA["sdpa"](
+        query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale
+    )
+    return all_to_all_dims(out, group, split_dim=2, cat_dim=1)
 
 
 class _OneGroup:
