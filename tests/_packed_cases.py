@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-from tests._training import make_model
+from tests._training import make_model, make_optimizer
 
 
 def packed_row(rank: int, step: int) -> dict[str, torch.Tensor]:
@@ -50,10 +50,10 @@ def packed_against_one_process(kind: str, stage: int) -> dict[str, Any]:
         alone = torch.cat([ref(input_ids=row["input_ids"][:, a:b], use_cache=False).logits[0]
                            for a, b in zip(starts, starts[1:])])
     ref.train()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = make_optimizer(ref, 1e-3)
     ref_losses = _steps(ref, ref_opt, [[packed_row(r, s) for r in range(world)] for s in range(3)])
     model = make_model(kind)
-    model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3),
                                     hf_zero.ZeroConfig(stage=stage))
     losses = torch.tensor(_steps(model, opt, [[packed_row(rank, s)] for s in range(3)]))
     dist.all_reduce(losses)
@@ -63,3 +63,34 @@ def packed_against_one_process(kind: str, stage: int) -> dict[str, Any]:
         "reference": ref_losses, "losses": (losses / world).tolist(),
         "weights": {k: float((state[k] - v).norm() / v.norm()) for k, v in ref.state_dict().items()},
     }
+
+
+def _even_row(step: int) -> dict[str, torch.Tensor]:
+    """A packed row of an even length (it splits over 2 ranks), two rows in a batch."""
+    rows = []
+    for r in range(2):
+        row = packed_row(r, step)
+        if row["input_ids"].shape[1] % 2:
+            row = {k: v[:, :-1] for k, v in row.items()}
+        rows.append(row)
+    length = min(r["input_ids"].shape[1] for r in rows)
+    return {k: torch.cat([r[k][:, :length] for r in rows]) for k in rows[0]}
+
+
+def packed_split(kind: str, stage: int) -> dict[str, Any]:
+    """[Note: packed documents] 2 ranks, one sequence-parallel group, each holding half of every packed row, 3
+    clipped AdamW steps, against one process on the whole rows."""
+    ref = make_model(kind)
+    if kind == "falcon":
+        ref.config._attn_implementation = "sdpa"  # its attention is split around torch's sdpa call
+    ref_opt = make_optimizer(ref, 1e-3)
+    ref_losses = _steps(ref, ref_opt, [[_even_row(s)] for s in range(3)])
+    model = make_model(kind)
+    if kind == "falcon":
+        model.config._attn_implementation = "sdpa"
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3),
+                                    hf_zero.ZeroConfig(stage=stage, sequence_parallel=2))
+    losses = _steps(model, opt, [[_even_row(s)] for s in range(3)])
+    state = hf_zero.full_state_dict(model, rank0_only=False)
+    return {"reference": ref_losses, "losses": losses,
+            "weights": {k: float((state[k] - v).norm() / v.norm()) for k, v in ref.state_dict().items()}}

@@ -182,7 +182,6 @@ def test_logits_without_labels_come_back_whole_and_generate_runs_unsplit(pools):
     "size,what,message",
     [
         (2, "odd", "a training sequence of 15 tokens does not split into 2 equal parts"),
-        (2, "packed", "position_ids restart inside a sequence"),
         (3, "heads", "the model has 4 attention heads and 2 key-value heads; the attention heads must be a multiple"),
         (2, "falcon", "FalconForCausalLM computes attention in its own code, split around torch's "
                       "scaled_dot_product_attention only under attn_implementation='sdpa' (it runs 'eager'"),
@@ -280,3 +279,30 @@ def test_falcon_with_one_key_value_head_splits_around_its_own_attention(pools, s
         np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5)
     for name, value in ref["state"].items():
         assert rel_err(results[0]["state"][name], value) <= 1e-5, name
+
+
+@pytest.mark.parametrize("kind, stage", [("llama", 1), ("llama", 2), ("llama", 3), ("falcon", 3)])
+def test_packed_documents_split_by_sequence_equal_one_process(pools, kind, stage):
+    """[Note: packed documents] Packed rows (documents restarting their positions, labels ignored at each start)
+    split over 2 ranks: each rank's attention, on whole rows after the exchange, sees each document only; losses and
+    weights equal one process on the whole rows within 1e-5 after 3 clipped AdamW steps (LLaMA through the attention
+    registry, Falcon around its own sdpa call)."""
+    from tests import _packed_cases
+
+    for r in pools(2).values(_packed_cases.packed_split, kind, stage):
+        np.testing.assert_allclose(r["losses"], r["reference"], rtol=1e-5)
+        assert max(r["weights"].values()) <= 1e-5, {k: v for k, v in r["weights"].items() if v > 1e-5}
+
+
+def test_packed_documents_under_flash_attention_are_refused_naming_sdpa():
+    """[Note: packed documents] flash attention takes cumulative lengths rather than a mask: a packed row split under
+    it is refused by name (every rank computes the same positions, so every rank refuses)."""
+    from hf_zero.integrations import sequence
+
+    state = sequence.SequenceParallel(group=None, inner="flash_attention_2", handles=[])  # type: ignore[arg-type]
+    restart = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    with pytest.raises(ValueError, match="packed documents .* are split with sdpa or eager attention.*'flash_attention"):
+        sequence._documents(restart, state, 2)
+    assert sequence._documents(torch.arange(8)[None], state, 2) is None  # one document: nothing to mask
+    eager = sequence.SequenceParallel(group=None, inner="eager", handles=[])  # type: ignore[arg-type]
+    assert sequence._documents(restart, eager, 2).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3]]

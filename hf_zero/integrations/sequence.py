@@ -68,7 +68,7 @@ class SequenceSplit:
     class, not a dataclass: hooks that map over a forward's inputs (the engine's, Accelerate's) rebuild
     dataclasses, and the attention would count on a copy."""
 
-    __slots__ = ("group", "padding", "calls", "labels", "count", "head_loss", "unshifted")
+    __slots__ = ("group", "padding", "calls", "labels", "count", "head_loss", "unshifted", "documents")
 
     def __init__(
         self,
@@ -76,9 +76,11 @@ class SequenceSplit:
         padding: torch.Tensor | None,
         labels: torch.Tensor | None = None,
         count: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> None:
         self.group = group
         self.padding = padding  # (batch, sequence) bool, True for real tokens
+        self.documents = documents  # (batch, sequence) int: each token's document in a packed row, or None
         self.calls = [0]
         self.labels = labels  # this rank's shifted labels, when the head computes the loss in tiles
         self.count = count  # labelled tokens of the whole micro-batch (or the caller's num_items)
@@ -251,19 +253,14 @@ def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         if kwargs.get(key) is not None:
             kwargs[key] = kwargs[key][:, lo:hi]
     positions = kwargs.get("position_ids")
-    if positions is not None and bool((positions[..., 1:] != positions[..., :-1] + 1).any()):
-        raise ValueError(
-            f"ZeroConfig.sequence_parallel={group.size}: position_ids restart inside a sequence (packed documents); "
-            "attention across the split would not see the document boundaries. Train without packing (or "
-            "without sequence_parallel)."
-        )
+    documents = _documents(positions, state, group.size)  # [Note: packed documents]
     if positions is None:
         positions = torch.arange(length, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
     kwargs["position_ids"] = positions[..., lo:hi]
     mask = kwargs.pop("attention_mask", None)
     padding = None if mask is None or bool(mask.all()) else mask.bool()
     labels = kwargs.get("labels")
-    split = SequenceSplit(group, padding)
+    split = SequenceSplit(group, padding, documents=documents)
     split.unshifted = bool(kwargs.get("fused_lm_head")) and kwargs.get("shift_labels") is None
     if labels is not None:
         shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
@@ -273,7 +270,9 @@ def _split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         fused = bool(kwargs.get("fused_lm_head"))  # TRL's fused head: per-token outputs of this rank's tokens
         if module.training and state.head is not None and not fused:  # [Note: tiled loss]: the head, in tiles
             count = kwargs.pop("num_items_in_batch")
-            split = SequenceSplit(group, padding, labels=kwargs.pop("labels"), count=torch.as_tensor(count))
+            split = SequenceSplit(
+                group, padding, labels=kwargs.pop("labels"), count=torch.as_tensor(count), documents=documents
+            )
             kwargs.pop("shift_labels")
     kwargs["use_cache"] = False
     kwargs[ATTENTION] = split
@@ -395,7 +394,7 @@ def _attention(
         runs = _OneGroup(module)
     # (batch, heads, tokens/N, dim) -> (batch, heads/N, tokens, dim)
     query, key, value = (all_to_all_dims(t, group, split_dim=1, cat_dim=2) for t in (query, key, value))
-    mask = _whole_mask(split.padding, query, owner.inner)
+    mask = _whole_mask(split.padding, query, owner.inner, split.documents)
     out, _ = inner(runs, query, key, value, mask, **kwargs)  # (batch, tokens, heads/N, dim)
     return all_to_all_dims(out, group, split_dim=1, cat_dim=2), None  # (batch, tokens/N, heads, dim)
 
@@ -447,7 +446,7 @@ def _split_sdpa(
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     query, key, value = (all_to_all_dims(t, group, split_dim=1, cat_dim=2) for t in (query, key, value))
-    mask = _whole_mask(split.padding, query, "sdpa")
+    mask = _whole_mask(split.padding, query, "sdpa", split.documents)
     out = _TORCH_SDPA["sdpa"](
         query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale
     )
@@ -466,16 +465,43 @@ class _OneGroup:
         return getattr(self._module, name)
 
 
-def _whole_mask(padding: torch.Tensor | None, query: torch.Tensor, inner: str) -> torch.Tensor | None:
+def _documents(positions: torch.Tensor | None, state: SequenceParallel, size: int) -> torch.Tensor | None:
+    """[Note: packed documents]
+    A packed row (documents end to end, `position_ids` restarting at each: `DataCollatorWithFlattening`, TRL's
+    `padding_free`) is split like any row: each rank keeps its part of the tokens and their per-document positions
+    (RoPE sees each token where it is in its document), and the labels, shifted over the whole row, ignore each
+    document's first token as the collator set them. Attention, which sees whole rows after the all-to-all, gets
+    the causal mask within each document (the block-diagonal mask transformers builds for the unsplit model from
+    the same position_ids), from the document index of every token of the whole row, computed here before the
+    split. Flash attention would take cumulative lengths instead: refused by name."""
+    if positions is None or not bool((positions[..., 1:] != positions[..., :-1] + 1).any()):
+        return None
+    if state.inner not in ("sdpa", "eager"):
+        raise ValueError(
+            f"ZeroConfig.sequence_parallel={size}: packed documents (position_ids restarting inside a row) are split "
+            f"with sdpa or eager attention, which take the per-document mask; the model runs {state.inner!r}. Load it "
+            "with attn_implementation='sdpa'."
+        )
+    restarts = torch.ones_like(positions, dtype=torch.long)
+    restarts[..., 1:] = (positions[..., 1:] != positions[..., :-1] + 1).long()
+    return restarts.cumsum(-1)
+
+
+def _whole_mask(
+    padding: torch.Tensor | None, query: torch.Tensor, inner: str, documents: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Causal over the whole sequence, with the batch's padding (keys that are padding are masked), as transformers
     builds it for the unsplit model, so that a query with no key left (left padding) gets what the implementation
     gives it there; `None` (the kernel's own causal masking) when nothing is padded and the implementation masks
     causally by itself."""
     length = query.shape[2]
-    if padding is None and inner != "eager":
+    if padding is None and documents is None and inner != "eager":
         return None
     causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
     allowed = causal.unsqueeze(0) if padding is None else causal & padding.to(query.device)[:, None, :]
+    if documents is not None:  # [Note: packed documents]: within each document only
+        documents = documents.to(query.device)
+        allowed = allowed & (documents[:, :, None] == documents[:, None, :])
     allowed = allowed.unsqueeze(1)
     if inner == "eager":  # an additive mask
         return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
