@@ -56,6 +56,12 @@ class DataArguments:
     validation_split_percentage: float = field(
         default=5.0, metadata={"help": "Share of training blocks held out, in percent, without --validation_files."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenizing."})
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Keep document boundaries in each block (position_ids restart at each document, no token "
+                          "attends across one; with --zero_sequence_parallel too) instead of run_clm's "
+                          "concatenate-and-cut."},
+    )
 
 
 def main() -> None:
@@ -73,7 +79,7 @@ def main() -> None:
         data = load_corpus(data_args.train_files, tokenizer, block_size=data_args.block_size,
                            validation_split_percentage=data_args.validation_split_percentage, seed=args.seed,
                            validation_patterns=data_args.validation_files, text_column=data_args.text_column,
-                           num_proc=data_args.preprocessing_num_workers)
+                           num_proc=data_args.preprocessing_num_workers, packing=data_args.packing)
 
     attention = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
     if model_args.sharded_loading:
@@ -82,6 +88,8 @@ def main() -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **attention)
     model.train()
+    if data_args.packing:  # transformers masks within documents only when the forward keeps no KV cache
+        model.config.use_cache = False
 
     trainer = hf_zero.ZeroTrainer(
         model=model, args=args, train_dataset=data["train"], eval_dataset=data["validation"],
