@@ -178,7 +178,8 @@ def test_train_accelerate_resumed_from_a_background_save(assets, tmp_path):
 # interpreters and importing TRL's dependencies); the sequence-parallel run under `accelerate launch` in the slow
 # tier: both take the same TRL path at stage 3, and sequence parallelism stays in the suite through the Trainer's
 # and tests/test_sequence_parallel.py
-@pytest.mark.parametrize("variant", ["plain", pytest.param("sequence_parallel", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("variant", ["plain", "padding_free_sequence_parallel",
+                                     pytest.param("sequence_parallel", marks=pytest.mark.slow)])
 def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(pools, assets, tmp_path, variant):
     """`examples/sft_trl.py` (TRL's SFTTrainer with hf_zero mixed in, its default fused loss) on 2 processes:
     the logged losses equal the same script's with TRL's stock SFTTrainer under DDP (1e-5 relative), and the
@@ -200,6 +201,13 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(pools, a
     if variant == "plain":
         script, args = str(ROOT / common[0]), common[1:]
         for out, flags in ((stock, ["--use_stock_trainer"]), (zero, ["--zero_stage", "3"])):
+            pools(2).values(example_cases.run_example, script, [*args, "--output_dir", str(out), *flags])
+    elif variant == "padding_free_sequence_parallel":  # TRL's BFD packing: padding-free rows of whole samples end to
+        # end, position_ids restarting at each ([Note: packed documents]), split by sequence over the 2 ranks
+        script = str(ROOT / common[0])
+        args = [*common[1:], "--packing", "--packing_strategy", "bfd", "--pad_to_multiple_of", "2"]
+        split = ["--zero_stage", "3", "--zero_sequence_parallel", "2", "--per_device_train_batch_size", "4"]
+        for out, flags in ((stock, ["--use_stock_trainer"]), (zero, split)):
             pools(2).values(example_cases.run_example, script, [*args, "--output_dir", str(out), *flags])
     else:
         _run(ACCELERATE + common + ["--output_dir", str(stock), "--use_stock_trainer"], baseline=True)
