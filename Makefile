@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf_zero-installed
 
-.PHONY: install demo parity-demo test test-slow fuzz docs lint gpu-check gpu-rehearse gpu-wheels compat clean
+.PHONY: install demo parity-demo test test-slow fuzz docs design-map lint gpu-check gpu-rehearse gpu-wheels compat clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,10 @@ fuzz: $(STAMP)
 # The documentation site (mkdocs.yml): http://127.0.0.1:8000 while it runs; tests/test_docs.py builds it strictly.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+# docs/design.md's file map, from each module's docstring (tests/test_code_notes.py checks it is current).
+design-map: $(STAMP)
+	$(BIN)/python -m tests._design_map --write > /dev/null
 
 # Lint, format and type checks of the package (settings in pyproject.toml); `make test` runs them first.
 lint: $(STAMP)

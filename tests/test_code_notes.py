@@ -30,3 +30,14 @@ def test_every_note_pointer_names_the_file_that_holds_the_note():
                 stale.append(f"{path}: [Note: {note}] in {target}; the note is in {sorted(holders.get(note, ())) or 'no file'}")
     assert not stale, "\n".join(stale)
     assert len(holders) > 100  # the pattern still finds the notes
+
+
+def test_the_design_map_lists_every_file_with_its_docstring():
+    """docs/design.md's file map is what `python -m tests._design_map --write` generates from the module docstrings
+    now: every file of the package on it, each with what its own docstring says (`make design-map` rewrites it)."""
+    from tests import _design_map
+
+    assert _design_map.current() == _design_map.generate(), "docs/design.md's file map is stale: make design-map"
+    listed = {line.split()[0] for line in _design_map.current().splitlines() if line.startswith("hf_zero/")}
+    assert listed == {str(p.relative_to(ROOT)) for p in (ROOT / "hf_zero").rglob("*.py")}
+    assert "(no docstring)" not in _design_map.current()
