@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # a note is defined where `[Note: X]` opens a line, a comment or a docstring; referred to anywhere else
 DEFINED = re.compile(r'^[ \t]*(?:"""|#)?[ \t]*\[Note: ([^\]]+)\]', flags=re.M)
-POINTER = re.compile(r"\[Note: ([^\]]+)\] in `?([\w/.]+\.py)")
+POINTER = re.compile(r"\[Note: ([^\]]+)\] in\s+`?([\w/.]+\.py)")
 
 
 def _name(text: str) -> str:

@@ -30,7 +30,7 @@ On NCCL the rank that made the odd call raises at once; the others raise at thei
 collective the odd rank never joins holds their stream (stage 3's gathers), are stopped by the launcher when the
 failed rank exits. A forward without grad at stages 0-2 involves no other rank and has no header (evaluating
 on rank 0 alone is as local as under DDP there), unless it broadcasts the buffers ([Note: buffer broadcast] in
-engine.py: the first forward after a training step, for a model with persistent buffers), where DDP hangs.
+buffers.py: the first forward after a training step, for a model with persistent buffers), where DDP hangs.
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ from torch import nn
 
 from ..config import ZeroConfig
 from .accounting import ModelStateMemory
+from .buffers import BufferSync
 from .calls import Call, CallOrder
 from .collectives import (
     CommGroup,
     all_gather_into,
     all_reduce_,
-    broadcast_tensors,
     comm_device,
     host_side_group,
     max_scalar_,
@@ -122,9 +122,7 @@ class ZeroEngine:
         self.units = [Unit([next(parts) for _ in split], self.plan.params, self.plan.grads) for split in grouped]
         self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
         self._grads_resting = False  # [Note: resting gradients] some `.grad` holds a stand-in
-        self.in_no_sync = False  # inside no_sync(): the forward leaves the buffers' broadcast not due
-        self._buffers_due = True  # [Note: buffer broadcast] the next forward broadcasts them (DDP's flag)
-        self._as_unwrapped = False  # [Note: buffer broadcast] forwards run as on the module DDP wraps
+        self.in_no_sync = False  # inside no_sync(): DDP's gradient sync is off (and the buffers' broadcast not due)
         self._edit_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # [Note: edits between steps]
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
@@ -148,9 +146,7 @@ class ZeroEngine:
         self.flat_step.build(self.pieces)
         self._names, self._real = _name_index(self.parts, self.replaced)
         self._frozen_parts = [part for part in self.parts if part.spec.frozen]
-        self._persistent_buffers = [  # (module, name) of what state_dict holds besides parameters
-            (m, name) for m in model.modules() for name in m._buffers if name not in m._non_persistent_buffers_set
-        ]
+        self.buffers = BufferSync(model, world, config.broadcast_buffers)  # [Note: buffer broadcast] in buffers.py
         self._structure = ModelStructure(model, self._names)  # [Note: parameters replaced after initialize]
         track(self)  # [Note: clean exit] in teardown.py
         register(self)  # [Note: torch clipping] in torch_clip.py
@@ -275,26 +271,19 @@ class ZeroEngine:
         finally:
             self.hooks.requires_grad_sync, self.in_no_sync = previous
 
-    @contextlib.contextmanager
-    def as_unwrapped(self) -> Iterator[None]:
-        """Forwards inside run as on the module a DDP wrapper holds ([Note: buffer broadcast]): no buffer broadcast,
-        DDP's flag left as it was. The stock Trainer evaluates `self.model`, not its DDP wrapper."""
-        previous, self._as_unwrapped = self._as_unwrapped, True
-        try:
-            yield
-        finally:
-            self._as_unwrapped = previous
+    def as_unwrapped(self) -> contextlib.AbstractContextManager[None]:
+        """Forwards inside run as on the module a DDP wrapper holds ([Note: buffer broadcast] in buffers.py): no
+        buffer broadcast, DDP's flag left as it was. The stock Trainer evaluates `self.model`, not its DDP wrapper."""
+        return self.buffers.as_unwrapped()
 
     def _before_forward(self) -> None:
         """As each forward of the model begins (not a recomputation): the header of a forward that issues collectives
-        ([Note: call order]) and the refusal of parameters assigned since `initialize`; then, with grad, refuse
-        parameters unfrozen or given new `.data` since, and broadcast the buffers ([Note: buffer broadcast])."""
+        ([Note: call order]) and the refusal of parameters assigned since `initialize`; then, with grad, units
+        unfrozen since start training and parameters given new `.data` are refused; and the buffers are broadcast
+        where DDP would ([Note: buffer broadcast] in buffers.py)."""
         refuse_uneven_join(self.model)  # [Note: uneven inputs]: before any collective
         grad = torch.is_grad_enabled()
-        broadcast = self._buffers_due and self.config.broadcast_buffers and self.world.size > 1
-        broadcast = broadcast and bool(self._persistent_buffers) and not self._as_unwrapped
-        if not self._as_unwrapped:
-            self._buffers_due = grad and not self.in_no_sync  # [Note: buffer broadcast]: DDP's rule for the next one
+        broadcast = self.buffers.begin_forward(grad, self.in_no_sync)  # [Note: buffer broadcast] in buffers.py
         if grad or broadcast or self.plan.params.uses_gather:
             self.calls.begin(Call.FORWARD if grad else Call.FORWARD_NO_GRAD, read_now=False)
             self._structure.refuse_changes()
@@ -303,7 +292,7 @@ class ZeroEngine:
             self._start_unfrozen_units()
             refuse_replaced_data(self.parts)
         if broadcast:
-            self._broadcast_buffers()
+            self.buffers.broadcast()
 
     def _start_unfrozen_units(self) -> None:
         """[Note: requires_grad after initialize] in forward_checks.py: units frozen whole at `initialize` whose
@@ -340,23 +329,6 @@ class ZeroEngine:
             self.calls.begin(Call.DIRECT_CALL, read_now=True)
         if torch.is_grad_enabled():
             self._wake_grads()
-
-    def _broadcast_buffers(self) -> None:
-        """[Note: buffer broadcast]
-        DDP's default (`broadcast_buffers=True`), DDP's rule exactly: rank 0's buffers overwrite every rank's, one
-        broadcast per dtype, at the start of the first forward and of every forward (with grad or without) that
-        follows a forward with grad outside `no_sync` (DDP's `require_forward_param_sync`, set after each forward).
-        So the first evaluation forward after a step normalises with rank 0's running statistics on every rank, the
-        first micro-batch of an accumulated step starts from rank 0's and the later ones (after a `no_sync` forward)
-        from each rank's own, as under DDP. A forward without grad that broadcasts is a collective, so it begins a
-        header ([Note: call order]) at every stage. The stock Trainer evaluates the module DDP wraps, not the
-        wrapper, so its evaluation broadcasts nothing and leaves the flag: `ZeroTrainer` runs its evaluation loop
-        inside `as_unwrapped()` for the same numbers. `ZeroConfig(broadcast_buffers=False)` keeps
-        each rank's own (FSDP's behaviour). Unlike DDP, only the persistent buffers (those `state_dict` holds)
-        travel: non-persistent ones are constants the model derives the same way on every rank (rotary
-        frequencies, position ids), and a LLaMA or Falcon has no other, so it pays no broadcast."""
-        buffers = [m._buffers.get(name) for m, name in self._persistent_buffers]
-        broadcast_tensors([b for b in buffers if b is not None and b.numel()], self.world)
 
     def zero_grad(self, *, abandon_pass: bool = False, set_to_none: bool = True) -> None:
         """Drop every gradient; `abandon_pass`: first forget a forward or backward that an exception stopped (its
