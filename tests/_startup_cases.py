@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 import hf_zero
-from tests._training import make_model
+from tests._training import hf_zero_records, make_model
 
 
 def startup_and_first_step(stage: int) -> dict[str, Any]:
     """Initialize (capturing the hf_zero log records), take one step; the records and the memory after it."""
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    keep = Keep()
-    logging.getLogger("hf_zero").addHandler(keep)
-    try:
+    with hf_zero_records() as records:
         model = make_model("llama")
         model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), hf_zero.ZeroConfig(stage=stage))
-    finally:
-        logging.getLogger("hf_zero").removeHandler(keep)
     x = torch.randint(0, 100, (2, 8))
     model(input_ids=x, labels=x).loss.backward()
     opt.step()

@@ -3,7 +3,6 @@ stock Trainer (in one process), returning the logged losses, the eval loss and t
 
 from __future__ import annotations
 
-import contextlib
 
 import functools
 import os
@@ -14,7 +13,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from tests._training import VOCAB, apply_liger_like, make_model, with_lora
+from tests._training import VOCAB, apply_liger_like, hf_zero_records, make_model, with_lora
 
 
 class TokenDataset(Dataset):
@@ -374,25 +373,6 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _hf_zero_records() -> Any:
-    """The messages logged on the "hf_zero" logger inside the block."""
-    import logging
-
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    keep = Keep()
-    logging.getLogger("hf_zero").addHandler(keep)
-    try:
-        yield records
-    finally:
-        logging.getLogger("hf_zero").removeHandler(keep)
-
-
 def run_launched_without_use_cpu(job: Job, configured_state: bool = False) -> dict[str, Any]:
     """`run(job)` as a plain `torchrun` launch on a CPU machine gives it: no `use_cpu`, no ACCELERATE_USE_CPU.
     `configured_state`: an Accelerate state made first without `cpu=True` (one process, as Accelerate then
@@ -405,7 +385,7 @@ def run_launched_without_use_cpu(job: Job, configured_state: bool = False) -> di
     saved = os.environ.pop("ACCELERATE_USE_CPU", None)
     try:
         if not configured_state:
-            with _hf_zero_records() as records:
+            with hf_zero_records() as records:
                 result = run(replace(job, use_cpu_flag=False))
             return {**result, "records": records}
         AcceleratorState._reset_state(reset_partial_state=True)

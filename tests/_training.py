@@ -536,3 +536,22 @@ def make_tokenizer(directory: str, texts: list[str] | None = None) -> None:
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(directory)
+
+
+@contextlib.contextmanager
+def hf_zero_records() -> Any:
+    """The messages logged on the "hf_zero" logger inside the block (a list, filled as they come)."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("hf_zero").addHandler(keep)
+    try:
+        yield records
+    finally:
+        logging.getLogger("hf_zero").removeHandler(keep)
