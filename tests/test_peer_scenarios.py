@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests import _peer_cases as peer
+from tests import _peer_cases_amp as peer_amp
 
 TOL = 1e-5
 
@@ -98,7 +99,7 @@ def test_grad_scaler_state_resumes_through_the_checkpoint_metadata(pools, tmp_pa
     """`save_checkpoint(..., metadata={"scaler": scaler.state_dict()})`, then a fresh scaler loaded from what
     `load_checkpoint` returns: the resumed run's losses, scales (halved at the overflow, grown after) and weights
     are the uninterrupted run's."""
-    for r in pools(2).values(peer.grad_scaler_resumed, stage, str(tmp_path / "ckpt")):
+    for r in pools(2).values(peer_amp.grad_scaler_resumed, stage, str(tmp_path / "ckpt")):
         straight, resumed = r["straight"], r["resumed"]
         assert straight["record"]["scale"] == [2.0**17, 2.0**16, 2.0**17, 2.0**18], straight["record"]
         assert resumed["record"]["scale"] == straight["record"]["scale"]

@@ -295,32 +295,14 @@ class ZeroEngine:
             self.buffers.broadcast()
 
     def _start_unfrozen_units(self) -> None:
-        """[Note: requires_grad after initialize] in forward_checks.py: units frozen whole at `initialize` whose
-        parameters were unfrozen since start training here; what cannot is refused, naming why."""
-        for part in unfrozen_parts(self._frozen_parts, self._why_frozen_stays):
-            unit = next(u for u in self.units if part in u.parts)
+        """[Note: requires_grad after initialize] in forward_checks.py: units frozen at `initialize`, unfrozen since."""
+        settings = (self.param_dtype, self.master_dtype, self.config.offload_optimizer)
+        for part, unit in unfrozen_parts(self._frozen_parts, self.units, *settings):
             for real, held in zip(part.params, part.held_params):  # stage 3: as the next gather would
                 real.requires_grad_(held.requires_grad)  # ([Note: resting parameters])
             unit.start_training()
             self.hooks.watch_grads(unit)
             self._frozen_parts.remove(part)
-
-    def _why_frozen_stays(self, part: FlatPart) -> str | None:
-        """Why a part frozen at `initialize` cannot start training, or None."""
-        unit = next(u for u in self.units if part in u.parts)
-        if len(unit.parts) > 1:
-            return (
-                f"unit '{unit.name}' was frozen only in part at initialize (its other parameters train from their own "
-                "flat part)"
-            )
-        if self.param_dtype != self.master_dtype:
-            return (
-                f"under mixed precision a frozen part keeps only its {self.param_dtype} copy, not the "
-                f"{self.master_dtype} weights training would start from"
-            )
-        if self.config.offload_optimizer:
-            return "with offload_optimizer its master weights and optimizer state would have to move to the host"
-        return None
 
     def _before_direct_call(self) -> None:
         """As a module of the root is called outside the model's forward ([Note: direct calls] in hooks.py): at

@@ -6,16 +6,23 @@ Each raises on every rank alike (every rank holds the same parameters), at the f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from .flat import FlatPart
+from .unit import Unit
 
 
-def unfrozen_parts(frozen_parts: list[FlatPart], why_not: Callable[[FlatPart], str | None]) -> list[FlatPart]:
+def unfrozen_parts(
+    frozen_parts: list[FlatPart],
+    units: list[Unit],
+    param_dtype: torch.dtype,
+    master_dtype: torch.dtype,
+    offloaded: bool,
+) -> list[tuple[FlatPart, Unit]]:
     """[Note: requires_grad after initialize]
     A parameter frozen at `initialize` lives in a frozen part: its only copy in the compute dtype, no master, no
     gradient buffer, no optimizer state ([Note: frozen parameters] in unit.py). Freezing a trainable one later is
@@ -27,14 +34,14 @@ def unfrozen_parts(frozen_parts: list[FlatPart], why_not: Callable[[FlatPart], s
     the compute dtype's copy of a frozen part) and no offloaded optimizer (its master would live on the host). A
     unit frozen only in part (LoRA's base weights beside the adapters), or one of those settings, is refused on every
     rank (the same parameters on each), naming the way: leave the parameter trainable at `initialize` and freeze
-    it right after, which hf_zero follows from then on. `why_not(part)`: why a part cannot start training, or
-    None; returns the parts to start."""
+    it right after, which hf_zero follows from then on. Returns the parts to start, each with its unit."""
     woken = []
     for part in frozen_parts:
         names = [name for name, p in zip(part.spec.param_names, part.held_params) if p.requires_grad]
         if not names:
             continue
-        why = why_not(part)
+        unit = next(u for u in units if part in u.parts)
+        why = _why_frozen_stays(part, unit, param_dtype, master_dtype, offloaded)
         if why is not None:
             raise ValueError(
                 f"hf_zero: parameter '{names[0]}' was frozen (requires_grad=False) when hf_zero.initialize ran and now "
@@ -42,8 +49,27 @@ def unfrozen_parts(frozen_parts: list[FlatPart], why_not: Callable[[FlatPart], s
                 "setting, leave it trainable at initialize (build the optimizer over it too) and freeze it with "
                 "requires_grad_(False) right after: hf_zero follows freezing and unfreezing from then on."
             )
-        woken.append(part)
+        woken.append((part, unit))
     return woken
+
+
+def _why_frozen_stays(
+    part: FlatPart, unit: Unit, param_dtype: torch.dtype, master_dtype: torch.dtype, offloaded: bool
+) -> str | None:
+    """Why `part` (of `unit`), frozen at `initialize`, cannot start training, or None."""
+    if len(unit.parts) > 1:
+        return (
+            f"unit '{unit.name}' was frozen only in part at initialize (its other parameters train from their own "
+            "flat part)"
+        )
+    if param_dtype != master_dtype:
+        return (
+            f"under mixed precision a frozen part keeps only its {param_dtype} copy, not the {master_dtype} weights "
+            "training would start from"
+        )
+    if offloaded:
+        return "with offload_optimizer its master weights and optimizer state would have to move to the host"
+    return None
 
 
 def refuse_uneven_join(model: nn.Module) -> None:

@@ -117,8 +117,7 @@ class UnitHooks:
             self._handles.append(member.register_forward_hook(end, always_call=True))
 
     def watch_grads(self, unit: Unit) -> None:
-        """Hook the unit's parameters that can get gradients (which got them; the reduction-gated prefetch is polled
-        there); once per parameter, also for a unit that starts training after `initialize`."""
+        """Hook, once each, the parameters of the unit's trainable part (which got gradients; the prefetch polls)."""
         part = unit.trainable_part
         for p in part.params if part is not None else ():
             if id(p) in self._watched:

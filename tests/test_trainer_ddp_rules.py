@@ -1,0 +1,60 @@
+"""ZeroTrainer where the stock Trainer and DDP decide something beyond the numbers of a step: BatchNorm's buffers at
+evaluation ([Note: buffer broadcast] in hf_zero/engine/buffers.py), and a CPU launch without --use_cpu ([Note:
+launched world] in hf_zero/integrations/training_args.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tests import _trainer_cases as tc
+from tests._training import rel_err
+from tests.test_trainer import TOL, _assert_close_to_reference, _ref_key, _reference
+
+pytestmark = pytest.mark.device_agnostic
+
+
+_STOCK_DDP: dict[tc.Job, dict] = {}
+
+
+def _stock_ddp(pools, job: tc.Job) -> dict:
+    """The stock Trainer under DDP on the same 2 processes, once per job."""
+    if job not in _STOCK_DDP:
+        _STOCK_DDP[job] = pools(2).values(tc.run, job, False)[0]
+    return _STOCK_DDP[job]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resnet_batchnorm_trains_and_evaluates_as_stock_ddp(pools, tmp_path, stage):
+    """A ResNet (BatchNorm in every block) through the Trainer on 2 processes, evaluated every 2 steps and at the
+    end, against the stock Trainer under DDP on the same ranks: the evaluation after a step normalises with rank 0's
+    running statistics on every rank, as DDP's broadcast gives them ([Note: buffer broadcast]); losses, norms, eval
+    losses, weights and running statistics within 1e-5 (each rank evaluated with its own before: 3e-4 apart)."""
+    job = tc.Job(kind="resnet", stage=stage, world=2, out_dir=str(tmp_path / "out"), eval_steps=2)
+    got = pools(2).values(tc.run, job)[0]
+    ddp = _stock_ddp(pools, replace(job, stage=0, out_dir=str(tmp_path / "ddp")))
+    assert got["world"] == ddp["world"] == 2 and len(got["eval_losses"]) == 3
+    for key in ("losses", "norms", "eval_losses"):
+        np.testing.assert_allclose(got[key], ddp[key], rtol=TOL, atol=0, err_msg=key)
+    for name, value in ddp["state"].items():
+        assert rel_err(got["state"][name].numpy(), value.numpy()) <= TOL, name
+
+
+def test_a_cpu_launch_without_use_cpu_trains_as_the_launched_processes(pools, tmp_path):
+    """2 processes launched on a machine without GPUs, without --use_cpu or ACCELERATE_USE_CPU (a plain torchrun):
+    the stock Trainer believes it is one process (no distributed sampler: each rank trains the same batches);
+    ZeroTrainingArguments trains on the CPU as the 2-process run launched, with the single-process reference's
+    numbers. Where the Trainer is made to believe one process (an Accelerate state configured first), it is
+    refused on every rank naming the fix."""
+    job = tc.Job(kind="llama", stage=3, world=2, out_dir=str(tmp_path / "out"))
+    got = pools(2).values(tc.run_launched_without_use_cpu, job)
+    assert [r["world"] for r in got] == [2, 2]
+    _assert_close_to_reference(got[0], _reference(_ref_key(job)))
+    said = [m for m in got[0]["records"] if "processes were launched, and this machine has no GPU" in m]
+    assert len(said) == 1 and "--use_cpu" in said[0], got[0]["records"]  # once a node, before training
+    assert not any("no GPU" in m for m in got[1]["records"])
+    for r in pools(2).values(tc.run_launched_without_use_cpu, job, True):
+        assert r["error"] is not None and "The launcher started 2 processes (WORLD_SIZE=2) but the Trainer sees 1" in \
+            r["error"] and "--use_cpu" in r["error"], r
