@@ -48,7 +48,7 @@ from .engine.engine import ModelStateMemory
 from .engine.layout import FlatLayout
 from .engine.step.pieces import chunk_bounds
 from .engine.step.whole import deal
-from .engine.unit import split_frozen
+from .engine.unit import split_parts
 from .engine.wrap import UnitSpec, units_for
 from .integrations.tiled_loss import tile_rows
 from .integrations.tiled_mlp import TILE_BYTES
@@ -125,7 +125,7 @@ def model_states(
         if n:
             parts[category][where] = parts[category].get(where, 0) + n
 
-    for spec in (part for unit in specs for part in split_frozen(unit)):  # [Note: frozen parameters]
+    for spec in (part for unit in specs for part in split_parts(unit, model_dtype)):  # [Note: frozen parameters]
         layout = FlatLayout.build(spec.param_names, [p.shape for p in spec.params], shards)
         s, padded = layout.shard_numel, layout.padded_numel
         pieces = layout.local_pieces(shard_rank)

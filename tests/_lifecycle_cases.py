@@ -183,7 +183,7 @@ def block_buffers_in_backward(layers: int = 5, checkpointing: bool = False, stre
 
     def count(_: torch.Tensor) -> None:
         whole = sum(_holds_memory(u) for u in blocks)
-        filling = sum(u.unsharded_grad is not None and u.spec.name not in in_flight for u in blocks)
+        filling = sum(bool(u.unsharded_grads) and u.spec.name not in in_flight for u in blocks)
         alive.append(whole + filling + len(in_flight))
 
     for layer in model.model.layers:  # after the engine's own hooks, which may have issued a prefetch

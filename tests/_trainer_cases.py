@@ -152,7 +152,7 @@ class Job:
     neftune_alpha: float | None = None  # the Trainer's --neftune_noise_alpha (noise on the input embeddings)
     evaluate_first: bool = False  # trainer.evaluate() before trainer.train() (the base model's eval loss first)
     use_cpu_flag: bool = True  # pass use_cpu=True on a CPU machine (False: as a plain torchrun launch does)
-    base_dir: str | None = None  # kind "qlora": the checkpoint bitsandbytes quantizes on load (tests/_qlora_cases.py)
+    base_dir: str | None = None  # kinds "qlora" (quantized on load: tests/_qlora_cases.py), "kept_fp32": the checkpoint
 
     @property
     def accum(self) -> int:
@@ -294,6 +294,10 @@ def run(job: Job, zero: bool = True) -> dict[str, Any]:
         from tests._qlora_cases import qlora_model
 
         model = qlora_model(str(job.base_dir), "nf4", True)
+    elif job.kind == "kept_fp32":  # a bf16 load whose router gates transformers keeps in float32
+        from tests._kept_dtype_cases import load_bf16
+
+        model = load_bf16(str(job.base_dir))
     else:
         model = make_model(job.kind, seed=job.seed)
     if job.lora:

@@ -285,15 +285,15 @@ def test_optimizer_that_already_stepped_is_refused():
         hf_zero.initialize(model, opt)
 
 
-def test_a_model_in_several_dtypes_is_refused_naming_the_parameters_and_the_way():
-    """transformers keeps `_keep_in_fp32_modules_strict` (DeepSeek-V3's router gates) in float32 when it loads the
-    rest in bf16: the message names those parameters and the load that works (float32 with mixed precision)."""
-    model = make_model("llama").to(torch.bfloat16)
-    model.model.layers[1].mlp.gate_proj.float()
-    with pytest.raises(ValueError, match="in one dtype") as caught:
-        hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3, mixed_precision="bf16"))
-    assert "['model.layers.1.mlp.gate_proj.weight'] in torch.float32" in str(caught.value)
-    assert "dtype=torch.float32" in str(caught.value) and "mixed_precision='bf16'" in str(caught.value)
+def test_an_integer_parameter_is_refused_naming_it():
+    """Only floating-point parameters shard (a model in several floating dtypes trains, each kept in its own:
+    tests/test_kept_dtypes.py); an integer parameter is refused by name, with the way to keep it."""
+    model = make_model("llama")
+    model.model.layers[1].mlp.register_parameter("codes", torch.nn.Parameter(torch.zeros(4, dtype=torch.int32),
+                                                                             requires_grad=False))
+    with pytest.raises(ValueError, match="only shard floating-point parameters") as caught:
+        hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3))
+    assert "'model.layers.1.mlp.codes' is torch.int32" in str(caught.value) and "register_buffer" in str(caught.value)
 
 
 def test_meta_model_is_refused():

@@ -197,7 +197,7 @@ def test_each_gradient_verb_refuses_the_states_it_may_not_be_called_in():
     reductions), every legal move lands in the state the table names, and every illegal one raises with the
     rank and the unit, moving nothing."""
     unit = _unit(1)
-    grads = unit.trainable_part.grads
+    grads = unit.trainable_parts[0].grads
     assert grads.state is GradState.EMPTY and grads.is_zero
     unit.begin_backward()
     unit.attach_grads()
@@ -221,7 +221,7 @@ def test_each_gradient_verb_refuses_the_states_it_may_not_be_called_in():
     unit.finish_reduction(reduction, 1.0)
     assert grads.state is GradState.REDUCED and not grads.is_zero
     with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: finish on the gradients of unit .* in state reduced"):
-        grads.finish(reduction, 1.0)  # finished already
+        grads.finish(reduction[0], 1.0)  # finished already
     grads.zero()
     assert grads.state is GradState.EMPTY and grads.is_zero
 

@@ -131,7 +131,8 @@ def consolidate(
     copied = side_files(ckpt)
     for name in copied:  # config, tokenizer, a remote-code model's code
         shutil.copyfile(ckpt / name, out / name)
-    saved_dtype = dtype_from_name(next(iter(manifest.params.values()))["dtype"]) if manifest.params else torch.float32
+    main = [info["dtype"] for info in manifest.params.values() if "keeps" not in info]  # the model's own dtype
+    saved_dtype = dtype_from_name(main[0]) if main else torch.float32
     set_config_dtype(out / "config.json", out_dtype or saved_dtype)
     record_output(out, [*files, *([INDEX_FILE] if len(files) > 1 else []), *copied])
     return files
@@ -204,6 +205,7 @@ def save_pretrained(
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = e
     files: list[str] = []
+    kept = {slot.name: part.spec.dtype for part in engine.parts if part.spec.dtype for slot in part.layout.slots}
     bar = _progress(len(engine.parts), "gathering", progress and engine.world.rank == 0, "unit")
     for gathered in engine.gather_units(rank0_only=True):  # every rank joins every gather
         bar.update(1)
@@ -211,7 +213,8 @@ def save_pretrained(
             continue
         try:
             for name, _, value in gathered:
-                writer.add(name, value)
+                own = kept.get(name)  # [Note: parameters kept in their own dtype] in engine/unit.py
+                writer.add(name, value if own is None else value.to(own), keep=own is not None)
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = e
     bar.close()
@@ -221,7 +224,7 @@ def save_pretrained(
         if writer is not None:
             try:
                 for name, buf in engine.module_state(with_params=False).items():
-                    writer.add(name, buf, is_parameter=False)
+                    writer.add(name, buf, is_parameter=False, keep=engine.keeps_dtype(buf))
                 files = writer.close()
                 save_hf_files(model, tokenizer, Path(output_dir), out_dtype or engine.master_dtype)
             except BaseException:
@@ -319,10 +322,11 @@ def _write_streamed(
         for name in order:
             info = manifest.params[name]
             source = dtype_from_name(info["dtype"])
-            dtype = writer.dtype if writer.dtype is not None and source.is_floating_point else source
+            kept = _kept(info)
+            dtype = kept or (writer.dtype if writer.dtype is not None and source.is_floating_point else source)
             pieces = _cast_pieces(held[name], streams, dtype, casting, bar)
             entries.append((Entry(name, dtype, tuple(info["shape"]), pieces), math.prod(info["shape"])))
-        entries += [(_buffer_entry(ckpt, name, writer.dtype), 0) for name in manifest.buffers]
+        entries += [(_buffer_entry(ckpt, name, writer.dtype, info), 0) for name, info in manifest.buffers.items()]
         for group in shard_groups([e.nbytes for e, _ in entries], writer.max_bytes):
             writer.write_file([entries[i][0] for i in group], sum(entries[i][1] for i in group))
         for f, stream in streams.items():
@@ -362,10 +366,16 @@ def _cast_pieces(
     return each
 
 
-def _buffer_entry(ckpt: Path, name: str, dtype: torch.dtype | None) -> Entry:
+def _kept(info: dict[str, Any]) -> torch.dtype | None:
+    """The dtype a saved tensor keeps whatever the folder's ([Note: parameters kept in their own dtype] in
+    engine/unit.py), or `None`."""
+    return dtype_from_name(info["keeps"]) if "keeps" in info else None
+
+
+def _buffer_entry(ckpt: Path, name: str, dtype: torch.dtype | None, info: dict[str, Any]) -> Entry:
     with safe_open(str(ckpt / BUFFERS_FILE), framework="pt", device="cpu") as f:
         value = f.get_tensor(name)
-    if dtype is not None and value.is_floating_point():
+    if dtype is not None and value.is_floating_point() and _kept(info) is None:
         value = value.to(dtype)
     return Entry(name, value.dtype, tuple(value.shape), host_pieces(value.contiguous()))
 
@@ -379,11 +389,13 @@ def _write_cached(
         for name, info in manifest.params.items():
             full = torch.empty(math.prod(info["shape"]), dtype=dtype_from_name(info["dtype"]))
             read_pieces(cache, name, manifest.slices[name], 0, full.numel(), full)
-            if writer.add(name, full.view(info["shape"])):
+            kept = _kept(info)
+            if writer.add(name, full.view(info["shape"]).to(kept or full.dtype), keep=kept is not None):
                 cache.close()  # unmap what the flushed shard was read from: keeps the resident set bounded
             bar.update(1)
-        for name in manifest.buffers:
-            writer.add(name, cache.get(BUFFERS_FILE).get_tensor(name), is_parameter=False)
+        for name, info in manifest.buffers.items():
+            keep = _kept(info) is not None
+            writer.add(name, cache.get(BUFFERS_FILE).get_tensor(name), is_parameter=False, keep=keep)
             bar.update(1)
 
 

@@ -52,6 +52,7 @@ class Tensor:
     slot: int = 0
     value: torch.Tensor | None = None
     parameter: bool = True
+    dtype: torch.dtype | None = None  # written in this dtype, whatever the folder's ([Note: parameters kept in ...])
 
     @property
     def exchanged(self) -> bool:
@@ -73,7 +74,7 @@ class OwnerPlan:
     """
 
     tensors: list[Tensor]
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the folder is written in; a tensor kept in its own dtype is written in that
     owned: list[list[int]]  # per rank: its tensors' indices, in the order it writes them (round k: the k-th)
     files: list[list[list[int]]]  # per rank: its files, each a list of tensor indices
 
@@ -110,28 +111,45 @@ class OwnerPlan:
         return names
 
     @property
+    def exchange_dtype(self) -> torch.dtype:
+        """What the exchange sends: the widest dtype any exchanged tensor is written in."""
+        kept = [t.dtype for t in self.tensors if t.dtype is not None and t.exchanged]
+        return max([self.dtype, *kept], key=lambda d: d.itemsize)
+
+    @property
     def rounds(self) -> int:
         return max((len(mine) for mine in self.owned), default=0)
 
 
 def _itemsize(t: Tensor, dtype: torch.dtype) -> int:
+    return written_dtype(t, dtype).itemsize
+
+
+def written_dtype(t: Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `t` is written in, in a folder written in `dtype`: its own where it keeps one, an integer buffer's
+    own, else `dtype`."""
+    if t.dtype is not None:
+        return t.dtype
     value_dtype = t.value.dtype if t.value is not None else dtype
-    return (dtype if value_dtype.is_floating_point else value_dtype).itemsize
+    return dtype if value_dtype.is_floating_point else value_dtype
 
 
 def folder_tensors(engine: ZeroEngine, dtype: torch.dtype) -> list[Tensor]:
     """The tensors of the model folder in `state_dict` order: each parameter once (tied names under the first),
-    then the persistent buffers. A parameter every rank holds whole in `dtype` is taken as it is."""
+    then the persistent buffers. A parameter every rank holds whole in `dtype` is taken as it is; one kept in its
+    own dtype is written in that ([Note: parameters kept in their own dtype] in engine/unit.py)."""
     tensors: list[Tensor] = []
     for part in engine.parts:
+        kept = part.spec.dtype
         for index, slot in enumerate(part.layout.slots):
-            if part.persistent and part.param_dtype == dtype:
+            if part.persistent and part.param_dtype == (kept or dtype):
                 value = part.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, value=value))
+                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, value=value, dtype=kept))
             else:
-                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, part=part, slot=index))
+                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, part=part, slot=index, dtype=kept))
     for name, buf in engine.module_state(with_params=False).items():
-        tensors.append(Tensor(name, tuple(buf.shape), buf.numel(), value=buf.detach(), parameter=False))
+        kept = buf.dtype if engine.keeps_dtype(buf) else None
+        tensors.append(Tensor(name, tuple(buf.shape), buf.numel(), value=buf.detach(), parameter=False, dtype=kept))
     return tensors
 
 
@@ -160,8 +178,8 @@ class Exchange:
         self.round, self.window = 0, 0  # the next window to run
         self.error: Exception | None = None  # a failed read: the windows still run (with zeros), then it is raised
         self.draining = False
-        self._send = torch.empty(0, dtype=plan.dtype, device=self.device)
-        self._recv = torch.empty(0, dtype=plan.dtype, device=self.device)
+        self._send = torch.empty(0, dtype=plan.exchange_dtype, device=self.device)
+        self._recv = torch.empty(0, dtype=plan.exchange_dtype, device=self.device)
 
     def _of_round(self, rank: int, k: int) -> Tensor | None:
         owned = self.plan.owned[rank]
@@ -187,8 +205,7 @@ class Exchange:
         if self.on_round is not None:
             self.on_round(self.round, self.plan.rounds)
         if mine is not None and mine.value is not None:
-            value = mine.value.to(self.plan.dtype) if mine.value.is_floating_point() else mine.value
-            yield from host_pieces(value)()
+            yield from host_pieces(mine.value.to(written_dtype(mine, self.plan.dtype)))()
 
     def drain(self) -> None:
         self.draining = True
@@ -240,7 +257,8 @@ class Exchange:
     def _buffer(self, attr: str, numel: int) -> torch.Tensor:
         buf: torch.Tensor = getattr(self, attr)
         if buf.numel() < numel:
-            buf = torch.empty(max(numel, min(PIECE_NUMEL, buf.numel() * 2)), dtype=self.plan.dtype, device=self.device)
+            dtype = self.plan.exchange_dtype
+            buf = torch.empty(max(numel, min(PIECE_NUMEL, buf.numel() * 2)), dtype=dtype, device=self.device)
             setattr(self, attr, buf)
         return buf[:numel]
 
@@ -322,11 +340,18 @@ def _prepare(
         entries = []
         for i in group:
             t = plan.tensors[i]
-            out = dtype if t.value is None or t.value.is_floating_point() else t.value.dtype
-            entries.append(Entry(t.name, out, t.shape, functools.partial(exchange.windows, k), layout.get(t.name, ())))
+            out = written_dtype(t, dtype)
+            pieces = functools.partial(_cast_to, out, functools.partial(exchange.windows, k))
+            entries.append(Entry(t.name, out, t.shape, pieces, layout.get(t.name, ())))
             k += 1
         files.append((name, entries))
     return plan, names, exchange, files
+
+
+def _cast_to(dtype: torch.dtype, pieces: Callable[[], Iterator[torch.Tensor]]) -> Iterator[torch.Tensor]:
+    """The pieces in `dtype` (the exchange sends the widest dtype written: [Note: parameters kept in ...])."""
+    for piece in pieces():
+        yield piece if piece.dtype == dtype else piece.to(dtype)
 
 
 def _write_files(

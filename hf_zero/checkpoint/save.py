@@ -348,15 +348,18 @@ def _manifest(
     for part in engine.parts:
         for slot in part.layout.slots:
             params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(part.master_dtype)}
+            if part.spec.dtype is not None:  # [Note: parameters kept in their own dtype] in engine/unit.py
+                params[slot.name]["keeps"] = dtype_name(part.spec.dtype)
     aliases = {
         name: engine.name_of(p)
         for name, p in model.named_parameters(remove_duplicate=False)
         if name != engine.name_of(p)
     }
-    buffers = {
-        k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
-        for k, v in engine.module_state(with_params=False).items()
-    }
+    buffers: dict[str, dict[str, Any]] = {}
+    for k, v in engine.module_state(with_params=False).items():
+        buffers[k] = {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
+        if engine.keeps_dtype(v):  # [Note: parameters kept in their own dtype] in engine/unit.py
+            buffers[k]["keeps"] = dtype_name(v.dtype)
     files: dict[str, FileEntry] = {}
     slices: dict[str, list[list[Any]]] = {name: [] for name in params}
     state: dict[str, dict[str, str]] = {}

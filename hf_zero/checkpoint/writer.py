@@ -112,9 +112,10 @@ class HFShardWriter:
     def open_bytes(self) -> int:
         return self._open_bytes
 
-    def add(self, name: str, tensor: torch.Tensor, *, is_parameter: bool = True) -> bool:
-        """Queue one tensor (cast to the output dtype when floating); True when a shard was flushed."""
-        if self.dtype is not None and tensor.is_floating_point():
+    def add(self, name: str, tensor: torch.Tensor, *, is_parameter: bool = True, keep: bool = False) -> bool:
+        """Queue one tensor (cast to the output dtype when floating, unless `keep`: [Note: parameters kept in their
+        own dtype] in engine/unit.py); True when a shard was flushed."""
+        if self.dtype is not None and tensor.is_floating_point() and not keep:
             tensor = tensor.to(self.dtype)
         tensor = tensor.detach().to("cpu").contiguous()
         size = tensor.numel() * tensor.element_size()

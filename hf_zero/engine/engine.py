@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,27 +21,26 @@ from .collectives import (
     comm_device,
     host_side_group,
     max_scalar_,
-    raise_if_any_failed,
 )
 from .flat import FlatPart, take_edits
 from .forward_checks import ModelStructure, refuse_replaced_data, refuse_uneven_join, unfrozen_parts
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
-from .placement import Placement, move_buffers, single_dtype
-from .pool import BufferPool, transient_nbytes
+from .placement import Placement, main_dtype, move_buffers
+from .pool import pool_for
 from .resting import at_c_speed
 from .settings import PartSettings
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
-from .step.disk import DiskOffload, OffloadFiles
+from .step.disk import disk_for, refuse_kept_on_disk
 from .step.master import FlatStep, MemoryStep
 from .step.pieces import Piece, pieces_of
 from .step.scaler import LossScaler
 from .step.stepping import OptimizerSteps
 from .step.torch_clip import register
 from .teardown import track
-from .unit import Unit, split_frozen
+from .unit import Unit, split_parts
 from .wrap import UnitSpec
 
 
@@ -86,26 +82,31 @@ class ZeroEngine:
         )
         self.device = device
         self.pins_host = Placement(self.device).pins_host  # [Note: placement]: host copies pinned (checkpoints too)
-        self.model_dtype = single_dtype(model)  # the dtype the model had before sharding: what save_pretrained writes
+        self.model_dtype = main_dtype(model)  # the dtype the model had before sharding: what save_pretrained writes
         self.param_dtype = config.param_dtype or self.model_dtype
         self.master_dtype = torch.float32 if config.param_dtype is not None else self.model_dtype
         self.reduce_dtype = config.resolved_reduce_dtype or self.param_dtype
         self.save_group = host_side_group(world, config.group_timeout_s)  # background saves agree on it
         sync_from = world if config.sync_module_states and world.size > 1 else None
         move_buffers(model, self.device, sync_from)
-        grouped = [split_frozen(spec) for spec in specs]  # [Note: frozen parameters] in unit.py
+        grouped = [split_parts(spec, self.model_dtype) for spec in specs]  # [Note: frozen parameters] in unit.py
         parts_specs = [part for parts in grouped for part in parts]
         size, align = self.plan.shard_group.size, config.shard_alignment  # each part's layout, computed once
         layouts = [FlatLayout.build(s.param_names, [p.shape for p in s.params], size, align) for s in parts_specs]
-        self.pool = _pool_for(layouts, size, config, self.param_dtype, self.reduce_dtype)
+        dtypes = [self._dtypes(s) for s in parts_specs]  # compute, master, reduce: each part's
+        block = config.quantization_block if config.quantized_weights else None
+        self.pool = pool_for(layouts, dtypes, size, block, per_size=config.prefetch + 2)
         source = source or LiveParams(sync_from)  # [Note: read ahead] in checkpoint/pretrained.py: from here on
         source.prepare([(layout, s.params, self.plan.shard_group.rank) for s, layout in zip(parts_specs, layouts)])
         # [Note: master stores] in step/master.py: the offload files' owner (if any) and the flat step, chosen once
         trained = {s.name: layout for layout, s in zip(layouts, parts_specs) if not s.frozen}
-        self.disk = _disk_for(trained, config, world, self.device, self.master_dtype)
+        if config.offload_dir is not None:
+            refuse_kept_on_disk(parts_specs)
+        self.disk = disk_for(trained, config.offload_dir, world, self.device, self.master_dtype)
         self.flat_step: FlatStep = self.disk or MemoryStep()
         # [Note: gradient shard lifetime] in grads.py: the trainable parts' gradient shards, one slab built whole
-        trains = [bool(s.params) and not s.frozen for s in parts_specs]
+        # (a part kept in another dtype has a shard of its own: [Note: parameters kept in their own dtype])
+        trains = [bool(s.params) and not s.frozen and d[1] == self.master_dtype for s, d in zip(parts_specs, dtypes)]
         slab = iter(grad_slab([lt for lt, t in zip(layouts, trains) if t], self._placement(False), self.master_dtype))
         self.parts = [
             self._part(s, layout, source, next(slab) if t else None)
@@ -163,15 +164,16 @@ class ZeroEngine:
         config = self.config
         block = config.quantization_block
         placement = self._placement(spec.frozen)
+        param_dtype, master_dtype, reduce_dtype = self._dtypes(spec)
         settings = PartSettings(
             name=spec.name,
             layout=layout,
             shard_group=self.plan.shard_group,
             replicate_group=self.plan.replicate_group,
             placement=placement,
-            param_dtype=self.param_dtype,
-            master_dtype=self.param_dtype if spec.frozen else self.master_dtype,
-            reduce_dtype=self.reduce_dtype,
+            param_dtype=param_dtype,
+            master_dtype=master_dtype,
+            reduce_dtype=reduce_dtype,
             pool=self.pool,
             persistent=self.plan.params.keeps_whole,
             weight_quant_block=block if config.quantized_weights else None,
@@ -179,6 +181,22 @@ class ZeroEngine:
         )
         disk = self.disk if placement.offloaded else None
         return FlatPart(spec, settings, source=source, grad_shard=grad_shard, disk=disk)
+
+    def _dtypes(self, spec: UnitSpec) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """A part's compute, master and reduce dtypes: the config's, or for parameters kept in their own dtype that
+        dtype throughout (float32 masters under mixed precision: [Note: parameters kept in their own dtype]); a
+        frozen part's master is its compute copy ([Note: frozen parameters])."""
+        if spec.dtype is None:
+            compute, master, reduce = self.param_dtype, self.master_dtype, self.reduce_dtype
+        else:
+            compute, reduce = spec.dtype, spec.dtype
+            master = torch.float32 if self.config.param_dtype is not None else spec.dtype
+        return compute, compute if spec.frozen else master, reduce
+
+    def keeps_dtype(self, buffer: torch.Tensor) -> bool:
+        """Whether a floating-point buffer is in another dtype than the model's: written in its own, as transformers
+        saves it ([Note: parameters kept in their own dtype] in unit.py)."""
+        return buffer.is_floating_point() and buffer.dtype != self.model_dtype
 
     @property
     def uses_host_backend(self) -> bool:
@@ -496,68 +514,11 @@ class ZeroEngine:
         return ModelStateMemory(**parts)
 
 
-def _pool_for(
-    layouts: list[FlatLayout],
-    shards: int,
-    config: ZeroConfig,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-) -> BufferPool:
-    """[Note: buffer reuse] pool the buffer sizes of which there are several units (the repeated
-    blocks): gathered parameters and unsharded gradients (and their cast for the reduction). At
-    most the units that can be live at once (the running one, the prefetched ones and the one
-    whose reduction is in flight) wait in the pool per size."""
-    weight_block = config.quantization_block if config.quantized_weights else None
-    by_size: dict[int, FlatLayout] = {}  # padded numel -> a layout of that size (the blocks of one model share it)
-    counts: Counter[int] = Counter()
-    for layout in layouts:
-        by_size.setdefault(layout.padded_numel, layout)
-        counts[layout.padded_numel] += 1
-    sizes = {
-        n
-        for numel, c in counts.items()
-        if c > 1
-        for n in transient_nbytes(by_size[numel], shards, param_dtype, reduce_dtype, weight_block)
-    }
-    return BufferPool(sizes, per_size=config.prefetch + 2)
-
-
 def _swap_parameters(model: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and id(param) in replaced:
                 module._parameters[name] = replaced[id(param)]
-
-
-def _disk_for(
-    layouts: dict[str, FlatLayout],
-    config: ZeroConfig,
-    world: CommGroup,
-    device: torch.device,
-    master_dtype: torch.dtype,
-) -> DiskOffload | None:
-    """This rank's offload files when `config.offload_dir` is set, created (with the free-space check) on every
-    rank before any unit: a failure on one rank raises on every rank. `layouts`: the trained parts' layouts by unit
-    name; their master shards lie end to end in the files, each place planned here."""
-    if config.offload_dir is None:
-        return None
-    starts = itertools.accumulate((layout.shard_numel for layout in layouts.values()), initial=0)
-    offsets = dict(zip(layouts, starts))
-    numel = sum(layout.shard_numel for layout in layouts.values())
-    files, error = None, None
-    try:
-        files = OffloadFiles.create(Path(config.offload_dir), rank=world.rank, numel=numel, dtype=master_dtype)
-    except OSError as e:
-        error = e
-    try:
-        raise_if_any_failed(error, world, "hf_zero.initialize (offload_dir)")
-    except BaseException:
-        if files is not None:  # another rank failed: leave nothing behind here either
-            files.remove()
-        raise
-    if files is None:
-        raise RuntimeError(f"[rank {world.global_rank}] hf_zero: no offload files after a successful creation")
-    return DiskOffload(files, device, offsets)
 
 
 def _name_index(

@@ -142,6 +142,10 @@ class FlatGrads(ReadsPartSettings):
             return None
         return self._shard
 
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether `param` is one of this part's parameters."""
+        return id(param) in self._index
+
     def mark_used(self, param: torch.Tensor) -> None:
         """Record that `param` received a gradient ([Note: unused parameters] in step/stepping.py)."""
         self.used[self._index[id(param)]] = True
@@ -393,6 +397,9 @@ class FlatGrads(ReadsPartSettings):
         if self._unsharded is not None:
             self._unsharded.zero_()
         self.detach()
+
+
+UnitReduction = tuple[GradReduction, ...]  # a unit's reductions: one per trainable part, in their order
 
 
 @dataclass(frozen=True)

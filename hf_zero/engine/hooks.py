@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .collectives import CommGroup, issue_flags_gather, issue_ints_gather
-from .grads import GradReduction
+from .grads import UnitReduction
 from .lifecycle import TrainingState
 from .order import plan_prefetches
 from .passes import Pass, in_backward
@@ -118,8 +118,7 @@ class UnitHooks:
 
     def watch_grads(self, unit: Unit) -> None:
         """Hook, once each, the parameters of the unit's trainable part (which got gradients; the prefetch polls)."""
-        part = unit.trainable_part
-        for p in part.params if part is not None else ():
+        for p in (p for part in unit.trainable_parts for p in part.params):
             if id(p) in self._watched:
                 continue
             self._watched.add(id(p))
@@ -396,7 +395,7 @@ class UnitHooks:
             )
         self._pre_backward(unit)  # a no-op, unless a gradient reached the unit without passing its outputs
         unit.mark_used(param)
-        if self.current.gated is not None and all(r.pending.done() for _, r in self.current.pending):
+        if self.current.gated is not None and all(r.pending.done() for _, rs in self.current.pending for r in rs):
             self._open_gate()
 
     def _on_end_signal(self, unit: Unit) -> None:
@@ -444,7 +443,7 @@ class UnitHooks:
         self.current = Pass(rank=self.root.rank)
         self.pool.clear()
 
-    def _finish(self, unit: Unit, reduction: GradReduction) -> None:
+    def _finish(self, unit: Unit, reduction: UnitReduction) -> None:
         unit.finish_reduction(reduction, self.settings.grad_divisor())
         self.current.finished.append(unit)
 
@@ -483,12 +482,13 @@ class UnitHooks:
         """Wait (at most `timeout_s`) for the issued reductions and forget them ([Note: clean exit] in teardown.py);
         issues nothing. True when they all finished."""
         pending, self.current = self.current.pending, Pass(rank=self.root.rank)
-        return all([reduction.pending.settle(timeout_s) for _, reduction in pending])
+        return all([r.pending.settle(timeout_s) for _, reductions in pending for r in reductions])
 
     def reset(self) -> None:
         """Forget an interrupted forward or backward pass: wait for issued work, free gathered units, detach grads."""
-        for _, reduction in self.current.pending:
-            reduction.pending.wait()
+        for _, reductions in self.current.pending:
+            for reduction in reductions:
+                reduction.pending.wait()
         self.current = Pass(rank=self.root.rank)
         self.direct_call = None
         self.drop_graph_pins()

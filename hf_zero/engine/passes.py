@@ -38,7 +38,7 @@ from .lifecycle import PassState
 
 if TYPE_CHECKING:
     from .collectives import GatheredFlags
-    from .grads import GradReduction
+    from .grads import UnitReduction
     from .unit import Unit
 
 
@@ -47,7 +47,7 @@ class Pass:
     """The running pass: what is in flight, forgotten when the pass ends ([Note: pass state])."""
 
     rank: int = 0  # for the errors of an illegal move
-    pending: list[tuple[Unit, GradReduction]] = field(default_factory=list)  # issued reductions, not yet waited
+    pending: list[tuple[Unit, UnitReduction]] = field(default_factory=list)  # issued reductions, not yet waited
     finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
     gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
     ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass

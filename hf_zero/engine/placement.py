@@ -187,33 +187,28 @@ def _rank_accelerator(kind: str, world: CommGroup) -> torch.device:
     return chosen
 
 
-def single_dtype(model: nn.Module) -> torch.dtype:
-    """The one floating-point dtype of the model's parameters; `ValueError` for several, or an integer one."""
-    dtypes = {p.dtype for p in model.parameters()}
-    if len(dtypes) > 1:
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name, p in model.named_parameters():
-            by_dtype.setdefault(p.dtype, []).append(name)
-        fewest = min(by_dtype, key=lambda d: len(by_dtype[d]))
-        raise ValueError(
-            f"hf_zero needs the model's parameters in one dtype; found {sorted(map(str, dtypes))}, e.g. "
-            f"{by_dtype[fewest][:3]} in {fewest} (transformers keeps a model's `_keep_in_fp32_modules` in float32 "
-            "when it loads the rest in bf16/fp16). Load or cast the whole model in float32 (from_pretrained(..., "
-            "dtype=torch.float32), model.float()) and compute in half precision with "
-            "ZeroConfig(mixed_precision='bf16'), whose master weights are float32 anyway."
-        )
-    if dtypes and not next(iter(dtypes)).is_floating_point:
-        raise ValueError(f"hf_zero can only shard floating-point parameters; found {dtypes}.")
-    return next(iter(dtypes)) if dtypes else torch.float32
+def main_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype most of the model's parameter elements are in: what the model computes and saves in. Parameters in
+    another floating-point dtype keep it ([Note: parameters kept in their own dtype] in unit.py); `ValueError` for an
+    integer or boolean parameter."""
+    numel: dict[torch.dtype, int] = {}
+    for name, p in model.named_parameters():
+        if not p.dtype.is_floating_point:
+            raise ValueError(
+                f"hf_zero can only shard floating-point parameters; '{name}' is {p.dtype}. Keep integer tensors as "
+                "buffers (module.register_buffer), or quantize with bitsandbytes 4-bit as the QLoRA recipe does."
+            )
+        numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
+    return max(numel, key=lambda d: (numel[d], d.itemsize)) if numel else torch.float32
 
 
 def validate_model(
     model: nn.Module, world: CommGroup, has_source: bool = False, requested: torch.device | None = None
 ) -> torch.device:
     """The device the model will compute on (`compute_device`, decided here once); `ValueError` for a model the
-    engine cannot shard (meta weights with no source, mixed devices or dtypes)."""
+    engine cannot shard (meta weights with no source, mixed devices, integer parameters)."""
     device = compute_device(model, world, has_source, requested)
-    single_dtype(model)
+    main_dtype(model)
     return device
 
 

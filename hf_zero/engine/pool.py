@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -187,3 +188,30 @@ def transient_nbytes(
         blocks, scales = gather_workspace_numels(layout.shard_numel, weight_quant_block, group_size)
         sizes |= {blocks, scales * 4}
     return frozenset(sizes)
+
+
+def pool_for(
+    layouts: list[FlatLayout],
+    dtypes: list[tuple[torch.dtype, torch.dtype, torch.dtype]],
+    shards: int,
+    weight_block: int | None,
+    per_size: int,
+) -> BufferPool:
+    """[Note: buffer reuse] pool the buffer sizes of which there are several units (the repeated
+    blocks): gathered parameters and unsharded gradients (and their cast for the reduction). At
+    most the units that can be live at once (the running one, the prefetched ones and the one
+    whose reduction is in flight) wait in the pool per size. `dtypes`: each part's compute, master and reduce
+    dtypes; `weight_block`: int8 weight gathers' block, if any."""
+    by_size: dict[tuple[int, torch.dtype, torch.dtype], FlatLayout] = {}  # the blocks of one model share a size
+    counts: Counter[tuple[int, torch.dtype, torch.dtype]] = Counter()
+    for layout, (compute, _, reduce) in zip(layouts, dtypes):
+        key = (layout.padded_numel, compute, reduce)
+        by_size.setdefault(key, layout)
+        counts[key] += 1
+    sizes = {
+        n
+        for key, c in counts.items()
+        if c > 1
+        for n in transient_nbytes(by_size[key], shards, key[1], key[2], weight_block)
+    }
+    return BufferPool(sizes, per_size=per_size)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from .flat import FlatPart
-from .grads import GradReduction
+from .grads import UnitReduction
 
 
 class _Resident(Protocol):
@@ -29,7 +29,7 @@ class _Resident(Protocol):
 
     def reshard(self) -> None: ...
 
-    def release_reduced(self, reduction: GradReduction) -> None: ...
+    def release_reduced(self, reduction: UnitReduction) -> None: ...
 
 
 class PersistentParams:
@@ -87,7 +87,7 @@ class KeptGrads:
     def after_issue(self, unit: _Resident) -> None:
         """A reduction of `unit`'s buffer was issued: the unit keeps the buffer."""
 
-    def after_reduction(self, unit: _Resident, reduction: GradReduction) -> None:
+    def after_reduction(self, unit: _Resident, reduction: UnitReduction) -> None:
         """The reduction landed in the shard: zero the buffer for the next backward."""
         unit.clear_grad_buffer()
 
@@ -104,7 +104,7 @@ class FreedGrads:
         """The reduction holds the buffer until its wait; the unit lets go of it now."""
         unit.let_go_of_grads()
 
-    def after_reduction(self, unit: _Resident, reduction: GradReduction) -> None:
+    def after_reduction(self, unit: _Resident, reduction: UnitReduction) -> None:
         """The reduction landed in the shard: its buffers go back to the pool."""
         unit.release_reduced(reduction)
 

@@ -11,8 +11,18 @@ adapter trainable) keeps them in two flat parts, each a `FlatPart` sharded evenl
   costs `Ψ_frozen × bytes(compute dtype) / N` at rest; at stages 0-2 it is whole on every rank.
 
 The hooks see one `Unit` per unit: its parts are gathered, freed and prefetched together
-(one all-gather each) and only the trainable part's gradients are attached and reduced. A unit
-whose parameters are all trainable, or all frozen, has one part.
+(one all-gather each) and only the trainable parts' gradients are attached and reduced. A unit
+whose parameters are all trainable, or all frozen, in one dtype has one part.
+
+[Note: parameters kept in their own dtype]
+transformers loads a model in bf16 but keeps some parameters in float32 (`_keep_in_fp32_modules` /
+`_keep_in_fp32_modules_strict`: the router gates of DeepSeek-V3, GLM-4-MoE and their kin), and
+computes with them in float32. The engine keeps each such parameter in a part of its own dtype:
+that part gathers, computes, reduces its gradients and keeps its master in that dtype (float32
+under mixed precision too), while the model's main dtype (`main_dtype`: the one most elements are
+in) follows the config. So a unit may hold up to one part per (trainable or frozen, dtype); the
+trainable ones are reduced one after the other, each in its own dtype, as DDP reduces each
+parameter in its own. What the model saves keeps each parameter's dtype.
 
 A `Unit` holds its `ShardState` and `TrainingState`, its end-of-backward counts, its prefetch targets,
 whether it is pinned (`gathered_parameters`) or held for its backward, and the stage's residencies; its
@@ -28,7 +38,7 @@ import torch
 
 from .collectives import Pending
 from .flat import FlatPart
-from .grads import GradReduction
+from .grads import UnitReduction
 from .lifecycle import ShardState, TrainingState
 from .placement import Placement
 from .residency import GradResidency, ParamResidency
@@ -66,7 +76,7 @@ class Unit:
         if not parts:
             raise ValueError("hf_zero: a unit needs at least one part")
         self.parts = tuple(parts)
-        self.trainable_part: FlatPart | None = next((p for p in parts if p.has_trainable), None)
+        self.trainable_parts = tuple(p for p in parts if p.has_trainable)
         self.params = tuple(p for part in parts for p in part.params)
         self.name = parts[0].spec.name or "<root>"
         self.rank = parts[0].shard_group.global_rank
@@ -128,19 +138,19 @@ class Unit:
 
     @property
     def has_trainable(self) -> bool:
-        return self.trainable_part is not None
+        return bool(self.trainable_parts)
 
     def start_training(self) -> None:
         """[Note: requires_grad after initialize] a unit frozen whole at `initialize` (one frozen part) whose
         parameters were unfrozen since: its part takes gradients from now on. Between passes only."""
         self._require("start_training", _TRAIN.IDLE)
-        if self.trainable_part is not None or len(self.parts) != 1:
+        if self.trainable_parts or len(self.parts) != 1:
             raise self._illegal("start_training", "only a unit frozen whole at initialize starts training")
-        self.trainable_part = self.parts[0]
+        self.trainable_parts = self.parts
 
     @property
     def placement(self) -> Placement:
-        return self._grads().placement
+        return (self.trainable_parts or self.parts)[0].placement
 
     @property
     def device(self) -> torch.device:
@@ -330,78 +340,85 @@ class Unit:
             p.grads.detach()
         self.release()
 
-    # ---- gradients: the trainable part --------------------------------------------------------------
-    def _grads(self) -> FlatPart:
-        return self.trainable_part or self.parts[0]
-
+    # ---- gradients: the trainable parts -------------------------------------------------------------
     @property
-    def unsharded_grad(self) -> torch.Tensor | None:
-        return self._grads().grads.unsharded
+    def unsharded_grads(self) -> list[torch.Tensor]:
+        """The unsharded gradient buffers the trainable parts hold now."""
+        return [g for g in (p.grads.unsharded for p in self.trainable_parts) if g is not None]
 
     def clear_grad_buffer(self) -> None:
-        """Stages 0-1, after a reduction: zero the kept buffer for the next accumulation."""
+        """Stages 0-1, after a reduction: zero the kept buffers for the next accumulation."""
         self._require("clear_grad_buffer", _TRAIN.REDUCING)
-        self._grads().grads.clear_buffer()
+        for part in self.trainable_parts:
+            part.grads.clear_buffer()
 
     def let_go_of_grads(self) -> None:
         """Stages 2-3, once a reduction is issued: it holds the unsharded gradients until its wait."""
         self._require("let_go_of_grads", _TRAIN.REDUCING)
-        self._grads().grads.let_go()
+        for part in self.trainable_parts:
+            part.grads.let_go()
 
     def attach_grads(self) -> None:
         self._require("attach_grads", _TRAIN.IN_BACKWARD)
-        if self.trainable_part is not None:
-            self.trainable_part.grads.attach()
+        for part in self.trainable_parts:
+            part.grads.attach()
 
     def mark_used(self, param: torch.Tensor) -> None:
         self._require("mark_used", _TRAIN.IN_BACKWARD)
-        self._grads().grads.mark_used(param)
+        for part in self.trainable_parts:
+            if part.grads.holds(param):
+                part.grads.mark_used(param)
+                return
 
     def collect_grads(self) -> None:
         """Take the gradients out of the parameters' `.grad` (after the unit's backward)."""
         self._require("collect_grads", _TRAIN.REDUCING)
-        if self.trainable_part is not None:
-            self.trainable_part.grads.collect()
+        for part in self.trainable_parts:
+            part.grads.collect()
 
-    def reduce_grads(self, async_op: bool = True) -> GradReduction:
-        """Issue the reduction of the unit's gradients; the gradient residency then lets go of the buffer."""
+    def reduce_grads(self, async_op: bool = True) -> UnitReduction:
+        """Issue the reductions of the unit's gradients, one per trainable part; the gradient residency then lets
+        go of the buffers."""
         self._require("reduce_grads", _TRAIN.REDUCING)
         free = not self.grad_residency.keeps_unsharded
-        reduction = self._grads().grads.reduce(async_op=async_op, buffer_is_free=free)
+        reduction = tuple(p.grads.reduce(async_op=async_op, buffer_is_free=free) for p in self.trainable_parts)
         self.grad_residency.after_issue(self)  # stages 2-3: the reduction holds it until its wait
         return reduction
 
-    def finish_reduction(self, reduction: GradReduction, divisor: float) -> None:
-        """Wait for a reduction, add its mean into the gradient shard, and let the residency settle."""
+    def finish_reduction(self, reduction: UnitReduction, divisor: float) -> None:
+        """Wait for the reductions, add their means into the gradient shards, and let the residency settle."""
         self._require("finish_reduction", _TRAIN.REDUCING)
-        self._grads().grads.finish(reduction, divisor)
+        for part, one in zip(self.trainable_parts, reduction, strict=True):
+            part.grads.finish(one, divisor)
         self.grad_residency.after_reduction(self, reduction)
 
-    def release_reduced(self, reduction: GradReduction) -> None:
+    def release_reduced(self, reduction: UnitReduction) -> None:
         self._require("release_reduced", _TRAIN.REDUCING)
-        self._grads().grads.release_reduced(reduction)
+        for part, one in zip(self.trainable_parts, reduction, strict=True):
+            part.grads.release_reduced(one)
 
 
-def split_frozen(spec: UnitSpec) -> list[UnitSpec]:
-    """`spec` as its trainable part and its frozen part (each only if it has parameters); a unit with
-    no trainable parameter is one frozen part."""
-    groups: dict[bool, list[int]] = {True: [], False: []}
+def split_parts(spec: UnitSpec, main: torch.dtype) -> list[UnitSpec]:
+    """`spec` as its parts: the trainable parameters, then the frozen ones ([Note: frozen parameters]), each in the
+    model's `main` dtype first, then each other dtype ([Note: parameters kept in their own dtype]); a unit whose
+    parameters are all trainable (or all frozen) in one dtype is one part."""
+    groups: dict[tuple[bool, torch.dtype], list[int]] = {}
     for i, p in enumerate(spec.params):
-        groups[p.requires_grad].append(i)
-    if not groups[False]:
+        groups.setdefault((not p.requires_grad, p.dtype), []).append(i)
+    order = sorted(groups, key=lambda key: (key[0], key[1] != main, str(key[1])))
+    if len(order) == 1 and order[0] == (False, main):
         return [spec]
-    if not groups[True]:
-        return [_subset(spec, groups[False], frozen=True)]
-    return [_subset(spec, groups[True], frozen=False), _subset(spec, groups[False], frozen=True)]
+    return [_subset(spec, groups[key], frozen=key[0], dtype=None if key[1] == main else key[1]) for key in order]
 
 
-def _subset(spec: UnitSpec, indices: list[int], frozen: bool) -> UnitSpec:
+def _subset(spec: UnitSpec, indices: list[int], frozen: bool, dtype: torch.dtype | None) -> UnitSpec:
     return replace(
         spec,
         params=tuple(spec.params[i] for i in indices),
         param_names=tuple(spec.param_names[i] for i in indices),
         slots=tuple(spec.slots[i] for i in indices) if spec.slots else (),
         frozen=frozen,
+        dtype=dtype,
     )
 
 

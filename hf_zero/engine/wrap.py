@@ -41,6 +41,7 @@ class UnitSpec:
     modules: tuple[nn.Module, ...] = ()  # every module of the unit; () means (module,)
     slots: tuple[tuple[tuple[nn.Module, str], ...], ...] = ()  # per parameter: every (module, attribute) holding it
     frozen: bool = False  # the frozen part of a unit ([Note: frozen parameters] in unit.py)
+    dtype: torch.dtype | None = None  # parameters kept in their own dtype ([Note: parameters kept in their own dtype])
 
     @property
     def all_modules(self) -> tuple[nn.Module, ...]:

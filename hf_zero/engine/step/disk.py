@@ -42,6 +42,7 @@ outright leaves it behind, named `hf_zero-offload-<host>-<pid>-<token>-rank<r>`.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import shutil
 import socket
@@ -57,12 +58,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..collectives import CommGroup, raise_if_any_failed
+from ..layout import FlatLayout
 from ..placement import Placement
 from ..pool import mapped_temporaries
 from .master import DiskMaster
 
 if TYPE_CHECKING:
     from ..flat import FlatPart
+    from ..wrap import UnitSpec
     from .pieces import Piece
 
 WINDOW_NUMEL = 1 << 22  # elements stepped at once: 16 MiB of fp32 master per buffer
@@ -501,3 +505,45 @@ def _grad_of(chunk: Chunk, used: dict[int, list[bool]]) -> torch.Tensor | None:
 def _shutdown(io: ThreadPoolExecutor, files: OffloadFiles) -> None:
     io.shutdown(wait=True)
     files.remove()
+
+
+def refuse_kept_on_disk(specs: list[UnitSpec]) -> None:
+    """[Note: parameters kept in their own dtype] the disk's files hold one master dtype and one place per unit."""
+    kept = [name for s in specs if s.dtype is not None and not s.frozen for name in s.param_names]
+    if kept:
+        raise ValueError(
+            f"hf_zero: offload_dir keeps every master shard in one file layout, and {kept[:3]} are kept in their own "
+            "dtype (transformers' `_keep_in_fp32_modules`). Offload them to host memory instead (offload_optimizer "
+            "without offload_dir), or load the whole model in float32 and train with mixed_precision='bf16'."
+        )
+
+
+def disk_for(
+    layouts: dict[str, FlatLayout],
+    offload_dir: str | None,
+    world: CommGroup,
+    device: torch.device,
+    master_dtype: torch.dtype,
+) -> DiskOffload | None:
+    """This rank's offload files when `offload_dir` is set, created (with the free-space check) on every
+    rank before any unit: a failure on one rank raises on every rank. `layouts`: the trained parts' layouts by unit
+    name; their master shards lie end to end in the files, each place planned here."""
+    if offload_dir is None:
+        return None
+    starts = itertools.accumulate((layout.shard_numel for layout in layouts.values()), initial=0)
+    offsets = dict(zip(layouts, starts))
+    numel = sum(layout.shard_numel for layout in layouts.values())
+    files, error = None, None
+    try:
+        files = OffloadFiles.create(Path(offload_dir), rank=world.rank, numel=numel, dtype=master_dtype)
+    except OSError as e:
+        error = e
+    try:
+        raise_if_any_failed(error, world, "hf_zero.initialize (offload_dir)")
+    except BaseException:
+        if files is not None:  # another rank failed: leave nothing behind here either
+            files.remove()
+        raise
+    if files is None:
+        raise RuntimeError(f"[rank {world.global_rank}] hf_zero: no offload files after a successful creation")
+    return DiskOffload(files, device, offsets)

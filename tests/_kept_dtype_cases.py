@@ -1,0 +1,151 @@
+"""Models transformers loads in bf16 with some parameters kept in float32 (`_keep_in_fp32_modules_strict`: the MoE
+router gates of DeepSeek-V3 and GLM-4-MoE), under hf_zero and under torch's DDP on the same ranks ([Note: parameters
+kept in their own dtype] in hf_zero/engine/unit.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from hf_zero.checkpoint.consolidate import save_pretrained
+from tests._training import VOCAB
+
+KINDS = ("deepseek_v3", "glm4_moe")
+
+
+def save_base(kind: str, directory: str) -> str:
+    """A tiny `kind` model (float32, seed 0) saved to `directory`: the checkpoint the runs load in bf16."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                  n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                  tie_word_embeddings=False)
+    if kind == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                  v_head_dim=8, **common)
+    else:
+        cfg = tf.Glm4MoeConfig(head_dim=8, **common)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # the router's weight starts at zero: give it values whose bf16 rounding shows
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.weight.normal_(0, 0.5)
+                module.e_score_correction_bias.uniform_(-0.1, 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+def load_bf16(directory: str) -> torch.nn.Module:
+    """The model as transformers loads it with `dtype=torch.bfloat16`: the gates stay float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    model.config._attn_implementation = "eager"
+    model.train()
+    return model
+
+
+def _batches(rank: int, steps: int, accum: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(steps * accum)]
+
+
+def _train(model: Any, opt: torch.optim.Optimizer, batches: list[torch.Tensor], accum: int, ddp: bool) -> dict:
+    """Steps of `accum` micro-batches (the first ones without gradient sync), clipped at 1.0."""
+    losses, norms = [], []
+    for i, x in enumerate(batches):
+        last = (i + 1) % accum == 0
+        sync = model.no_sync() if not last else _nothing()
+        with sync:
+            loss = model(input_ids=x, labels=x).loss / accum
+            loss.backward()
+        losses.append(float(loss.detach()))
+        if last:
+            params = model.parameters()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+            opt.step()
+            opt.zero_grad()
+    return {"losses": losses, "norms": norms}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def against_ddp(base: str, stage: int, steps: int = 3, accum: int = 2) -> dict[str, Any]:
+    """`steps` steps of AdamW on the bf16 load (gates float32) under hf_zero at `stage` and under torch's DDP on
+    the same ranks and batches: each side's losses, clipped norms, parameter dtypes, final weights (rank 0), and the
+    files the sharded model saves (their dtypes)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    batches = _batches(rank, steps, accum)
+    ref = load_bf16(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ddp = DDP(ref)
+    reference = _train(ddp, ref_opt, batches, accum, ddp=True)
+    model = load_bf16(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = hf_zero.ZeroConfig(stage=stage, no_sync_keeps_grads=True)  # DDP's order: sum the micro-batches, reduce
+    model, opt = hf_zero.initialize(model, opt, config)
+    got = _train(model, opt, batches, accum, ddp=False)
+    state = hf_zero.full_state_dict(model)
+    out = os.path.join(base, f"saved-{stage}")
+    model.save_pretrained(out)
+    save_pretrained(model, out + "-parallel", parallel=True, progress=False)  # every rank writes what it owns
+    hf_zero.save_checkpoint(out + "-ckpt", model, opt)
+    dist.barrier()
+    if rank == 0:
+        hf_zero.consolidate(out + "-ckpt", out + "-consolidated", progress=False)
+        hf_zero.consolidate(out + "-ckpt", out + "-consolidated-bf16", dtype="bf16", progress=False)
+    dist.barrier()
+    return {
+        "reference": reference, "got": got,
+        "ref_state": {k: v.detach().clone() for k, v in ref.state_dict().items()} if rank == 0 else None,
+        "state": {k: v.detach().clone() for k, v in state.items()} if rank == 0 else None,
+        "saved": out,
+    }
+
+
+def mixed_precision_run(base: str) -> dict[str, Any]:
+    """The bf16 load at stage 3 under mixed_precision='bf16': what dtype the gate's forward sees, the parts'
+    master and compute dtypes, 4 steps' losses, and the dtype the saved gate has."""
+    model = load_bf16(base)
+    seen: list[str] = []
+    gate = model.model.layers[1].mlp.gate
+    gate.register_forward_pre_hook(lambda module, args: seen.append(str(module.weight.dtype)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=3, mixed_precision="bf16"))
+    x = _batches(dist.get_rank(), 1, 1)[0]
+    losses = []
+    for _ in range(2):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    engine = model.zero_engine
+    kept = [p for p in engine.parts if p.spec.dtype is not None]
+    rest = [p for p in engine.parts if p.spec.dtype is None]
+    out = os.path.join(base, "mixed")
+    model.save_pretrained(out)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        saved = str(f.get_tensor("model.layers.1.mlp.gate.weight").dtype)
+    return {
+        "gate_dtypes_seen": seen, "losses": losses, "saved_gate_dtype": saved,
+        "masters": {"gate": str(kept[0].master_dtype), "rest": str(rest[0].master_dtype)},
+        "compute": {"gate": str(kept[0].param_dtype), "rest": str(rest[0].param_dtype)},
+    }
