@@ -132,7 +132,8 @@ def model_states(
         trainable = [(i, a, b) for i, a, b in pieces if spec.params[i].requires_grad]
         has_grads = any(p.requires_grad for p in spec.params)
         if spec.frozen:  # the compute-dtype shard is the only copy; never offloaded, no gradient, no state
-            add("parameters", "device", (padded if persistent else s) * pd)
+            kept = spec.dtype.itemsize if spec.dtype is not None else pd  # its own dtype (4-bit codes: uint8)
+            add("parameters", "device", (padded if persistent else s) * kept)
             continue
         master_where = "disk" if config.offload_dir is not None else host  # [Note: disk offload]
         if persistent:
@@ -214,7 +215,8 @@ QLORA_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one scale per 64 weights
 def as_4bit(model: nn.Module, double_quant: bool = True) -> int:
     """[Note: quantized base] in engine/quantized.py, for the estimate: each linear weight transformers quantizes
     for QLoRA (every `nn.Linear`'s but the output head's and the LoRA adapters') replaced, on the meta device, by the
-    packed codes bitsandbytes stores, `(numel + 1) // (2 * itemsize)` elements of the model's dtype, frozen.
+    packed codes bitsandbytes stores, `(numel + 1) // 2` bytes, frozen (kept in their own part whatever dtype stores
+    them: the same bytes).
     Returns the bytes of their quantization state (block scales; with `double_quant` one byte per block plus the
     second level's scales; code tables), which every rank keeps whole.
 
@@ -231,8 +233,8 @@ def as_4bit(model: nn.Module, double_quant: bool = True) -> int:
         if not isinstance(module, nn.Linear) or module is head or "lora_" in name:
             continue
         weight = module.weight
-        numel, dtype = weight.numel(), weight.dtype
-        packed = torch.empty(((numel + 1) // (2 * dtype.itemsize), 1), dtype=dtype, device="meta")
+        numel = weight.numel()
+        packed = torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device="meta")
         module.weight = nn.Parameter(packed, requires_grad=False)
         blocks = -(-numel // QLORA_BLOCK)
         if double_quant:  # uint8 block scales, an fp32 scale per 256 of them, the two code tables, an offset

@@ -285,15 +285,20 @@ def test_optimizer_that_already_stepped_is_refused():
         hf_zero.initialize(model, opt)
 
 
-def test_an_integer_parameter_is_refused_naming_it():
-    """Only floating-point parameters shard (a model in several floating dtypes trains, each kept in its own:
-    tests/test_kept_dtypes.py); an integer parameter is refused by name, with the way to keep it."""
+def test_an_integer_parameter_is_kept_byte_for_byte():
+    """A parameter in an integer dtype (packed codes; it can take no gradient) shards in a part of its own dtype
+    ([Note: parameters kept in their own dtype]): never cast, gathered whole at stage 3 for its unit's forward,
+    and back as it went in."""
     model = make_model("llama")
-    model.model.layers[1].mlp.register_parameter("codes", torch.nn.Parameter(torch.zeros(4, dtype=torch.int32),
-                                                                             requires_grad=False))
-    with pytest.raises(ValueError, match="only shard floating-point parameters") as caught:
-        hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3))
-    assert "'model.layers.1.mlp.codes' is torch.int32" in str(caught.value) and "register_buffer" in str(caught.value)
+    codes = torch.arange(7, dtype=torch.int32) * 1000003
+    model.model.layers[1].mlp.register_parameter("codes", torch.nn.Parameter(codes.clone(), requires_grad=False))
+    seen = []
+    model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: seen.append(m.codes.detach().clone()))
+    model, _ = hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3, mixed_precision="bf16"))
+    batch = torch.randint(0, 256, (1, 8))
+    model(input_ids=batch, labels=batch).loss.backward()
+    assert len(seen) == 1 and seen[0].dtype == torch.int32 and torch.equal(seen[0], codes)
+    assert torch.equal(hf_zero.full_state_dict(model)["model.layers.1.mlp.codes"], codes)
 
 
 def test_meta_model_is_refused():

@@ -176,7 +176,7 @@ class ZeroEngine:
             reduce_dtype=reduce_dtype,
             pool=self.pool,
             persistent=self.plan.params.keeps_whole,
-            weight_quant_block=block if config.quantized_weights else None,
+            weight_quant_block=block if config.quantized_weights and spec.dtype is None else None,  # kept: exact
             grad_quant_block=block if config.quantized_gradients else None,
         )
         disk = self.disk if placement.offloaded else None

@@ -188,17 +188,13 @@ def _rank_accelerator(kind: str, world: CommGroup) -> torch.device:
 
 
 def main_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype most of the model's parameter elements are in: what the model computes and saves in. Parameters in
-    another floating-point dtype keep it ([Note: parameters kept in their own dtype] in unit.py); `ValueError` for an
-    integer or boolean parameter."""
+    """The floating-point dtype most of the model's parameter elements are in: what the model computes and saves
+    in. Parameters in another dtype (float32 router gates in a bf16 model, a 4-bit base's packed codes stored as
+    uint8, which no gradient can reach) keep theirs ([Note: parameters kept in their own dtype] in unit.py)."""
     numel: dict[torch.dtype, int] = {}
-    for name, p in model.named_parameters():
-        if not p.dtype.is_floating_point:
-            raise ValueError(
-                f"hf_zero can only shard floating-point parameters; '{name}' is {p.dtype}. Keep integer tensors as "
-                "buffers (module.register_buffer), or quantize with bitsandbytes 4-bit as the QLoRA recipe does."
-            )
-        numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
+    for p in model.parameters():
+        if p.dtype.is_floating_point:
+            numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
     return max(numel, key=lambda d: (numel[d], d.itemsize)) if numel else torch.float32
 
 
@@ -206,10 +202,8 @@ def validate_model(
     model: nn.Module, world: CommGroup, has_source: bool = False, requested: torch.device | None = None
 ) -> torch.device:
     """The device the model will compute on (`compute_device`, decided here once); `ValueError` for a model the
-    engine cannot shard (meta weights with no source, mixed devices, integer parameters)."""
-    device = compute_device(model, world, has_source, requested)
-    main_dtype(model)
-    return device
+    engine cannot shard (meta weights with no source, mixed devices)."""
+    return compute_device(model, world, has_source, requested)
 
 
 def move_buffers(model: nn.Module, device: torch.device, sync_from: CommGroup | None) -> None:

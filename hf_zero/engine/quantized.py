@@ -2,15 +2,15 @@
 
 [Note: quantized base]
 QLoRA keeps a model's linear weights in 4 bits (bitsandbytes' `Params4bit`: the packed codes as the parameter's
-data, their scales in its `quant_state`) and trains LoRA adapters beside them. Loaded with
-`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=<the model's dtype>)`, as FSDP-QLoRA loads it, the
-packed codes are stored as elements of the model's own dtype, so the engine shards them like any frozen
-parameter: a frozen part holds this rank's slice of the bytes, a unit's bytes are gathered for its forward and
+data, their scales in its `quant_state`) and trains LoRA adapters beside them. The engine shards the packed codes
+like any frozen parameter, in a part of their own dtype (uint8, bitsandbytes' default storage, or the model's
+dtype with `bnb_4bit_quant_storage`, as FSDP-QLoRA loads it): [Note: parameters kept in their own dtype] in
+unit.py. A frozen part holds this rank's slice of the bytes, a unit's bytes are gathered for its forward and
 backward (stage 3) and bitsandbytes dequantizes them inside its own layer; the scales stay whole on every rank
-beside the parameter. The bytes are never cast, so whatever would cast them is refused at `initialize`, on every
-rank, naming what works: mixed precision (the cast on gather, [Note: cast on gather] in flat.py), int8 gathers
-(`quantized_weights`), codes stored as integers (`bnb_4bit_quant_storage` left at uint8), an 8-bit base, or a
-quantized parameter left trainable. Exact against single-process QLoRA with the same kernels (tests/test_peft.py).
+beside the parameter. The bytes are never cast (mixed precision casts the rest of the model, not them) nor
+requantized (`quantized_weights` leaves kept parts exact). Refused at `initialize`, on every rank, naming what
+works: an 8-bit base, or a quantized parameter left trainable. Exact against single-process QLoRA with the same
+kernels (tests/test_peft.py).
 """
 
 from __future__ import annotations
@@ -50,27 +50,4 @@ def check_quantized(model: nn.Module, config: ZeroConfig) -> None:
         raise ValueError(
             f"hf_zero: the 4-bit weight '{trained[0]}' requires grad: its data are packed codes, which no optimizer "
             "can step. Freeze the quantized base (peft's get_peft_model does) and train adapters beside it."
-        )
-    dtypes = {q.dtype for _, q in held}
-    others = {q.dtype for q in model.parameters() if not any(q is h for _, h in held)}
-    if not all(d.is_floating_point for d in dtypes) or (others and dtypes != others):
-        want = next(iter(others)) if others else "torch.float32"
-        raise ValueError(
-            f"hf_zero: the 4-bit weights (e.g. '{name}') store their codes as {sorted(map(str, dtypes))}, while "
-            f"the rest of the model is {sorted(map(str, others))}. Load the base with "
-            f"BitsAndBytesConfig(load_in_4bit=True, ..., bnb_4bit_quant_storage={want}) (the dtype the model is "
-            "loaded in, as FSDP-QLoRA does), so the packed codes are elements of the model's dtype and shard like "
-            "any frozen weight."
-        )
-    if config.mixed_precision != "no":
-        raise ValueError(
-            f"hf_zero: a 4-bit base (e.g. '{name}') with ZeroConfig(mixed_precision={config.mixed_precision!r}): the "
-            "engine would cast the packed codes to the compute dtype and destroy them. Load the model in the dtype to "
-            "compute in (dtype=torch.bfloat16 with bnb_4bit_quant_storage=torch.bfloat16 and "
-            "bnb_4bit_compute_dtype=torch.bfloat16) and keep mixed_precision='no' (the Trainer without --bf16)."
-        )
-    if config.quantized_weights:
-        raise ValueError(
-            f"hf_zero: a 4-bit base (e.g. '{name}') with ZeroConfig(quantized_weights=True): the int8 gathers would "
-            "quantize the packed codes again. Drop quantized_weights (the 4-bit bytes are already a quarter of bf16's)."
         )

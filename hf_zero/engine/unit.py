@@ -20,9 +20,12 @@ transformers loads a model in bf16 but keeps some parameters in float32 (`_keep_
 computes with them in float32. The engine keeps each such parameter in a part of its own dtype:
 that part gathers, computes, reduces its gradients and keeps its master in that dtype (float32
 under mixed precision too), while the model's main dtype (`main_dtype`: the one most elements are
-in) follows the config. So a unit may hold up to one part per (trainable or frozen, dtype); the
-trainable ones are reduced one after the other, each in its own dtype, as DDP reduces each
-parameter in its own. What the model saves keeps each parameter's dtype.
+in) follows the config. A 4-bit base's packed codes are kept so too, whatever dtype stores them
+([Note: quantized base] in quantized.py): never cast, never requantized by int8 gathers. So a
+unit may hold up to one part per (trainable or frozen, dtype); the trainable ones are reduced one
+after the other, each in its own dtype, as DDP reduces each parameter in its own. What the model
+saves keeps each parameter's dtype. Offload files (`offload_dir`) hold one master dtype: kept
+trainable parameters are refused there.
 
 A `Unit` holds its `ShardState` and `TrainingState`, its end-of-backward counts, its prefetch targets,
 whether it is pinned (`gathered_parameters`) or held for its backward, and the stage's residencies; its
@@ -402,13 +405,14 @@ def split_parts(spec: UnitSpec, main: torch.dtype) -> list[UnitSpec]:
     """`spec` as its parts: the trainable parameters, then the frozen ones ([Note: frozen parameters]), each in the
     model's `main` dtype first, then each other dtype ([Note: parameters kept in their own dtype]); a unit whose
     parameters are all trainable (or all frozen) in one dtype is one part."""
-    groups: dict[tuple[bool, torch.dtype], list[int]] = {}
+    groups: dict[tuple[bool, torch.dtype | None], list[int]] = {}
     for i, p in enumerate(spec.params):
-        groups.setdefault((not p.requires_grad, p.dtype), []).append(i)
-    order = sorted(groups, key=lambda key: (key[0], key[1] != main, str(key[1])))
-    if len(order) == 1 and order[0] == (False, main):
+        kept = p.dtype != main or hasattr(p, "quant_state")  # a 4-bit base's codes: never cast ([Note: quantized base])
+        groups.setdefault((not p.requires_grad, p.dtype if kept else None), []).append(i)
+    order = sorted(groups, key=lambda key: (key[0], key[1] is not None, str(key[1])))
+    if order == [(False, None)]:
         return [spec]
-    return [_subset(spec, groups[key], frozen=key[0], dtype=None if key[1] == main else key[1]) for key in order]
+    return [_subset(spec, groups[key], frozen=key[0], dtype=key[1]) for key in order]
 
 
 def _subset(spec: UnitSpec, indices: list[int], frozen: bool, dtype: torch.dtype | None) -> UnitSpec:
