@@ -9,6 +9,9 @@ prompt-completion format: the loss is taken on the completion only). `make demo`
 from the domain corpus: "What does `json.dumps(obj, ...)` do?" answered by the first paragraph of
 the docstring.
 
+QLoRA (a 4-bit NF4 base, LoRA adapters trained; what most people fine-tune on a few GPUs): `--qlora` (with
+`--lora_rank 16`); the adapter is what `final/` holds (`adapter_model.safetensors`, loadable by PEFT).
+
 Long examples: `--zero_sequence_parallel 2 --pad_to_multiple_of 2` splits every sequence over two ranks (the
 two read the same batches; TRL's fused loss and its metrics see whole sequences).
 
@@ -47,6 +50,21 @@ class ScriptArguments:
     model_name_or_path: str = field(metadata={"help": "a local model directory (e.g. the domain-adapted model)"})
     dataset_file: str = field(metadata={"help": "JSON lines of {prompt, completion} records"})
     use_stock_trainer: bool = field(default=False, metadata={"help": "TRL's own SFTTrainer (DDP), for comparison"})
+    qlora: bool = field(default=False, metadata={"help": "load the base in 4-bit NF4 and train LoRA adapters"})
+    lora_rank: int = field(default=16, metadata={"help": "the LoRA rank (with --qlora)"})
+
+
+def qlora_parts(script: ScriptArguments, config: SFTConfig) -> tuple[dict, object]:
+    """The 4-bit load's arguments and the LoRA config TRL applies (it prepares the 4-bit model for training)."""
+    import torch
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.bfloat16 if config.bf16 else torch.float32
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=compute)
+    lora = LoraConfig(r=script.lora_rank, lora_alpha=2 * script.lora_rank, lora_dropout=0.0, target_modules="all-linear")
+    return {"quantization_config": quant, "dtype": compute}, lora
 
 
 def instructions(path: str) -> Dataset:
@@ -67,8 +85,10 @@ def main() -> None:
     else:
         trainer_cls = ZeroSFTTrainer
     tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path)
-    trainer = trainer_cls(model=model, args=config, train_dataset=instructions(script.dataset_file), processing_class=tokenizer)
+    load, peft_config = qlora_parts(script, config) if script.qlora else ({}, None)
+    model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, **load)
+    trainer = trainer_cls(model=model, args=config, train_dataset=instructions(script.dataset_file),
+                          processing_class=tokenizer, peft_config=peft_config)
     result = trainer.train()
     trainer.save_model(os.path.join(config.output_dir, "final"))
     if trainer.args.process_index == 0:

@@ -178,7 +178,7 @@ def test_train_accelerate_resumed_from_a_background_save(assets, tmp_path):
 # interpreters and importing TRL's dependencies); the sequence-parallel run under `accelerate launch` in the slow
 # tier: both take the same TRL path at stage 3, and sequence parallelism stays in the suite through the Trainer's
 # and tests/test_sequence_parallel.py
-@pytest.mark.parametrize("variant", ["plain", "padding_free_sequence_parallel",
+@pytest.mark.parametrize("variant", ["plain", "padding_free_sequence_parallel", "qlora",
                                      pytest.param("sequence_parallel", marks=pytest.mark.slow)])
 def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(pools, assets, tmp_path, variant):
     """`examples/sft_trl.py` (TRL's SFTTrainer with hf_zero mixed in, its default fused loss) on 2 processes:
@@ -187,7 +187,9 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(pools, a
     on the pool's two ranks, each given what `accelerate launch` gives a process (tests/_example_cases.py; the
     launcher itself: the other examples' tests); with `--zero_sequence_parallel 2` (both ranks read the same 4
     samples, each holds half of every sequence; TRL's fused log-probabilities come back whole), under `accelerate
-    launch`, the token accuracy is the stock run's too."""
+    launch`, the token accuracy is the stock run's too. With `--qlora` (TRL's QLoRA: a 4-bit NF4 base, double
+    quantization, codes stored as uint8, LoRA on every linear, TRL preparing the model): losses and the saved adapter
+    equal the stock run's."""
     pytest.importorskip("trl")
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -198,8 +200,8 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(pools, a
               "--max_length", "64", "--report_to", "none", "--use_cpu", "--disable_tqdm", "true", "--save_strategy", "no",
               "--adam_epsilon", "1e-6", "--bf16", "false"]  # fp32 (TRL's configs default to bf16)
     zero, stock = tmp_path / "zero", tmp_path / "stock"
-    if variant == "plain":
-        script, args = str(ROOT / common[0]), common[1:]
+    if variant in ("plain", "qlora"):  # qlora: a 4-bit NF4 base (double quantization), LoRA on every linear
+        script, args = str(ROOT / common[0]), common[1:] + (["--qlora", "--lora_rank", "4"] if variant == "qlora" else [])
         for out, flags in ((stock, ["--use_stock_trainer"]), (zero, ["--zero_stage", "3"])):
             pools(2).values(example_cases.run_example, script, [*args, "--output_dir", str(out), *flags])
     elif variant == "padding_free_sequence_parallel":  # TRL's BFD packing: padding-free rows of whole samples end to
@@ -216,8 +218,13 @@ def test_sft_trl_example_at_stage_3_matches_stock_sft_trainer_under_ddp(pools, a
     got, want = json.loads((zero / "losses.json").read_text()), json.loads((stock / "losses.json").read_text())
     assert len(got) == 4
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
-    AutoModelForCausalLM.from_pretrained(zero / "final")
-    a, b = load_file(zero / "final" / "model.safetensors"), load_file(stock / "final" / "model.safetensors")
+    if variant == "qlora":  # the adapter, as PEFT saves it, equal to the stock run's
+        a, b = (load_file(run / "final" / "adapter_model.safetensors") for run in (zero, stock))
+        assert a.keys() == b.keys() and len(b) >= 8 and all(a[n].dtype == b[n].dtype for n in b)
+        a, b = {n: t.float() for n, t in a.items()}, {n: t.float() for n, t in b.items()}
+    else:
+        AutoModelForCausalLM.from_pretrained(zero / "final")
+        a, b = load_file(zero / "final" / "model.safetensors"), load_file(stock / "final" / "model.safetensors")
     for name in b:
         np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
     accuracy = [json.loads((run / "accuracy.json").read_text()) for run in (stock, zero)]

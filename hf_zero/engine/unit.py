@@ -410,7 +410,7 @@ def split_parts(spec: UnitSpec, main: torch.dtype) -> list[UnitSpec]:
         kept = p.dtype != main or hasattr(p, "quant_state")  # a 4-bit base's codes: never cast ([Note: quantized base])
         groups.setdefault((not p.requires_grad, p.dtype if kept else None), []).append(i)
     order = sorted(groups, key=lambda key: (key[0], key[1] is not None, str(key[1])))
-    if order == [(False, None)]:
+    if order in ([], [(False, None)]):  # (a unit of no parameters of its own: one empty part)
         return [spec]
     return [_subset(spec, groups[key], frozen=key[0], dtype=key[1]) for key in order]
 
