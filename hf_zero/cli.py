@@ -302,6 +302,21 @@ def _from_peer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merge_adapter(args: argparse.Namespace) -> int:
+    from .checkpoint.merge import merge_adapter
+
+    files = merge_adapter(
+        args.adapter,
+        args.base,
+        args.output,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {args.output} ({len(files)} weight file(s)): AutoModelForCausalLM.from_pretrained({args.output!r})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero command-line tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -329,6 +344,18 @@ def build_parser() -> argparse.ArgumentParser:
         "files): same-named files are replaced. Without it such an OUTPUT is refused and left as it is",
     )
     c.set_defaults(func=_consolidate)
+    m = sub.add_parser(
+        "merge-adapter",
+        help="write a base model with a LoRA adapter merged in, as a from_pretrained directory (offline, one tensor "
+        "at a time; for QLoRA: the bf16 base that was quantized on load)",
+    )
+    m.add_argument("adapter", help="a PEFT adapter directory, or an hf_zero checkpoint of a PEFT model")
+    m.add_argument("base", help="the base model's directory (safetensors), in the precision to merge into")
+    m.add_argument("output", help="output directory for the merged model")
+    m.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: each base tensor's")
+    m.add_argument("--max-shard-size", default="5GB", help="largest weight file (default 5GB)")
+    m.add_argument("--overwrite", action="store_true", help="write into OUTPUT even where it holds other files")
+    m.set_defaults(func=_merge_adapter)
     left = sub.add_parser(
         "leftovers", help="list (and --remove) what killed saves left under a run folder ([Note: leftovers])"
     )
