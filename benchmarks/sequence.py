@@ -61,14 +61,44 @@ def _hf_zero_step(args: argparse.Namespace) -> tuple[Callable[[Any], float], Any
     model.train()
 
     def step(ids: Any) -> float:
+        PHASES.clear()
+        PHASES["before"] = _resident()
+        _reset_peak()
         loss = model(input_ids=ids, labels=ids).loss
+        PHASES["forward_peak"], PHASES["after_forward"] = _peak(), _resident()
+        _reset_peak()
         loss.backward()
+        PHASES["backward_peak"], PHASES["after_backward"] = _peak(), _resident()
+        _reset_peak()
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
+        PHASES["step_peak"] = _peak()
         return float(loss.detach())
 
     return step, model
+
+
+PHASES: dict[str, int] = {}  # where one rank's memory goes in the last step (bytes): resident and peaks per phase
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _resident() -> int:
+    return _status("VmRSS")
+
+
+def _peak() -> int:
+    return _status("VmHWM")
+
+
+def _reset_peak() -> None:
+    """Start a new peak (VmHWM) from the resident set now (Linux: `5` to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _ulysses_step(args: argparse.Namespace) -> tuple[Callable[[Any], float], Any]:
@@ -139,6 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     replica = rank // args.sequence_parallel
     g = torch.Generator().manual_seed(replica)
     times, losses = [], []
+    init_peak = _peak()  # building and sharding the model (the phases below reset the high-water mark)
     for _ in range(2):
         ids = torch.randint(0, 32000, (1, args.length), generator=g)
         dist.barrier()
@@ -148,15 +179,17 @@ def worker(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
         if rank == 0:
             print(f"step {len(times)}: {times[-1]:.1f} s", flush=True)
-    with open("/proc/self/status") as f:
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    peak = max([init_peak, _peak(), *PHASES.values()])  # every high-water mark since the start
     peaks = [None, None]
     dist.all_gather_object(peaks, peak)
+    phases: list[Any] = [None, None]
+    dist.all_gather_object(phases, dict(PHASES))
     if rank == 0:
         replicas = dist.get_world_size() // args.sequence_parallel
         Path(args.result).write_text(json.dumps({
             "length": args.length, "sequence_parallel": args.sequence_parallel, "peaks": peaks, "step_s": times,
             "losses": losses, "tokens_per_s": replicas * args.length / times[-1], "peer_config": PEER_CONFIG,
+            "phases": phases,
             "params": sum(p.numel() for p in model.parameters()) if not args.ulysses else None}))
     dist.barrier()
     sys.stdout.flush()

@@ -21,6 +21,7 @@ from .engine.full_state import gathered_parameters as _gathered
 from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded, wrapped_model
 from .engine.placement import check_compute_device, validate_model
+from .engine.pool import map_large_host_allocations
 from .engine.quantized import check_quantized
 from .engine.same_model import refuse_configs_that_differ, refuse_models_that_differ, refuse_weights_that_differ
 from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
@@ -184,6 +185,8 @@ def initialize(
         from .integrations import sequence
 
         sequence.enable(model, sequence_group(world, cfg.sequence_parallel, cfg.group_timeout_s))
+        if engine.device.type == "cpu":
+            map_large_host_allocations()  # [Note: host heap] in engine/pool.py
     if cfg.tiled_mlp:  # [Note: tiled MLP]
         from .integrations import tiled_mlp
 

@@ -70,6 +70,26 @@ def mapped_temporaries(threshold: int = 1 << 20) -> Iterator[None]:
             _MALLOPT(_M_MMAP_THRESHOLD, 32 << 20)
 
 
+def map_large_host_allocations(threshold: int = 1 << 20) -> None:
+    """[Note: host heap] from now on, host allocations of `threshold` bytes or more in this process are mapped on
+    their own and unmapped when freed (glibc's mmap threshold fixed, no longer raised to 32 MiB as blocks are
+    freed). A sequence-parallel run on the CPU calls it: its activations come in sizes the unsplit model does not
+    make (a rank's part of the sequence, the whole sequence over a part of the heads after the all-to-all), and
+    under glibc's dynamic threshold the freed ones stayed in the heap as holes the next step's could not use:
+    0.84B at 8192 tokens, SP 2, peaked 1 GiB higher per rank than without SP; a 87M model at 8192 tokens,
+    2.31 GB per rank with the dynamic threshold, 1.73 GB with this (the unsplit run: 2.16), at 0.97x the tokens/s
+    (benchmarks/results/sequence_heap.md). A no-op where the C library is not glibc.
+
+    Example:
+
+    ```python
+    >>> map_large_host_allocations()  # a CPU run's large temporaries go back to the system when freed
+    ```
+    """
+    if _MALLOPT is not None:
+        _MALLOPT(_M_MMAP_THRESHOLD, threshold)
+
+
 def release_free_host_memory() -> None:
     """[Note: host heap]
     glibc serves allocations below its mmap threshold (which grows to 32 MiB as such blocks are freed)

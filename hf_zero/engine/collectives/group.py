@@ -220,6 +220,8 @@ def host_side_group(world: CommGroup, timeout_s: float | None) -> CommGroup:
     the creation ([Note: clean exit])."""
     if world.size == 1:
         return CommGroup.single()
+    if world.backend == "fake":  # torch's fake process group (one process playing a rank: nothing moves)
+        return world
     ranks = tuple(world.global_rank_of(r) for r in range(world.size))
     group = _HOST_GROUPS.get(ranks)
     if group is None:
