@@ -306,3 +306,33 @@ def test_packed_documents_under_flash_attention_are_refused_naming_sdpa():
     assert sequence._documents(torch.arange(8)[None], state, 2) is None  # one document: nothing to mask
     eager = sequence.SequenceParallel(group=None, inner="eager", handles=[])  # type: ignore[arg-type]
     assert sequence._documents(restart, eager, 2).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3]]
+
+
+_HEAP_PROBE = """
+import sys, torch
+from hf_zero.engine.pool import map_large_host_allocations
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
+if sys.argv[1] == 'fixed':
+    map_large_host_allocations()
+big = torch.ones(8 << 20, dtype=torch.uint8)  # 8 MiB: mapped, then freed, raises glibc's dynamic threshold
+del big
+blocks = [torch.ones(4 << 20, dtype=torch.uint8) for _ in range(16)]  # 64 MiB of 4 MiB blocks
+pin = torch.ones(256 << 10, dtype=torch.uint8)  # a small block above them: the heap's top cannot be trimmed
+before = rss()
+del blocks
+print(before - rss())
+"""
+
+
+def test_a_cpu_run_hands_large_freed_blocks_back_to_the_system():
+    """[Note: host heap] `map_large_host_allocations` (what a sequence-parallel run on the CPU sets): 4 MiB blocks
+    freed go back to the system at once; under glibc's dynamic threshold (raised past them by an earlier 8 MiB
+    block) they stay in the heap, under a block still in use."""
+    import subprocess
+    import sys
+
+    freed = {how: int(subprocess.run([sys.executable, "-c", _HEAP_PROBE, how], capture_output=True, text=True,
+                                     check=True).stdout.split()[-1]) for how in ("dynamic", "fixed")}
+    assert freed["fixed"] >= 60 << 20, freed
+    assert freed["dynamic"] < 16 << 20, freed
