@@ -8,12 +8,13 @@ will: frozen ones in the compute dtype only, [Note: frozen parameters]), for Ada
 parameters. The estimate equals what `hf_zero.model_state_memory` reports after the first step.
 
 On top of model states, a device holds, at its peak (the start of the backward pass):
-- gathered units (stage 3): the root unit and the two largest other units (the running one and
-  the prefetched one; with the default bucket size a unit may be several small blocks), in the
-  compute dtype;
+- gathered units (stage 3): the root unit, the running unit and the one prefetched ahead of it
+  (the unit before it in the backward pass), in the compute dtype;
 - unsharded gradients (stages 2-3): those of the root, the running unit and the unit whose
-  reduction is in flight (at most one), plus a cast copy for the reduction when the reduce
-  dtype differs from the compute dtype;
+  reduction is in flight (the one after it), plus a cast copy for the reduction when the reduce
+  dtype differs from the compute dtype; both counted at the unit of the backward pass where their
+  sum peaks (a model's embedding and head are not live together; a lone embedding's gradient
+  travels as rows);
 - activations of a decoder LLM: each layer saves, per token, 8h + 3I elements in the compute
   dtype and, under eager attention, aL attention probabilities in fp32 (plus their compute-dtype
   copy under bf16/fp16), h hidden, I intermediate, a heads, L sequence length; sdpa and flash
@@ -295,15 +296,10 @@ def estimate(
                 key=lambda m: m.total("device"),
             )
             e = _BYTES[config.param_dtype or model_dtype]
-            unit_sizes = [sum(p.numel() for p in s.params) for s in specs]
-            root = unit_sizes[-1]
-            inner = sorted(unit_sizes[:-1], reverse=True) + [0, 0]
-            live = root + inner[0] + inner[1]  # the root, the running unit and the next / in-flight one
-            gathered = live * e if stage == 3 else 0  # parameters: running + prefetched
             reduce_bytes = _BYTES[config.resolved_reduce_dtype or config.param_dtype or model_dtype]
             grad_sizes = [sum(p.numel() for p in s.params if p.requires_grad) for s in specs]  # frozen: none
-            top = sorted(grad_sizes[:-1], reverse=True) + [0, 0]
-            live_grads = grad_sizes[-1] + top[0] + top[1]
+            live, live_grads = _backward_window(specs, config.prefetch)
+            gathered = live * e if stage == 3 else 0  # parameters: running + prefetched
             if stage >= 2:  # unsharded gradients: running unit + the one whose reduction is in flight
                 buffers = live_grads * e + (max(grad_sizes) * reduce_bytes if reduce_bytes != e else 0)
             else:
@@ -326,6 +322,23 @@ def estimate(
                 )
             )
     return rows
+
+
+def _backward_window(specs: list[UnitSpec], prefetch: int) -> tuple[int, int]:
+    """The most elements of parameters and of unsharded gradients live together in the backward pass, at the unit
+    where their sum peaks: the root's, the running unit's and the `prefetch` units gathered ahead of it (the ones
+    before it in the forward order), and the gradients of the running unit and of the one after it, whose
+    reduction is in flight. A lone embedding's gradient travels as rows ([Note: sparse lookup gradients]): no
+    unsharded buffer. Units in `specs` are in forward order, the root last."""
+    params = [sum(p.numel() for p in s.params) for s in specs[:-1]]
+    grads = [sum(p.numel() for p in s.params if p.requires_grad) if s.backward_reads_params else 0 for s in specs[:-1]]
+    root_params = sum(p.numel() for p in specs[-1].params) if specs else 0
+    root_grads = sum(p.numel() for p in specs[-1].params if p.requires_grad) if specs else 0
+    best = (0, 0)
+    for j in range(len(params)):
+        window = (sum(params[max(0, j - prefetch) : j + 1]), sum(grads[j : j + 2]))
+        best = max(best, window, key=sum)
+    return root_params + best[0], root_grads + best[1]
 
 
 def grad_sizes_of_params(specs: list[UnitSpec]) -> list[int]:

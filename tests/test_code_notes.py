@@ -41,3 +41,12 @@ def test_the_design_map_lists_every_file_with_its_docstring():
     listed = {line.split()[0] for line in _design_map.current().splitlines() if line.startswith("hf_zero/")}
     assert listed == {str(p.relative_to(ROOT)) for p in (ROOT / "hf_zero").rglob("*.py")}
     assert "(no docstring)" not in _design_map.current()
+
+
+def test_no_import_cycle_of_any_kind():
+    """No two modules of hf_zero import each other through any path, counting imports under `TYPE_CHECKING` and
+    deferred ones inside functions (they hide a cycle from the runtime, not from the design)."""
+    from tests._import_graph import cycles, edges
+
+    assert len(edges()) > 80
+    assert cycles() == []

@@ -25,6 +25,7 @@ from torch import nn
 from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import agreement, broadcast_object
 from ..engine.module import get_engine
+from ..integrations.conversions import model_layout
 from .background import AsyncSave, chain, checkpoint_group
 from .format import (
     BUFFERS_FILE,
@@ -43,7 +44,7 @@ from .owned import snapshot_owned, write_owned
 from .pretrained import PEFT_ROOT, Staging
 from .reader import FileCache, read_pieces
 from .sequential import Stored, stored_tensors
-from .stream import Entry, FileLayout, host_pieces, layout_from_json, model_layout, write_streamed
+from .stream import Entry, FileLayout, host_pieces, layout_from_json, write_streamed
 from .streams import MAX_STREAMS, FileStream, chunk_bytes_for, stream_order
 from .target import check_target, record_output
 from .writer import INDEX_FILE, HFShardWriter, make_directory, parse_size, shard_groups

@@ -41,8 +41,8 @@ from ..engine.engine import ZeroEngine
 from ..engine.module import get_engine
 from ..engine.step.optim import ShardedOptimizer, sharded_list
 from ..engine.step.pieces import Piece
+from ..integrations.conversions import model_layout
 from ..integrations.peft_export import peft_configs
-from . import leftovers
 from .background import AsyncSave, FileJob, Snapshot, chain, checkpoint_group, finish_previous, snapshot
 from .format import (
     BUFFERS_FILE,
@@ -58,9 +58,11 @@ from .format import (
     write_bytes_atomically,
     write_file_atomically,
 )
+from .leftovers import beside
+from .leftovers import remove as remove_leftovers
 from .owned_state import owned_entries
 from .shared import require_shared
-from .stream import Entry, host_pieces, layout_to_json, model_layout, write_streamed
+from .stream import Entry, host_pieces, layout_to_json, write_streamed
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +128,7 @@ def save_checkpoint(
     finish_previous(engine)  # [Note: asynchronous save] the next save starts after the previous one
     engine.settle_masters()  # [Note: edits between steps]
     with agreement(world, f"hf_zero.save_checkpoint (removing what killed saves left beside {target})"):
-        leftovers.remove(leftovers.beside(target))  # [Note: leftovers]; every rank (node-local folders too)
+        remove_leftovers(beside(target))  # [Note: leftovers]; every rank (node-local folders too)
     token = broadcast_object(uuid.uuid4().hex[:12], world)
     staging = target.parent / f".{target.name}.incomplete-{token}"
 

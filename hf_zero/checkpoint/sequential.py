@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
+from ..dtypes import SAFETENSORS_NAMES as DTYPE_NAMES
 from .direct import BLOCK, O_DIRECT
 from .format import Digest
-from .stream import DTYPE_NAMES
 
 CHUNK_BYTES = 64 << 20  # one pread, and one hashed range, at most
 _BOUNCE: list[mmap.mmap] = []  # the two aligned buffers of direct reads, made at the first one and kept

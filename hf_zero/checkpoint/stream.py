@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,30 +33,10 @@ from typing import Any
 
 import torch
 
+from ..dtypes import SAFETENSORS_NAMES as DTYPE_NAMES
 from .direct import DirectSink
 
 PIECE_NUMEL = 1 << 22  # elements copied to the host at a time (16 MiB of fp32)
-
-DTYPE_NAMES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.complex64: "C64",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
 
 
 Parts = tuple[tuple[str, tuple[int, ...]], ...]  # the names and shapes a tensor's bytes are stored under, in order
@@ -89,16 +68,6 @@ class Entry:
         for d in self.shape:
             n *= d
         return n * self.dtype.itemsize
-
-
-def model_layout(model: torch.nn.Module) -> FileLayout:
-    """The names transformers' `save_pretrained` stores the model's tensors under where they differ from the
-    model's own ([Note: file layout]); empty for a model that is not a transformers model."""
-    if "transformers" not in sys.modules:  # a transformers model was built with it imported
-        return {}
-    from ..integrations.conversions import save_layout
-
-    return save_layout(model)
 
 
 def layout_to_json(layout: FileLayout) -> dict[str, list[list[Any]]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -33,12 +34,13 @@ from .resting import at_c_speed
 from .settings import PartSettings
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
-from .step.disk import disk_for, refuse_kept_on_disk
-from .step.master import FlatStep, MemoryStep
+from .step.disk import DiskOffload, disk_for, refuse_kept_on_disk
+from .step.master import FlatStep, MemoryMaster, MemoryStep
 from .step.pieces import Piece, pieces_of
 from .step.scaler import LossScaler
 from .step.stepping import OptimizerSteps
 from .step.torch_clip import register
+from .store import MasterStore
 from .teardown import track
 from .unit import Unit, split_parts
 from .wrap import UnitSpec
@@ -180,7 +182,8 @@ class ZeroEngine:
             grad_quant_block=block if config.quantized_gradients else None,
         )
         disk = self.disk if placement.offloaded else None
-        return FlatPart(spec, settings, source=source, grad_shard=grad_shard, disk=disk)
+        store = functools.partial(_store_for, disk, config.offload_params)  # [Note: master stores] in step/master.py
+        return FlatPart(spec, settings, source=source, grad_shard=grad_shard, store=store, on_disk=disk is not None)
 
     def _dtypes(self, spec: UnitSpec) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """A part's compute, master and reduce dtypes: the config's, or for parameters kept in their own dtype that
@@ -512,6 +515,11 @@ class ZeroEngine:
                     if isinstance(v, torch.Tensor):
                         count("optimizer_states", v, "host" if offloaded and v.device.type == "cpu" else str(v.device))
         return ModelStateMemory(**parts)
+
+
+def _store_for(disk: DiskOffload | None, params_on_disk: bool, part: FlatPart) -> MasterStore:
+    """A part's master store: its place in the offload files, or its own tensor in memory."""
+    return disk.adopt(part, params_on_disk) if disk is not None else MemoryMaster(part)
 
 
 def _swap_parameters(model: nn.Module, replaced: dict[int, nn.Parameter]) -> None:

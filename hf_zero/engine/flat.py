@@ -25,6 +25,7 @@ The gradients of a part live in its `FlatGrads` (grads.py).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,12 +40,11 @@ from .grads import FlatGrads, SlabShard
 from .pool import transient_nbytes
 from .resting import ModuleSlots, ShardedGrad
 from .settings import PartSettings, ReadsPartSettings
-from .step.master import MasterStore, MemoryMaster
+from .store import MasterStore
 from .wrap import UnitSpec
 
 if TYPE_CHECKING:
     from .sources import ShardSource
-    from .step.disk import DiskOffload
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit-for-bit comparisons
@@ -63,8 +63,11 @@ class FlatPart(ReadsPartSettings):
         *,
         source: ShardSource,
         grad_shard: SlabShard | None = None,
-        disk: DiskOffload | None = None,
+        store: Callable[[FlatPart], MasterStore],
+        on_disk: bool = False,
     ) -> None:
+        """`store` builds the part's master store once its shards exist ([Note: master stores] in step/master.py);
+        `on_disk`: the store is the offload files (the master is not compared with the chunk: a fingerprint)."""
         self.spec = spec
         self.settings = settings  # one record, shared with the gradients (settings.py)
         placement, shard_group = settings.placement, settings.shard_group
@@ -83,13 +86,11 @@ class FlatPart(ReadsPartSettings):
         self.sharded_param = None
         # Stages 0-2: the unsharded parameters are the only whole copy, never freed ([Note: unit lifecycle]).
         if not persistent:
-            self.sharded_param = self._gather_shard(on_disk=bool(disk))
+            self.sharded_param = self._gather_shard(on_disk=on_disk)
         self.params = self._bind_params(spec.params)
         # [Note: edits between steps]: the master in another device's memory or in files is not compared with the
         # chunk; a fingerprint of the chunk, taken at each publish, tells whether it changed since
-        self.fingerprinted = (
-            persistent and placement.offloaded and (disk is not None or self.master_device != self.device)
-        )
+        self.fingerprinted = persistent and placement.offloaded and (on_disk or self.master_device != self.device)
         self._published: torch.Tensor | None = None  # at the last publish
         self._current: torch.Tensor | None = None  # at the last `fingerprint_changed`
         # [Note: resting parameters] in resting.py: what the modules hold while the unit is resharded
@@ -98,8 +99,8 @@ class FlatPart(ReadsPartSettings):
             self.publish_master().wait()  # every rank's shard into the unsharded parameters
         else:
             self.free()
-        # [Note: master stores] in master.py: chosen here, once; the files take the master from now on
-        self.store: MasterStore = disk.adopt(self, placement.offload_params) if disk else MemoryMaster(self)
+        # [Note: master stores] in step/master.py: chosen by the engine, once; the files take the master from now on
+        self.store: MasterStore = store(self)
 
         # [Note: gradients] in grads.py: the unsharded buffer, a lookup's sparse gradient, the reduced shard
         self.grads = FlatGrads(settings, self.params, spec.backward_reads_params, grad_shard)

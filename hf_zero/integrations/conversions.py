@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -211,3 +212,11 @@ def _tiles(
     if sorted(placed) != list(range(shape[0] * per_expert)):
         return None
     return tuple(placed[i] for i in range(len(placed)))
+
+
+def model_layout(model: torch.nn.Module) -> FileLayout:
+    """The names transformers' `save_pretrained` stores the model's tensors under where they differ from the
+    model's own ([Note: file layout]); empty for a model that is not a transformers model."""
+    if "transformers" not in sys.modules:  # a transformers model was built with it imported
+        return {}
+    return save_layout(model)

@@ -32,30 +32,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..collectives import Pending
+from ..store import GradBinding, MasterStore
 
 if TYPE_CHECKING:
     from ..flat import FlatPart
-    from .disk import DiskOffload
     from .pieces import Piece
-
-
-class MasterStore(Protocol):
-    """What every master store answers ([Note: master stores])."""
-
-    def read(self) -> torch.Tensor: ...
-    def write(self, values: torch.Tensor) -> None: ...
-    def read_range(self, start: int, numel: int) -> Iterator[torch.Tensor]: ...
-    def values(self, start: int, numel: int) -> torch.Tensor: ...
-    def write_range(self, start: int, values: torch.Tensor) -> None: ...
-    def piece_tensors(
-        self, start: int, end: int, bounds: tuple[tuple[int, int], ...]
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]: ...
-    def gather_source(self) -> torch.Tensor: ...
-    def publish(self, async_op: bool = False, values: torch.Tensor | None = None) -> Pending: ...
-    def replace(self, values: torch.Tensor) -> None: ...
-    def bind_grads(self, piece: Piece, used: bool) -> None: ...
-    def state_reader(self, key: str, start: int, numel: int) -> Callable[[], Iterator[torch.Tensor]] | None: ...
-    def take_state(self, start: int, whole: dict[str, Any], flat: set[str]) -> bool: ...
 
 
 class MemoryMaster:
@@ -100,7 +81,7 @@ class MemoryMaster:
         """Make `values` (from `read`, changed) the master and publish it into the parameters."""
         _replace(self, values)
 
-    def bind_grads(self, piece: Piece, used: bool) -> None:
+    def bind_grads(self, piece: GradBinding, used: bool) -> None:
         piece.bind_grads(used)
 
     def state_reader(self, key: str, start: int, numel: int) -> Callable[[], Iterator[torch.Tensor]] | None:
@@ -112,19 +93,31 @@ class MemoryMaster:
         return False
 
 
+class MasterFiles(Protocol):
+    """What a `DiskMaster` asks of the offload files (`DiskOffload`, disk.py, which builds it)."""
+
+    master_key: str
+
+    @property
+    def state_keys(self) -> list[str]: ...
+    def read_master(self, offset: int, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor: ...
+    def read_range(self, key: str, offset: int, numel: int, piece_numel: int = ...) -> Iterator[torch.Tensor]: ...
+    def write_range(self, key: str, offset: int, values: torch.Tensor) -> None: ...
+
+
 class DiskMaster:
     """A master shard held at `offset` in this rank's offload files (`DiskOffload`), with the elementwise
     optimizer state at the same offsets ([Note: disk offload]); with `params_on_disk`, the files are also each
     gather's source ([Note: parameters on disk])."""
 
-    def __init__(self, part: FlatPart, disk: DiskOffload, offset: int, params_on_disk: bool) -> None:
+    def __init__(self, part: FlatPart, disk: MasterFiles, offset: int, params_on_disk: bool) -> None:
         self.part = part
         self._disk = weakref.ref(disk)  # the engine owns the files; a part left over must not keep them open
         self.offset = offset  # element offset of the shard in the files
         self.params_on_disk = params_on_disk
 
     @property
-    def disk(self) -> DiskOffload:
+    def disk(self) -> MasterFiles:
         disk = self._disk()
         if disk is None:
             raise RuntimeError(
@@ -186,7 +179,7 @@ class DiskMaster:
         """Make `values` (from `read`, changed) the master and publish it into the parameters."""
         _replace(self, values)
 
-    def bind_grads(self, piece: Piece, used: bool) -> None:
+    def bind_grads(self, piece: GradBinding, used: bool) -> None:
         """Nothing: each window binds its chunks' gradients while it steps."""
 
     def state_reader(self, key: str, start: int, numel: int) -> Callable[[], Iterator[torch.Tensor]] | None:
