@@ -255,9 +255,14 @@ def estimate(
     mixed_precision: str = "bf16",
     optimizer: str = "adamw",
     whole_state_bytes: int = 0,
+    stream_ordered: bool = True,
 ) -> list[Estimate]:
     """Rows for stages 0-3 with no offload, optimizer offload, (stage 3) parameter offload, (stages 1-3)
     disk offload (`offload_dir`) and (stage 3) disk offload with `offload_params`.
+
+    `stream_ordered`: collectives ordered on a device stream (NCCL, the default): a unit's backward may hold the
+    prefetched unit's parameters and the previous unit's gradients at once; `False` (gloo, a CPU run) gates the
+    prefetch on the reduction, one unit's buffers fewer ([Note: reduction-gated prefetch] in engine/hooks.py).
 
     `model` may live on the meta device (only shapes are read). `optimizer`: `"adamw"` or `"adafactor"` (on whole
     parameters, [Note: whole-parameter step]: its owned state, and one largest parameter's master and gradient
@@ -298,7 +303,7 @@ def estimate(
             e = _BYTES[config.param_dtype or model_dtype]
             reduce_bytes = _BYTES[config.resolved_reduce_dtype or config.param_dtype or model_dtype]
             grad_sizes = [sum(p.numel() for p in s.params if p.requires_grad) for s in specs]  # frozen: none
-            live, live_grads = _backward_window(specs, config.prefetch)
+            live, live_grads = _backward_window(specs, config.prefetch, stream_ordered)
             gathered = live * e if stage == 3 else 0  # parameters: running + prefetched
             if stage >= 2:  # unsharded gradients: running unit + the one whose reduction is in flight
                 buffers = live_grads * e + (max(grad_sizes) * reduce_bytes if reduce_bytes != e else 0)
@@ -324,20 +329,25 @@ def estimate(
     return rows
 
 
-def _backward_window(specs: list[UnitSpec], prefetch: int) -> tuple[int, int]:
+def _backward_window(specs: list[UnitSpec], prefetch: int, stream_ordered: bool = True) -> tuple[int, int]:
     """The most elements of parameters and of unsharded gradients live together in the backward pass, at the unit
     where their sum peaks: the root's, the running unit's and the `prefetch` units gathered ahead of it (the ones
     before it in the forward order), and the gradients of the running unit and of the one after it, whose
-    reduction is in flight. A lone embedding's gradient travels as rows ([Note: sparse lookup gradients]): no
-    unsharded buffer. Units in `specs` are in forward order, the root last."""
+    reduction is in flight; where the prefetch waits for that reduction (not `stream_ordered`), either the
+    prefetched units or the in-flight gradients, the larger. A lone embedding's gradient travels as rows ([Note:
+    sparse lookup gradients]): no unsharded buffer. Units in `specs` are in forward order, the root last."""
     params = [sum(p.numel() for p in s.params) for s in specs[:-1]]
     grads = [sum(p.numel() for p in s.params if p.requires_grad) if s.backward_reads_params else 0 for s in specs[:-1]]
     root_params = sum(p.numel() for p in specs[-1].params) if specs else 0
     root_grads = sum(p.numel() for p in specs[-1].params if p.requires_grad) if specs else 0
     best = (0, 0)
     for j in range(len(params)):
-        window = (sum(params[max(0, j - prefetch) : j + 1]), sum(grads[j : j + 2]))
-        best = max(best, window, key=sum)
+        ahead, behind = sum(params[max(0, j - prefetch) : j]), sum(grads[j + 1 : j + 2])
+        if stream_ordered:
+            windows = [(params[j] + ahead, grads[j] + behind)]
+        else:  # [Note: reduction-gated prefetch]
+            windows = [(params[j] + ahead, grads[j]), (params[j], grads[j] + behind)]
+        best = max([best, *windows], key=sum)
     return root_params + best[0], root_grads + best[1]
 
 
