@@ -143,8 +143,9 @@ def quantizable(tmp_path_factory):
 @pytest.mark.parametrize("kind, stage, quant_type, double, storage", [
     ("llama", 1, "nf4", True, "float32"), ("llama", 2, "nf4", True, "float32"), ("llama", 3, "nf4", True, "float32"),
     ("llama", 3, "fp4", False, "float32"), ("falcon", 2, "nf4", False, "float32"), ("falcon", 3, "fp4", True, "float32"),
-    ("llama", 1, "nf4", True, "uint8"), ("llama", 2, "fp4", False, "uint8"), ("llama", 3, "nf4", True, "uint8"),
-    ("falcon", 3, "nf4", True, "uint8"),
+    ("llama", 3, "nf4", True, "uint8"), ("falcon", 3, "nf4", True, "uint8"),
+    pytest.param("llama", 1, "nf4", True, "uint8", marks=pytest.mark.slow),  # the suite's time: the codes' part
+    pytest.param("llama", 2, "fp4", False, "uint8", marks=pytest.mark.slow),  # takes the same path at every stage
 ])
 def test_qlora_on_a_sharded_4bit_base_equals_one_process(pools, quantizable, kind, stage, quant_type, double, storage):
     """[Note: quantized base] QLoRA as PEFT users build it (transformers' 4-bit load with the codes stored as
@@ -170,7 +171,7 @@ def test_a_4bit_base_the_engine_cannot_shard_exactly_is_refused_naming_the_way(p
         assert "requires grad: its data are packed codes" in r["trainable_base"]
 
 
-@pytest.mark.parametrize("storage", ["uint8", "float32"])
+@pytest.mark.parametrize("storage", ["uint8", pytest.param("float32", marks=pytest.mark.slow)])
 def test_qlora_under_mixed_precision_and_int8_gathers_keeps_the_codes(pools, quantizable, storage):
     """Mixed precision (bf16) and int8 weight gathers at stage 3 cast and requantize the rest of the model, never
     the packed codes (their own part: [Note: quantized base]): the codes come out byte for byte, and the run tracks
