@@ -361,3 +361,28 @@ def test_cli_qlora_counts_the_4bit_base(tmp_path):
     assert states["lora"] - states["qlora"] == pytest.approx(saved - 1.01, rel=0.02), states
     refused = _cli(base + ["--qlora", "--dtype", "fp16"])
     assert refused.returncode == 2 and "--qlora estimates memory with --dtype bf16 or fp32" in refused.stderr
+
+
+def test_the_backward_window_follows_the_backend():
+    """The transient buffers the estimate counts at the unit of the backward where they peak: with NCCL (stream
+    ordered) the running unit, the prefetched one before it and the in-flight gradients of the one after it, all
+    at once; where the prefetch waits for that reduction (gloo, the fake backend of benchmarks/rank_of_n.py), the
+    larger of the two ([Note: reduction-gated prefetch]). An embedding and a head at the two ends are never
+    counted together, and a lone embedding's gradient (rows) not at all."""
+    from torch import nn
+
+    from hf_zero.engine.wrap import UnitSpec
+    from hf_zero.estimate import _backward_window
+
+    def unit(name: str, numel: int, lookup: bool = False) -> UnitSpec:
+        p = nn.Parameter(torch.empty(numel, device="meta"))
+        return UnitSpec(name, nn.Identity(), (p,), (name,), backward_reads_params=not lookup)
+
+    specs = [unit("embed", 100, lookup=True), unit("l0", 10), unit("l1", 10), unit("head", 100), unit("", 1)]
+    # NCCL, at the head: head + l1 gathered, head's gradients (nothing after it in flight)
+    assert _backward_window(specs, prefetch=1, stream_ordered=True) == (1 + 110, 1 + 100)
+    # gated: the same here (no reduction in flight behind the head)
+    assert _backward_window(specs, prefetch=1, stream_ordered=False) == (1 + 110, 1 + 100)
+    blocks = [unit(f"l{i}", 10) for i in range(4)] + [unit("", 0)]
+    assert _backward_window(blocks, prefetch=1, stream_ordered=True) == (20, 20)  # 4 units' buffers
+    assert sum(_backward_window(blocks, prefetch=1, stream_ordered=False)) == 30  # 3 units' buffers
