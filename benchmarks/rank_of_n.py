@@ -137,7 +137,7 @@ def run(args: argparse.Namespace, world: int, stage: int, offload: str, work: Pa
 def table(results: list[dict]) -> str:
     lines = [
         "| N | stage | offload | before the step (GiB) | peak (GiB) | estimate + baseline (GiB) | peak / estimate | "
-        "model states: measured / estimate | step (s) |",
+        "states after the step (gradients freed) / estimate's (with them) | step (s) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
