@@ -230,9 +230,11 @@ def _file_conversions(model: nn.Module) -> Conversions | None:
     integrations/conversions.py); None for any other model."""
     if "transformers" not in sys.modules:  # a transformers model was built with it imported
         return None
-    from .integrations.conversions import checkpoint_conversions
+    from .integrations.conversions import checkpoint_conversions, with_built
 
-    return checkpoint_conversions(model)
+    conversions = checkpoint_conversions(model)
+    four_bit = getattr(model, "hf_zero_four_bit", None)  # [Note: quantized load] in integrations/quantized_load.py
+    return with_built(conversions, four_bit) if four_bit else conversions
 
 
 def keep_fused_loss_head_gathered(model: nn.Module) -> None:

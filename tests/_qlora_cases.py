@@ -140,3 +140,44 @@ def qlora_memory(base: str, stage: int) -> dict[str, int]:
     model(input_ids=x, labels=x).loss.backward()
     opt.step()  # the state after a step, its gradients still held (what the estimate counts)
     return {"measured": hf_zero.model_state_memory(model).total(), "scales": scales}
+
+
+def qlora_loaded_both_ways(base: str, stage: int, storage: str) -> dict[str, Any]:
+    """QLoRA built two ways on every rank: transformers' 4-bit load + peft + `initialize` (the user's), and
+    `hf_zero.from_pretrained(..., quantization_config=..., peft_config=...)` reading its slices; whether the packed
+    codes and the scales agree, and 3 steps of each (losses, norms, adapters)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=getattr(torch, storage))
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    torch.manual_seed(0)
+    user = AutoModelForCausalLM.from_pretrained(base, quantization_config=q, dtype=torch.float32,
+                                                device_map={"": "cpu"})
+    torch.manual_seed(0)
+    user = get_peft_model(user, lora)
+    theirs = _codes(user)
+    scales = {n: p.quant_state.absmax.clone() for n, p in user.named_parameters() if hasattr(p, "quant_state")}
+    opt = torch.optim.AdamW([p for p in user.parameters() if p.requires_grad], lr=1e-2)
+    user, opt = hf_zero.initialize(user, opt, hf_zero.ZeroConfig(stage=stage))
+    want = _train(user, opt, _batch(dist.get_rank()))
+    torch.manual_seed(0)
+    loaded, opt2 = hf_zero.from_pretrained(
+        AutoModelForCausalLM, base, hf_zero.ZeroConfig(stage=stage), quantization_config=q, peft_config=lora,
+        dtype=torch.float32, optimizer_fn=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad],
+                                                                      lr=1e-2))
+    loaded.train()
+    mine = _codes(loaded)
+    with hf_zero.gathered_parameters(loaded):  # stage 3: the parameters themselves, not their resting stand-ins
+        own_scales = {n: p.quant_state.absmax for n, p in loaded.named_parameters() if hasattr(p, "quant_state")}
+    got = _train(loaded, opt2, _batch(dist.get_rank()))
+    adapters = [{k: v.detach().clone() for k, v in hf_zero.full_state_dict(m, rank0_only=False).items() if "lora_" in k}
+                for m in (user, loaded)]
+    return {
+        "codes_equal": theirs.keys() == mine.keys() and len(mine) > 0
+        and all(torch.equal(theirs[n], mine[n]) for n in theirs),
+        "scales_equal": scales.keys() == own_scales.keys() and all(torch.equal(scales[n], own_scales[n])
+                                                                  for n in scales),
+        "want": want, "got": got, "adapters": adapters,
+    }

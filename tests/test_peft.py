@@ -164,6 +164,25 @@ def test_qlora_on_a_sharded_4bit_base_equals_one_process(pools, quantizable, kin
             assert rel_err(r["adapters"][name].numpy(), value.numpy()) <= 1e-5, (rank, name)
 
 
+@pytest.mark.parametrize("stage, storage", [(3, "uint8"), (1, "float32")])
+def test_qlora_from_pretrained_reads_slices_and_equals_the_users_build(pools, quantizable, stage, storage):
+    """[Note: quantized load] `hf_zero.from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True,
+    ...), peft_config=LoraConfig(...))` on 2 ranks, no rank holding the model whole: the packed codes and every
+    weight's scales equal transformers' 4-bit load byte for byte, and 3 steps of QLoRA equal the user's build
+    (transformers' load, peft, initialize): losses, clipped norms and adapters within 1e-5."""
+    from tests import _qlora_cases
+
+    for rank, r in enumerate(pools(2).values(_qlora_cases.qlora_loaded_both_ways, str(quantizable / "llama"), stage,
+                                             storage)):
+        assert r["codes_equal"] and r["scales_equal"], rank
+        for key in ("loss", "norm"):
+            np.testing.assert_allclose(r["got"][key], r["want"][key], rtol=1e-5, err_msg=f"{rank} {key}")
+        mine, theirs = r["adapters"][1], r["adapters"][0]
+        assert mine.keys() == theirs.keys() and len(mine) >= 4
+        for name, value in theirs.items():
+            assert rel_err(mine[name].numpy(), value.numpy()) <= 1e-5, (rank, name)
+
+
 def test_a_4bit_base_the_engine_cannot_shard_exactly_is_refused_naming_the_way(pools, quantizable):
     from tests import _qlora_cases
 

@@ -23,14 +23,14 @@ import copy
 import math
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..checkpoint.pretrained import Conversions, FileNames
+from ..checkpoint.pretrained import Built, Conversions, FileNames
 from ..checkpoint.stream import FileLayout, Parts
 from ..engine.module import wrapped_model
 
@@ -52,6 +52,21 @@ class _Built:
         """The whole weight, from its sources read by `read(file key)`."""
         inputs = {pattern: [read(key) for key in keys] for pattern, keys in self.sources.items()}
         return _convert(self.converter, inputs, self.layer_name, self.config)[self.name]
+
+
+def with_built(conversions: Conversions | None, extra: Mapping[str, Built]) -> Conversions:
+    """`conversions` (or the files' own names) with `extra` weights built from the files by their own rules (QLoRA's
+    4-bit weights, quantized as they are read: [Note: quantized load] in quantized_load.py); each built weight's file
+    key is its renamed spelling where the conversions rename it."""
+
+    def names(file_keys: list[str], meta_of: Callable[[str], torch.Tensor]) -> FileNames:
+        base = conversions(file_keys, meta_of) if conversions is not None else FileNames({k: k for k in file_keys}, {})
+        renamed = dict(base.renamed)
+        for name, weight in extra.items():
+            weight.key = renamed.pop(name, weight.key)  # type: ignore[attr-defined]  # read under the files' key
+        return FileNames(renamed, {**base.built, **extra})
+
+    return names
 
 
 def checkpoint_conversions(model: nn.Module) -> Conversions | None:

@@ -28,6 +28,7 @@ from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import CommGroup, agreement, all_agree, broadcast_tensors, digest_of
 from ..engine.step.optim import ShardedOptimizer
 from .conversions import checkpoint_conversions
+from .quantized_load import attach_states, to_4bit_on_meta
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ def from_pretrained(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     peft_config: Any = None,
+    quantization_config: Any = None,
     ignore_mismatched_sizes: bool = False,
     **config_overrides: Any,
 ) -> tuple[nn.Module, ShardedOptimizer | None]:
@@ -76,6 +78,10 @@ def from_pretrained(
             every rank. A directory of an adapter saved with `save_pretrained` gives its config and its weights,
             trainable (`PeftModel.from_pretrained(model, dir, is_trainable=True)`). `optimizer_fn` then sees the
             PEFT model's parameters.
+        quantization_config (`transformers.BitsAndBytesConfig`, *optional*): QLoRA's 4-bit base
+            (`load_in_4bit=True`), quantized as it is read, each rank keeping its slice of the packed codes ([Note:
+            quantized load] in integrations/quantized_load.py): the same codes and scales transformers'
+            `from_pretrained(path, quantization_config=...)` gives, no rank holding the whole model.
         ignore_mismatched_sizes (`bool`, *optional*, defaults to `False`): as transformers' `from_pretrained`: a
             weight whose shape in the files differs from the model's (a 5-label head loaded as a 3-label one) is
             initialized anew, rank 0's values on every rank, and named in a warning; by default such files are
@@ -112,6 +118,10 @@ def from_pretrained(
             path, model_class, dtype, attn_implementation, trust_remote_code, ignore_mismatched_sizes, config_overrides
         )
     _share(fresh, world, "the weights the files lack")  # rank 0's values on every rank, as DDP's first broadcast
+    four_bit = None
+    if quantization_config is not None:  # [Note: quantized load]
+        with agreement(world, "hf_zero.from_pretrained (quantization_config)"):
+            four_bit = to_4bit_on_meta(model, quantization_config, next(model.parameters()).dtype)
     if peft_config is not None:
         with agreement(world, "hf_zero.from_pretrained (peft_config)"):
             adapter_dir, peft_config = _adapter(peft_config)
@@ -126,7 +136,30 @@ def from_pretrained(
     model.eval()
     with agreement(world, "hf_zero.from_pretrained (optimizer_fn)"):
         optimizer = optimizer_fn(model) if optimizer_fn is not None else None
-    return initialize(model, optimizer, config, weights_from=path, device=device)
+    if four_bit is None:
+        return initialize(model, optimizer, config, weights_from=path, device=device)
+    setattr(model, "hf_zero_four_bit", four_bit)  # noqa: B010 - read by initialize's conversions ([Note: quantized load])
+    sharded, sharded_optimizer = initialize(model, optimizer, config, weights_from=path, device=device)
+    with agreement(world, "hf_zero.from_pretrained (the 4-bit weights' scales)"):
+        attach_states(sharded, four_bit, _whole_reader(path))
+    return sharded, sharded_optimizer
+
+
+def _whole_reader(path: str | os.PathLike[str]) -> Callable[[str], torch.Tensor]:
+    """A tensor of the directory's safetensors files, whole, by its key."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from ..checkpoint.reader import hf_weight_map
+
+    weight_map = hf_weight_map(Path(path))
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(Path(path) / weight_map[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    return read
 
 
 def _build_from(
@@ -209,7 +242,6 @@ _LOADER_KEYWORDS = {
     "device_map": "drop it: the engine places the shards; device= picks the compute device",
     "max_memory": "drop it: the engine places the shards; ZeroConfig(offload_dir=...) moves them off the device",
     "offload_folder": "use ZeroConfig(offload_dir=...)",
-    "quantization_config": "load the quantized model with transformers' from_pretrained, then hf_zero.initialize",
     "revision": "hf_zero.from_pretrained reads a local directory (download it first, e.g. huggingface-cli download)",
     "variant": "it reads model.safetensors (or its index); save the variant's weights under those names "
     "(transformers' from_pretrained(path, variant=...).save_pretrained(new_dir)) and load new_dir",

@@ -1,0 +1,109 @@
+"""QLoRA's 4-bit base read straight into shards: `hf_zero.from_pretrained(..., quantization_config=...)`.
+
+[Note: quantized load]
+transformers loads a QLoRA base whole on every process, then quantizes each linear weight (bitsandbytes' NF4 or
+FP4: a scale per block of 64 weights, with double quantization a second level over the whole tensor's scales);
+hf_zero would then shard the packed codes ([Note: quantized base] in engine/quantized.py). Loaded through
+`hf_zero.from_pretrained`, the model is built on the meta device and transformers' own `replace_with_bnb_linear`
+puts bitsandbytes' `Linear4bit` where it would (the same `modules_to_not_convert`); each 4-bit weight becomes a
+meta parameter of its packed shape and storage dtype, which the engine shards in a part of its own. Its codes are
+built from the files' weight ([Note: converted weights] in integrations/conversions.py: read whole, cast to the
+load's dtype, quantized by bitsandbytes exactly as transformers' loader does) when a rank fills its slice; the
+rank keeps that slice and the weight's quantization state (scales, code table), which every rank needs whole.
+A rank whose shards hold no byte of a weight quantizes it once more for its state after `initialize`. So host
+memory holds one weight at a time beside the shards, and every rank reads each 4-bit weight once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class FourBitWeight:
+    """One linear weight quantized as it is read ([Note: quantized load]): a `Built` of the conversions."""
+
+    key: str  # the files' key of the full-precision weight
+    shape: tuple[int, ...]  # the packed codes' shape
+    dtype: torch.dtype  # their storage dtype
+    load_dtype: torch.dtype  # what the weight is cast to before it is quantized (the load's dtype)
+    settings: dict[str, Any]  # blocksize, compress_statistics, quant_type, quant_storage
+    state: Any = field(default=None, repr=False)  # bitsandbytes' QuantState, once built
+
+    def build(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        import bitsandbytes as bnb
+
+        weight = read(self.key).to(self.load_dtype)
+        params: Any = bnb.nn.Params4bit(weight, requires_grad=False, **self.settings)
+        quantized = params.to("cpu")  # bitsandbytes quantizes as the parameter moves (as transformers' loader does)
+        self.state = quantized.quant_state
+        return quantized.data.reshape(self.shape)
+
+
+def to_4bit_on_meta(model: nn.Module, quantization_config: Any, load_dtype: torch.dtype) -> dict[str, FourBitWeight]:
+    """Replace the linear layers transformers would quantize by 4-bit ones on the meta device; returns, by the
+    model's parameter name, how each 4-bit weight is built from the files."""
+    import bitsandbytes as bnb
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    if not getattr(quantization_config, "load_in_4bit", False):
+        raise ValueError(
+            "hf_zero.from_pretrained quantizes on load in 4 bits only (QLoRA): BitsAndBytesConfig(load_in_4bit=True, "
+            "bnb_4bit_quant_type='nf4', ...); an 8-bit base is not sharded."
+        )
+    skip = list(getattr(quantization_config, "llm_int8_skip_modules", None) or get_keys_to_not_convert(model))
+    replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=quantization_config)
+    built: dict[str, FourBitWeight] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        weight: Any = module.weight  # bitsandbytes' Params4bit, its settings as attributes
+        settings = {
+            "blocksize": weight.blocksize,
+            "compress_statistics": weight.compress_statistics,
+            "quant_type": weight.quant_type,
+            "quant_storage": weight.quant_storage,
+        }
+        numel = weight.numel()
+        storage = weight.quant_storage
+        packed = ((numel + 1) // 2 // storage.itemsize, 1)
+        module.weight = bnb.nn.Params4bit(
+            torch.empty(packed, dtype=storage, device="meta"), requires_grad=False, bnb_quantized=True, **settings
+        )
+        key = f"{name}.weight"
+        built[key] = FourBitWeight(key, packed, storage, load_dtype, settings)
+    if not built:
+        raise ValueError(
+            f"quantization_config: {type(model).__name__} has no layer transformers' bitsandbytes loader quantizes "
+            "(it converts only modules whose type is exactly nn.Linear)."
+        )
+    return built
+
+
+def attach_states(model: nn.Module, built: dict[str, FourBitWeight], read: Callable[[str], torch.Tensor]) -> None:
+    """After `initialize`: each 4-bit weight's quantization state on its parameter (built on this rank, or built
+    now from the files where this rank's shards hold none of its bytes)."""
+    for name, param in model.named_parameters():
+        weight = _find(built, name)
+        if weight is None:
+            continue
+        if weight.state is None:
+            weight.build(read)
+        param.quant_state = weight.state  # type: ignore[attr-defined]  # what bitsandbytes' Linear4bit reads
+
+
+def _find(built: dict[str, FourBitWeight], name: str) -> FourBitWeight | None:
+    """The 4-bit weight `name` is, by the model's name or under a PEFT wrapper's."""
+    from ..checkpoint.pretrained import PEFT_ROOT
+
+    if name in built:
+        return built[name]
+    if name.startswith(PEFT_ROOT):
+        return built.get(name[len(PEFT_ROOT) :].replace(".base_layer.", "."))
+    return None
