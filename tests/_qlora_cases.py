@@ -181,3 +181,28 @@ def qlora_loaded_both_ways(base: str, stage: int, storage: str) -> dict[str, Any
                                                                   for n in scales),
         "want": want, "got": got, "adapters": adapters,
     }
+
+
+def qlora_from_a_saved_4bit_checkpoint(saved: str, stage: int) -> dict[str, Any]:
+    """A directory transformers saved with its 4-bit weights, loaded by transformers (whole, on every rank) and by
+    `hf_zero.from_pretrained` (each rank its slices): whether the codes and scales agree, and the logits of each."""
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(saved, device_map={"": "cpu"})
+    codes = _codes(theirs)
+    scales = {n: p.quant_state.absmax.clone() for n, p in theirs.named_parameters() if hasattr(p, "quant_state")}
+    x = _batch(dist.get_rank())
+    with torch.no_grad():
+        want = theirs(input_ids=x).logits
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, saved, hf_zero.ZeroConfig(stage=stage))
+    mine = _codes(model)
+    with hf_zero.gathered_parameters(model):
+        own = {n: p.quant_state.absmax for n, p in model.named_parameters() if hasattr(p, "quant_state")}
+    with torch.no_grad():
+        got = model(input_ids=x).logits
+    return {
+        "codes_equal": codes.keys() == mine.keys() and len(mine) > 0 and all(torch.equal(codes[n], mine[n])
+                                                                            for n in codes),
+        "scales_equal": scales.keys() == own.keys() and all(torch.equal(scales[n], own[n]) for n in scales),
+        "logits": float((got - want).abs().max()),
+    }

@@ -183,6 +183,25 @@ def test_qlora_from_pretrained_reads_slices_and_equals_the_users_build(pools, qu
             assert rel_err(mine[name].numpy(), value.numpy()) <= 1e-5, (rank, name)
 
 
+def test_a_checkpoint_saved_with_its_4bit_weights_loads_into_shards(pools, quantizable, tmp_path):
+    """[Note: quantized load] a directory transformers saved from its 4-bit load (codes and scales as stored):
+    `hf_zero.from_pretrained` at stage 3 on 2 ranks reads each rank's slice of the codes as they are and rebuilds
+    every scale: codes and scales equal transformers' load of the same directory byte for byte, and so do the
+    logits."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tests import _qlora_cases
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.float32)
+    AutoModelForCausalLM.from_pretrained(quantizable / "llama", quantization_config=q, dtype=torch.float32,
+                                         device_map={"": "cpu"}).save_pretrained(tmp_path / "4bit")
+    for rank, r in enumerate(pools(2).values(_qlora_cases.qlora_from_a_saved_4bit_checkpoint, str(tmp_path / "4bit"),
+                                             3)):
+        assert r["codes_equal"] and r["scales_equal"], rank
+        assert r["logits"] == 0.0, (rank, r["logits"])
+
+
 def test_a_4bit_base_the_engine_cannot_shard_exactly_is_refused_naming_the_way(pools, quantizable):
     from tests import _qlora_cases
 

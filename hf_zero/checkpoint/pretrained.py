@@ -79,11 +79,26 @@ def files_dtype(directory: str | os.PathLike[str]) -> torch.dtype:
     return (floating or dtypes or [torch.float32])[0]
 
 
-def refuse_quantized(directory: Path) -> None:
+def saved_4bit_config(directory: Path) -> dict | None:
+    """The `quantization_config` of a directory saved by transformers with bitsandbytes' 4-bit weights (QLoRA's base,
+    its packed codes stored as they are used: [Note: quantized load] in integrations/quantized_load.py), or None."""
+    try:
+        quantization = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    four_bit = isinstance(quantization, dict) and quantization.get("quant_method") == "bitsandbytes"
+    return quantization if four_bit and quantization.get("load_in_4bit") else None
+
+
+def refuse_quantized(directory: Path, model: nn.Module | None = None) -> None:
     """`ValueError` for a directory whose weights are stored quantized (`quantization_config` in its config.json:
     FP8 checkpoints, GPTQ, AWQ, bitsandbytes...): its files hold fp8 or integer codes and their scales, which
     transformers' loader dequantizes or hands to a quantizer; read as they are they would be taken for the
-    weights themselves."""
+    weights themselves. Bitsandbytes' 4-bit codes read into a model built with 4-bit layers (`hf_zero.from_pretrained`
+    builds it so) are taken as they are ([Note: quantized load])."""
+    has_4bit = model is not None and any(hasattr(p, "quant_state") for p in model.parameters())
+    if has_4bit and saved_4bit_config(directory) is not None:
+        return
     config_file = directory / "config.json"
     if not config_file.is_file():
         return
@@ -179,12 +194,20 @@ class PretrainedSource:
     """A `ShardSource` reading a `save_pretrained` directory by byte range."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], model: nn.Module, conversions: Conversions | None = None
+        self,
+        directory: str | os.PathLike[str],
+        model: nn.Module,
+        conversions: Conversions | None = None,
+        *,
+        names_only: bool = False,
     ) -> None:
+        """`names_only`: asked only which weights the files hold and their shapes (building the model), never to
+        fill a shard: a directory of 4-bit codes is then not refused ([Note: quantized load])."""
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"No model directory at {self.directory}.")
-        refuse_quantized(self.directory)
+        if not names_only:
+            refuse_quantized(self.directory, model)
         self.weight_map = hf_weight_map(self.directory)
         self._bins = BinWeights(self.directory)  # [Note: .bin weights], where the directory has those
         names = conversions(list(self.weight_map), self._meta) if conversions is not None else None

@@ -16,19 +16,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..api import initialize
-from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtype, trained_copy
+from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtype, saved_4bit_config, trained_copy
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import CommGroup, agreement, all_agree, broadcast_tensors, digest_of
 from ..engine.step.optim import ShardedOptimizer
 from .conversions import checkpoint_conversions
-from .quantized_load import attach_states, to_4bit_on_meta
+from .quantized_load import attach_saved_states, attach_states, to_4bit_on_meta
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +120,10 @@ def from_pretrained(
         )
     _share(fresh, world, "the weights the files lack")  # rank 0's values on every rank, as DDP's first broadcast
     four_bit = None
-    if quantization_config is not None:  # [Note: quantized load]
+    saved = saved_4bit_config(Path(path))  # a directory saved with its 4-bit weights: read as they are stored
+    if quantization_config is not None or saved is not None:  # [Note: quantized load]
         with agreement(world, "hf_zero.from_pretrained (quantization_config)"):
-            four_bit = to_4bit_on_meta(model, quantization_config, next(model.parameters()).dtype)
+            four_bit = to_4bit_on_meta(model, quantization_config or _bnb_config(saved), next(model.parameters()).dtype)
     if peft_config is not None:
         with agreement(world, "hf_zero.from_pretrained (peft_config)"):
             adapter_dir, peft_config = _adapter(peft_config)
@@ -138,11 +140,22 @@ def from_pretrained(
         optimizer = optimizer_fn(model) if optimizer_fn is not None else None
     if four_bit is None:
         return initialize(model, optimizer, config, weights_from=path, device=device)
-    setattr(model, "hf_zero_four_bit", four_bit)  # noqa: B010 - read by initialize's conversions ([Note: quantized load])
+    if saved is None:  # quantized as read: initialize's conversions build the codes ([Note: quantized load])
+        setattr(model, "hf_zero_four_bit", four_bit)  # noqa: B010
     sharded, sharded_optimizer = initialize(model, optimizer, config, weights_from=path, device=device)
     with agreement(world, "hf_zero.from_pretrained (the 4-bit weights' scales)"):
-        attach_states(sharded, four_bit, _whole_reader(path))
+        if saved is None:
+            attach_states(sharded, four_bit, _whole_reader(path))
+        else:
+            attach_saved_states(sharded, four_bit, str(path))
     return sharded, sharded_optimizer
+
+
+def _bnb_config(saved: dict[str, Any] | None) -> Any:
+    """The `BitsAndBytesConfig` a directory's config.json records."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig.from_dict(dict(saved or {}))
 
 
 def _whole_reader(path: str | os.PathLike[str]) -> Callable[[str], torch.Tensor]:
@@ -308,7 +321,7 @@ def _untie_what_the_files_keep_apart(model: nn.Module, path: str | os.PathLike[s
     tied = getattr(model, "all_tied_weights_keys", None)
     if not tied:
         return
-    source = PretrainedSource(path, model, checkpoint_conversions(model))
+    source = PretrainedSource(path, model, checkpoint_conversions(model), names_only=True)
     for target, origin in list(tied.items()):
         if not source.differ(target, origin):
             continue
@@ -338,7 +351,7 @@ def _materialize_missing(model: nn.Module, path: str | os.PathLike[str]) -> list
     params = dict(model.named_parameters())
     missing = [
         name
-        for name in PretrainedSource(path, model, checkpoint_conversions(model)).missing(model)
+        for name in PretrainedSource(path, model, checkpoint_conversions(model), names_only=True).missing(model)
         if id(params[name]) not in body
     ]
     if not missing:
@@ -360,7 +373,7 @@ def _materialize_mismatched(model: nn.Module, path: str | os.PathLike[str]) -> l
     """`ignore_mismatched_sizes=True`, as transformers' `from_pretrained`: the parameters `path` holds in another shape
     than the model's (a classifier of another number of labels) made real on the host, marked not to be read from
     the files ([Note: names in the files]) and left for `initialize_weights`; named in a warning."""
-    found = PretrainedSource(path, model, checkpoint_conversions(model)).mismatched(model)
+    found = PretrainedSource(path, model, checkpoint_conversions(model), names_only=True).mismatched(model)
     if not found:
         return []
     fresh = _make_real(model, {name for name, _, _ in found})
@@ -444,7 +457,9 @@ def _with_lora(
         )
     drawn_from = torch.get_rng_state()  # PEFT draws the adapter on the host, then moves it to the meta device
     model = get_peft_model(model, peft_config)
-    fresh = _make_real(model, set(PretrainedSource(path, model, checkpoint_conversions(model)).missing(model)))
+    fresh = _make_real(
+        model, set(PretrainedSource(path, model, checkpoint_conversions(model), names_only=True).missing(model))
+    )
     torch.set_rng_state(drawn_from)  # the same draws again, into the real matrices
     for module in model.modules():
         if isinstance(module, LoraLayer):

@@ -11,7 +11,10 @@ built from the files' weight ([Note: converted weights] in integrations/conversi
 load's dtype, quantized by bitsandbytes exactly as transformers' loader does) when a rank fills its slice; the
 rank keeps that slice and the weight's quantization state (scales, code table), which every rank needs whole.
 A rank whose shards hold no byte of a weight quantizes it once more for its state after `initialize`. So host
-memory holds one weight at a time beside the shards, and every rank reads each 4-bit weight once.
+memory holds one weight at a time beside the shards, and every rank reads each 4-bit weight once. A directory
+transformers saved from its 4-bit load (bitsandbytes' `quantization_config` in its `config.json`) holds the codes
+as the parameters store them: they are read by slice like any weight, and each weight's state is rebuilt from the
+scales saved beside it (`attach_saved_states`).
 """
 
 from __future__ import annotations
@@ -84,6 +87,33 @@ def to_4bit_on_meta(model: nn.Module, quantization_config: Any, load_dtype: torc
             "(it converts only modules whose type is exactly nn.Linear)."
         )
     return built
+
+
+def attach_saved_states(model: nn.Module, built: dict[str, FourBitWeight], path: str) -> None:
+    """After `initialize`, for a directory saved with its 4-bit weights: each weight's quantization state, rebuilt
+    from the scales saved beside its codes (`<weight>.absmax`, `.quant_map`, ...), as transformers' loader does."""
+    from pathlib import Path
+
+    import bitsandbytes as bnb
+    from safetensors import safe_open
+
+    from ..checkpoint.reader import hf_weight_map
+
+    weight_map = hf_weight_map(Path(path))
+    for name, param in model.named_parameters():
+        weight = _find(built, name)
+        if weight is None:
+            continue
+        parts = {}
+        for key, file in weight_map.items():
+            if key.startswith(weight.key + "."):
+                with safe_open(str(Path(path) / file), framework="pt") as f:
+                    parts[key] = f.get_tensor(key)
+        if not parts:
+            raise ValueError(
+                f"{path} holds the 4-bit weight {weight.key} without its scales ({weight.key}.absmax, ...)."
+            )
+        param.quant_state = bnb.functional.QuantState.from_dict(parts, device=torch.device("cpu"))  # type: ignore[attr-defined]
 
 
 def attach_states(model: nn.Module, built: dict[str, FourBitWeight], read: Callable[[str], torch.Tensor]) -> None:
