@@ -42,7 +42,7 @@ from .writer import INDEX_FILE, WEIGHT_FILE, make_directory
 
 
 @dataclass(frozen=True)
-class Tensor:
+class FolderTensor:
     """One tensor of the folder: a parameter of a unit (`unit`, `slot`), or a tensor held whole (`value`)."""
 
     name: str
@@ -66,20 +66,20 @@ class OwnerPlan:
     Example:
 
     ```python
-    >>> tensors = [Tensor("a", (4,), 4), Tensor("b", (2,), 2)]
+    >>> tensors = [FolderTensor("a", (4,), 4), FolderTensor("b", (2,), 2)]
     >>> plan = OwnerPlan.deal(tensors, torch.float32, world_size=2, max_bytes=10**9)
     >>> plan.owned, plan.files
     ([[0], [1]], [[[0]], [[1]]])
     ```
     """
 
-    tensors: list[Tensor]
+    tensors: list[FolderTensor]
     dtype: torch.dtype  # what the folder is written in; a tensor kept in its own dtype is written in that
     owned: list[list[int]]  # per rank: its tensors' indices, in the order it writes them (round k: the k-th)
     files: list[list[list[int]]]  # per rank: its files, each a list of tensor indices
 
     @staticmethod
-    def deal(tensors: list[Tensor], dtype: torch.dtype, world_size: int, max_bytes: int) -> OwnerPlan:
+    def deal(tensors: list[FolderTensor], dtype: torch.dtype, world_size: int, max_bytes: int) -> OwnerPlan:
         nbytes = [t.numel * _itemsize(t, dtype) for t in tensors]
         owned = deal(nbytes, world_size)  # largest first, to the rank with the fewest bytes so far
         files: list[list[list[int]]] = []
@@ -121,11 +121,11 @@ class OwnerPlan:
         return max((len(mine) for mine in self.owned), default=0)
 
 
-def _itemsize(t: Tensor, dtype: torch.dtype) -> int:
+def _itemsize(t: FolderTensor, dtype: torch.dtype) -> int:
     return written_dtype(t, dtype).itemsize
 
 
-def written_dtype(t: Tensor, dtype: torch.dtype) -> torch.dtype:
+def written_dtype(t: FolderTensor, dtype: torch.dtype) -> torch.dtype:
     """The dtype `t` is written in, in a folder written in `dtype`: its own where it keeps one, an integer buffer's
     own, else `dtype`."""
     if t.dtype is not None:
@@ -134,22 +134,24 @@ def written_dtype(t: Tensor, dtype: torch.dtype) -> torch.dtype:
     return dtype if value_dtype.is_floating_point else value_dtype
 
 
-def folder_tensors(engine: ZeroEngine, dtype: torch.dtype) -> list[Tensor]:
+def folder_tensors(engine: ZeroEngine, dtype: torch.dtype) -> list[FolderTensor]:
     """The tensors of the model folder in `state_dict` order: each parameter once (tied names under the first),
     then the persistent buffers. A parameter every rank holds whole in `dtype` is taken as it is; one kept in its
     own dtype is written in that ([Note: parameters kept in their own dtype] in engine/unit.py)."""
-    tensors: list[Tensor] = []
+    tensors: list[FolderTensor] = []
     for part in engine.parts:
         kept = part.spec.dtype
         for index, slot in enumerate(part.layout.slots):
             if part.persistent and part.param_dtype == (kept or dtype):
                 value = part.unsharded_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, value=value, dtype=kept))
+                tensors.append(FolderTensor(slot.name, tuple(slot.shape), slot.numel, value=value, dtype=kept))
             else:
-                tensors.append(Tensor(slot.name, tuple(slot.shape), slot.numel, part=part, slot=index, dtype=kept))
+                shape = tuple(slot.shape)
+                tensors.append(FolderTensor(slot.name, shape, slot.numel, part=part, slot=index, dtype=kept))
     for name, buf in engine.module_state(with_params=False).items():
         kept = buf.dtype if engine.keeps_dtype(buf) else None
-        tensors.append(Tensor(name, tuple(buf.shape), buf.numel(), value=buf.detach(), parameter=False, dtype=kept))
+        value = buf.detach()
+        tensors.append(FolderTensor(name, tuple(buf.shape), buf.numel(), value=value, parameter=False, dtype=kept))
     return tensors
 
 
@@ -181,7 +183,7 @@ class Exchange:
         self._send = torch.empty(0, dtype=plan.exchange_dtype, device=self.device)
         self._recv = torch.empty(0, dtype=plan.exchange_dtype, device=self.device)
 
-    def _of_round(self, rank: int, k: int) -> Tensor | None:
+    def _of_round(self, rank: int, k: int) -> FolderTensor | None:
         owned = self.plan.owned[rank]
         return self.plan.tensors[owned[k]] if k < len(owned) else None
 
@@ -213,7 +215,7 @@ class Exchange:
             for _ in self.windows(self.round):
                 pass
 
-    def _span(self, t: Tensor, rank: int, window: int) -> tuple[int, int]:
+    def _span(self, t: FolderTensor, rank: int, window: int) -> tuple[int, int]:
         """The elements `[a, b)` of `t` in `window` that `rank`'s shard holds (a == b: none)."""
         layout = _part(t).layout
         slot = layout.slots[t.slot]
@@ -262,7 +264,7 @@ class Exchange:
             setattr(self, attr, buf)
         return buf[:numel]
 
-    def _read(self, t: Tensor, a: int, b: int) -> Iterator[torch.Tensor]:
+    def _read(self, t: FolderTensor, a: int, b: int) -> Iterator[torch.Tensor]:
         """Elements `[a, b)` of `t` from this rank's master shard, where it lives (memory or the offload files)."""
         part = _part(t)
         piece = self.pieces.get((id(part), t.slot))
@@ -271,7 +273,7 @@ class Exchange:
         yield from part.store.read_range(piece.local[0] + a - piece.start, b - a)  # [Note: master stores]
 
 
-def _part(t: Tensor) -> FlatPart:
+def _part(t: FolderTensor) -> FlatPart:
     if t.part is None:
         raise RuntimeError(f"hf_zero: {t.name} is held whole and has no shards to read")
     return t.part
