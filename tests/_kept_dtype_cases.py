@@ -4,6 +4,7 @@ kept in their own dtype] in hf_zero/engine/unit.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -57,12 +58,15 @@ def _batches(rank: int, steps: int, accum: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(steps * accum)]
 
 
-def _train(model: Any, opt: torch.optim.Optimizer, batches: list[torch.Tensor], accum: int, ddp: bool) -> dict:
-    """Steps of `accum` micro-batches (the first ones without gradient sync), clipped at 1.0."""
+def _train(
+    model: Any, opt: torch.optim.Optimizer, batches: list[torch.Tensor], accum: int, ddp: bool, idioms: bool = False
+) -> dict:
+    """Steps of `accum` micro-batches (the first ones without gradient sync), clipped at 1.0. With `idioms`, as DDP
+    loops also write it: `zero_grad(set_to_none=False)` and an evaluation forward after each step."""
     losses, norms = [], []
     for i, x in enumerate(batches):
         last = (i + 1) % accum == 0
-        sync = model.no_sync() if not last else _nothing()
+        sync = model.no_sync() if not last else contextlib.nullcontext()
         with sync:
             loss = model(input_ids=x, labels=x).loss / accum
             loss.backward()
@@ -71,19 +75,17 @@ def _train(model: Any, opt: torch.optim.Optimizer, batches: list[torch.Tensor], 
             params = model.parameters()
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not idioms)
+            if idioms:
+                model.eval()
+                with torch.no_grad():
+                    losses.append(float(model(input_ids=x, labels=x).loss))
+                model.train()
     return {"losses": losses, "norms": norms}
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
 
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def against_ddp(base: str, stage: int, steps: int = 3, accum: int = 2) -> dict[str, Any]:
+def against_ddp(base: str, stage: int, steps: int = 3, accum: int = 2, idioms: bool = False) -> dict[str, Any]:
     """`steps` steps of AdamW on the bf16 load (gates float32) under hf_zero at `stage` and under torch's DDP on
     the same ranks and batches: each side's losses, clipped norms, parameter dtypes, final weights (rank 0), and the
     files the sharded model saves (their dtypes)."""
@@ -94,12 +96,12 @@ def against_ddp(base: str, stage: int, steps: int = 3, accum: int = 2) -> dict[s
     ref = load_bf16(base)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ddp = DDP(ref)
-    reference = _train(ddp, ref_opt, batches, accum, ddp=True)
+    reference = _train(ddp, ref_opt, batches, accum, ddp=True, idioms=idioms)
     model = load_bf16(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = hf_zero.ZeroConfig(stage=stage, no_sync_keeps_grads=True)  # DDP's order: sum the micro-batches, reduce
     model, opt = hf_zero.initialize(model, opt, config)
-    got = _train(model, opt, batches, accum, ddp=False)
+    got = _train(model, opt, batches, accum, ddp=False, idioms=idioms)
     state = hf_zero.full_state_dict(model)
     out = os.path.join(base, f"saved-{stage}")
     model.save_pretrained(out)

@@ -3,6 +3,7 @@ the CPU, LoRA by peft, under hf_zero on every rank and in one process on both ra
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -68,16 +69,9 @@ def _train(model: torch.nn.Module, opt: Any, x: torch.Tensor) -> dict[str, list[
 
 def _codes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The packed 4-bit codes of every quantized weight, as bytes (whole: gathered at stage 3)."""
-    with hf_zero.gathered_parameters(model) if hasattr(model, "zero_engine") else _nothing():
+    with hf_zero.gathered_parameters(model) if hasattr(model, "zero_engine") else contextlib.nullcontext():
         return {n: p.detach().view(torch.uint8).clone() for n, p in model.named_parameters() if hasattr(p, "quant_state")}
 
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def qlora_against_one_process(

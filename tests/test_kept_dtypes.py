@@ -84,6 +84,21 @@ def test_the_trainer_on_a_bf16_load_with_float32_gates_equals_the_stock_trainer(
         assert rel_err(got["state"][name].float().numpy(), value.float().numpy()) <= tol, name
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_ddp_loop_with_zeroed_grads_and_eval_forwards_trains_as_ddp(pools, bases, stage):
+    """The bf16 load with float32 gates in a DDP user's loop: `torch.nn.utils.clip_grad_norm_(model.parameters())`,
+    `zero_grad(set_to_none=False)` and an evaluation forward after each step, against the same loop under DDP:
+    losses (training and evaluation) and norms at bf16 noise, the gates within 1e-4."""
+    got = pools(2).values(kc.against_ddp, bases["deepseek_v3"], stage, 3, 2, True)[0]
+    ref, mine = got["reference"], got["got"]
+    assert len(mine["losses"]) == 9  # 6 micro-batches, 3 evaluations
+    np.testing.assert_allclose(mine["losses"], ref["losses"], rtol=BF16_NOISE, atol=0)
+    np.testing.assert_allclose(mine["norms"], ref["norms"], rtol=BF16_NOISE, atol=0)
+    for name, value in got["ref_state"].items():
+        tol = 1e-4 if name.endswith("mlp.gate.weight") else BF16_NOISE
+        assert rel_err(got["state"][name].float().numpy(), value.float().numpy()) <= tol, name
+
+
 def test_mixed_precision_keeps_the_gates_in_float32(pools, bases):
     """The bf16 load under mixed_precision='bf16' at stage 3: the gate is gathered and computes in float32 (its
     forward sees a float32 weight), its master and gradient shards are float32, the rest computes in bf16 from
