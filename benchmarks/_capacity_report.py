@@ -17,21 +17,37 @@ def floor_bytes(params: int) -> float:
     return 16 * params / 2
 
 
-def estimated_bytes(layers: int, offload: str = "none", precision: str = "bf16") -> int:
+def estimated_bytes(layers: int, offload: str = "none", precision: str = "bf16", engine: str = "hf_zero3") -> int:
     """`hf-zero estimate`'s per-device total for stage 3 at this size (2 ranks, 1 x SEQ tokens)."""
+    row = estimate_row(layers, offload, precision, engine)
+    return row.device_total + (row.host_per_node // 2 if offload != "none" else 0)
+
+
+def estimate_row(layers: int, offload: str, precision: str, engine: str):  # noqa: ANN201
+    """The estimator's stage-3 row for this size; for the LoRA engines the adapter of `_capacity_qlora.LORA` with
+    activation checkpointing, and for QLoRA the 4-bit base (`hf-zero estimate --qlora`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from _capacity_model import SEQ, hf_config
-    from hf_zero.estimate import Workload, estimate
+    from hf_zero.estimate import Workload, as_4bit, estimate
 
     config = hf_config(layers)
+    lora = engine in ("hf_zero3_qlora", "hf_zero3_lora")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    rows = estimate(model, config, world_size=2, workload=Workload(micro_batch=1, seq_len=SEQ),
-                    mixed_precision="bf16" if precision == "bf16" else "no")
-    row = next(r for r in rows if r.stage == 3 and r.offload == offload)
-    return row.device_total + (row.host_per_node // 2 if offload != "none" else 0)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            from _capacity_qlora import LORA
+
+            model = get_peft_model(model, LoraConfig(**LORA))
+    scales = as_4bit(model) if engine == "hf_zero3_qlora" else 0
+    rows = estimate(model, config, world_size=2,
+                    workload=Workload(micro_batch=1, seq_len=SEQ, gradient_checkpointing=lora),
+                    mixed_precision="bf16" if precision == "bf16" and not lora else "no", whole_state_bytes=scales,
+                    stream_ordered=False)
+    return next(r for r in rows if r.stage == 3 and r.offload == offload)
 
 
 def compare_section(report: dict) -> list[str]:
@@ -79,7 +95,8 @@ def compare_section(report: dict) -> list[str]:
 RATIOS = [("hf_zero3", "fsdp2"), ("hf_zero3", "ddp"), ("hf_zero3", "ds3"), ("hf_zero3", "ds3_raw"),
           ("hf_zero3_disk", "hf_zero3"),
           ("hf_zero3_disk_params", "hf_zero3"), ("hf_zero3_disk_params", "ds3_nvme"),
-          ("hf_zero3_disk", "ds3_nvme_lean"), ("hf_zero3_disk_params", "ds3_nvme_lean")]
+          ("hf_zero3_disk", "ds3_nvme_lean"), ("hf_zero3_disk_params", "ds3_nvme_lean"),
+          ("hf_zero3_qlora", "hf_zero3_lora"), ("hf_zero3_qlora", "fsdp_qlora"), ("hf_zero3_qlora", "ds3_qlora")]
 
 
 def ratio_lines(runs: list[dict]) -> list[str]:
@@ -93,6 +110,25 @@ def ratio_lines(runs: list[dict]) -> list[str]:
         return []
     return ["", "Largest size trained, one engine over another: " + "; ".join(
         f"{LABELS[a]} / {LABELS[b]} = {largest[a] / largest[b]:.2f}x" for a, b in pairs) + "."]
+
+
+def model_state_lines(ours: list[dict], precision: str) -> list[str]:
+    """For the LoRA engines: the bytes of model state a rank holds (its shards of the base, the 4-bit codes for
+    QLoRA, the adapter's parameters, gradients and optimizer state, the quantization scales every rank keeps whole),
+    as the run counted them, against the estimator's `model_states`."""
+    lora = [r for r in ours if r["engine"] in ("hf_zero3_qlora", "hf_zero3_lora")]
+    if not lora:
+        return []
+    lines = ["", "Model state per rank (`hf_zero.model_state_memory` plus the 4-bit scales held), against the "
+             "estimator's (`hf-zero estimate --qlora` for the 4-bit base):", "",
+             "| engine | params | measured (GiB) | estimate (GiB) | ratio |", "|---|---|---|---|---|"]
+    for r in lora:
+        held = max(sum(sum(v.values()) for v in x["model_states"].values()) + x.get("quant_state_bytes", 0)
+                   for x in r["ranks"])
+        est = estimate_row(r["layers"], "none", precision, r["engine"]).model_states
+        lines.append(f"| {LABELS[r['engine']]} | {r['params'] / 1e9:.2f}B | {held / GIB:.3f} | {est / GIB:.3f} | "
+                     f"{held / est:.3f} |")
+    return lines
 
 
 def peer_lines(runs: list[dict]) -> list[str]:
@@ -151,9 +187,10 @@ def write_report(report: dict, out: Path, name: str) -> None:
         for r in sorted(ours, key=lambda r: (r["engine"], r["params"])):
             peak = max(x["train_peak_rss"] - x["base_rss"] for x in r["ranks"])
             offload = {"hf_zero3_disk": "disk", "hf_zero3_disk_params": "disk+params"}.get(r["engine"], "none")
-            est = estimated_bytes(r["layers"], offload, precision)
+            est = estimated_bytes(r["layers"], offload, precision, r["engine"])
             lines.append(f"| {LABELS[r['engine']]} | {r['params'] / 1e9:.2f}B | {peak / GIB:.2f} | {est / GIB:.2f} | "
                          f"{peak / est:.3f} |")
+        lines += model_state_lines(ours, precision)
     lines += peer_lines(runs)
     lines += ["", "## Every run", "",
               "| engine | params | result | setup peak | train peak | save peak | 16Ψ/N | steps (s) | save (s) | losses |",

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from _capacity_model import SEQ, hf_config, n_params
+from _capacity_model import SEQ, SHAPE, hf_config, n_params
 
 
 def _status(field: str) -> int:
@@ -79,6 +79,10 @@ def build(engine: str, args: argparse.Namespace):  # noqa: ANN201
     """Returns (train_step(batch) -> loss, save(path), extra_stats())."""
     from transformers import AutoModelForCausalLM
 
+    from _capacity_qlora import QLORA_ENGINES, build_qlora
+
+    if engine in QLORA_ENGINES:
+        return build_qlora(engine, args, PEER_CONFIG)
     config = hf_config(args.layers)
     bf16 = args.precision == "bf16"
     if engine.startswith("hf_zero"):
@@ -212,7 +216,7 @@ def work(args: argparse.Namespace) -> None:
         shutil.rmtree(args.weights, ignore_errors=True)
     _reset_peak()
     g = torch.Generator().manual_seed(1234)
-    data = torch.randint(0, 32000, (args.steps, 2, SEQ), generator=g)
+    data = torch.randint(0, SHAPE["vocab_size"], (args.steps, 2, SEQ), generator=g)
     losses, step_s = [], []
     for i in range(args.steps):
         _phase(rank, f"step {i + 1}")

@@ -63,6 +63,9 @@ PLAN_FP32 = {"ddp": [4, 6, 8], "fsdp2": [12, 16, 18], "ds3_raw": [4, 8, 12], "ds
              "hf_zero3_disk": [32, 40, 44, 48],
              "hf_zero3_disk_params": [52, 66]}
 ENGINES = list(PLAN)
+# `--qlora` (benchmarks/_capacity_qlora.py): LoRA on a 4-bit base, against hf_zero's LoRA on the unquantized base
+PLAN_QLORA = {"hf_zero3_lora": [76, 80, 84], "fsdp_qlora": [320, 384], "hf_zero3_qlora": [480, 528],
+              "ds3_qlora": [256, 320]}
 
 
 # ---- the driver ---------------------------------------------------------------------------------
@@ -259,6 +262,9 @@ def main() -> None:
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                     help="bf16: every engine's mixed precision (needs a CPU with bf16 matrix instructions to run at "
                          "speed); fp32: no mixed precision anywhere (results go to capacity_fp32.*)")
+    ap.add_argument("--qlora", action="store_true",
+                    help="LoRA on a 4-bit base (NF4) for hf_zero and the peers' QLoRA setups, and LoRA on the "
+                         "unquantized base for hf_zero (results go to capacity_qlora*)")
     ap.add_argument("--timeout", type=int, default=2400)
     ap.add_argument("--weights", default=None)
     ap.add_argument("--work", default=None, help="scratch folder (weights, offload files, checkpoints)")
@@ -286,8 +292,11 @@ def main() -> None:
     work_dir = Path(args.work or tempfile.mkdtemp(prefix="hf_zero_capacity-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     budget = int(args.budget_gib * GIB)
-    name = ("capacity_compare" if args.compare else "capacity") + ("_fp32" if args.precision == "fp32" else "")
+    name = ("capacity_compare" if args.compare else "capacity_qlora" if args.qlora else "capacity") + (
+        "_fp32" if args.precision == "fp32" else "")
     engines = ["hf_zero3", "hf_zero3_disk"] if args.compare else args.engines.split(",")
+    if args.qlora:
+        engines = [e for e in (args.engines.split(",") if args.engines != ",".join(ENGINES) else PLAN_QLORA)]
     if args.precision == "fp32":
         engines = [e for e in engines if e != "fsdp2_reduce_fp32"]  # the same as fsdp2 without bf16
     if any(e.startswith("ds3_nvme") for e in engines):
@@ -300,16 +309,22 @@ def main() -> None:
     report = {"cpu_bf16": cpu_has_bf16(), "precision": args.precision, "budget_gib": args.budget_gib, "total_budget_gib": args.total_budget_gib, "seq": SEQ, "steps": args.steps, "shape": SHAPE,
               "disk": disk_bandwidth(work_dir), "runs": []}
     print(f"disk: {report['disk']}", flush=True)
-    plans = PLAN_FP32 if args.precision == "fp32" else PLAN
+    plans = PLAN_QLORA if args.qlora else PLAN_FP32 if args.precision == "fp32" else PLAN
     plan = {e: ([int(x) for x in args.ladder.split(",")] if args.ladder else plans.get(e, [])) for e in engines}
     if args.compare:
         plan = {e: [args.compare] for e in engines}
     total_budget = int(args.total_budget_gib * GIB)
     for engine in engines:
         for layers in plan[engine]:
-            weights = work_dir / f"weights-{layers}"
+            four_bit = args.qlora and engine.endswith("_qlora")
+            weights = work_dir / f"weights{'-4bit' if four_bit else ''}-{layers}"
             if not weights.exists():
-                write_weights(layers, weights)
+                if four_bit:
+                    from _capacity_qlora import write_4bit_weights
+
+                    write_4bit_weights(hf_config(layers), weights)
+                else:
+                    write_weights(layers, weights)
             r = run_job(engine, layers, weights, work_dir, budget, total_budget, args.steps, args.timeout,
                         drop_weights=engine == engines[-1] and not args.compare,  # room on disk for the save
                         precision=args.precision)
