@@ -96,7 +96,7 @@ gpu-rehearse: $(STAMP)
 gpu-wheels:
 	rm -rf .whl && mkdir -p .whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl -r benchmarks/gpu_wheels.txt
 	du -sh .whl
 

@@ -163,6 +163,10 @@ def initialize(
             fingerprint = source.fingerprint()
         requested = _as_device(device)
         compute = validate_model(model, world, has_source=source is not None, requested=requested)
+        if getattr(model, "hf_zero_four_bit", None):  # [Note: quantized load]: quantized where it computes
+            from .integrations.quantized_load import place
+
+            place(model, compute)
         check_optimizers(optimizer_list(optimizer), model, cfg.offload_dir)
         if source is not None:
             source.load_buffers(model)

@@ -11,21 +11,30 @@ import torch.distributed as dist
 
 import hf_zero
 
+DEVICE = torch.device("cpu")  # where the models, their batches and the engine live (the GPU check sets its GPU)
+
 
 def qlora_model(base: str, quant_type: str, double: bool, storage: str = "float32") -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
-                           bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=getattr(torch, storage))
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=q, dtype=torch.float32,
-                                                 device_map={"": "cpu"})
+    q = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double,
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=getattr(torch, storage),
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=q, dtype=torch.float32, device_map={"": DEVICE}
+    )
     if model.config.model_type == "falcon":
         _quantize_falcon(model, q)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(0)
-    targets = ["q_proj", "v_proj", "up_proj"] if model.config.model_type == "llama" else ["query_key_value",
-                                                                                          "dense_h_to_4h"]
+    targets = (
+        ["q_proj", "v_proj", "up_proj"] if model.config.model_type == "llama" else ["query_key_value", "dense_h_to_4h"]
+    )
     return get_peft_model(model, LoraConfig(r=4, target_modules=targets, lora_dropout=0.0))
 
 
@@ -39,20 +48,30 @@ def _quantize_falcon(model: torch.nn.Module, q: Any) -> None:
             for name, child in list(owner.named_children()):
                 if type(child).__name__ != "FalconLinear":
                     continue
-                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                        compute_dtype=q.bnb_4bit_compute_dtype, quant_type=q.bnb_4bit_quant_type,
-                                        compress_statistics=q.bnb_4bit_use_double_quant,
-                                        quant_storage=q.bnb_4bit_quant_storage, device="meta")
-                new.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False,
-                                               quant_type=q.bnb_4bit_quant_type, quant_storage=q.bnb_4bit_quant_storage,
-                                               compress_statistics=q.bnb_4bit_use_double_quant)
+                new = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=q.bnb_4bit_compute_dtype,
+                    quant_type=q.bnb_4bit_quant_type,
+                    compress_statistics=q.bnb_4bit_use_double_quant,
+                    quant_storage=q.bnb_4bit_quant_storage,
+                    device="meta",
+                )
+                new.weight = bnb.nn.Params4bit(
+                    child.weight.data.clone(),
+                    requires_grad=False,
+                    quant_type=q.bnb_4bit_quant_type,
+                    quant_storage=q.bnb_4bit_quant_storage,
+                    compress_statistics=q.bnb_4bit_use_double_quant,
+                )
                 if child.bias is not None:
                     new.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
-                setattr(owner, name, new.to("cpu"))
+                setattr(owner, name, new.to(DEVICE))
 
 
 def _batch(rank: int) -> torch.Tensor:
-    return torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(rank))
+    return torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(rank)).to(DEVICE)
 
 
 def _train(model: torch.nn.Module, opt: Any, x: torch.Tensor) -> dict[str, list[float]]:
@@ -70,8 +89,9 @@ def _train(model: torch.nn.Module, opt: Any, x: torch.Tensor) -> dict[str, list[
 def _codes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The packed 4-bit codes of every quantized weight, as bytes (whole: gathered at stage 3)."""
     with hf_zero.gathered_parameters(model) if hasattr(model, "zero_engine") else contextlib.nullcontext():
-        return {n: p.detach().view(torch.uint8).clone() for n, p in model.named_parameters() if hasattr(p, "quant_state")}
-
+        return {
+            n: p.detach().view(torch.uint8).clone() for n, p in model.named_parameters() if hasattr(p, "quant_state")
+        }
 
 
 def qlora_against_one_process(
@@ -95,7 +115,9 @@ def qlora_against_one_process(
     record["loss"] = (losses / dist.get_world_size()).tolist()
     state = hf_zero.full_state_dict(model, rank0_only=False)
     return {
-        "reference": ref_record, "record": record, "codes_kept": codes_kept and len(before) > 0,
+        "reference": ref_record,
+        "record": record,
+        "codes_kept": codes_kept and len(before) > 0,
         "ref_adapters": {k: v.detach().clone() for k, v in ref.state_dict().items() if "lora_" in k},
         "adapters": {k: v.detach().clone() for k, v in state.items() if "lora_" in k},
     }
@@ -126,8 +148,9 @@ def qlora_memory(base: str, stage: int) -> dict[str, int]:
     for p in model.parameters():
         state = getattr(p, "quant_state", None)
         if state is not None:
-            held = [state.absmax, state.code, state.offset] + ([state.state2.absmax, state.state2.code]
-                                                                if state.nested else [])
+            held = [state.absmax, state.code, state.offset] + (
+                [state.state2.absmax, state.state2.code] if state.nested else []
+            )
             scales += sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
     model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage))
     x = _batch(dist.get_rank())
@@ -143,12 +166,18 @@ def qlora_loaded_both_ways(base: str, stage: int, storage: str) -> dict[str, Any
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                           bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=getattr(torch, storage))
+    q = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=getattr(torch, storage),
+    )
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     torch.manual_seed(0)
-    user = AutoModelForCausalLM.from_pretrained(base, quantization_config=q, dtype=torch.float32,
-                                                device_map={"": "cpu"})
+    user = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=q, dtype=torch.float32, device_map={"": DEVICE}
+    )
     torch.manual_seed(0)
     user = get_peft_model(user, lora)
     theirs = _codes(user)
@@ -158,22 +187,33 @@ def qlora_loaded_both_ways(base: str, stage: int, storage: str) -> dict[str, Any
     want = _train(user, opt, _batch(dist.get_rank()))
     torch.manual_seed(0)
     loaded, opt2 = hf_zero.from_pretrained(
-        AutoModelForCausalLM, base, hf_zero.ZeroConfig(stage=stage), quantization_config=q, peft_config=lora,
-        dtype=torch.float32, optimizer_fn=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad],
-                                                                      lr=1e-2))
+        AutoModelForCausalLM,
+        base,
+        hf_zero.ZeroConfig(stage=stage),
+        quantization_config=q,
+        peft_config=lora,
+        dtype=torch.float32,
+        device=DEVICE,
+        optimizer_fn=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2),
+    )
     loaded.train()
     mine = _codes(loaded)
     with hf_zero.gathered_parameters(loaded):  # stage 3: the parameters themselves, not their resting stand-ins
         own_scales = {n: p.quant_state.absmax for n, p in loaded.named_parameters() if hasattr(p, "quant_state")}
     got = _train(loaded, opt2, _batch(dist.get_rank()))
-    adapters = [{k: v.detach().clone() for k, v in hf_zero.full_state_dict(m, rank0_only=False).items() if "lora_" in k}
-                for m in (user, loaded)]
+    adapters = [
+        {k: v.detach().clone() for k, v in hf_zero.full_state_dict(m, rank0_only=False).items() if "lora_" in k}
+        for m in (user, loaded)
+    ]
     return {
-        "codes_equal": theirs.keys() == mine.keys() and len(mine) > 0
+        "codes_equal": theirs.keys() == mine.keys()
+        and len(mine) > 0
         and all(torch.equal(theirs[n], mine[n]) for n in theirs),
-        "scales_equal": scales.keys() == own_scales.keys() and all(torch.equal(scales[n], own_scales[n])
-                                                                  for n in scales),
-        "want": want, "got": got, "adapters": adapters,
+        "scales_equal": scales.keys() == own_scales.keys()
+        and all(torch.equal(scales[n], own_scales[n]) for n in scales),
+        "want": want,
+        "got": got,
+        "adapters": adapters,
     }
 
 
@@ -182,21 +222,22 @@ def qlora_from_a_saved_4bit_checkpoint(saved: str, stage: int) -> dict[str, Any]
     `hf_zero.from_pretrained` (each rank its slices): whether the codes and scales agree, and the logits of each."""
     from transformers import AutoModelForCausalLM
 
-    theirs = AutoModelForCausalLM.from_pretrained(saved, device_map={"": "cpu"})
+    theirs = AutoModelForCausalLM.from_pretrained(saved, device_map={"": DEVICE})
     codes = _codes(theirs)
     scales = {n: p.quant_state.absmax.clone() for n, p in theirs.named_parameters() if hasattr(p, "quant_state")}
     x = _batch(dist.get_rank())
     with torch.no_grad():
         want = theirs(input_ids=x).logits
-    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, saved, hf_zero.ZeroConfig(stage=stage))
+    model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, saved, hf_zero.ZeroConfig(stage=stage), device=DEVICE)
     mine = _codes(model)
     with hf_zero.gathered_parameters(model):
         own = {n: p.quant_state.absmax for n, p in model.named_parameters() if hasattr(p, "quant_state")}
     with torch.no_grad():
         got = model(input_ids=x).logits
     return {
-        "codes_equal": codes.keys() == mine.keys() and len(mine) > 0 and all(torch.equal(codes[n], mine[n])
-                                                                            for n in codes),
+        "codes_equal": codes.keys() == mine.keys()
+        and len(mine) > 0
+        and all(torch.equal(codes[n], mine[n]) for n in codes),
         "scales_equal": scales.keys() == own.keys() and all(torch.equal(scales[n], own[n]) for n in scales),
         "logits": float((got - want).abs().max()),
     }

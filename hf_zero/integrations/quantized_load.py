@@ -37,15 +37,25 @@ class FourBitWeight:
     load_dtype: torch.dtype  # what the weight is cast to before it is quantized (the load's dtype)
     settings: dict[str, Any]  # blocksize, compress_statistics, quant_type, quant_storage
     state: Any = field(default=None, repr=False)  # bitsandbytes' QuantState, once built
+    # where it is quantized and its state lives: the engine's compute device (`place`), as transformers' loader
+    # quantizes on the device the model is loaded to (bitsandbytes' CUDA kernels on a GPU)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def build(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         import bitsandbytes as bnb
 
         weight = read(self.key).to(self.load_dtype)
         params: Any = bnb.nn.Params4bit(weight, requires_grad=False, **self.settings)
-        quantized = params.to("cpu")  # bitsandbytes quantizes as the parameter moves (as transformers' loader does)
+        quantized = params.to(self.device)  # bitsandbytes quantizes as the parameter moves (as transformers' loader)
         self.state = quantized.quant_state
         return quantized.data.reshape(self.shape)
+
+
+def place(model: nn.Module, device: torch.device) -> None:
+    """Quantize the model's 4-bit weights built on load ([Note: quantized load]) on `device`, the engine's compute
+    device, and keep their states there: what `initialize` calls once it has decided that device."""
+    for weight in (getattr(model, "hf_zero_four_bit", None) or {}).values():
+        weight.device = device
 
 
 def to_4bit_on_meta(model: nn.Module, quantization_config: Any, load_dtype: torch.dtype) -> dict[str, FourBitWeight]:
@@ -89,9 +99,10 @@ def to_4bit_on_meta(model: nn.Module, quantization_config: Any, load_dtype: torc
     return built
 
 
-def attach_saved_states(model: nn.Module, built: dict[str, FourBitWeight], path: str) -> None:
+def attach_saved_states(model: nn.Module, built: dict[str, FourBitWeight], path: str, device: torch.device) -> None:
     """After `initialize`, for a directory saved with its 4-bit weights: each weight's quantization state, rebuilt
-    from the scales saved beside its codes (`<weight>.absmax`, `.quant_map`, ...), as transformers' loader does."""
+    from the scales saved beside its codes (`<weight>.absmax`, `.quant_map`, ...) on the compute `device`, as
+    transformers' loader does."""
     from pathlib import Path
 
     import bitsandbytes as bnb
@@ -113,7 +124,7 @@ def attach_saved_states(model: nn.Module, built: dict[str, FourBitWeight], path:
             raise ValueError(
                 f"{path} holds the 4-bit weight {weight.key} without its scales ({weight.key}.absmax, ...)."
             )
-        param.quant_state = bnb.functional.QuantState.from_dict(parts, device=torch.device("cpu"))  # type: ignore[attr-defined]
+        param.quant_state = bnb.functional.QuantState.from_dict(parts, device=device)  # type: ignore[attr-defined]
 
 
 def attach_states(model: nn.Module, built: dict[str, FourBitWeight], read: Callable[[str], torch.Tensor]) -> None:
