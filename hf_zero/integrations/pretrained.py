@@ -60,9 +60,10 @@ def from_pretrained(
     Args:
         model_class: a transformers model class (`AutoModelForCausalLM`, `LlamaForCausalLM`, ...).
         path (`str` or `os.PathLike`): a local `save_pretrained` directory: safetensors weights, or
-            `pytorch_model*.bin` files where it has none ([Note: .bin weights]). Quantized checkpoints
-            (`quantization_config` in config.json: FP8, GPTQ, AWQ, bitsandbytes) are refused: load those with
-            transformers' `from_pretrained`, then `hf_zero.initialize`.
+            `pytorch_model*.bin` files where it has none ([Note: .bin weights]). A directory transformers saved
+            from a bitsandbytes 4-bit load is read as stored (each rank its slice of the codes); other quantized
+            checkpoints (`quantization_config` in config.json: FP8, GPTQ, AWQ, 8-bit) are refused: load those
+            with transformers' `from_pretrained`, then `hf_zero.initialize`.
         config (`ZeroConfig`, *optional*): the engine settings (default `ZeroConfig()`, stage 3).
         optimizer_fn (`Callable[[nn.Module], Optimizer]`, *optional*): builds the optimizer over the
             (not yet sharded) model's parameters, e.g. `lambda m: torch.optim.AdamW(m.parameters())`.
