@@ -28,10 +28,10 @@ from .forward_checks import ModelStructure, refuse_replaced_data, refuse_uneven_
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
+from .part_settings import PartSettings
 from .placement import Placement, main_dtype, move_buffers
 from .pool import pool_for
 from .resting import at_c_speed
-from .settings import PartSettings
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
 from .step.disk import DiskOffload, disk_for, refuse_kept_on_disk

@@ -37,9 +37,9 @@ from .collectives import (
 )
 from .collectives.quant import gather_int8, gather_workspace_numels
 from .grads import FlatGrads, SlabShard
+from .part_settings import PartSettings, ReadsPartSettings
 from .pool import transient_nbytes
 from .resting import ModuleSlots, ShardedGrad
-from .settings import PartSettings, ReadsPartSettings
 from .store import MasterStore
 from .wrap import UnitSpec
 
@@ -69,7 +69,7 @@ class FlatPart(ReadsPartSettings):
         """`store` builds the part's master store once its shards exist ([Note: master stores] in step/master.py);
         `on_disk`: the store is the offload files (the master is not compared with the chunk: a fingerprint)."""
         self.spec = spec
-        self.settings = settings  # one record, shared with the gradients (settings.py)
+        self.settings = settings  # one record, shared with the gradients (part_settings.py)
         placement, shard_group = settings.placement, settings.shard_group
         param_dtype, master_dtype, persistent = settings.param_dtype, settings.master_dtype, settings.persistent
         lo, hi = self.layout.shard_range(shard_group.rank)

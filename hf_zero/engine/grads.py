@@ -45,9 +45,9 @@ from .collectives.quant import reduce_scatter_int8
 from .collectives.sparse import coalesced_rows, scatter_rows_
 from .layout import FlatLayout
 from .lifecycle import GradState
+from .part_settings import PartSettings, ReadsPartSettings
 from .placement import Placement
 from .resting import ShardedGrad
-from .settings import PartSettings, ReadsPartSettings
 
 
 @dataclass
@@ -72,7 +72,7 @@ class FlatGrads(ReadsPartSettings):
         shard: SlabShard | None = None,
     ) -> None:
         """`shard`: this part's view of the shared gradient slab (`grad_slab`), or `None` to allocate its own."""
-        self.settings = settings  # shared with the part (settings.py)
+        self.settings = settings  # shared with the part (part_settings.py)
         self.params = params
         self.backward_reads_params = backward_reads_params
         # 1D (shard_numel,), master dtype; holds memory from the first reduction to zero
