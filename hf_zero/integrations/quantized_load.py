@@ -19,12 +19,23 @@ scales saved beside it (`attach_saved_states`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+# what transformers saves beside a 4-bit weight's codes (bitsandbytes' `QuantState.as_dict(packed=True)`)
+SCALE_SUFFIXES = (
+    "absmax",
+    "quant_map",
+    "nested_absmax",
+    "nested_quant_map",
+    "quant_state.bitsandbytes__nf4",
+    "quant_state.bitsandbytes__fp4",
+)
 
 
 @dataclass
@@ -111,20 +122,25 @@ def attach_saved_states(model: nn.Module, built: dict[str, FourBitWeight], path:
     from ..checkpoint.reader import hf_weight_map
 
     weight_map = hf_weight_map(Path(path))
-    for name, param in model.named_parameters():
-        weight = _find(built, name)
-        if weight is None:
-            continue
-        parts = {}
-        for key, file in weight_map.items():
-            if key.startswith(weight.key + "."):
-                with safe_open(str(Path(path) / file), framework="pt") as f:
-                    parts[key] = f.get_tensor(key)
-        if not parts:
-            raise ValueError(
-                f"{path} holds the 4-bit weight {weight.key} without its scales ({weight.key}.absmax, ...)."
-            )
-        param.quant_state = bnb.functional.QuantState.from_dict(parts, device=device)  # type: ignore[attr-defined]
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, Any] = {}  # each file opened once: its header read once, not once per scale
+
+        def read(key: str) -> torch.Tensor:
+            file = weight_map[key]
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(str(Path(path) / file), framework="pt"))
+            return opened[file].get_tensor(key)
+
+        for name, param in model.named_parameters():
+            weight = _find(built, name)
+            if weight is None:
+                continue
+            parts = {k: read(k) for k in (f"{weight.key}.{s}" for s in SCALE_SUFFIXES) if k in weight_map}
+            if not parts:
+                raise ValueError(
+                    f"{path} holds the 4-bit weight {weight.key} without its scales ({weight.key}.absmax, ...)."
+                )
+            param.quant_state = bnb.functional.QuantState.from_dict(parts, device=device)  # type: ignore[attr-defined]
 
 
 def attach_states(model: nn.Module, built: dict[str, FourBitWeight], read: Callable[[str], torch.Tensor]) -> None:
