@@ -231,11 +231,11 @@ def test_the_pass_refuses_the_moves_it_may_not_make():
     p = Pass(rank=3)
     p.end_forward()  # IDLE: nothing to do
     p.begin_forward()
-    with pytest.raises(RuntimeError, match=r"\[rank 3\] hf_zero: begin_forward of the pass in state forward"):
+    with pytest.raises(RuntimeError, match=r"\[rank 3\] hf_zero: begin_forward on the pass in state forward"):
         p.begin_forward()
     p.begin_backward()
     assert p.in_backward
     for verb in ("begin_forward", "end_forward", "begin_backward"):
-        with pytest.raises(RuntimeError, match=rf"\[rank 3\] hf_zero: {verb} of the pass in state backward"):
+        with pytest.raises(RuntimeError, match=rf"\[rank 3\] hf_zero: {verb} on the pass in state backward"):
             getattr(p, verb)()
     assert p.state is PassState.BACKWARD

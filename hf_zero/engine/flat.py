@@ -37,6 +37,7 @@ from .collectives import (
 )
 from .collectives.quant import gather_int8, gather_workspace_numels
 from .grads import FlatGrads, SlabShard
+from .lifecycle import illegal_call
 from .part_settings import PartSettings, ReadsPartSettings
 from .pool import transient_nbytes
 from .resting import ModuleSlots, ShardedGrad
@@ -161,9 +162,7 @@ class FlatPart(ReadsPartSettings):
 
     # ---- parameters: raw moves, run by the unit that owns this part ([Note: unit lifecycle]) -------------
     def _illegal(self, verb: str, why: str) -> RuntimeError:
-        return RuntimeError(
-            f"[rank {self.shard_group.global_rank}] hf_zero: {verb} on a part of unit '{self.spec.name}': {why}"
-        )
+        return illegal_call(self.shard_group.global_rank, verb, f"a part of unit '{self.spec.name}'", why=why)
 
     def gather(self) -> Pending:
         """Allocate the unsharded buffer and issue the gather of every rank's shard into it (asynchronous). The

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .lifecycle import PassState
+from .lifecycle import PassState, illegal_call
 
 if TYPE_CHECKING:
     from .collectives import GatheredFlags
@@ -83,7 +83,7 @@ class Pass:
         return changed
 
     def _illegal(self, verb: str) -> RuntimeError:
-        return RuntimeError(f"[rank {self.rank}] hf_zero: {verb} of the pass in state {self._state.value}")
+        return illegal_call(self.rank, verb, "the pass", self._state.value)
 
     def begin_forward(self) -> None:
         """IDLE -> FORWARD, at the root's pre-forward."""
