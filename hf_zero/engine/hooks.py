@@ -3,8 +3,9 @@ running pass's state: passes.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -81,7 +82,7 @@ class UnitHooks:
         self.plan = plan
         self.pool = pool  # emptied at the end of every pass ([Note: buffer reuse])
         self.settings = settings
-        self.requires_grad_sync = True  # False inside no_sync(): keep unsharded grads, no reduction
+        self._reduces = True  # False inside no_sync() where it defers: keep unsharded grads, no reduction
         self.unsynced = False  # [Note: accumulation] a pass since the last reduction skipped its reductions
         self.current = Pass(rank=self.root.rank)
         self._forward_order: list[Unit] = []  # inner units in the order the first forward ran them
@@ -95,6 +96,15 @@ class UnitHooks:
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
         self._register()
+
+    @contextlib.contextmanager
+    def reductions_deferred(self, defer: bool) -> Iterator[None]:
+        """[Note: accumulation] inside (when `defer`): backward passes accumulate and reduce nothing."""
+        previous, self._reduces = self._reduces, not defer
+        try:
+            yield
+        finally:
+            self._reduces = previous
 
     # ---- registration -----------------------------------------------------------------------
     def _register(self) -> None:
@@ -409,7 +419,7 @@ class UnitHooks:
             return
         self._open_gate()  # before this unit's reduction is issued
         unit.collect_grads()
-        if self.requires_grad_sync and unit.has_trainable:
+        if self._reduces and unit.has_trainable:
             self.current.issue(unit, unit.reduce_grads(async_op=True))
             # [Note: bounded reductions] finish older reductions as new ones are issued: each holds its
             # unit's unsharded gradients, so letting them pile up until the end of the backward pass
@@ -424,7 +434,7 @@ class UnitHooks:
     def _finalize(self) -> None:
         self._settle_units_check()
         anywhere = self.current.ran_anywhere
-        catch_up = self.requires_grad_sync and self.unsynced
+        catch_up = self._reduces and self.unsynced
         for unit in reversed(self.units):
             if unit.training_state is TrainingState.IDLE and (unit in anywhere or (catch_up and unit.has_trainable)):
                 # [Note: units run on some ranks]: it ran on another rank, reduce zeros; [Note: accumulation]: it ran
@@ -432,7 +442,7 @@ class UnitHooks:
                 unit.begin_backward()
             if unit.training_state is TrainingState.IN_BACKWARD:
                 self._post_backward(unit)
-        self.unsynced = not self.requires_grad_sync
+        self.unsynced = not self._reduces
         self.wait_reductions()
         if self.unsynced and self.settings.on_deferred is not None:
             self.settings.on_deferred()  # [Note: resting gradients]: accumulated, not reduced, `.grad` a stand-in too
