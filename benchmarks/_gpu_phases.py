@@ -85,7 +85,7 @@ def train_reference(sizes: Sizes, data: torch.Tensor, device: torch.device, piec
     if liger:
         apply_liger(model, device)
     if tiled:
-        from hf_zero.integrations import tiled_mlp
+        from hf_zero.features import tiled_mlp
 
         tiled_mlp.enable(model)
     optimizer = adamw(model)
@@ -275,7 +275,7 @@ def compile_case(sizes: Sizes, data: torch.Tensor, device: torch.device) -> dict
     from accelerate.utils import TorchDynamoPlugin
     from torch._dynamo.utils import counters
 
-    from hf_zero.integrations.compile import compile_as_requested
+    from hf_zero.features.compile import compile_as_requested
 
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     runs = {}
@@ -429,7 +429,7 @@ def phase_multi(args: argparse.Namespace, device: torch.device, cases: Cases) ->
     cases.run(f"ZeRO-3 fp32 + Liger's kernels (fused linear cross-entropy: the head read, not called), "
               f"{dist.get_world_size()} ranks vs PyTorch with the same kernels",
               lambda: sharded_case(sizes, data, device, liger, on_device=True, weights_tol=loose, stage=3, liger=True))
-    from hf_zero.integrations import tiled_mlp
+    from hf_zero.features import tiled_mlp
 
     world = dist.get_world_size()
     cases.run(f"ZeRO-3 fp32 + sequence_parallel {world} (all-to-all), {world} ranks vs PyTorch",

@@ -55,7 +55,7 @@ def _hf_zero_step(args: argparse.Namespace) -> tuple[Callable[[Any], float], Any
     model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5), zc)
     if args.tiled_only:  # the control: the tiled loss on whole sequences, nothing split ([Note: tiled loss])
         from hf_zero.engine.collectives.group import CommGroup
-        from hf_zero.integrations import sequence
+        from hf_zero.features import sequence_parallel as sequence
 
         sequence.enable(model, CommGroup.single())
     model.train()

@@ -23,7 +23,7 @@ from .checkpoint import (
 )
 from .config import ZeroConfig
 from .engine.step.whole import register_elementwise
-from .integrations.pretrained import from_pretrained
+from .integrations.from_pretrained import from_pretrained
 
 __version__ = "0.1.0"
 

@@ -152,7 +152,7 @@ def initialize(
         if cfg.sequence_parallel > 1:
             _check_sequence_parallel(model, cfg.sequence_parallel, world.size)
         if cfg.tiled_mlp:
-            from .integrations import tiled_mlp
+            from .features import tiled_mlp
 
             tiled_mlp.check(model)
         check_quantized(model, cfg)  # [Note: quantized base]
@@ -186,13 +186,13 @@ def initialize(
         logger.info(startup_line(engine, specs))
     keep_fused_loss_head_gathered(model)
     if cfg.sequence_parallel > 1:  # [Note: sequence parallelism]
-        from .integrations import sequence
+        from .features import sequence_parallel as sequence
 
         sequence.enable(model, sequence_group(world, cfg.sequence_parallel, cfg.group_timeout_s))
         if engine.device.type == "cpu":
             map_large_host_allocations()  # [Note: host heap] in engine/pool.py
     if cfg.tiled_mlp:  # [Note: tiled MLP]
-        from .integrations import tiled_mlp
+        from .features import tiled_mlp
 
         tiled_mlp.enable(model)
     return model, shard_optimizers(optimizer, engine)
@@ -256,7 +256,7 @@ def keep_fused_loss_head_gathered(model: nn.Module) -> None:
 
 
 def _check_sequence_parallel(model: nn.Module, size: int, world_size: int) -> None:
-    from .integrations import sequence
+    from .features import sequence_parallel as sequence
 
     if world_size % size:
         raise ValueError(
@@ -289,7 +289,7 @@ def _initialize_again(
         for group in each.param_groups:
             group["params"] = [engine.compute_param(p) for p in group["params"]]
     if engine.config.sequence_parallel > 1:
-        from .integrations import sequence
+        from .features import sequence_parallel as sequence
 
         sequence.disable(model)
     unshard_and_detach(model)

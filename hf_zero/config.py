@@ -181,7 +181,7 @@ class ZeroConfig:
     """
 
     # Each field's `help` is its one-line summary for the integrations' settings (`--zero_<name>`,
-    # `ZeroPlugin(zero_<name>=...)`), derived from these fields in integrations/settings.py.
+    # `ZeroPlugin(zero_<name>=...)`), derived from these fields in integrations/zero_fields.py.
     stage: Literal[0, 1, 2, 3] = field(
         default=3,
         metadata={

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import torch
 
+# Elements a loop over a large tensor handles at once (16 MiB of fp32): what bounds the temporaries of the optimizer's
+# chunks, `offload_dir`'s windows, the copies to the host when saving and the fingerprints of the shards.
+AT_ONCE_NUMEL = 1 << 22
+
 SAFETENSORS_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",

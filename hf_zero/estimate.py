@@ -51,8 +51,8 @@ from .engine.step.pieces import chunk_bounds
 from .engine.step.whole import deal
 from .engine.unit import split_parts
 from .engine.wrap import UnitSpec, units_for
-from .integrations.tiled_loss import tile_rows
-from .integrations.tiled_mlp import TILE_BYTES
+from .features.tiled_loss import tile_rows
+from .features.tiled_mlp import TILE_BYTES
 
 _BYTES = {torch.float64: 8, torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DISK_BUFFER_BYTES = 7 * 3 * 16 * 2**20  # [Note: disk offload]: windows in flight x (master + 2 moments) x 16 MiB

@@ -75,7 +75,7 @@ def split_run(stage: int, size: int, checkpointing: bool = False, tiled: bool = 
               ) -> dict[str, Any]:
     """Each group of `size` ranks trains on its group's micro-batches, each rank on 1/size of every sequence;
     `tiled`: with `tiled_mlp`, tiles of 3 tokens ([Note: tiled MLP]), the tiles run counted."""
-    from hf_zero.integrations import tiled_mlp
+    from hf_zero.features import tiled_mlp
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

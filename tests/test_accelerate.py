@@ -72,7 +72,7 @@ def test_compile_settings_that_cannot_hold_on_a_sharded_model_are_refused_by_nam
     forward, no hooks inside) and the rest pass through; no dynamo backend asks for nothing."""
     from accelerate.utils import TorchDynamoPlugin
 
-    from hf_zero.integrations.compile import check_compile_request
+    from hf_zero.features.compile import check_compile_request
 
     assert check_compile_request(None, 3) is None and check_compile_request(TorchDynamoPlugin(), 3) is None
     assert check_compile_request(TorchDynamoPlugin(backend="inductor", mode="reduce-overhead"), 2) == {

@@ -225,7 +225,7 @@ def test_sequence_parallelism_divides_the_per_token_activations(tmp_path):
 
     from hf_zero.estimate import Workload, activation_bytes
 
-    from hf_zero.integrations.tiled_loss import tile_rows
+    from hf_zero.features.tiled_loss import tile_rows
 
     config = LlamaConfig(**{k: v for k, v in LLAMA_70B.items() if k != "model_type"})
     whole = activation_bytes(config, Workload(seq_len=8192, gradient_checkpointing=True, attention="eager"), 2)

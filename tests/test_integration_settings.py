@@ -80,7 +80,7 @@ def test_accelerates_parallelism_config_asks_for_sequence_parallelism(tmp_path):
     refused, naming the setting to use (Accelerate itself refuses sp and cp together)."""
     from accelerate import ParallelismConfig
 
-    from hf_zero.integrations.settings import sequence_size
+    from hf_zero.integrations.zero_fields import sequence_size
 
     args = hf_zero.ZeroTrainingArguments(output_dir=str(tmp_path), use_cpu=True, zero_stage=3,
                                          parallelism_config=ParallelismConfig(sp_size=2))

@@ -58,7 +58,7 @@ def test_tiled_mlp_holds_one_tiles_activations():
     """[Note: tiled MLP], without any process group: a LLaMA MLP on 64 tokens in tiles of 8 saves for its backward
     only its input (the whole sequence's gate, up and activation are not kept), and its outputs and gradients equal
     the untiled MLP's; in eval and under no_grad it runs untiled."""
-    from hf_zero.integrations import tiled_mlp
+    from hf_zero.features import tiled_mlp
     from tests._training import make_model
 
     model = make_model("llama")
@@ -111,7 +111,7 @@ def test_trl_fused_log_probabilities_come_back_whole(pools):
 def test_tiled_mlp_refuses_what_it_cannot_tile():
     """No decoder MLP: refused (at `initialize`, on every rank, through `check`); an `mlp` that returns more than
     one tensor (a mixture of experts routing over the batch): refused at its first tiled forward."""
-    from hf_zero.integrations import tiled_mlp
+    from hf_zero.features import tiled_mlp
 
     with pytest.raises(ValueError, match="has no decoder MLP"):
         tiled_mlp.check(torch.nn.Sequential(torch.nn.Linear(4, 4)))
@@ -215,7 +215,7 @@ def test_tiled_loss_equals_the_whole_logits_loss(monkeypatch, dtype):
     """[Note: tiled loss]: tiles of 5 tokens give the loss, and the gradients of the hidden states, the head's
     weight and bias (for a loss scaled after it), that the whole (tokens x vocabulary) logits give (fp32: 1e-6; bf16: the head's matmuls in
     bf16 either way), with ignored labels."""
-    from hf_zero.integrations import tiled_loss
+    from hf_zero.features import tiled_loss
 
     monkeypatch.setattr(tiled_loss, "TILE_BYTES", 5 * 4 * 50)  # 5 tokens per tile for a vocabulary of 50
     g = torch.Generator().manual_seed(3)
@@ -299,7 +299,7 @@ def test_packed_documents_split_by_sequence_equal_one_process(pools, kind, stage
 def test_packed_documents_under_flash_attention_are_refused_naming_sdpa():
     """[Note: packed documents] flash attention takes cumulative lengths rather than a mask: a packed row split under
     it is refused by name (every rank computes the same positions, so every rank refuses)."""
-    from hf_zero.integrations import sequence
+    from hf_zero.features import sequence_parallel as sequence
 
     state = sequence.SequenceParallel(group=None, inner="flash_attention_2", handles=[])  # type: ignore[arg-type]
     restart = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])

@@ -190,6 +190,33 @@ def test_the_states_are_read_only_from_outside():
         unit.parts[0].grads.state = GradState.REDUCED
     with pytest.raises(AttributeError):
         Pass().state = PassState.BACKWARD
+    for field in ("deferred", "create_graph", "gated", "ran_anywhere", "has_pending"):
+        with pytest.raises(AttributeError):
+            setattr(Pass(), field, getattr(Pass(), field))
+
+
+def test_only_the_pass_touches_its_facts():
+    """[Note: pass state]: every fact of the running pass (reductions in flight, the gate, what ran, what changed,
+    the units check, deferral) is a private field of `Pass`, changed only by its verbs: no other module of the
+    package reads or writes one on another object (`x.current._pending`)."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    import hf_zero
+
+    private = {f.name for f in dataclasses.fields(Pass) if f.name.startswith("_")}
+    assert {"_pending", "_gated", "_deferred", "_units_check", "_state"} <= private
+    root = Path(hf_zero.__file__).parent
+    reaches = [
+        f"{path.relative_to(root)}:{node.lineno} .{node.attr}"
+        for path in root.rglob("*.py")
+        if path.name != "passes.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in private
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")  # other classes' own fields
+    ]
+    assert reaches == []
 
 
 def test_each_gradient_verb_refuses_the_states_it_may_not_be_called_in():
@@ -231,11 +258,11 @@ def test_the_pass_refuses_the_moves_it_may_not_make():
     p = Pass(rank=3)
     p.end_forward()  # IDLE: nothing to do
     p.begin_forward()
-    with pytest.raises(RuntimeError, match=r"\[rank 3\] hf_zero: begin_forward of the pass in state forward"):
+    with pytest.raises(RuntimeError, match=r"\[rank 3\] hf_zero: begin_forward on the pass in state forward"):
         p.begin_forward()
     p.begin_backward()
     assert p.in_backward
     for verb in ("begin_forward", "end_forward", "begin_backward"):
-        with pytest.raises(RuntimeError, match=rf"\[rank 3\] hf_zero: {verb} of the pass in state backward"):
+        with pytest.raises(RuntimeError, match=rf"\[rank 3\] hf_zero: {verb} on the pass in state backward"):
             getattr(p, verb)()
     assert p.state is PassState.BACKWARD

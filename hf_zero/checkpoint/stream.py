@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
+from ..dtypes import AT_ONCE_NUMEL
 from ..dtypes import SAFETENSORS_NAMES as DTYPE_NAMES
 from .direct import DirectSink
 
-PIECE_NUMEL = 1 << 22  # elements copied to the host at a time (16 MiB of fp32)
+PIECE_NUMEL = AT_ONCE_NUMEL  # elements copied to the host at a time (16 MiB of fp32)
 
 
 Parts = tuple[tuple[str, tuple[int, ...]], ...]  # the names and shapes a tensor's bytes are stored under, in order

@@ -28,10 +28,10 @@ from .forward_checks import ModelStructure, refuse_replaced_data, refuse_uneven_
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
+from .part_settings import PartSettings
 from .placement import Placement, main_dtype, move_buffers
 from .pool import pool_for
 from .resting import at_c_speed
-from .settings import PartSettings
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
 from .step.disk import DiskOffload, disk_for, refuse_kept_on_disk
@@ -284,13 +284,13 @@ class ZeroEngine:
     def no_sync(self) -> Iterator[None]:
         """The backward passes run inside accumulate without reduction where that costs no memory
         ([Note: accumulation]); see `ZeroModel.no_sync`."""
-        previous = self.hooks.requires_grad_sync, self.in_no_sync
-        self.hooks.requires_grad_sync = not self.defers_reduction_in_no_sync
+        previous = self.in_no_sync
         self.in_no_sync = True
         try:
-            yield
+            with self.hooks.reductions_deferred(self.defers_reduction_in_no_sync):
+                yield
         finally:
-            self.hooks.requires_grad_sync, self.in_no_sync = previous
+            self.in_no_sync = previous
 
     def as_unwrapped(self) -> contextlib.AbstractContextManager[None]:
         """Forwards inside run as on the module a DDP wrapper holds ([Note: buffer broadcast] in buffers.py): no

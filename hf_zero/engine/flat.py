@@ -31,15 +31,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..dtypes import AT_ONCE_NUMEL
 from .collectives import (
     Pending,
     all_gather_into,
 )
 from .collectives.quant import gather_int8, gather_workspace_numels
 from .grads import FlatGrads, SlabShard
+from .lifecycle import illegal_call
+from .part_settings import PartSettings, ReadsPartSettings
 from .pool import transient_nbytes
 from .resting import ModuleSlots, ShardedGrad
-from .settings import PartSettings, ReadsPartSettings
 from .store import MasterStore
 from .wrap import UnitSpec
 
@@ -69,7 +71,7 @@ class FlatPart(ReadsPartSettings):
         """`store` builds the part's master store once its shards exist ([Note: master stores] in step/master.py);
         `on_disk`: the store is the offload files (the master is not compared with the chunk: a fingerprint)."""
         self.spec = spec
-        self.settings = settings  # one record, shared with the gradients (settings.py)
+        self.settings = settings  # one record, shared with the gradients (part_settings.py)
         placement, shard_group = settings.placement, settings.shard_group
         param_dtype, master_dtype, persistent = settings.param_dtype, settings.master_dtype, settings.persistent
         lo, hi = self.layout.shard_range(shard_group.rank)
@@ -161,9 +163,7 @@ class FlatPart(ReadsPartSettings):
 
     # ---- parameters: raw moves, run by the unit that owns this part ([Note: unit lifecycle]) -------------
     def _illegal(self, verb: str, why: str) -> RuntimeError:
-        return RuntimeError(
-            f"[rank {self.shard_group.global_rank}] hf_zero: {verb} on a part of unit '{self.spec.name}': {why}"
-        )
+        return illegal_call(self.shard_group.global_rank, verb, f"a part of unit '{self.spec.name}'", why=why)
 
     def gather(self) -> Pending:
         """Allocate the unsharded buffer and issue the gather of every rank's shard into it (asynchronous). The
@@ -377,7 +377,7 @@ def take_edits(
         return scratch
     if scratch is None and apart:
         first = apart[0].param_shard()
-        chunk = min(1 << 22, max(part.param_shard().numel() for part in apart))
+        chunk = min(AT_ONCE_NUMEL, max(part.param_shard().numel() for part in apart))
         scratch = (
             torch.empty(chunk, dtype=first.dtype, device=first.device),
             torch.empty(chunk, dtype=torch.bool, device=first.device),
@@ -391,14 +391,11 @@ def take_edits(
     return scratch
 
 
-_PRINT_PIECE = 1 << 22  # elements a fingerprint multiplies at once (a 16 MiB int32 temporary)
-
-
 @functools.lru_cache(maxsize=4)
 def _print_weights(device: torch.device) -> torch.Tensor:
     """The fixed pseudo-random int32 weights of `fingerprint`, made once per device."""
     g = torch.Generator().manual_seed(0x5EED)
-    return torch.randint(-(2**31), 2**31 - 1, (_PRINT_PIECE,), generator=g, dtype=torch.int32).to(device)
+    return torch.randint(-(2**31), 2**31 - 1, (AT_ONCE_NUMEL,), generator=g, dtype=torch.int32).to(device)
 
 
 def fingerprint(values: torch.Tensor) -> torch.Tensor:
@@ -409,8 +406,8 @@ def fingerprint(values: torch.Tensor) -> torch.Tensor:
     weights = _print_weights(values.device)
     bits = values.view(_SAME_SIZE_INT[values.element_size()])
     total = torch.zeros((), dtype=torch.int64, device=values.device)
-    for k, start in enumerate(range(0, bits.numel(), _PRINT_PIECE)):
-        piece = bits[start : start + _PRINT_PIECE]
+    for k, start in enumerate(range(0, bits.numel(), AT_ONCE_NUMEL)):
+        piece = bits[start : start + AT_ONCE_NUMEL]
         multiplier = ((k + 1) * 0x9E3779B97F4A7C15) % (1 << 62) | 1
         total += torch.mul(piece, weights[: piece.numel()]).sum() * multiplier
     return total

@@ -44,10 +44,10 @@ from .collectives import (
 from .collectives.quant import reduce_scatter_int8
 from .collectives.sparse import coalesced_rows, scatter_rows_
 from .layout import FlatLayout
-from .lifecycle import GradState
+from .lifecycle import GradState, illegal_call
+from .part_settings import PartSettings, ReadsPartSettings
 from .placement import Placement
 from .resting import ShardedGrad
-from .settings import PartSettings, ReadsPartSettings
 
 
 @dataclass
@@ -72,7 +72,7 @@ class FlatGrads(ReadsPartSettings):
         shard: SlabShard | None = None,
     ) -> None:
         """`shard`: this part's view of the shared gradient slab (`grad_slab`), or `None` to allocate its own."""
-        self.settings = settings  # shared with the part (settings.py)
+        self.settings = settings  # shared with the part (part_settings.py)
         self.params = params
         self.backward_reads_params = backward_reads_params
         # 1D (shard_numel,), master dtype; holds memory from the first reduction to zero
@@ -102,10 +102,8 @@ class FlatGrads(ReadsPartSettings):
         return self._unsharded
 
     def _illegal(self, verb: str, why: str) -> RuntimeError:
-        return RuntimeError(
-            f"[rank {self.shard_group.global_rank}] hf_zero: {verb} on the gradients of unit '{self.name or '<root>'}' "
-            f"in state {self._state.value}: {why}"
-        )
+        subject = f"the gradients of unit '{self.name or '<root>'}'"
+        return illegal_call(self.shard_group.global_rank, verb, subject, self._state.value, why)
 
     def _check_buffer_free(self, verb: str) -> None:
         """A reduction in flight that reads the kept buffer (stages 0-1) must land before the buffer changes."""

@@ -3,8 +3,9 @@ running pass's state: passes.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -81,7 +82,7 @@ class UnitHooks:
         self.plan = plan
         self.pool = pool  # emptied at the end of every pass ([Note: buffer reuse])
         self.settings = settings
-        self.requires_grad_sync = True  # False inside no_sync(): keep unsharded grads, no reduction
+        self._reduces = True  # False inside no_sync() where it defers: keep unsharded grads, no reduction
         self.unsynced = False  # [Note: accumulation] a pass since the last reduction skipped its reductions
         self.current = Pass(rank=self.root.rank)
         self._forward_order: list[Unit] = []  # inner units in the order the first forward ran them
@@ -95,6 +96,15 @@ class UnitHooks:
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
         self._register()
+
+    @contextlib.contextmanager
+    def reductions_deferred(self, defer: bool) -> Iterator[None]:
+        """[Note: accumulation] inside (when `defer`): backward passes accumulate and reduce nothing."""
+        previous, self._reduces = self._reduces, not defer
+        try:
+            yield
+        finally:
+            self._reduces = previous
 
     # ---- registration -----------------------------------------------------------------------
     def _register(self) -> None:
@@ -147,7 +157,7 @@ class UnitHooks:
         if not recompute:
             unit.begin_forward()
             if unit is not self.root and torch.is_grad_enabled():
-                self.current.ran[id(unit)] = unit
+                self.current.ran_forward(unit)
         if self.current.gated is not None and self._forward_gathers(unit, recompute):
             self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
         if not recompute and self._gathers_off_plan(unit):
@@ -155,7 +165,7 @@ class UnitHooks:
         unit.before_compute()
         if not recompute:
             if not unit.persistent:
-                self.current.versions[id(unit)] = unit.param_versions()  # [Note: changed in forward]
+                self.current.remember_versions(unit)  # [Note: changed in forward]
             self._prefetch_after(unit, forward=True)
         if unit.sparse_lookup:
             cast(Any, unit.spec.module).sparse = True  # [Note: sparse lookup gradients]; switched back after forward
@@ -221,10 +231,10 @@ class UnitHooks:
         unit.begin_forward()
         self.direct_call = module
         if torch.is_grad_enabled():
-            self.current.called_directly.add(id(unit))
+            self.current.called_directly(unit)
         unit.before_compute()
         if not unit.persistent:
-            self.current.versions[id(unit)] = unit.param_versions()
+            self.current.remember_versions(unit)
 
     def _post_direct_call(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         """[Note: direct calls] the end of a direct call (also after an exception in it: `always_call`)."""
@@ -336,8 +346,8 @@ class UnitHooks:
                 unit.pin()  # [Note: double backward]
                 self.graph_pins.append(unit)
         if not unit.prefetch_targets.late:
-            if self.settings.gate_on_reductions and self.current.pending and self._prefetches(unit, forward=False):
-                self.current.gated = unit  # [Note: reduction-gated prefetch]
+            if self.settings.gate_on_reductions and self.current.has_pending and self._prefetches(unit, forward=False):
+                self.current.gate(unit)  # [Note: reduction-gated prefetch]
             else:
                 self._prefetch_after(unit, forward=False)
         unit.attach_grads()
@@ -377,11 +387,11 @@ class UnitHooks:
         the communication stream behind the reduce-scatter, and neither the host nor the compute
         stream waits. Gathered units stay bounded by `prefetch`; one more gradient buffer (the
         reduction's input) can be alive."""
-        unit, self.current.gated = self.current.gated, None
+        unit = self.current.open_gate()
         if unit is None:
             return
-        while self.current.pending:
-            self._finish(*self.current.pending.pop(0))
+        while self.current.has_pending:
+            self._finish(*self.current.oldest())
         self._prefetch_after(unit, forward=False)
 
     def _on_grad_ready(self, unit: Unit, param: torch.Tensor) -> None:
@@ -395,13 +405,13 @@ class UnitHooks:
             )
         self._pre_backward(unit)  # a no-op, unless a gradient reached the unit without passing its outputs
         unit.mark_used(param)
-        if self.current.gated is not None and all(r.pending.done() for _, rs in self.current.pending for r in rs):
+        if self.current.gated is not None and self.current.reductions_done():
             self._open_gate()
 
     def _on_end_signal(self, unit: Unit) -> None:
         """[Note: backward end] the gradient of the unit's inputs is complete."""
         self._pre_backward(unit)  # a no-op, unless no output of the unit got a gradient before
-        if unit.signal() and not self.current.deferred and id(unit) not in self.current.called_directly:
+        if unit.signal() and not self.current.deferred and not self.current.was_called_directly(unit):
             self._post_backward(unit)
 
     def _post_backward(self, unit: Unit) -> None:
@@ -409,13 +419,13 @@ class UnitHooks:
             return
         self._open_gate()  # before this unit's reduction is issued
         unit.collect_grads()
-        if self.requires_grad_sync and unit.has_trainable:
-            self.current.pending.append((unit, unit.reduce_grads(async_op=True)))
+        if self._reduces and unit.has_trainable:
+            self.current.issue(unit, unit.reduce_grads(async_op=True))
             # [Note: bounded reductions] finish older reductions as new ones are issued: each holds its
             # unit's unsharded gradients, so letting them pile up until the end of the backward pass
             # would keep every unit's full gradients alive at once (what stages 2-3 exist to avoid).
-            while len(self.current.pending) > MAX_PENDING_REDUCTIONS:
-                self._finish(*self.current.pending.pop(0))
+            while self.current.pending_count > MAX_PENDING_REDUCTIONS:
+                self._finish(*self.current.oldest())
         unit.after_backward()
         self._trim_pool(unit, forward=False)
         if unit.prefetch_targets.late:
@@ -423,8 +433,8 @@ class UnitHooks:
 
     def _finalize(self) -> None:
         self._settle_units_check()
-        anywhere = self.current.ran_anywhere or []
-        catch_up = self.requires_grad_sync and self.unsynced
+        anywhere = self.current.ran_anywhere
+        catch_up = self._reduces and self.unsynced
         for unit in reversed(self.units):
             if unit.training_state is TrainingState.IDLE and (unit in anywhere or (catch_up and unit.has_trainable)):
                 # [Note: units run on some ranks]: it ran on another rank, reduce zeros; [Note: accumulation]: it ran
@@ -432,7 +442,7 @@ class UnitHooks:
                 unit.begin_backward()
             if unit.training_state is TrainingState.IN_BACKWARD:
                 self._post_backward(unit)
-        self.unsynced = not self.requires_grad_sync
+        self.unsynced = not self._reduces
         self.wait_reductions()
         if self.unsynced and self.settings.on_deferred is not None:
             self.settings.on_deferred()  # [Note: resting gradients]: accumulated, not reduced, `.grad` a stand-in too
@@ -445,18 +455,18 @@ class UnitHooks:
 
     def _finish(self, unit: Unit, reduction: UnitReduction) -> None:
         unit.finish_reduction(reduction, self.settings.grad_divisor())
-        self.current.finished.append(unit)
+        self.current.reduced(unit)
 
     def wait_reductions(self) -> None:
         """Wait for every issued reduction and add its mean into the gradient shards."""
-        while self.current.pending:
-            self._finish(*self.current.pending.pop(0))
-        if not self.current.finished:
+        while self.current.has_pending:
+            self._finish(*self.current.oldest())
+        finished = self.current.take_reduced()
+        if not finished:
             return
-        first = self.current.finished[0]
+        first = finished[0]
         if first.placement.offloaded and first.placement.pins_host:
             torch.accelerator.synchronize(first.device)  # the host may now read the shards copied asynchronously
-        self.current.finished.clear()
         self.settings.on_reduced()
 
     def use_directly(self, unit: Unit) -> None:
@@ -481,14 +491,13 @@ class UnitHooks:
     def settle(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) for the issued reductions and forget them ([Note: clean exit] in teardown.py);
         issues nothing. True when they all finished."""
-        pending, self.current = self.current.pending, Pass(rank=self.root.rank)
-        return all([r.pending.settle(timeout_s) for _, reductions in pending for r in reductions])
+        pending, self.current = self.current.pending_reductions(), Pass(rank=self.root.rank)
+        return all([r.pending.settle(timeout_s) for r in pending])
 
     def reset(self) -> None:
         """Forget an interrupted forward or backward pass: wait for issued work, free gathered units, detach grads."""
-        for _, reductions in self.current.pending:
-            for reduction in reductions:
-                reduction.pending.wait()
+        for reduction in self.current.pending_reductions():
+            reduction.pending.wait()
         self.current = Pass(rank=self.root.rank)
         self.direct_call = None
         self.drop_graph_pins()
@@ -510,13 +519,9 @@ class UnitHooks:
         graph anyway); that pass, which runs the second-order terms in no fixed order, reduces every unit in
         its final callback, in unit order, at every stage (each thread numbers the nodes it creates: on a GPU that
         graph comes from the device's autograd thread, and its terms may follow a unit's end signal)."""
-        self.current.create_graph = torch.is_grad_enabled()
+        self.current.begin_backward_pass(torch.is_grad_enabled(), self.graph_built)
         if self.current.create_graph:
             self.graph_built = True
-        elif self.graph_built:
-            self.current.deferred = True
-        if self.current.ran_anywhere is not None:
-            self.current.deferred = True
 
     def _issue_units_check(self) -> None:
         """[Note: units run on some ranks]
@@ -535,14 +540,13 @@ class UnitHooks:
         world = self.settings.world
         if world is None or world.size == 1:
             return
-        ran, changed = self.current.ran, self.current.changed  # bit 0: the unit ran; bit 1: it changed parameters
-        codes = [int(id(u) in ran) | int(id(u) in changed) << 1 for u in self.units]
-        self.current.units_check = issue_flags_gather(codes, world)
+        codes = self.current.units_check_codes(self.units)  # bit 0: the unit ran; bit 1: it changed parameters
+        self.current.issue_units_check(issue_flags_gather(codes, world))
 
     def _settle_units_check(self) -> None:
         """[Note: units run on some ranks] wait for the check issued after the forward (if one is in flight) and
         act on it: refuse at stage 3, defer the reductions at stages 0-2."""
-        check, self.current.units_check = self.current.units_check, None
+        check = self.current.take_units_check()
         if check is None:
             return
         if self.settings.before_waiting is not None:
@@ -550,7 +554,7 @@ class UnitHooks:
         inner = self.units[:-1]
         codes = check.values()  # per rank, per unit (the root last)
         if any(code & 2 for row in codes for code in row):  # [Note: changed in forward], on some rank
-            changed = sorted({n for names in self.current.changed.values() for n in names})
+            changed = self.current.changed_names()
             self.reset()
             raise changed_in_forward_error(changed or ["(on another rank)"])
         ran_on = [[bool(code & 1) for code in row[:-1]] for row in codes]
@@ -563,9 +567,7 @@ class UnitHooks:
             raise units_apart_error(
                 f"units {[u.name for u in mixed]} ran their forward on some ranks and not on others"
             )
-        self.current.ran_anywhere = [u for u, ran in zip(inner, anywhere) if ran]
-        if self.current.in_backward:
-            self.current.deferred = True  # no reduction was issued yet: every one waits for the final callback
+        self.current.ranks_ran([u for u, ran in zip(inner, anywhere) if ran])  # the reductions wait, in unit order
 
     def _gathers_off_plan(self, unit: Unit) -> bool:
         """Whether `unit`'s forward gather is issued on demand with no plan to pair it on every rank: the first

@@ -112,3 +112,10 @@ class PassState(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
+
+
+def illegal_call(rank: int, verb: str, subject: str, state: str | None = None, why: str = "") -> RuntimeError:
+    """The error every state owner raises for a verb called in a state it may not be called in (a broken invariant
+    of the engine, not a user's mistake): the rank, the verb, what it was called on, its state and why."""
+    where = f" in state {state}" if state is not None else ""
+    return RuntimeError(f"[rank {rank}] hf_zero: {verb} on {subject}{where}" + (f": {why}" if why else ""))

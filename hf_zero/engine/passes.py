@@ -34,30 +34,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .lifecycle import PassState
+from .lifecycle import PassState, illegal_call
 
 if TYPE_CHECKING:
     from .collectives import GatheredFlags
-    from .grads import UnitReduction
+    from .grads import GradReduction, UnitReduction
     from .unit import Unit
 
 
 @dataclass
 class Pass:
-    """The running pass: what is in flight, forgotten when the pass ends ([Note: pass state])."""
+    """The running pass: what is in flight, forgotten when the pass ends ([Note: pass state]). Its facts change only
+    through the verbs below; the hooks read them through the properties."""
 
     rank: int = 0  # for the errors of an illegal move
-    pending: list[tuple[Unit, UnitReduction]] = field(default_factory=list)  # issued reductions, not yet waited
-    finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
-    gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
-    ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
-    versions: dict[int, tuple[int, ...]] = field(default_factory=dict)  # [Note: changed in forward] at the gather
-    changed: dict[int, list[str]] = field(default_factory=dict)  # [Note: changed in forward] by unit, since then
-    units_check: GatheredFlags | None = None  # [Note: units run on some ranks]: issued after the forward, not waited
-    ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
-    deferred: bool = False  # every post_backward waits for the final callback, in unit order
-    create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own
-    called_directly: set[int] = field(default_factory=set)  # [Note: direct calls] in hooks.py: units whose backward
+    _pending: list[tuple[Unit, UnitReduction]] = field(default_factory=list)  # issued reductions, not yet waited
+    _finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
+    _gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
+    _ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
+    _versions: dict[int, tuple[int, ...]] = field(default_factory=dict)  # [Note: changed in forward] at the gather
+    _changed: dict[int, list[str]] = field(default_factory=dict)  # [Note: changed in forward] by unit, since then
+    _units_check: GatheredFlags | None = None  # [Note: units run on some ranks]: issued after the forward, not waited
+    _ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
+    _deferred: bool = False  # every post_backward waits for the final callback, in unit order
+    _create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own
+    _called_directly: set[int] = field(default_factory=set)  # [Note: direct calls] in hooks.py: units whose backward
     # ends in the final callback, a module of theirs having run with grad outside their forward
     _state: PassState = PassState.IDLE
 
@@ -73,17 +74,122 @@ class Pass:
     def in_backward(self) -> bool:
         return self._state is PassState.BACKWARD
 
+    @property
+    def deferred(self) -> bool:
+        return self._deferred
+
+    @property
+    def create_graph(self) -> bool:
+        return self._create_graph
+
+    @property
+    def gated(self) -> Unit | None:
+        return self._gated
+
+    @property
+    def ran_anywhere(self) -> list[Unit]:
+        """[Note: units run on some ranks] the units that ran on some rank, when the ranks disagree; else empty."""
+        return self._ran_anywhere or []
+
+    @property
+    def ranks_disagree(self) -> bool:
+        return self._ran_anywhere is not None
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def reductions_done(self) -> bool:
+        """Whether every issued reduction has completed (a query that never blocks)."""
+        return all(r.pending.done() for _, rs in self._pending for r in rs)
+
+    def pending_reductions(self) -> list[GradReduction]:
+        return [r for _, reductions in self._pending for r in reductions]
+
+    def was_called_directly(self, unit: Unit) -> bool:
+        return id(unit) in self._called_directly
+
+    def ran_forward(self, unit: Unit) -> None:
+        """An inner unit's forward ran with grad (outside backward)."""
+        self._ran[id(unit)] = unit
+
+    def remember_versions(self, unit: Unit) -> None:
+        """[Note: changed in forward] the versions of a unit's parameters as gathered."""
+        self._versions[id(unit)] = unit.param_versions()
+
+    def called_directly(self, unit: Unit) -> None:
+        """[Note: direct calls] a module of `unit` ran with grad outside its forward."""
+        self._called_directly.add(id(unit))
+
+    def gate(self, unit: Unit) -> None:
+        """[Note: reduction-gated prefetch] defer `unit`'s backward prefetch until the reductions are done."""
+        self._gated = unit
+
+    def open_gate(self) -> Unit | None:
+        """The unit whose prefetch was deferred (if any), the gate open again."""
+        unit, self._gated = self._gated, None
+        return unit
+
+    def issue(self, unit: Unit, reduction: UnitReduction) -> None:
+        self._pending.append((unit, reduction))
+
+    def oldest(self) -> tuple[Unit, UnitReduction]:
+        """The earliest issued reduction, no longer pending here (the caller waits for it)."""
+        return self._pending.pop(0)
+
+    def reduced(self, unit: Unit) -> None:
+        self._finished.append(unit)
+
+    def take_reduced(self) -> list[Unit]:
+        """The units reduced since the last call."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def begin_backward_pass(self, create_graph: bool, graph_built: bool) -> None:
+        """[Note: double backward] the backward's first hook: whether it builds a graph; a backward through a graph
+        an earlier one built, or one whose units ran on some ranks only, defers every reduction."""
+        self._create_graph = create_graph
+        if (not create_graph and graph_built) or self._ran_anywhere is not None:
+            self._deferred = True
+
+    def units_check_codes(self, units: list[Unit]) -> list[int]:
+        """[Note: units run on some ranks] a byte per unit: bit 0 it ran since the last backward, bit 1 its forward
+        changed its parameters in place."""
+        return [int(id(u) in self._ran) | int(id(u) in self._changed) << 1 for u in units]
+
+    def changed_names(self) -> list[str]:
+        """[Note: changed in forward] the parameters forwards changed in place this pass."""
+        return sorted({n for names in self._changed.values() for n in names})
+
+    def issue_units_check(self, check: GatheredFlags) -> None:
+        self._units_check = check
+
+    def take_units_check(self) -> GatheredFlags | None:
+        check, self._units_check = self._units_check, None
+        return check
+
+    def ranks_ran(self, units: list[Unit]) -> None:
+        """[Note: units run on some ranks] the ranks disagree: `units` ran on some; every reduction not yet issued
+        waits for the final callback."""
+        self._ran_anywhere = units
+        if self.in_backward:
+            self._deferred = True
+
     def note_changes(self, unit: Unit) -> list[str]:
         """[Note: changed in forward] at a gathered unit's post-forward: the parameters its forward changed in
         place, kept for the units check (with grad)."""
-        versions = self.versions.pop(id(unit), None)
+        versions = self._versions.pop(id(unit), None)
         changed = unit.changed_since(versions) if versions is not None else []
         if changed and torch.is_grad_enabled():
-            self.changed.setdefault(id(unit), []).extend(changed)
+            self._changed.setdefault(id(unit), []).extend(changed)
         return changed
 
     def _illegal(self, verb: str) -> RuntimeError:
-        return RuntimeError(f"[rank {self.rank}] hf_zero: {verb} of the pass in state {self._state.value}")
+        return illegal_call(self.rank, verb, "the pass", self._state.value)
 
     def begin_forward(self) -> None:
         """IDLE -> FORWARD, at the root's pre-forward."""

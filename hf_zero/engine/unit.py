@@ -42,7 +42,7 @@ import torch
 from .collectives import Pending
 from .flat import FlatPart
 from .grads import UnitReduction
-from .lifecycle import ShardState, TrainingState
+from .lifecycle import ShardState, TrainingState, illegal_call
 from .placement import Placement
 from .residency import GradResidency, ParamResidency
 from .wrap import UnitSpec
@@ -97,10 +97,8 @@ class Unit:
 
     # ---- checks -------------------------------------------------------------------------------------
     def _illegal(self, verb: str, why: str) -> RuntimeError:
-        return RuntimeError(
-            f"[rank {self.rank}] hf_zero: {verb} on unit '{self.name}' in state "
-            f"{self.shard_state.value}/{self.training_state.value}: {why}"
-        )
+        state = f"{self.shard_state.value}/{self.training_state.value}"
+        return illegal_call(self.rank, verb, f"unit '{self.name}'", state, why)
 
     def _require(self, verb: str, *allowed: TrainingState) -> None:
         if self.training_state not in allowed:

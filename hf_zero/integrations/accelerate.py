@@ -40,10 +40,10 @@ from ..config import ZeroConfig
 from ..engine.collectives import CommGroup, agreement
 from ..engine.module import get_engine, is_sharded
 from ..engine.step.optim import ShardedOptimizer
+from ..features.compile import check_compile_request, compile_as_requested
 from ..launch import cpu_launch_warning
-from .compile import check_compile_request, compile_as_requested
 from .preemption import SignalRecorder
-from .settings import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
+from .zero_fields import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
 
 CHECKPOINT_SUBDIR = "hf_zero"
 logger = logging.getLogger(__name__)

@@ -43,11 +43,11 @@ from ..checkpoint.format import last_complete_checkpoint, save_hf_files
 from ..engine.module import get_engine, is_sharded
 from ..engine.placement import check_compute_device
 from ..engine.step.optim import ShardedOptimizer
+from ..features.compile import compile_as_requested
 from .accelerate import deal_to_groups, gather_once_per_group
-from .compile import compile_as_requested
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, clear_marker, write_marker
-from .settings import snapshot_budget
 from .training_args import ZeroArgumentsMixin, ZeroTrainingArguments
+from .zero_fields import snapshot_budget
 
 CHECKPOINT_SUBDIR = "hf_zero"
 

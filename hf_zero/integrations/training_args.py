@@ -10,7 +10,7 @@ from transformers import TrainingArguments
 
 from ..config import ZeroConfig
 from ..launch import cpu_launch_warning, has_accelerator
-from .settings import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
+from .zero_fields import field_specs, launch_env, save_specs, sequence_size, snapshot_budget, to_zero_config
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class _ZeroArguments:
         return to_zero_config(self, mixed, shard_group_size=group_size, sequence_parallel=sequence)
 
 
-# [Note: one source of truth] in settings.py: every ZeroConfig field as --zero_<field>, derived. The mixin
+# [Note: one source of truth] in zero_fields.py: every ZeroConfig field as --zero_<field>, derived. The mixin
 # holds only these fields (no TrainingArguments defaults), so mixed into another config it keeps that one's.
 _ZeroArgumentsMixin = make_dataclass(
     "ZeroArgumentsMixin",

@@ -1,5 +1,5 @@
 """The collectives of sequence parallelism, differentiable: each one's backward is the collective that moves the
-gradient back the way the values came ([Note: sequence parallelism] in `hf_zero/integrations/sequence.py`).
+gradient back the way the values came ([Note: sequence parallelism] in `hf_zero/features/sequence_parallel.py`).
 
 - `all_to_all_dims(x, group, split_dim, cat_dim)`: `x` cut into `group.size` chunks along `split_dim`, chunk j
   sent to rank j, the chunks received joined along `cat_dim` in rank order. With `split_dim` the heads and

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...dtypes import AT_ONCE_NUMEL
 from ..collectives import CommGroup, raise_if_any_failed
 from ..layout import FlatLayout
 from ..placement import Placement
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
     from ..wrap import UnitSpec
     from .pieces import Piece
 
-WINDOW_NUMEL = 1 << 22  # elements stepped at once: 16 MiB of fp32 master per buffer
+WINDOW_NUMEL = AT_ONCE_NUMEL  # elements stepped at once: 16 MiB of fp32 master per buffer
 READ_AHEAD = 2  # windows read ahead of the one being stepped
 WRITE_BEHIND = 2  # window writes in flight behind it
 IO_PIECE_BYTES = 1 << 26  # one system call reads or writes at most this much

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...dtypes import AT_ONCE_NUMEL
 from ..flat import FlatPart
 
-OPTIMIZER_CHUNK_NUMEL = 1 << 22  # [Note: optimizer chunks]: at most 16 MiB of fp32 per optimizer tensor
+OPTIMIZER_CHUNK_NUMEL = AT_ONCE_NUMEL  # [Note: optimizer chunks]: at most 16 MiB of fp32 per optimizer tensor
 
 
 def chunk_bounds(numel: int) -> tuple[tuple[int, int], ...]:
