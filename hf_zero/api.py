@@ -189,8 +189,9 @@ def initialize(
         from .features import sequence_parallel as sequence
 
         sequence.enable(model, sequence_group(world, cfg.sequence_parallel, cfg.group_timeout_s))
-        if engine.device.type == "cpu":
-            map_large_host_allocations()  # [Note: host heap] in engine/pool.py
+    frozen = any(not p.requires_grad for p in model.parameters())  # a LoRA / QLoRA base
+    if engine.device.type == "cpu" and (cfg.sequence_parallel > 1 or frozen):
+        map_large_host_allocations()  # [Note: host heap] in engine/pool.py
     if cfg.tiled_mlp:  # [Note: tiled MLP]
         from .features import tiled_mlp
 

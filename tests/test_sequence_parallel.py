@@ -338,3 +338,27 @@ def test_a_cpu_run_hands_large_freed_blocks_back_to_the_system():
                                      check=True).stdout.split()[-1]) for how in ("dynamic", "fixed")}
     assert freed["fixed"] >= 60 << 20, freed
     assert freed["dynamic"] < 16 << 20, freed
+
+
+_FROZEN_PROBE = """
+import sys, torch
+import hf_zero
+from hf_zero.engine.pool import fixed_mmap_threshold
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+if sys.argv[1] == 'frozen':
+    model[0].requires_grad_(False)  # a frozen base under an adapter
+hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=3), device='cpu')
+print(fixed_mmap_threshold())
+"""
+
+
+def test_a_frozen_base_on_the_cpu_maps_large_blocks_on_their_own():
+    """[Note: host heap] `initialize` fixes glibc's threshold for a model with frozen parameters on the CPU (LoRA,
+    QLoRA: the adapters' small states pin the holes the gathered blocks leave), and leaves it alone for a model
+    trained whole."""
+    import subprocess
+    import sys
+
+    fixed = {how: subprocess.run([sys.executable, "-c", _FROZEN_PROBE, how], capture_output=True, text=True,
+                                 check=True).stdout.split()[-1] for how in ("frozen", "trained")}
+    assert fixed == {"frozen": str(1 << 20), "trained": "None"}, fixed

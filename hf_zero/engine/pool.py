@@ -46,13 +46,14 @@ def _libc_function(name: str) -> Any:
 _TRIM = _libc_function("malloc_trim")
 _MALLOPT = _libc_function("mallopt")
 _M_MMAP_THRESHOLD = -3
+_FIXED: list[int] = []  # the threshold `map_large_host_allocations` fixed for the process, once it has
 
 
 @contextlib.contextmanager
 def mapped_temporaries(threshold: int = 1 << 20) -> Iterator[None]:
     """[Note: host heap] inside, host allocations of `threshold` bytes or more are mapped on their own and
-    unmapped when freed; afterwards the threshold is glibc's 32 MiB ceiling (where its dynamic threshold
-    settles in a training process).
+    unmapped when freed; afterwards the threshold is the one the process fixed (`map_large_host_allocations`), else
+    glibc's 32 MiB ceiling (where its dynamic threshold settles in a training process).
 
     Example:
 
@@ -67,18 +68,22 @@ def mapped_temporaries(threshold: int = 1 << 20) -> Iterator[None]:
         yield
     finally:
         if _MALLOPT is not None:
-            _MALLOPT(_M_MMAP_THRESHOLD, 32 << 20)
+            _MALLOPT(_M_MMAP_THRESHOLD, _FIXED[-1] if _FIXED else 32 << 20)
 
 
 def map_large_host_allocations(threshold: int = 1 << 20) -> None:
     """[Note: host heap] from now on, host allocations of `threshold` bytes or more in this process are mapped on
     their own and unmapped when freed (glibc's mmap threshold fixed, no longer raised to 32 MiB as blocks are
-    freed). A sequence-parallel run on the CPU calls it: its activations come in sizes the unsplit model does not
-    make (a rank's part of the sequence, the whole sequence over a part of the heads after the all-to-all), and
-    under glibc's dynamic threshold the freed ones stayed in the heap as holes the next step's could not use:
-    0.84B at 8192 tokens, SP 2, peaked 1 GiB higher per rank than without SP; a 87M model at 8192 tokens,
-    2.31 GB per rank with the dynamic threshold, 1.73 GB with this (the unsplit run: 2.16), at 0.97x the tokens/s
-    (benchmarks/results/sequence_heap.md). A no-op where the C library is not glibc.
+    freed). `initialize` calls it for two kinds of run on the CPU. Sequence parallelism: its activations come in
+    sizes the unsplit model does not make (a rank's part of the sequence, the whole sequence over a part of the
+    heads after the all-to-all), and under glibc's dynamic threshold the freed ones stayed in the heap as holes the
+    next step's could not use: 0.84B at 8192 tokens, SP 2, peaked 1 GiB higher per rank than without SP; a 87M
+    model at 8192 tokens, 2.31 GB per rank with the dynamic threshold, 1.73 GB with this (the unsplit run: 2.16),
+    at 0.97x the tokens/s (benchmarks/results/sequence_heap.md). A frozen base (LoRA, QLoRA): each block's
+    gathered weights (and a 4-bit base's dequantized ones) are freed between the adapters' small gradients and
+    optimizer states, which pin the holes: a QLoRA step on LLaMA blocks of 2048 x 5632 grew the peak by 28 MB per
+    block with the dynamic threshold, 18 MB with this (benchmarks/results/capacity_qlora_fp32.md). A no-op where
+    the C library is not glibc.
 
     Example:
 
@@ -88,6 +93,13 @@ def map_large_host_allocations(threshold: int = 1 << 20) -> None:
     """
     if _MALLOPT is not None:
         _MALLOPT(_M_MMAP_THRESHOLD, threshold)
+        _FIXED[:] = [threshold]
+
+
+def fixed_mmap_threshold() -> int | None:
+    """The host allocation size from which this process maps each allocation on its own (`map_large_host_allocations`
+    fixed it), or None where glibc's dynamic threshold rules."""
+    return _FIXED[-1] if _FIXED else None
 
 
 def release_free_host_memory() -> None:
