@@ -163,6 +163,9 @@ def initialize(
             fingerprint = source.fingerprint()
         requested = _as_device(device)
         compute = validate_model(model, world, has_source=source is not None, requested=requested)
+        frozen = any(not p.requires_grad for p in model.parameters())  # a LoRA / QLoRA base
+        if compute.type == "cpu" and (cfg.sequence_parallel > 1 or frozen):
+            map_large_host_allocations()  # [Note: host heap] in engine/pool.py, before the weights are read
         if getattr(model, "hf_zero_four_bit", None):  # [Note: quantized load]: quantized where it computes
             from .integrations.quantized_load import place
 
@@ -189,9 +192,6 @@ def initialize(
         from .features import sequence_parallel as sequence
 
         sequence.enable(model, sequence_group(world, cfg.sequence_parallel, cfg.group_timeout_s))
-    frozen = any(not p.requires_grad for p in model.parameters())  # a LoRA / QLoRA base
-    if engine.device.type == "cpu" and (cfg.sequence_parallel > 1 or frozen):
-        map_large_host_allocations()  # [Note: host heap] in engine/pool.py
     if cfg.tiled_mlp:  # [Note: tiled MLP]
         from .features import tiled_mlp
 
