@@ -131,6 +131,17 @@ def model_state_lines(ours: list[dict], precision: str) -> list[str]:
     return lines
 
 
+def qlora_lines(runs: list[dict]) -> list[str]:
+    """What the LoRA engines train (`benchmarks/_capacity_qlora.py`), said once above the table."""
+    if not any(r["engine"] in ("hf_zero3_qlora", "hf_zero3_lora", "fsdp_qlora", "ds3_qlora") for r in runs):
+        return []
+    return ["Every engine trains LoRA (r=8, alpha 16, dropout 0.1, every linear layer of the decoder) with activation "
+            "checkpointing on a frozen base: in 4 bits for the QLoRA engines (NF4, double quantization, compute in "
+            "fp32, the codes stored as float32 as FSDP needs them; read from a directory transformers saves from "
+            "its 4-bit load), in fp32 for hf_zero's LoRA. The peers as PEFT's guides set them up; see "
+            "`benchmarks/_capacity_qlora.py`.", ""]
+
+
 def peer_lines(runs: list[dict]) -> list[str]:
     """Each peer's configuration as its runs recorded it (`peer_config`), one per engine."""
     seen: dict[str, dict] = {}
@@ -158,6 +169,7 @@ def write_report(report: dict, out: Path, name: str) -> None:
              "Disk, measured at the start of each invocation (sequential, uncached): " + "; ".join(
                  f"{d['write_gb_s']:.2f} GB/s write, {d['read_gb_s']:.2f} GB/s read"
                  for d in report.get("disk_all", [report["disk"]])) + ".", "",
+             *qlora_lines(runs),
              "## Largest model each engine trained and saved", "",
              "| engine | largest | peak RSS in training (GiB/rank) | peak RSS in the save | last step (s) | tokens/s | "
              "save (s) | next size |", "|---|---|---|---|---|---|---|---|"]

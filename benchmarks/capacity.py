@@ -285,8 +285,8 @@ def main() -> None:
         merged = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]],
                   "disk_all": [d for rep in reports for d in rep.get("disk_all", [rep["disk"]])]}
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        name = ("capacity_compare" if args.compare else "capacity") + ("_fp32" if merged.get("precision") == "fp32"
-                                                                          else "")
+        name = ("capacity_compare" if args.compare else "capacity_qlora" if args.qlora else "capacity") + (
+            "_fp32" if merged.get("precision") == "fp32" else "")
         (Path(args.out) / f"{name}.json").write_text(json.dumps(merged, indent=1))
         return write_report(merged, Path(args.out), name)
     work_dir = Path(args.work or tempfile.mkdtemp(prefix="hf_zero_capacity-"))
