@@ -63,9 +63,16 @@ def test_load_state_dict_strict_nonstrict_and_shape_errors(pools, stage):
         assert r["unchanged_after_error"]
 
 
-@pytest.mark.parametrize("kind,stage,fsdp_style", [
-    ("llama", 3, False), ("falcon", 3, False), ("llama", 1, False), ("falcon", 3, True), ("llama", 2, True),
-])
+@pytest.mark.parametrize(
+    "kind,stage,fsdp_style",
+    [
+        ("llama", 3, False),
+        ("falcon", 3, False),
+        ("llama", 1, False),
+        ("falcon", 3, True),
+        ("llama", 2, True),
+    ],
+)
 def test_save_pretrained_from_every_rank_reloads_with_from_pretrained(pools, tmp_path, kind, stage, fsdp_style):
     from transformers import AutoModelForCausalLM
 
@@ -83,7 +90,9 @@ def test_save_pretrained_from_every_rank_reloads_with_from_pretrained(pools, tmp
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
 
 
-@pytest.mark.parametrize("kind,stage,mp", [("llama", 3, "no"), ("falcon", 3, "no"), ("llama", 2, "no"), ("llama", 3, "bf16")])
+@pytest.mark.parametrize(
+    "kind,stage,mp", [("llama", 3, "no"), ("falcon", 3, "no"), ("llama", 2, "no"), ("llama", 3, "bf16")]
+)
 def test_gathered_parameters_modifier_rank_writes_back_everywhere(pools, kind, stage, mp):
     results = pools(2).values(cases.modify_in_gathered_parameters, kind, stage, mp)
     # The reference: the same edit made on the unsharded model, then the same step.
@@ -114,7 +123,9 @@ def test_gathered_parameters_modifier_rank_writes_back_everywhere(pools, kind, s
             assert rel_err(r["after"][r["layer_param"]], r["before"][r["layer_param"]] * 0.5) <= 1e-2
         if stage == 3:
             assert r["rests_after"] == "ShardedParameter"
-            assert "changed in place inside a block with modifier_rank=None" in r["read_only_error"], r["read_only_error"]
+            assert "changed in place inside a block with modifier_rank=None" in r["read_only_error"], r[
+                "read_only_error"
+            ]
     assert results[0]["after"]["lm_head.weight"][3].tolist() == results[1]["after"]["lm_head.weight"][3].tolist()
 
 
@@ -186,8 +197,10 @@ def test_weights_changed_in_place_between_steps_reach_the_masters(pools, stage, 
     `gathered_parameters(modifier_rank=0)` (which writes the changed elements into the masters), and a state dict
     right after the change holds it. Under bf16 the change used to reach only the compute weights, and the next
     step's publish wrote the fp32 masters over it."""
-    runs = {how: pools(2).values(cases_engine.weights_edited_between_steps, stage, mixed_precision, how)[0]
-            for how in ("none", "plain", "data", "gathered")}
+    runs = {
+        how: pools(2).values(cases_engine.weights_edited_between_steps, stage, mixed_precision, how)[0]
+        for how in ("none", "plain", "data", "gathered")
+    }
     _assert_edits_kept(runs)
 
 
@@ -223,7 +236,8 @@ def test_fingerprint_moves_with_any_change_of_the_bits(dtype):
     """[Note: edits between steps] the fingerprint of a chunk whose master is elsewhere: the same for the same bits,
     different after one bit of one element flips (first, last, in the middle), after two elements swap places
     (in one piece, or at the same offset of two pieces), and after 0.0 becomes -0.0."""
-    from hf_zero.engine.flat import _PRINT_PIECE, fingerprint
+    from hf_zero.dtypes import AT_ONCE_NUMEL as _PRINT_PIECE  # the elements a fingerprint multiplies at once
+    from hf_zero.engine.flat import fingerprint
 
     torch.manual_seed(0)
     base = torch.randn(2 * _PRINT_PIECE + 7).to(dtype)
@@ -276,7 +290,11 @@ def test_a_compiled_wrapper_passed_to_the_api_is_named_with_the_way_round():
 
     inner = torch.nn.Linear(2, 2)
     inner.__dict__[ENGINE_ATTR] = object()  # what `attach` leaves on a sharded model
-    with pytest.raises(ValueError, match=r"OptimizedModule is not sharded .* pass the model you compiled, `compiled._orig_mod`"):
+    with pytest.raises(
+        ValueError, match=r"OptimizedModule is not sharded .* pass the model you compiled, `compiled._orig_mod`"
+    ):
         get_engine(torch.compile(inner))
-    with pytest.raises(ValueError, match=r"Linear is not sharded by hf_zero: pass the model returned by hf_zero.initialize\.$"):
+    with pytest.raises(
+        ValueError, match=r"Linear is not sharded by hf_zero: pass the model returned by hf_zero.initialize\.$"
+    ):
         get_engine(torch.nn.Linear(2, 2))
