@@ -127,6 +127,7 @@ def _hf_zero(args: argparse.Namespace) -> tuple:
                                          dtype=torch.float32, peft_config=_lora(),
                                          optimizer_fn=lambda m: _adamw([p for p in m.parameters()
                                                                         if p.requires_grad]))
+    scales = _scales(model)  # counted as loaded: at stage 3 the resting weights do not carry them after a step
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
     model.train()
 
@@ -139,7 +140,7 @@ def _hf_zero(args: argparse.Namespace) -> tuple:
         return loss.detach()
 
     def stats() -> dict:
-        return {"model_states": hf_zero.model_state_memory(model).__dict__, "quant_state_bytes": _scales(model)}
+        return {"model_states": hf_zero.model_state_memory(model).__dict__, "quant_state_bytes": scales}
 
     return step, lambda path: hf_zero.save_checkpoint(path, model, opt), stats
 
