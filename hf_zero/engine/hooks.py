@@ -373,19 +373,17 @@ class UnitHooks:
 
     def _open_gate(self) -> None:
         """[Note: reduction-gated prefetch]
-        During a unit's backward its parameters and gradients are whole, and so are either the
-        previous unit's gradients (their reduction in flight) or the next unit's parameters (the
-        prefetch), not both: the prefetch is issued once the reduction is done (polled at each of
-        the running unit's gradients, a query that never blocks), or at the latest before the next
-        collective any hook issues (a unit's pre-forward, pre-backward or post-backward), so every
-        rank issues its collectives in the same order. Three units' buffers instead of four, and
-        the gather still overlaps the rest of the backward.
-        This holds where completion is observed by the host (gloo). Where collectives are ordered on
-        a device stream (NCCL: `gate_on_reductions` False), polling from the host would almost never
-        see the reduction done (the host runs ahead of the device), so the gather would wait for the
-        next hook and be exposed; there the prefetch is issued at the unit's pre-backward, queued on
-        the communication stream behind the reduce-scatter, and neither the host nor the compute
-        stream waits. Gathered units stay bounded by `prefetch`; one more gradient buffer (the
+        During a unit's backward its parameters and gradients are whole, and so are either the previous unit's gradients
+        (their reduction in flight) or the next unit's parameters (the prefetch), not both: the prefetch is issued once
+        the reduction is done (polled at each of the running unit's gradients, a query that never blocks), or at the
+        latest before the next collective any hook issues (a unit's pre-forward, pre-backward or post-backward), so
+        every rank issues its collectives in the same order. Three units' buffers instead of four, and the gather still
+        overlaps the rest of the backward.
+        This holds where completion is observed by the host (gloo). Where collectives are ordered on a device stream
+        (NCCL: `gate_on_reductions` False), polling from the host would almost never see the reduction done (the host
+        runs ahead of the device), so the gather would wait for the next hook and be exposed; there the prefetch is
+        issued at the unit's pre-backward, queued on the communication stream behind the reduce-scatter, and neither the
+        host nor the compute stream waits. Gathered units stay bounded by `prefetch`; one more gradient buffer (the
         reduction's input) can be alive."""
         unit = self.current.open_gate()
         if unit is None:
