@@ -396,6 +396,7 @@ def _load_optimizer(
         for key, value in saved_group.items():
             if key != "params":
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    optimizer.choose_kernel()  # [Note: fused step]
     inner = optimizer.optimizer
     if staged is not None:  # [Note: one-pass load]: read and checked already
         for piece, whole, flat in staged:

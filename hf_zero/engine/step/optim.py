@@ -76,12 +76,42 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
         stepped += len(pieces)  # torch numbers the tensors of every group in turn
         group_names.append(names)
     carry_configs(optimizer, moved, engine.compute_param)  # [Note: per-parameter optimizer configs]
+    if whole is None:
+        fuse_where_it_applies(optimizer)
     parts = {id(part): part for part, _ in (where[id(p)] for p in params)}
     sizes = tuple(map(len, group_names))
     groups = tuple(tuple(params[sum(sizes[:g]) : sum(sizes[: g + 1])]) for g in range(len(sizes)))
     engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.parts if id(u) in parts), groups))
     piece_map = PieceMap(tuple(targets), tuple(int(p.numel()) for p in params), sizes)
     return ShardedOptimizer(optimizer, engine, group_names, piece_map)
+
+
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW)  # torch's fused kernels for the elementwise optimizers users reach for
+
+
+def fuse_where_it_applies(optimizer: torch.optim.Optimizer) -> bool:
+    """[Note: fused step]
+    torch's Adam and AdamW built without `fused` or `foreach` leave the implementation to torch, which picks
+    `foreach` on CUDA and a loop over the tensors on the host; its fused kernel (one pass over each tensor, no
+    temporaries) is faster on both, and what transformers' Trainer asks for by default (`adamw_torch_fused`). On the
+    flat chunks hf_zero steps, every tensor is a contiguous float on one device, where the kernel always applies. So
+    such an optimizer steps fused once sharded: on the host, 100M fp32 elements in 16 MiB chunks step in 0.06 s
+    against 0.33 s for the loop (2 threads). The math is AdamW's, in another order of operations (fp32 rounding
+    apart: about 1 ulp a step). A group whose `fused` or `foreach` the user set (`fused=False` keeps the loop), a
+    `differentiable` optimizer or a subclass (its own `step`) is left as built. Returns whether it now steps fused.
+    A load puts the saved groups' choice back, then chooses again (`ShardedOptimizer.choose_kernel`)."""
+    if type(optimizer) not in _FUSABLE:
+        return False
+    groups = [g for g in optimizer.param_groups if g.get("fused") is None and g.get("foreach") is None]
+    tensors = [t for g in groups for t in g["params"]]
+    supported = set(torch.utils._foreach_utils._get_fused_kernels_supported_devices())
+    if not groups or any(g.get("differentiable") for g in groups):
+        return False
+    if not {t.device.type for t in tensors} <= supported or not all(t.is_floating_point() for t in tensors):
+        return False
+    for group in groups:  # each group as built (torch copies the constructor's choice into every group)
+        group["fused"] = True
+    return True
 
 
 def check_optimizer(
@@ -372,9 +402,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         engine.calls.begin(Call.LOAD_OPTIMIZER_STATE, read_now=True)  # [Note: call order]
         inner = to_load(state_dict, self.param_groups, self._pieces, engine.plan.shard_group, engine.world)
         self.optimizer.load_state_dict(inner)
+        self.choose_kernel()
         # torch's load_state_dict replaces the inner optimizer's `param_groups` and `state` objects: follow them, so
         # a later change of a group's learning rate (by hand or by a scheduler holding this optimizer) reaches them.
         self.param_groups = self.optimizer.param_groups  # (the state view follows the inner optimizer's own)
+
+    def choose_kernel(self) -> None:
+        """[Note: fused step] again, once a load has put the saved groups' `fused` and `foreach` back (a checkpoint
+        written before the choice, or by a loop, would otherwise step the loop from then on)."""
+        if self.whole_step is None:
+            fuse_where_it_applies(self.optimizer)
 
     def _refuse_on_disk(self, what: str) -> None:
         self._engine.flat_step.refuse_state_access(  # [Note: master stores]
