@@ -43,6 +43,9 @@ run's `--budget`); a failing phase does not stop the next:
 10. `qlora`: QLoRA with bitsandbytes' CUDA kernels, two ranks sharing the GPU: stages 1-3 against one process,
    and `hf_zero.from_pretrained` quantizing on the GPU as it reads against transformers' 4-bit load
    (`benchmarks/_gpu_qlora.py`; needs the bitsandbytes and peft wheels from `.whl/`).
+11. `rank_of_n`: one rank of a large job on the one GPU through torch's fake process group: LLaMA-3-8B, ZeRO-3
+   bf16, 4096 tokens, gradient checkpointing, at N = 8 and 64: its peak against `hf-zero estimate` (within 5%) and
+   its step's time against the step-time model's (`benchmarks/_gpu_rank_of_n.py`, `benchmarks/rank_of_n.py`).
 
 Writes `<out>/report.json` and `<out>/report.md` after every phase (a run cut short still leaves what
 it finished; `--out` defaults to `$OUT` where the device tool sets it). Exits 1 when a phase failed or
@@ -73,11 +76,11 @@ WHEELS_PYTHON = "3.12"  # the lent machine's Python, which `make gpu-wheels` dow
 # process starts of ~10 s) and the tiny CPU rehearsal's (what the CI test runs; the whole under 2 minutes).
 BUDGETS = {
     "full": {"wheels": 15, "env": 30, "single": 80, "multi": 90, "trainer": 50, "speed": 110, "example": 110,
-             "profile": 60, "peers": 90, "io": 75, "qlora": 60},
+             "profile": 60, "peers": 90, "io": 75, "qlora": 60, "rank_of_n": 100},
     "tiny": {"wheels": 10, "env": 25, "single": 30, "multi": 35, "trainer": 30, "speed": 30, "example": 45,
-             "profile": 25, "peers": 30, "io": 25, "qlora": 45},
+             "profile": 25, "peers": 30, "io": 25, "qlora": 45, "rank_of_n": 30},
 }
-TOTAL_BUDGET = {"full": 540, "tiny": 185}  # the tiny run (the slow-tier test) skips example and profile
+TOTAL_BUDGET = {"full": 540, "tiny": 215}  # the tiny run (the slow-tier test) skips example and profile
 
 ENV_PROBE = r"""
 import json, sys, torch
@@ -285,6 +288,7 @@ def phase_commands(python: str, device: str, size: str, out: Path, site: Path,
         ("peers", torchrun + ["--nproc_per_node", "2", str(BENCH / "_gpu_peers.py"), "--size", size, *common]),
         ("io", torchrun + ["--nproc_per_node", "1", str(BENCH / "_gpu_io.py"), "--size", size, *common]),
         ("qlora", torchrun + ["--nproc_per_node", "2", str(BENCH / "_gpu_qlora.py"), "--size", size, *common]),
+        ("rank_of_n", [python, str(BENCH / "_gpu_rank_of_n.py"), "--size", size, *common]),
     ]
 
 

@@ -12,6 +12,10 @@ trains `--steps` AdamW steps of one sequence of `--seq` tokens (gradient checkpo
 process's peak resident memory (VmHWM) and what it held before the first step, the step's time, and beside them
 what `hf-zero estimate` says for the same rank (model states + gathered units + activations + buffers, plus the
 process's own baseline, measured before the model is built). fp32 on a CPU without bf16 matrix instructions.
+
+On a GPU (`--device cuda --precision bf16`: the GPU check's `rank_of_n` phase, LLaMA-3-8B at N = 8 and 64) the
+rank computes on the one GPU, its peak is `torch.cuda.max_memory_allocated` (the estimate's device total, no process
+baseline) and its step's time is the GPU's (synchronized).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ GIB = 2**30
 PRESETS = {  # name -> LlamaConfig fields
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),  # the GPU check's CPU rehearsal
     "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=4, vocab_size=32000),
 }
@@ -79,39 +87,49 @@ def worker(args: argparse.Namespace) -> None:
     from hf_zero.estimate import Workload, estimate
 
     torch.set_num_threads(args.threads)
-    baseline = _status("VmRSS")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    baseline = 0 if cuda else _status("VmRSS")  # on a GPU: the allocator's own count, which starts at 0
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
     config = LlamaConfig(**PRESETS[args.preset], max_position_embeddings=max(4096, args.seq), tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    zc = hf_zero.ZeroConfig(stage=args.stage, offload_optimizer=args.offload == "optimizer")
+    mixed = "bf16" if args.precision == "bf16" else "no"
+    zc = hf_zero.ZeroConfig(stage=args.stage, offload_optimizer=args.offload == "optimizer", mixed_precision=mixed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     hf_zero.api.PretrainedSource = RandomWeights  # type: ignore[misc,assignment]  # this process only
     start = time.perf_counter()
-    model, opt = hf_zero.initialize(model, opt, zc, weights_from="random weights")
+    device = torch.device("cuda", 0) if cuda else None
+    model, opt = hf_zero.initialize(model, opt, zc, weights_from="random weights", device=device)
     init_s = time.perf_counter() - start
     model.train()
-    ids = torch.randint(0, config.vocab_size, (1, args.seq))
-    before = _status("VmRSS")
+    ids = torch.randint(0, config.vocab_size, (1, args.seq), device=device)
+    before = torch.cuda.memory_allocated() if cuda else _status("VmRSS")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    peak = _status("VmHWM")
+    peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")
     with torch.device("meta"):
         shape = LlamaForCausalLM(config)
     workload = Workload(seq_len=args.seq, gradient_checkpointing=True, attention="sdpa")
-    # the fake backend is not stream-ordered: the engine gates the backward prefetch on the reductions, as on gloo
-    rows = estimate(shape, config, world_size=args.world, workload=workload, mixed_precision="no",
-                    stream_ordered=False)
+    # the fake group plays the process's accelerator's backend (CommGroup.comm_kind): on the host it is not
+    # stream-ordered (the engine gates the backward prefetch on the reductions, as on gloo); on a GPU it is, as NCCL
+    rows = estimate(shape, config, world_size=args.world, workload=workload, mixed_precision=mixed,
+                    stream_ordered=cuda)
     row = next(r for r in rows if r.stage == args.stage and r.offload == args.offload)
     Path(args.result).write_text(json.dumps({
-        "preset": args.preset, "world": args.world, "rank": args.rank, "stage": args.stage, "offload": args.offload,
+        "preset": args.preset, "device": args.device, "precision": args.precision, "world": args.world, "rank": args.rank, "stage": args.stage, "offload": args.offload,
         "seq": args.seq, "baseline": baseline, "before_step": before, "peak": peak, "init_s": init_s, "step_s": times,
         "estimate": {"model_states": row.model_states, "gathered_units": row.gathered_units,
                      "activations": row.activations, "buffers": row.buffers, "device_total": row.device_total,
@@ -126,7 +144,8 @@ def run(args: argparse.Namespace, world: int, stage: int, offload: str, work: Pa
     out = work / f"{args.preset}-n{world}-s{stage}-{offload}.json"
     cmd = [sys.executable, __file__, "--worker", "--world", str(world), "--rank", str(args.rank), "--stage",
            str(stage), "--offload", offload, "--seq", str(args.seq), "--steps", str(args.steps), "--preset",
-           args.preset, "--threads", str(args.threads), "--result", str(out)]
+           args.preset, "--threads", str(args.threads), "--device", args.device, "--precision", args.precision,
+           "--result", str(out)]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "MALLOC_MMAP_THRESHOLD_": "1048576"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0 or not out.is_file():
@@ -164,6 +183,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: mixed precision")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -189,7 +210,8 @@ def main() -> None:
     (work / f"rank_of_n_{args.preset}.md").write_text(
         f"# One rank of N: {args.preset}, seq {args.seq}, rank {args.rank} ({stamp})\n\n"
         f"`python benchmarks/rank_of_n.py --preset {args.preset} --worlds {args.worlds} --stages {args.stages} "
-        f"--offloads {args.offloads} --seq {args.seq}`\n\n" + table(results) + "\n"
+        f"--offloads {args.offloads} --seq {args.seq} --device {args.device} --precision {args.precision}`\n\n"
+        + table(results) + "\n"
     )
     print(table(results))
 

@@ -42,3 +42,18 @@ def test_group_of_one_and_bad_choice():
     assert not single.using("composed").composed  # nothing to exchange
     with pytest.raises(ValueError, match="bulk collectives must be 'auto', 'native' or 'composed'"):
         single.using("tree")
+
+
+def test_torchs_fake_group_plays_the_accelerators_backend(monkeypatch):
+    """benchmarks/rank_of_n.py: one process playing rank r of N through torch's fake group runs the device
+    backend's code path (stream-ordered, on the GPU) where the process has an accelerator, gloo's on the host."""
+    from hf_zero.engine.collectives.group import CommGroup
+
+    fake = CommGroup(pg=None, rank=1, size=8, backend="fake")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert (fake.comm_kind, fake.stream_ordered) == ("cpu", False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    assert (fake.comm_kind, fake.stream_ordered) == ("cuda", True)
+    nccl, gloo = CommGroup(pg=None, rank=1, size=8, backend="nccl"), CommGroup(pg=None, rank=1, size=8, backend="gloo")
+    assert (nccl.comm_kind, nccl.stream_ordered, gloo.comm_kind, gloo.stream_ordered) == ("cuda", True, "cpu", False)

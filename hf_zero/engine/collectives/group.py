@@ -44,12 +44,18 @@ class CommGroup:
     def stream_ordered(self) -> bool:
         """Whether the group's collectives run in issue order on a device stream (NCCL, XCCL): a later
         collective of the group runs after an earlier one without any wait by the host or by the compute
-        stream. On gloo, completion is a host-side fact, observed by polling."""
-        return "nccl" in self.backend or "xccl" in self.backend
+        stream. On gloo, completion is a host-side fact, observed by polling. torch's fake group plays the device
+        backend of the process's accelerator (`comm_kind`)."""
+        return "nccl" in self.backend or "xccl" in self.backend or (self.backend == "fake" and self.comm_kind != "cpu")
 
     @property
     def comm_kind(self) -> str:
-        """The kind of device the backend communicates on: "cuda" (NCCL), "xpu" (XCCL) or "cpu" (gloo)."""
+        """The kind of device the backend communicates on: "cuda" (NCCL), "xpu" (XCCL) or "cpu" (gloo). torch's fake
+        group (one process playing rank r of N, benchmarks/rank_of_n.py: nothing moves) takes the kind of the
+        process's accelerator, so that the rank runs the device backend's code path; the host where it has none."""
+        if self.backend == "fake":
+            accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            return accelerator.type if accelerator is not None and accelerator.type in ("cuda", "xpu") else "cpu"
         return "cuda" if "nccl" in self.backend else "xpu" if "xccl" in self.backend else "cpu"
 
     def global_rank_of(self, group_rank: int) -> int:
