@@ -17,6 +17,10 @@ model's bytes, each as a fraction of what the disk does.
      floor fresh memory sets it on this machine, in the state the call met (on the VMs measured, memory the host
      no longer backs costs several times the disk's time per byte).
    Every phase's time is from the first rank entering it to the last leaving it (barriers around it).
+3. **The start of a job** (`benchmarks/_io_fresh.py`), as many rounds: the consolidated directory loaded by
+   `hf_zero.from_pretrained` on 2 ranks and by transformers' `from_pretrained` in one process, each in fresh
+   processes (as a job meets it: nothing allocated yet), beside plain reads of the same bytes and the first
+   fill of the fresh memory the load writes.
 
 The page cache is dropped with `/proc/sys/vm/drop_caches` (needs root); without it the read phases are marked
 as possibly cached. The targets (issue 38): save >= 0.8 of write, load and from_pretrained >= 0.8 of read,
@@ -353,7 +357,45 @@ def report(disk: dict, job: dict) -> tuple[str, dict]:
                   f"larger of the two (were they to overlap fully), median: "
                   f"{medians['from_pretrained']['floor_fraction']:.2f}; against their sum (one after the other): "
                   f"{medians['from_pretrained']['serial_fraction']:.2f}."]
-    return "\n".join(lines) + "\n", {"rounds": per_round, "medians": medians}
+    fresh_lines, fresh = fresh_report(disk, job.get("fresh", []))
+    return "\n".join(lines + fresh_lines) + "\n", {"rounds": per_round, "medians": medians, "fresh": fresh}
+
+
+def fresh_report(disk: dict, rounds: list[dict]) -> tuple[list[str], dict]:
+    """The start-of-job table (benchmarks/_io_fresh.py): each load against the disk and fresh memory."""
+    if not rounds:
+        return [], {}
+    lines = ["", "## At the start of a job: each load in fresh processes (the page cache dropped before each)", "",
+             "Disk: two processes reading their halves of the weight files with O_DIRECT; fresh memory: two "
+             "processes writing, for the first time, what the load allocates (half the parameters each, fp32 "
+             "masters and bf16 gather source); transformers: one process, the directory's dtype, to the call's "
+             "return and to every weight page read (it may map the file); hf_zero: 2 ranks, ZeRO-3 bf16.", "",
+             "| round | disk GB/s (run probe) | read beside GB/s | fresh memory GB/s | transformers call s | "
+             "transformers all read s | hf_zero s | hf_zero GB/s | fraction of run probe | fraction of read beside "
+             "| hf_zero / transformers (all read) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for i, r in enumerate(rounds, 1):
+        gb = r["weights_bytes"] / 1e9
+        row = {"read_gbps": gb / r["read_s"], "fill_gbps": r["fill_bytes"] / 1e9 / r["fill_s"],
+               "gbps": gb / r["hf_zero_s"], "fraction": gb / r["hf_zero_s"] / disk["read_gbps"],
+               "adjacent_fraction": r["read_s"] / r["hf_zero_s"],
+               "vs_transformers": r["hf_zero_s"] / r["transformers_all_s"], **r}
+        rows.append(row)
+        lines.append(f"| {i} | {disk['read_gbps']:.2f} | {row['read_gbps']:.2f} | {row['fill_gbps']:.2f} | "
+                     f"{r['transformers_call_s']:.2f} | {r['transformers_all_s']:.2f} | {r['hf_zero_s']:.2f} | "
+                     f"{row['gbps']:.2f} | {row['fraction']:.2f} | {row['adjacent_fraction']:.2f} | "
+                     f"{row['vs_transformers']:.2f} |")
+    medians = {k: _median([row[k] for row in rows]) for k in
+               ("read_gbps", "fill_gbps", "gbps", "fraction", "adjacent_fraction", "vs_transformers", "hf_zero_s",
+                "transformers_call_s", "transformers_all_s")}
+    memory = "faster" if medians["fill_gbps"] > disk["read_gbps"] else "slower"
+    lines += ["", f"Medians: hf_zero {medians['hf_zero_s']:.2f} s ({medians['gbps']:.2f} GB/s, "
+              f"{medians['fraction']:.2f} of the run's read probe, {medians['adjacent_fraction']:.2f} of the reads "
+              f"beside it; target 0.8 where fresh memory is faster than the disk: here it is {memory}, "
+              f"{medians['fill_gbps']:.2f} GB/s); transformers {medians['transformers_call_s']:.2f} s to return, "
+              f"{medians['transformers_all_s']:.2f} s to every page read; hf_zero on 2 ranks / transformers on one: "
+              f"{medians['vs_transformers']:.2f} (target <= 1)."]
+    return lines, {"rounds": rows, "medians": medians}
 
 
 def main() -> None:
@@ -382,6 +424,13 @@ def main() -> None:
         if done.returncode != 0 or not result_file.exists():
             sys.exit(f"io_vs_disk: the job failed (exit {done.returncode})")
         job = json.loads(result_file.read_text())
+        from _io_fresh import fresh_round  # [the start of a job] each contender in fresh processes
+
+        job["fresh"] = []
+        for i in range(args.rounds):
+            print(f"fresh processes, round {i + 1} of {args.rounds}", flush=True)
+            job["fresh"].append(fresh_round(work / "consolidated", job["params"]))
+            print(json.dumps(job["fresh"][-1]), flush=True)
         text, figures = report(disk, job)
         print(text)
         if args.out is not None:

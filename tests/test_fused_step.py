@@ -82,3 +82,11 @@ def test_a_load_of_a_state_saved_by_the_loop_steps_fused(tmp_path, how):
     else:
         optimizer.load_state_dict(optimizer.state_dict())
     assert all(group["fused"] is True for group in optimizer.param_groups)
+
+
+def test_bf16_masters_keep_the_loop():
+    """The fused kernel computes in float32 and rounds once; the loop over bf16 tensors rounds each operation, as
+    DDP's optimizer does: a bf16 model (no mixed precision) keeps it."""
+    model = make_model("llama").to(torch.bfloat16)
+    _, optimizer = hf_zero.initialize(model, make_optimizer(model, lr=1e-3), hf_zero.ZeroConfig(stage=3))
+    assert all(group["fused"] is None for group in optimizer.param_groups)
