@@ -40,7 +40,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         taken = {id(p) for p in matrices}
         rest = [p for p in model.parameters() if id(p) not in taken]
         self.muon = torch.optim.Muon(matrices, lr=lr, adjust_lr_fn="match_rms_adamw")
-        self.adamw = torch.optim.AdamW(rest, lr=lr, eps=1e-6)
+        # the loop, as chosen: as one optimizer it steps whole parameters, as two flat chunks ([Note: fused step])
+        self.adamw = torch.optim.AdamW(rest, lr=lr, eps=1e-6, foreach=False)
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
         self.muon.state = self.adamw.state = self.state  # one state, so state_dict() and checkpoints hold both
 
