@@ -25,12 +25,13 @@ a damaged file is found after they changed, and puts them back.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from .direct import BLOCK, O_DIRECT
 from .format import Digest
 
 CHUNK_BYTES = 64 << 20  # one pread, and one hashed range, at most
-_BOUNCE: list[mmap.mmap] = []  # the two aligned buffers of direct reads, made at the first one and kept
+_BOUNCE: list[tuple[mmap.mmap, mmap.mmap]] = []  # free pairs of aligned buffers for direct reads ([Note: bounce])
 _BOUNCE_LOCK = threading.Lock()
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # safetensors' names, as the writer uses them
 
@@ -225,6 +226,33 @@ def _read_in_order(path: Path, wants: list[Want], digest: Digest | None) -> None
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _bounce_pair() -> Iterator[tuple[mmap.mmap, mmap.mmap]]:
+    """[Note: bounce]
+    A direct read goes through two aligned CHUNK_BYTES buffers (one read by a thread while the other is hashed and
+    copied out), made once and kept: fresh memory each time would cost its first touch again. Each read running at
+    once takes a pair of its own (`PretrainedSource` reads two units at once), so a second pair is made the first
+    time two overlap; `keep_one_bounce_pair` gives the spare ones back once such a load is done."""
+    with _BOUNCE_LOCK:
+        pair = _BOUNCE.pop() if _BOUNCE else None
+    if pair is None:
+        pair = (mmap.mmap(-1, CHUNK_BYTES), mmap.mmap(-1, CHUNK_BYTES))
+    try:
+        yield pair
+    finally:
+        with _BOUNCE_LOCK:
+            _BOUNCE.append(pair)
+
+
+def keep_one_bounce_pair() -> None:
+    """[Note: bounce] close every kept pair of direct-read buffers but one."""
+    with _BOUNCE_LOCK:
+        spare, _BOUNCE[1:] = _BOUNCE[1:], []
+    for pair in spare:
+        for buffer in pair:
+            buffer.close()
+
+
 def _read_direct(path: Path, wants: list[Want], digest: Digest | None, complete: Callable[[Want], None]) -> bool:
     """Read `wants` (sorted) with O_DIRECT, through the aligned buffers, and with `digest` the whole file through
     it, calling `complete` on each want once its last byte is in (while the next chunk is being read); False,
@@ -240,11 +268,9 @@ def _read_direct(path: Path, wants: list[Want], digest: Digest | None, complete:
         if wants and wants[-1].end > size:
             raise ValueError(f"{path} ends at byte {size}, before the tensors its header lists: it is truncated.")
         chunks = _aligned_chunks([(0, size)] if digest is not None else [(w.start, w.end) for w in wants])
-        with _BOUNCE_LOCK, ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-read") as reader:
-            if not _BOUNCE:
-                _BOUNCE.extend(mmap.mmap(-1, CHUNK_BYTES) for _ in range(2))
-            buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in _BOUNCE]
-            pending = reader.submit(_pread_direct, fd, _BOUNCE[0], *chunks[0]) if chunks else None
+        with _bounce_pair() as bounce, ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-read") as reader:
+            buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in bounce]
+            pending = reader.submit(_pread_direct, fd, bounce[0], *chunks[0]) if chunks else None
             try:
                 got = pending.result() if pending is not None else 0
             except OSError as e:  # a filesystem that opens with O_DIRECT but refuses its reads
@@ -256,10 +282,10 @@ def _read_direct(path: Path, wants: list[Want], digest: Digest | None, complete:
                 if k:
                     got = pending.result() if pending is not None else 0
                 if k + 1 < len(chunks):
-                    pending = reader.submit(_pread_direct, fd, _BOUNCE[(k + 1) % 2], *chunks[k + 1])
+                    pending = reader.submit(_pread_direct, fd, bounce[(k + 1) % 2], *chunks[k + 1])
                 end = min(offset + got, size)
                 if digest is not None:
-                    digest.update(memoryview(_BOUNCE[k % 2])[: end - offset])
+                    digest.update(memoryview(bounce[k % 2])[: end - offset])
                 buffer = buffers[k % 2]
                 while first < len(wants) and wants[first].end <= offset:
                     first += 1
