@@ -32,6 +32,7 @@ def _cells(line: str) -> list[str]:
         Scenario(model="llama", stage=1, world=3, frozen=("layers.0.mlp", "embed_tokens")),
         Scenario(model="llama", stage=2, world=2, config_overrides=(("offload_optimizer", True),)),
         Scenario(model="falcon", stage=3, world=3, mixed_precision="bf16"),
+        Scenario(model="llama", stage=3, world=1, mixed_precision="bf16"),  # [Note: a shard group of one]
         Scenario(model="falcon", stage=3, world=2,
                  config_overrides=(("offload_optimizer", True), ("offload_params", True))),
         Scenario(model="llama", stage=3, world=2, mixed_precision="bf16", config_overrides=(("offload_optimizer", True),)),

@@ -81,6 +81,7 @@ class ZeroEngine:
             config.group_timeout_s,
             config.collectives,
             offload_params=config.offload_params,
+            casts_params=config.param_dtype not in (None, torch.float32),  # [Note: a shard group of one]
         )
         self.device = device
         self.pins_host = Placement(self.device).pins_host  # [Note: placement]: host copies pinned (checkpoints too)

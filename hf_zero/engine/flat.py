@@ -176,6 +176,8 @@ class FlatPart(ReadsPartSettings):
         source = self.store.gather_source()
         if source.device != self.device:  # the shard lives on the host: stage it on the device for the gather
             source = torch.empty_like(source, device=self.device).copy_(source, non_blocking=True)
+        if self.shard_group.size == 1:  # [Note: a shard group of one] in stages.py: the copy casts, nothing travels
+            return all_gather_into(self.unsharded_param, source, self.shard_group)
         cast = None
         if source.dtype != self.param_dtype:  # [Note: cast on gather]
             cast = source = self.pool.new_tensor(source.numel(), self.param_dtype, self.device).copy_(source)

@@ -47,6 +47,7 @@ def plan_for_stage(
     timeout_s: float | None = None,
     collectives: BulkCollectives = "auto",
     offload_params: bool = False,
+    casts_params: bool = False,
 ) -> StagePlan:
     """The `StagePlan` of `stage` over the process group `world`.
 
@@ -54,7 +55,7 @@ def plan_for_stage(
     replicate across groups (hybrid sharding); the world size must be a multiple of it.
     `collectives` says how the shard group's all-gathers and reduce-scatters travel
     (see `CommGroup.using`). `offload_params`: stage 3 keeps the parameters on the host between uses, so it
-    gathers even over a shard group of one.
+    gathers even over a shard group of one; so does `casts_params` (mixed precision: each use casts the masters).
 
     Example:
 
@@ -71,9 +72,12 @@ def plan_for_stage(
     if shard_group_size is not None and shard_group_size != world.size:
         shard, replicate = hybrid_groups(world, shard_group_size, timeout_s)
     # [Note: a shard group of one] stage 3 over a group of one has nothing to shard: every "gather" would copy
-    # the whole unit from its only shard. Its parameters stay whole and readable between steps, as with the
-    # stock Trainer (unless offload_params keeps them on the host: then each use copies them to the device).
-    gathers = stage == 3 and (shard.size > 1 or offload_params)
+    # the whole unit from its only shard. In one dtype its parameters stay whole and readable between steps, as with
+    # the stock Trainer. Unless offload_params keeps them on the host (each use copies them to the device), or mixed
+    # precision computes in another dtype than the masters': a whole copy in bf16 beside the fp32 masters would cost
+    # 2 bytes per parameter at every moment (14 GB at 7B on one GPU), where FSDP2 casts each unit as it is used and
+    # frees it. There each use casts the unit's masters, as stage 3 over several ranks gathers them.
+    gathers = stage == 3 and (shard.size > 1 or offload_params or casts_params)
     return StagePlan(
         stage,
         shard.using(collectives),
