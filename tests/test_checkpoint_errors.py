@@ -240,7 +240,9 @@ def test_chained_background_saves_run_one_after_another_and_pass_on_a_failure(tm
 
     from hf_zero.checkpoint import background
 
-    owner = object()  # stands for an engine: the saves are keyed by it
+    from types import SimpleNamespace
+
+    owner = SimpleNamespace(key=12345)  # stands for an engine's facade: the saves are keyed by it
     order: list[str] = []
     release = threading.Event()
 

@@ -50,3 +50,19 @@ def test_no_import_cycle_of_any_kind():
 
     assert len(edges()) > 80
     assert cycles() == []
+
+
+def test_checkpoints_and_integrations_reach_the_engine_through_its_facade():
+    """[Note: engine facade] in hf_zero/engine/facade.py: nothing under checkpoint/, integrations/ or features/
+    takes the engine itself (`get_engine`, `ZeroEngine`) or reaches into its plan, hooks, loss scaler, disk store or
+    call-order record; they use `facade_of(model)`."""
+    reach = re.compile(r"\bget_engine\b|\bZeroEngine\b|engine\.engine\b|(?<![.\w])_?engine\.(plan|hooks|scaler|disk|calls)\b")
+    found = []
+    for folder in ("checkpoint", "integrations", "features"):
+        for path in sorted((ROOT / "hf_zero" / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if reach.search(line.split("#")[0]):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+    users = [p for f in ("checkpoint", "integrations") for p in (ROOT / "hf_zero" / f).rglob("*.py")]
+    assert sum("facade_of" in p.read_text() or "EngineFacade" in p.read_text() for p in users) >= 8

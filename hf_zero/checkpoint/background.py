@@ -39,8 +39,7 @@ import torch
 from torch import nn
 
 from ..engine.collectives import CommGroup
-from ..engine.engine import ZeroEngine
-from ..engine.module import get_engine
+from ..engine.facade import EngineFacade, facade_of
 from .stream import Entry
 
 logger = logging.getLogger(__name__)
@@ -167,31 +166,31 @@ def _signalling(
     return gen
 
 
-def checkpoint_group(engine: ZeroEngine) -> CommGroup:
+def checkpoint_group(engine: EngineFacade) -> CommGroup:
     """The gloo group asynchronous saves agree on: the engine's, made at `initialize` (`host_side_group`)."""
     return engine.save_group
 
 
-_pending: dict[int, AsyncSave] = {}  # id(engine) -> its save in the background
+_pending: dict[int, AsyncSave] = {}  # the engine's key -> its save in the background
 
 
-def finish_previous(engine: object) -> None:
+def finish_previous(engine: EngineFacade) -> None:
     """Wait for `engine`'s previous asynchronous save (the next save starts after it); its error raises here."""
-    previous = _pending.pop(id(engine), None)
+    previous = _pending.pop(engine.key, None)
     if previous is not None:
         previous.wait()
 
 
-def chain(engine: object, target: Path, work: Callable[[], object]) -> AsyncSave:
+def chain(engine: EngineFacade, target: Path, work: Callable[[], object]) -> AsyncSave:
     """Start `work` in the background once `engine`'s save in flight (if any) has finished, and make it the one
     the next save waits for: its `wait()` raises the earlier save's error too."""
-    handle = _pending[id(engine)] = AsyncSave(target, work, after=_pending.get(id(engine)))
+    handle = _pending[engine.key] = AsyncSave(target, work, after=_pending.get(engine.key))
     return handle
 
 
-def pending_save(engine: object) -> AsyncSave | None:
+def pending_save(engine: EngineFacade) -> AsyncSave | None:
     """`engine`'s asynchronous save still being written, or None."""
-    handle = _pending.get(id(engine))
+    handle = _pending.get(engine.key)
     return handle if handle is not None and not handle.done() else None
 
 
@@ -206,4 +205,4 @@ def wait_for_saves(model: nn.Module) -> None:
     >>> hf_zero.wait_for_saves(model)
     ```
     """
-    finish_previous(get_engine(model))
+    finish_previous(facade_of(model))

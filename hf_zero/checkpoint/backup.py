@@ -16,6 +16,7 @@ only after `wait`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -37,7 +38,7 @@ class MasterBackup:
     ```
     """
 
-    def __init__(self, parts: list[FlatPart]) -> None:
+    def __init__(self, parts: Sequence[FlatPart]) -> None:
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master, copy)
         for part in parts:
             master = part.store.read()  # the live shard (a `MemoryMaster`)

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import agreement, broadcast_object
-from ..engine.module import get_engine
+from ..engine.facade import facade_of
 from ..integrations.conversions import model_layout
 from .background import AsyncSave, chain, checkpoint_group
 from .format import (
@@ -179,7 +179,7 @@ def save_pretrained(
     Users call `model.save_pretrained` (hf_zero/model.py), which calls this.
     ```
     """
-    engine = get_engine(model)
+    engine = facade_of(model)
     with agreement(engine.world, "model.save_pretrained"):
         out_dtype = parse_dtype(dtype)
         max_bytes = parse_size(max_shard_size)
@@ -259,7 +259,7 @@ def save_pretrained_async(
     >>> handle.wait()
     ```
     """
-    engine = get_engine(model)
+    engine = facade_of(model)
     with agreement(engine.world, "model.save_pretrained"):
         out_dtype = parse_dtype(dtype) or engine.master_dtype
         max_bytes = parse_size(max_shard_size)

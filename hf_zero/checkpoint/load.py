@@ -22,9 +22,8 @@ from torch import nn
 
 from ..engine.calls import Call
 from ..engine.collectives import CommGroup, digest_of, first_to_differ, raise_if_any_failed
-from ..engine.engine import ZeroEngine
+from ..engine.facade import EngineFacade, facade_of
 from ..engine.flat import FlatPart
-from ..engine.module import get_engine
 from ..engine.step.optim import ShardedOptimizer, sharded_list
 from ..engine.step.pieces import Piece
 from .background import finish_previous
@@ -95,8 +94,8 @@ def load_checkpoint(
     >>> start_step = meta["step"]
     ```
     """
-    engine = get_engine(model)
-    engine.calls.begin(Call.LOAD_CHECKPOINT, read_now=True)  # [Note: call order]
+    engine = facade_of(model)
+    engine.begin_call(Call.LOAD_CHECKPOINT)  # [Note: call order]
     finish_previous(engine)  # [Note: asynchronous save]: a checkpoint being written is read once committed
     directory = sharded_state_dir(path)  # a Trainer's checkpoint-N: its hf_zero/
     manifest: Manifest | None = None
@@ -119,10 +118,10 @@ def load_checkpoint(
     if manifest is None:  # unreachable: a missing manifest raised above
         raise RuntimeError(f"[rank {engine.world.global_rank}] hf_zero.load_checkpoint read no manifest")
     _refuse_other_checkpoints(manifest, directory, engine.world)
-    engine.hooks.wait_reductions()
+    engine.wait_reductions()
     staged: list[Staged] = []
     backup: MasterBackup | None = None
-    in_pass = engine.disk is None  # the masters read in the one pass ([Note: master backup])
+    in_pass = not engine.masters_on_disk  # the masters read in the one pass ([Note: master backup])
     try:  # every file read once, checked from the same bytes ([Note: one-pass load])
         reads = RangeReads(directory, direct=True)  # read once: around the page cache
         if optimizers and manifest.optimizer is not None and _one_pass(engine, optimizers):
@@ -159,20 +158,20 @@ def load_checkpoint(
             _load_buffers(model, manifest, cache)
         for i, (each, saved_part) in enumerate(zip(optimizers, optimizer_parts(manifest))):
             _load_optimizer(engine, each, saved_part, manifest, cache, staged[i] if staged else None)
-    if engine.scaler is not None and "loss_scale" in manifest.engine:
-        engine.scaler.scale = float(manifest.engine["loss_scale"])
+    if "loss_scale" in manifest.engine:
+        engine.set_loss_scale(float(manifest.engine["loss_scale"]))
     engine.zero_grad()
     return dict(manifest.user)
 
 
-def _one_pass(engine: ZeroEngine, optimizers: list[ShardedOptimizer]) -> bool:
+def _one_pass(engine: EngineFacade, optimizers: list[ShardedOptimizer]) -> bool:
     """Whether the optimizer state is read ahead in one pass ([Note: one-pass load]): it stays in memory (no
     `offload_dir`, whose state goes to its files piece by piece) and is kept on flat shards."""
-    return engine.disk is None and all(o.whole_step is None for o in optimizers)
+    return not engine.masters_on_disk and all(o.whole_step is None for o in optimizers)
 
 
 def _stage_optimizers(
-    engine: ZeroEngine, optimizers: list[ShardedOptimizer], manifest: Manifest, reads: RangeReads
+    engine: EngineFacade, optimizers: list[ShardedOptimizer], manifest: Manifest, reads: RangeReads
 ) -> list[Staged]:
     """Every optimizer's state, its elementwise entries planned in `reads` (read with the pass). They go into the
     optimizer's own state tensors where it has them all (memory that is in use already: fresh memory's first
@@ -202,7 +201,7 @@ def _stage_optimizers(
 
 
 def _plan_masters(
-    engine: ZeroEngine,
+    engine: EngineFacade,
     manifest: Manifest,
     reads: RangeReads,
     part: FlatPart | None = None,
@@ -263,7 +262,7 @@ def _live_chunks(piece: Piece, key: str, live: dict[Any, Any]) -> list[torch.Ten
     return out
 
 
-def _files_needed(manifest: Manifest, engine: ZeroEngine, optimizers: list[ShardedOptimizer]) -> list[str]:
+def _files_needed(manifest: Manifest, engine: EngineFacade, optimizers: list[ShardedOptimizer]) -> list[str]:
     needed: set[str] = set()
     with_state = bool(optimizers) and manifest.optimizer is not None
     owners: dict[str, str] = (manifest.optimizer or {}).get("owners", {})
@@ -302,8 +301,8 @@ def _refuse_other_checkpoints(manifest: Manifest, directory: Path, world: CommGr
     )
 
 
-def _check_model_matches(manifest: Manifest, engine: ZeroEngine, directory: Path) -> None:
-    ours = {slot.name: list(slot.shape) for part in engine.parts for slot in part.layout.slots}
+def _check_model_matches(manifest: Manifest, engine: EngineFacade, directory: Path) -> None:
+    ours = engine.slot_shapes()
     theirs = {name: info["shape"] for name, info in manifest.params.items()}
     missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     if missing or unexpected:
@@ -384,7 +383,7 @@ def _own_load_state_dict(cls: type) -> Callable[..., Any]:
 
 
 def _load_optimizer(
-    engine: ZeroEngine,
+    engine: EngineFacade,
     optimizer: ShardedOptimizer,
     part: dict[str, Any],
     manifest: Manifest,

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..engine.collectives import CommGroup, all_to_all_uneven, comm_device, gather_objects, raise_if_any_failed
-from ..engine.engine import ZeroEngine
+from ..engine.facade import EngineFacade
 from ..engine.flat import FlatPart
 from ..engine.step.pieces import Piece
 from ..engine.step.whole import deal
@@ -134,7 +134,7 @@ def written_dtype(t: FolderTensor, dtype: torch.dtype) -> torch.dtype:
     return dtype if value_dtype.is_floating_point else value_dtype
 
 
-def folder_tensors(engine: ZeroEngine, dtype: torch.dtype) -> list[FolderTensor]:
+def folder_tensors(engine: EngineFacade, dtype: torch.dtype) -> list[FolderTensor]:
     """The tensors of the model folder in `state_dict` order: each parameter once (tied names under the first),
     then the persistent buffers. A parameter every rank holds whole in `dtype` is taken as it is; one kept in its
     own dtype is written in that ([Note: parameters kept in their own dtype] in engine/unit.py)."""
@@ -160,13 +160,13 @@ class Exchange:
     tensor of the round piece by piece; `drain()` runs every round not yet run (a rank that stopped writing
     keeps serving the others)."""
 
-    def __init__(self, engine: ZeroEngine, plan: OwnerPlan, on_round: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self, engine: EngineFacade, plan: OwnerPlan, on_round: Callable[[int, int], None] | None = None
+    ) -> None:
         self.engine, self.plan, self.on_round = engine, plan, on_round
         self.world = engine.world
         # every rank's (replica, shard rank): an owner takes its tensor from the ranks of its own shard group
-        self.places: list[tuple[int, int]] = gather_objects(
-            (engine.plan.replicate_group.rank, engine.plan.shard_group.rank), self.world
-        )
+        self.places: list[tuple[int, int]] = gather_objects((engine.replica_rank, engine.shard_rank), self.world)
         for replica in {p[0] for p in self.places}:
             shard_ranks = [s for r, s in self.places if r == replica]
             if shard_ranks != list(range(len(shard_ranks))):
@@ -280,7 +280,7 @@ def _part(t: FolderTensor) -> FlatPart:
 
 
 def write_owned(
-    engine: ZeroEngine,
+    engine: EngineFacade,
     directory: Path,
     dtype: torch.dtype,
     max_bytes: int,
@@ -298,7 +298,12 @@ def write_owned(
 
 
 def snapshot_owned(
-    engine: ZeroEngine, directory: Path, dtype: torch.dtype, max_bytes: int, pin: bool, layout: FileLayout | None = None
+    engine: EngineFacade,
+    directory: Path,
+    dtype: torch.dtype,
+    max_bytes: int,
+    pin: bool,
+    layout: FileLayout | None = None,
 ) -> Callable[[CommGroup], list[str]]:
     """[Note: owned tensors] in two halves, for an asynchronous save ([Note: asynchronous save]): every round is
     run now (a collective) and this rank's tensors copied to host memory (pinned for an accelerator); the
@@ -324,7 +329,7 @@ def snapshot_owned(
 
 
 def _prepare(
-    engine: ZeroEngine,
+    engine: EngineFacade,
     dtype: torch.dtype,
     max_bytes: int,
     on_round: Callable[[int, int], None] | None,

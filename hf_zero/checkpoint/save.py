@@ -37,8 +37,7 @@ from ..engine.collectives import (
     gather_objects,
     raise_if_any_failed,
 )
-from ..engine.engine import ZeroEngine
-from ..engine.module import get_engine
+from ..engine.facade import EngineFacade, facade_of
 from ..engine.step.optim import ShardedOptimizer, sharded_list
 from ..engine.step.pieces import Piece
 from ..integrations.conversions import model_layout
@@ -115,8 +114,8 @@ def save_checkpoint(
     >>> hf_zero.save_checkpoint("ckpt/step-1000", model, optimizer, tokenizer=tokenizer, metadata={"step": 1000})
     ```
     """
-    engine = get_engine(model)
-    engine.calls.begin(Call.SAVE_CHECKPOINT, read_now=True)  # [Note: call order]
+    engine = facade_of(model)
+    engine.begin_call(Call.SAVE_CHECKPOINT)  # [Note: call order]
     world = engine.world
     target = Path(path)
     with agreement(world, "hf_zero.save_checkpoint"):  # arguments may differ between ranks: agree first
@@ -224,7 +223,7 @@ def _raise_if_failed(error: BaseException | None, world: CommGroup, staging: Pat
 
 
 def _rank_jobs(
-    model: nn.Module, engine: ZeroEngine, optimizers: list[ShardedOptimizer]
+    model: nn.Module, engine: EngineFacade, optimizers: list[ShardedOptimizer]
 ) -> tuple[list[FileJob], dict[str, Any]]:
     """The files this rank writes (their entries reading the state where it lives: [Note: streamed save]) and
     its record for the manifest (slices, state kinds, owners; `files` is filled as they are written)."""
@@ -239,7 +238,7 @@ def _rank_jobs(
             jobs.append(FileJob(BUFFERS_FILE, entries, {}))
     if not engine.writes_shards:
         return jobs, record  # a replica (stage 0 or hybrid): the shard-group rank 0 replica writes
-    rank, size = engine.plan.shard_group.rank, engine.plan.shard_group.size
+    rank, size = engine.shard_rank, engine.shard_size
     mfile = model_file(rank, size)
     slices = {p.name: [p.start, p.end] for p in engine.pieces}
     masters = [Entry(p.name, p.part.master_dtype, (p.end - p.start,), _master_pieces(p)) for p in engine.pieces]
@@ -284,7 +283,9 @@ def _master_pieces(piece: Piece) -> Callable[[], Iterable[torch.Tensor]]:
     return lambda: (host for t in store.read_range(start, numel) for host in host_pieces(t)())
 
 
-def _optimizer_pieces(engine: ZeroEngine, optimizer: ShardedOptimizer) -> tuple[list[Entry], dict[str, dict[str, str]]]:
+def _optimizer_pieces(
+    engine: EngineFacade, optimizer: ShardedOptimizer
+) -> tuple[list[Entry], dict[str, dict[str, str]]]:
     """This rank's optimizer state: elementwise tensors as pieces (the piece's chunks joined, [Note:
     optimizer chunks]; streamed from the offload files for disk units), scalars whole (the first chunk's:
     every chunk steps together), numbers as 0-d tensors."""
@@ -341,7 +342,7 @@ def _write_streamed(
 
 def _manifest(
     model: nn.Module,
-    engine: ZeroEngine,
+    engine: EngineFacade,
     optimizers: list[ShardedOptimizer],
     records: list[dict[str, Any]],
     metadata: dict[str, Any] | None,
@@ -387,9 +388,9 @@ def _manifest(
         optim = {**parts[0], "state": state} if len(parts) == 1 else {"parts": parts, "state": state}
         if any(o.steps_whole_parameters for o in optimizers):
             optim["owners"] = owners
-    engine_state = {"loss_scale": engine.scaler.scale} if engine.scaler is not None else {}
+    engine_state = {"loss_scale": engine.loss_scale} if engine.loss_scale is not None else {}
     return Manifest(
-        stage=engine.config.stage,
+        stage=engine.stage,
         world_size=engine.world.size,
         params=params,
         slices=slices,

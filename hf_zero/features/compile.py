@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.module import get_engine
+from ..engine.facade import facade_of
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
@@ -44,7 +44,7 @@ def compile_as_requested(model: nn.Module, plugin: Any, stage: int) -> bool:
         if getattr(model, "_compiled_call_impl", None) is None:
             model.compile(**kwargs)
         return True
-    for unit in get_engine(model).units:
+    for unit in facade_of(model).units:
         for module in _modules(unit.spec) if unit.spec.name else ():
             if not hasattr(module.forward, "_torchdynamo_orig_callable"):  # its forward only: the hooks stay eager
                 module.forward = torch.compile(module.forward, **kwargs)

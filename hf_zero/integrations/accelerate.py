@@ -38,7 +38,8 @@ from ..api import attach_optimizer, full_state_dict, initialize
 from ..checkpoint import last_complete_checkpoint, load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
 from ..config import ZeroConfig
 from ..engine.collectives import CommGroup, agreement
-from ..engine.module import get_engine, is_sharded
+from ..engine.facade import facade_of
+from ..engine.module import is_sharded
 from ..engine.step.optim import ShardedOptimizer
 from ..features.compile import check_compile_request, compile_as_requested
 from ..launch import cpu_launch_warning
@@ -242,9 +243,7 @@ class ZeroAccelerator(Accelerator):
         if not self._zero_optimizers or self._zero_model is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        engine = get_engine(self._zero_model)
-        ours = {id(p) for part in engine.parts for p in part.params}  # stand-ins map to these (compute_param)
-        if not all(id(engine.compute_param(p)) in ours for p in params):
+        if not facade_of(self._zero_model).owns_params(params):  # stand-ins count as what they stand for
             raise ValueError(
                 "clip_grad_norm_ got parameters that are not the sharded model's; pass model.parameters() of the "
                 "model ZeroAccelerator prepared (its norm is taken over every rank's gradient shards)."

@@ -27,7 +27,7 @@ from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtyp
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import CommGroup, agreement, all_agree, broadcast_tensors, digest_of
-from ..engine.module import get_engine
+from ..engine.facade import facade_of
 from ..engine.step.optim import ShardedOptimizer
 from .conversions import checkpoint_conversions
 from .quantized_load import attach_saved_states, attach_states, to_4bit_on_meta
@@ -149,7 +149,7 @@ def from_pretrained(
         if saved is None:
             attach_states(sharded, four_bit, _whole_reader(path))
         else:
-            attach_saved_states(sharded, four_bit, str(path), get_engine(sharded).device)
+            attach_saved_states(sharded, four_bit, str(path), facade_of(sharded).device)
     return sharded, sharded_optimizer
 
 

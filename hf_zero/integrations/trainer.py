@@ -40,7 +40,8 @@ from ..api import attach_optimizer, gathered_parameters, initialize, keep_fused_
 from ..checkpoint import load_checkpoint, save_checkpoint, save_pretrained, wait_for_saves
 from ..checkpoint.consolidate import save_pretrained_async
 from ..checkpoint.format import last_complete_checkpoint, save_hf_files
-from ..engine.module import get_engine, is_sharded
+from ..engine.facade import facade_of
+from ..engine.module import is_sharded
 from ..engine.placement import check_compute_device
 from ..engine.step.optim import ShardedOptimizer
 from ..features.compile import compile_as_requested
@@ -147,7 +148,7 @@ class ZeroTrainerMixin(_TrainerBase):
                 self._shard_for_direct_head(reference)
                 self._sync_sharded_reference()
         else:  # sharded before (hf_zero.from_pretrained, or for evaluation first): batches must go where it computes
-            check_compute_device(get_engine(self._zero_model()).device, self.args.device)
+            check_compute_device(facade_of(self._zero_model()).device, self.args.device)
             self._shard_for_direct_head(self._zero_model())  # --use_liger_kernel patched it since
             if training and self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
                 self.optimizer = attach_optimizer(self._zero_model(), self.optimizer)
@@ -160,7 +161,7 @@ class ZeroTrainerMixin(_TrainerBase):
         sharded model forgets the pass it stopped in (gathered units freed, partial gradients dropped); the model
         stays sharded and keeps its optimizer, as the stock Trainer keeps its model and optimizer."""
         if is_sharded(self.model):
-            get_engine(self._zero_model()).zero_grad(abandon_pass=True)
+            facade_of(self._zero_model()).zero_grad(abandon_pass=True)
         super()._update_auto_batch_size(batch_size)
 
     def _sync_sharded_reference(self) -> None:
@@ -177,7 +178,7 @@ class ZeroTrainerMixin(_TrainerBase):
         get_head = getattr(model, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         if _reads_head_directly(self) and isinstance(head, nn.Module):
-            get_engine(model).use_directly(head)
+            facade_of(model).use_directly(head)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         return self._sharded_optimizer().clip_grad_norm_(self.args.max_grad_norm)
@@ -198,7 +199,7 @@ class ZeroTrainerMixin(_TrainerBase):
         (BatchNorm's running statistics are each rank's own, as under DDP), [Note: buffer broadcast]."""
         if not is_sharded(self.model):
             return super().evaluation_loop(*args, **kwargs)
-        with get_engine(self._zero_model()).as_unwrapped():
+        with facade_of(self._zero_model()).as_unwrapped():
             return super().evaluation_loop(*args, **kwargs)
 
     def prediction_step(
@@ -215,7 +216,7 @@ class ZeroTrainerMixin(_TrainerBase):
         the caller gave is kept."""
         if not gen_kwargs and not hasattr(self, "_gen_kwargs"):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        if is_sharded(self.model) and get_engine(self._zero_model()).generation_needs_sync:
+        if is_sharded(self.model) and facade_of(self._zero_model()).generation_needs_sync:
             gen_kwargs = dict(gen_kwargs or getattr(self, "_gen_kwargs", {}))
             gen_kwargs.setdefault("synced_gpus", True)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
@@ -249,14 +250,14 @@ class ZeroTrainerMixin(_TrainerBase):
                 self._zero_model(),
                 output_dir,
                 tokenizer=self.processing_class,
-                dtype=get_engine(self._zero_model()).param_dtype,
+                dtype=facade_of(self._zero_model()).param_dtype,
             )
         elif periodic:  # every rank writes its share, in the dtype training computes in
             save_pretrained(
                 self._zero_model(),
                 output_dir,
                 tokenizer=self.processing_class,
-                dtype=get_engine(self._zero_model()).param_dtype,
+                dtype=facade_of(self._zero_model()).param_dtype,
                 parallel=True,
                 progress=False,  # the Trainer's own bar is the one shown
             )
