@@ -14,6 +14,7 @@ from torch import nn
 
 from .checkpoint.pretrained import Conversions, PretrainedSource
 from .config import ZeroConfig
+from .engine.checks.same_model import refuse_configs_that_differ, refuse_models_that_differ, refuse_weights_that_differ
 from .engine.collectives import CommGroup, raise_if_any_failed
 from .engine.collectives.group import sequence_group
 from .engine.engine import ModelStateMemory, StateDictOptions, ZeroEngine
@@ -23,7 +24,6 @@ from .engine.module import engine_of_param, get_engine, is_sharded, wrapped_mode
 from .engine.placement import check_compute_device, validate_model
 from .engine.pool import map_large_host_allocations
 from .engine.quantized import check_quantized
-from .engine.same_model import refuse_configs_that_differ, refuse_models_that_differ, refuse_weights_that_differ
 from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.wrap import UnitSpec, units_for
 from .model import attach, unshard_and_detach, use_sharder

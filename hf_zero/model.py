@@ -109,7 +109,7 @@ class ZeroModel:
 
     # ---- torch's Join ----------------------------------------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """[Note: uneven inputs] in engine/forward_checks.py: what `Join([model, ...])` asks of each of its
+        """[Note: uneven inputs] in engine/checks/forward.py: what `Join([model, ...])` asks of each of its
         joinables (Accelerate's `join_uneven_inputs` builds one on every multi-GPU run). A hook that does nothing:
         disabled (`even_batches=True`, Accelerate's default) the context changes nothing, as with DDP; enabled, the
         first forward inside it is refused."""

@@ -83,7 +83,7 @@ def headers_read_where_deferred(backward_on_rank_1: bool) -> dict[str, Any]:
     marked so): a forward's header, then a backward's (`keep_unread`), are not read when issued; `settle` reads
     both, oldest first. `backward_on_rank_1` False: rank 1 begins a forward where rank 0 begins the backward.
     Returns how many headers were read after each call, and the error `settle` raised."""
-    from hf_zero.engine.calls import Call, CallOrder
+    from hf_zero.engine.checks.call_order import Call, CallOrder
     from hf_zero.engine.collectives import CommGroup, ops
 
     class StreamOrdered(CommGroup):

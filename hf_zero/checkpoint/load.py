@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..engine.calls import Call
+from ..engine.checks.call_order import Call
 from ..engine.collectives import CommGroup, digest_of, first_to_differ, raise_if_any_failed
 from ..engine.facade import EngineFacade, facade_of
 from ..engine.flat import FlatPart

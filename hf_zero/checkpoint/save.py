@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..dtypes import dtype_name
-from ..engine.calls import Call
+from ..engine.checks.call_order import Call
 from ..engine.collectives import (
     CommGroup,
     agreement,

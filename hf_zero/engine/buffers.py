@@ -7,8 +7,8 @@ follows a forward with grad outside `no_sync` (DDP's `require_forward_param_sync
 So the first evaluation forward after a step normalises with rank 0's running statistics on every rank, the
 first micro-batch of an accumulated step starts from rank 0's and the later ones (after a `no_sync` forward)
 from each rank's own, as under DDP. A forward without grad that broadcasts is a collective, so it begins a
-header ([Note: call order] in calls.py) at every stage. The stock Trainer evaluates the module DDP wraps, not
-the wrapper, so its evaluation broadcasts nothing and leaves the flag: `ZeroTrainer` runs its evaluation loop
+header ([Note: call order] in checks/call_order.py) at every stage. The stock Trainer evaluates the module DDP
+wraps, not the wrapper, so its evaluation broadcasts nothing and leaves the flag: `ZeroTrainer` runs its evaluation loop
 inside `as_unwrapped()` for the same numbers. `ZeroConfig(broadcast_buffers=False)` keeps each rank's own
 (FSDP's behaviour). Unlike DDP, only the persistent buffers (those `state_dict` holds) travel: non-persistent
 ones are constants the model derives the same way on every rank (rotary frequencies, position ids), and a LLaMA

@@ -14,7 +14,8 @@ from torch import nn
 from ..config import ZeroConfig
 from .accounting import ModelStateMemory
 from .buffers import BufferSync
-from .calls import Call, CallOrder
+from .checks.call_order import Call, CallOrder
+from .checks.forward import ModelStructure, refuse_replaced_data, refuse_uneven_join, unfrozen_parts
 from .collectives import (
     CommGroup,
     all_gather_into,
@@ -24,7 +25,6 @@ from .collectives import (
     max_scalar_,
 )
 from .flat import FlatPart, take_edits
-from .forward_checks import ModelStructure, refuse_replaced_data, refuse_uneven_join, unfrozen_parts
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
@@ -317,7 +317,7 @@ class ZeroEngine:
             self.buffers.broadcast()
 
     def _start_unfrozen_units(self) -> None:
-        """[Note: requires_grad after initialize] in forward_checks.py: units frozen at `initialize`, unfrozen since."""
+        """[Note: requires_grad after initialize] in checks/forward.py: units frozen at `initialize`, unfrozen since."""
         settings = (self.param_dtype, self.master_dtype, self.config.offload_optimizer)
         for part, unit in unfrozen_parts(self._frozen_parts, self.units, *settings):
             for real, held in zip(part.params, part.held_params):  # stage 3: as the next gather would

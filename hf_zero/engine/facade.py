@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .calls import Call
+from .checks.call_order import Call
 from .collectives import CommGroup
 from .module import get_engine
 

@@ -107,7 +107,7 @@ class FlatPart(ReadsPartSettings):
         # [Note: gradients] in grads.py: the unsharded buffer, a lookup's sparse gradient, the reduced shard
         self.grads = FlatGrads(settings, self.params, spec.backward_reads_params, grad_shard)
         self._grad_stand_ins: list[tuple[tuple[torch.Tensor, ShardedGrad], ...]] | None = None
-        # [Note: replaced data] in forward_checks.py: where each parameter's values live, while the part is persistent
+        # [Note: replaced data] in checks/forward.py: where each parameter's values live, while the part is persistent
         self.param_data_ptrs = tuple(p.data_ptr() for p in self.params) if self.persistent else ()
 
     def _gather_shard(self, on_disk: bool) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .calls import Call
+from .checks.call_order import Call
 from .collectives import broadcast_, raise_if_any_failed
 from .engine import StateDictOptions, ZeroEngine
 from .flat import FlatPart
@@ -141,7 +141,7 @@ def _read_only_error(changed: list[str]) -> ValueError | None:
 
 def _undo_replaced_data(parts: list[FlatPart]) -> ValueError | None:
     """The error for a parameter whose `.data` the block replaced (`param.data = tensor`), which the write-back,
-    reading the gathered buffer, would drop without a word ([Note: replaced data] in forward_checks.py), after pointing
+    reading the gathered buffer, would drop without a word ([Note: replaced data] in checks/forward.py), after pointing
     every such parameter back at its view of the buffer; None if there is none."""
     error = None
     for part in parts:

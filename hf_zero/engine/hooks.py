@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .collectives import CommGroup, issue_flags_gather, issue_ints_gather
+from .checks.units_run import UnitsCheck, changed_in_forward_error
+from .collectives import CommGroup
 from .grads import UnitReduction
 from .lifecycle import TrainingState
 from .order import plan_prefetches
@@ -23,7 +24,7 @@ from .pool import BufferPool
 from .registration import keep_last, members, register_first_pre_hook, weakly
 from .stages import StagePlan
 from .tree import cast_floating_inputs, flatten, tensors
-from .unit import Unit, changed_in_forward_error, units_apart_error
+from .unit import Unit
 
 MAX_PENDING_REDUCTIONS = 1  # issued reduce-scatters left in flight while the next unit's backward runs
 
@@ -95,6 +96,10 @@ class UnitHooks:
         self._handles: list[RemovableHandle] = []
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
+        # [Note: units run on some ranks] in checks/units_run.py: a plug-in the pass calls at fixed points
+        self.units_check = UnitsCheck(
+            units, settings.world, plan.params.uses_gather, self.reset, settings.before_waiting
+        )
         self._register()
 
     @contextlib.contextmanager
@@ -147,7 +152,7 @@ class UnitHooks:
         recompute = in_backward()  # [Note: recomputation] in passes.py
         keep_last(*self._post_hooks[id(unit)])  # [Note: hook order]
         if recompute:
-            self._settle_units_check()
+            self.units_check.settle(self.current)
         if unit is self.root and not recompute:
             self._begin_root_forward()
         if unit is self.root:  # [Note: forward called directly] the model's forward runs inside its __call__
@@ -160,8 +165,8 @@ class UnitHooks:
                 self.current.ran_forward(unit)
         if self.current.gated is not None and self._forward_gathers(unit, recompute):
             self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
-        if not recompute and self._gathers_off_plan(unit):
-            self._agree_on_gather(unit)
+        if not recompute and self.units_check.off_plan(unit, self._order_known and self.settings.prefetch > 0):
+            self.units_check.agree_on_gather(unit)  # [Note: units run on some ranks] in checks/units_run.py
         unit.before_compute()
         if not recompute:
             if not unit.persistent:
@@ -182,7 +187,7 @@ class UnitHooks:
     def _begin_root_forward(self) -> None:
         """The root's pre-forward: forget a pass an exception stopped, free a unit no backward used, learn the
         order after the first forward, gather the units used directly."""
-        self._settle_units_check()  # a forward with grad that no backward followed
+        self.units_check.settle(self.current)  # a forward with grad that no backward followed
         if not self.current.idle or any(u.training_state is not TrainingState.IDLE for u in self.units):
             self.reset()  # a previous forward or backward was interrupted by an exception
         self.release_held()  # no backward used it: gather it afresh in this forward
@@ -309,7 +314,7 @@ class UnitHooks:
         if not torch.is_grad_enabled():
             return None
         if unit is self.root:
-            self._issue_units_check()
+            self.units_check.issue(self.current)
         if unit is self.root and self.settings.root_output_fn is not None:
             output = self.settings.root_output_fn(output)
         self._hook_outputs(unit, output)
@@ -332,7 +337,7 @@ class UnitHooks:
         if not self.current.in_backward and self.settings.on_backward is not None:
             self.settings.on_backward()  # [Note: resting gradients]: autograd must not meet the stand-ins
         if unit is not self.root:
-            self._settle_units_check()  # before anything this unit issues
+            self.units_check.settle(self.current)  # before anything this unit issues
         if not unit.begin_backward():
             return
         self._open_gate()  # a deferred prefetch goes out before anything this unit issues
@@ -430,7 +435,7 @@ class UnitHooks:
             self._prefetch_after(unit, forward=False)
 
     def _finalize(self) -> None:
-        self._settle_units_check()
+        self.units_check.settle(self.current)
         anywhere = self.current.ran_anywhere
         catch_up = self._reduces and self.unsynced
         for unit in reversed(self.units):
@@ -520,75 +525,6 @@ class UnitHooks:
         self.current.begin_backward_pass(torch.is_grad_enabled(), self.graph_built)
         if self.current.create_graph:
             self.graph_built = True
-
-    def _issue_units_check(self) -> None:
-        """[Note: units run on some ranks]
-        A unit may run its forward on some ranks and not others in a step (LayerDrop drawn per rank, an expert
-        no token of a rank reached, a branch on the data); its reduction would then be issued on some ranks only
-        and the collectives would pair up wrongly or hang. After every forward with grad, one all-gather of a
-        byte per unit (the root last; bit 0: it ran since the last backward, bit 1: its forward changed its
-        parameters in place, [Note: changed in forward]) is issued at the root's post-forward and waited for
-        (`_settle_units_check`) only before what depends on it: the first hook of the backward past the root's,
-        a recomputed forward, the final callback, or the next forward (waiting at the point of issue cost 80-95
-        ms per step on the small preset, 2 ranks on gloo). Where the ranks differ: at stages 0-2 the backward
-        defers every reduction to its final callback, in unit order, a rank that did not run a unit reducing
-        zeros for it (exact, as DDP with `find_unused_parameters=True`); at stage 3, whose gathers already
-        depend on which units ran, it is refused on every rank, naming the units."""
-        self._settle_units_check()  # a second forward before a backward: the first one's check goes first
-        world = self.settings.world
-        if world is None or world.size == 1:
-            return
-        codes = self.current.units_check_codes(self.units)  # bit 0: the unit ran; bit 1: it changed parameters
-        self.current.issue_units_check(issue_flags_gather(codes, world))
-
-    def _settle_units_check(self) -> None:
-        """[Note: units run on some ranks] wait for the check issued after the forward (if one is in flight) and
-        act on it: refuse at stage 3, defer the reductions at stages 0-2."""
-        check = self.current.take_units_check()
-        if check is None:
-            return
-        if self.settings.before_waiting is not None:
-            self.settings.before_waiting()  # the forward's header first: it tells ranks apart ([Note: call order])
-        inner = self.units[:-1]
-        codes = check.values()  # per rank, per unit (the root last)
-        if any(code & 2 for row in codes for code in row):  # [Note: changed in forward], on some rank
-            changed = self.current.changed_names()
-            self.reset()
-            raise changed_in_forward_error(changed or ["(on another rank)"])
-        ran_on = [[bool(code & 1) for code in row[:-1]] for row in codes]
-        anywhere = [any(column) for column in zip(*ran_on)]
-        mixed = [u for u, column in zip(inner, zip(*ran_on)) if any(column) and not all(column)]
-        if not mixed:
-            return
-        if self.plan.params.uses_gather:
-            self.reset()
-            raise units_apart_error(
-                f"units {[u.name for u in mixed]} ran their forward on some ranks and not on others"
-            )
-        self.current.ranks_ran([u for u, ran in zip(inner, anywhere) if ran])  # the reductions wait, in unit order
-
-    def _gathers_off_plan(self, unit: Unit) -> bool:
-        """Whether `unit`'s forward gather is issued on demand with no plan to pair it on every rank: the first
-        forward (the order is being learned) or no prefetch, at stage 3, over several ranks."""
-        world = self.settings.world
-        return (
-            self.plan.params.uses_gather
-            and unit.needs_gather
-            and world is not None
-            and world.size > 1
-            and not (self._order_known and self.settings.prefetch > 0)
-        )
-
-    def _agree_on_gather(self, unit: Unit) -> None:
-        """[Note: units run on some ranks] at stage 3 before a gather no plan pairs: every rank says which unit it
-        gathers (a few bytes), so a unit one rank skips is refused here, naming it, instead of its gather meeting
-        another unit's (wrong weights, or a hang)."""
-        world = cast(CommGroup, self.settings.world)
-        indices = [row[0] for row in issue_ints_gather([self.units.index(unit)], world).values()]
-        if len(set(indices)) > 1:
-            names = sorted({self.units[i].name for i in indices})
-            self.reset()
-            raise units_apart_error(f"the ranks gather different units ({names}) at the same point of a forward")
 
     def drop_graph_pins(self) -> None:
         """[Note: double backward] forget the graph a create_graph backward built; unpin and free its units."""

@@ -256,7 +256,7 @@ class ModuleSlots:
         """Register the real parameters (`real`) or their stand-ins in every slot; `requires_grad`
         follows whichever object the modules held until now. A slot holding neither holds a tensor a call put
         there for its length (`torch.func.functional_call`): it is left as it is, so the forward computes with it
-        ([Note: parameters replaced after initialize] in forward_checks.py)."""
+        ([Note: parameters replaced after initialize] in checks/forward.py)."""
         if real == self.holds_real:
             return
         at_c_speed(self._bind, real)

@@ -422,23 +422,3 @@ def _subset(spec: UnitSpec, indices: list[int], frozen: bool, dtype: torch.dtype
         frozen=frozen,
         dtype=dtype,
     )
-
-
-def changed_in_forward_error(names: list[str]) -> ValueError:
-    """[Note: changed in forward] the refusal naming the parameters a stage-3 forward changed in place."""
-    return ValueError(
-        f"hf_zero: the forward changed parameters {names} in place (e.g. nn.Embedding(max_norm=...), or a weight "
-        "renormalized or clamped inside forward). At ZeRO stage 3 a unit's parameters are gathered for its forward "
-        "and freed after it, so the change would be lost and the backward would use the old values. Make the "
-        "change between steps, inside `with hf_zero.gathered_parameters(params, modifier_rank=0):`, or train "
-        "at ZeRO stage 1 or 2, where the parameters stay whole and such a change is kept."
-    )
-
-
-def units_apart_error(what: str) -> ValueError:
-    """[Note: units run on some ranks] the stage-3 refusal; `what` names the units and how the ranks differ."""
-    return ValueError(
-        f"hf_zero: {what}. At ZeRO stage 3 every rank must run the same units (each forward gathers their parameters "
-        "with the other ranks). Make the choice the same on every rank (draw LayerDrop or routing from a seed shared "
-        "by all ranks), run the skipped unit on zero-sized input, or use ZeroConfig(stage=2)."
-    )

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calls import Call
+from ..checks.call_order import Call
 from ..engine import ZeroEngine
 from .optim_configs import carry_configs
 from .optim_state import OptimizerState, PieceMap, described, to_load

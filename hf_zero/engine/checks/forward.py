@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .flat import FlatPart
-from .unit import Unit
+from ..flat import FlatPart
+from ..unit import Unit
 
 
 def unfrozen_parts(

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import enum
 
-from .collectives import CommGroup, GatheredInts, issue_ints_gather
+from ..collectives import CommGroup, GatheredInts, issue_ints_gather
 
 
 class Call(enum.IntEnum):

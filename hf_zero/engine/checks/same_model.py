@@ -22,8 +22,8 @@ import dataclasses
 
 from torch import nn
 
-from ..config import ZeroConfig
-from .collectives import CommGroup, digest_of, first_to_differ
+from ...config import ZeroConfig
+from ..collectives import CommGroup, digest_of, first_to_differ
 
 
 def _first_entry_that_differs(mine: list[str], theirs: list[str]) -> int:
