@@ -29,6 +29,7 @@ from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
 from .part_settings import PartSettings
+from .pass_events import PassListener
 from .placement import Placement, main_dtype, move_buffers
 from .pool import pool_for
 from .resting import at_c_speed
@@ -56,6 +57,28 @@ class StateDictOptions:
 
     rank0_only: bool = False
     device: torch.device | str | None = None
+
+
+class _EngineEvents(PassListener):
+    """[Note: pass events] in pass_events.py: what the engine itself does at a pass's events."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        self.engine = engine
+
+    def root_forward(self) -> None:
+        self.engine._before_forward()
+
+    def direct_call(self) -> None:
+        self.engine._before_direct_call()
+
+    def backward(self) -> None:
+        self.engine._before_backward()
+
+    def reduced(self) -> None:
+        self.engine._mark_has_grads()
+
+    def deferred(self) -> None:
+        self.engine._rest_grads()
 
 
 class ZeroEngine:
@@ -135,14 +158,9 @@ class ZeroEngine:
             prefetch=config.prefetch,
             gate_on_reductions=not self.plan.shard_group.stream_ordered,
             grad_divisor=self._grad_divisor,
-            on_reduced=self._mark_has_grads,
+            listeners=(self.calls, _EngineEvents(self)),  # [Note: pass events]: the header first
             root_output_fn=self.scaler.scale_outputs if self.scaler else None,
             world=world,
-            on_root_forward=self._before_forward,
-            on_backward=self._before_backward,
-            on_deferred=self._rest_grads,
-            before_waiting=self.calls.settle,
-            on_direct_call=self._before_direct_call,
             input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
         )
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)

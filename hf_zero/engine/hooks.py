@@ -19,6 +19,7 @@ from .collectives import CommGroup
 from .grads import UnitReduction
 from .lifecycle import TrainingState
 from .order import plan_prefetches
+from .pass_events import PassListener
 from .passes import Pass, in_backward
 from .pool import BufferPool
 from .registration import keep_last, members, register_first_pre_hook, weakly
@@ -55,23 +56,19 @@ class HookSettings:
     `prefetch`: units gathered ahead of the running one (stage 3). `gate_on_reductions`: [Note:
     reduction-gated prefetch], the shard group's backend completes collectives on the host (gloo), not on a
     device stream (`CommGroup.stream_ordered`). `grad_divisor`: what each reduced sum is divided by (the
-    data-parallel size, times the fp16 loss scale). `on_reduced`: told when fresh gradients reached the
-    shards. `root_output_fn`: rewrites the root's outputs (the fp16 loss scale), or None. `world`: the group whose
-    ranks must agree on which units ran ([Note: units run on some ranks]), or None to skip that check.
+    data-parallel size, times the fp16 loss scale). `listeners`: told of the pass's events, in this order ([Note:
+    pass events] in pass_events.py). `root_output_fn`: rewrites the root's outputs (the fp16 loss scale), or None.
+    `world`: the group whose ranks must agree on which units ran ([Note: units run on some ranks]), or None to skip
+    that check.
     """
 
     prefetch: int
     gate_on_reductions: bool
     grad_divisor: Callable[[], float]
-    on_reduced: Callable[[], None]
+    listeners: tuple[PassListener, ...] = ()
     root_output_fn: Callable[[Any], Any] | None = None
     world: CommGroup | None = None
-    on_root_forward: Callable[[], None] | None = None  # told as the root's forward begins (outside backward)
     input_dtype: torch.dtype | None = None  # [Note: input dtype] the root's floating inputs' dtype, or None
-    on_backward: Callable[[], None] | None = None  # told as a backward pass begins, before any unit's gradients
-    on_deferred: Callable[[], None] | None = None  # told as a backward pass ends whose reductions no_sync deferred
-    before_waiting: Callable[[], None] | None = None  # told before the units check is waited for ([Note: call order])
-    on_direct_call: Callable[[], None] | None = None  # told as a direct call begins ([Note: direct calls])
 
 
 class UnitHooks:
@@ -98,7 +95,7 @@ class UnitHooks:
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
         # [Note: units run on some ranks] in checks/units_run.py: a plug-in the pass calls at fixed points
         self.units_check = UnitsCheck(
-            units, settings.world, plan.params.uses_gather, self.reset, settings.before_waiting
+            units, settings.world, plan.params.uses_gather, self.reset, self._tell_before_waiting
         )
         self._register()
 
@@ -110,6 +107,10 @@ class UnitHooks:
             yield
         finally:
             self._reduces = previous
+
+    def _tell_before_waiting(self) -> None:
+        for listener in self.settings.listeners:
+            listener.before_waiting()
 
     # ---- registration -----------------------------------------------------------------------
     def _register(self) -> None:
@@ -195,8 +196,8 @@ class UnitHooks:
             self._order_known = True
             plan_prefetches(self._forward_order, self.settings.prefetch)
         self.current.begin_forward()
-        if self.settings.on_root_forward is not None:
-            self.settings.on_root_forward()
+        for listener in self.settings.listeners:
+            listener.root_forward()
         for direct in self.direct:  # [Note: direct use]
             direct.before_compute()
 
@@ -231,8 +232,8 @@ class UnitHooks:
             return
         if unit.training_state is not TrainingState.IDLE:
             self.reset()  # an exception interrupted a backward pass
-        if self.settings.on_direct_call is not None:
-            self.settings.on_direct_call()
+        for listener in self.settings.listeners:
+            listener.direct_call()
         unit.begin_forward()
         self.direct_call = module
         if torch.is_grad_enabled():
@@ -334,8 +335,9 @@ class UnitHooks:
         self._pre_backward(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
-        if not self.current.in_backward and self.settings.on_backward is not None:
-            self.settings.on_backward()  # [Note: resting gradients]: autograd must not meet the stand-ins
+        if not self.current.in_backward:
+            for listener in self.settings.listeners:
+                listener.backward()  # [Note: resting gradients]: autograd must not meet the stand-ins
         if unit is not self.root:
             self.units_check.settle(self.current)  # before anything this unit issues
         if not unit.begin_backward():
@@ -447,8 +449,9 @@ class UnitHooks:
                 self._post_backward(unit)
         self.unsynced = not self._reduces
         self.wait_reductions()
-        if self.unsynced and self.settings.on_deferred is not None:
-            self.settings.on_deferred()  # [Note: resting gradients]: accumulated, not reduced, `.grad` a stand-in too
+        if self.unsynced:
+            for listener in self.settings.listeners:
+                listener.deferred()  # [Note: resting gradients]: accumulated, not reduced, `.grad` a stand-in too
         for unit in self.units:
             unit.end_pass()
         if not self.current.create_graph:
@@ -470,7 +473,8 @@ class UnitHooks:
         first = finished[0]
         if first.placement.offloaded and first.placement.pins_host:
             torch.accelerator.synchronize(first.device)  # the host may now read the shards copied asynchronously
-        self.settings.on_reduced()
+        for listener in self.settings.listeners:
+            listener.reduced()
 
     def use_directly(self, unit: Unit) -> None:
         """[Note: direct use]

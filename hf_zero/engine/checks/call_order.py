@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 
 from ..collectives import CommGroup, GatheredInts, issue_ints_gather
+from ..pass_events import PassListener
 
 
 class Call(enum.IntEnum):
@@ -69,8 +70,10 @@ WHAT = {
 }
 
 
-class CallOrder:
-    """Issues and reads the headers of one engine's calls ([Note: call order]); owns the count of calls begun."""
+class CallOrder(PassListener):
+    """Issues and reads the headers of one engine's calls ([Note: call order]); owns the count of calls begun. Told of
+    a pass's events ([Note: pass events] in pass_events.py): before the units check is waited for, the forward's
+    header is read first (it tells ranks apart)."""
 
     def __init__(self, group: CommGroup) -> None:
         self._group = group
@@ -90,6 +93,9 @@ class CallOrder:
         self._pending.append((issue_ints_gather([int(call), self._begun], self._group), call, self._begun))
         if read_now or not self._group.stream_ordered:
             self.settle()
+
+    def before_waiting(self) -> None:
+        self.settle()
 
     def settle(self) -> None:
         """Read the headers in flight, oldest first: raise on every rank that reads one if the ranks are apart."""

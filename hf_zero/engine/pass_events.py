@@ -1,0 +1,42 @@
+"""`PassListener`: what a training pass tells the engine's parts that follow it, at fixed points.
+
+[Note: pass events]
+The hooks run the pass; what else must happen at its fixed points (the call-order header of a forward, the
+gradients woken for autograd, the refusal of parameters replaced since `initialize`, the buffers' broadcast, the
+gradients put to rest after a backward) belongs to other owners. Each is a `PassListener`, handed to the hooks once
+(`HookSettings.listeners`) and told of every event in the order given; a listener overrides the events it needs.
+"""
+
+from __future__ import annotations
+
+
+class PassListener:
+    """Told of a pass's events ([Note: pass events]); every method a no-op unless overridden.
+
+    Example:
+
+    ```python
+    >>> class Counter(PassListener):
+    ...     forwards = 0
+    ...     def root_forward(self) -> None:
+    ...         self.forwards += 1
+    ```
+    """
+
+    def root_forward(self) -> None:
+        """The model's forward begins (not a recomputation), before any unit gathers."""
+
+    def direct_call(self) -> None:
+        """A module of the root is called outside the model's forward ([Note: direct calls] in hooks.py)."""
+
+    def backward(self) -> None:
+        """A backward pass begins, before any unit's gradients."""
+
+    def reduced(self) -> None:
+        """Fresh gradients reached the shards (the reductions of a backward were waited for)."""
+
+    def deferred(self) -> None:
+        """A backward pass ended whose reductions `no_sync` deferred."""
+
+    def before_waiting(self) -> None:
+        """The units check is about to be waited for ([Note: units run on some ranks] in checks/units_run.py)."""
