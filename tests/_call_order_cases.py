@@ -80,9 +80,9 @@ def backward_skipped_on_one_rank(stage: int) -> dict[str, Any]:
 
 def headers_read_where_deferred(backward_on_rank_1: bool) -> dict[str, Any]:
     """`CallOrder` over a group whose collectives are ordered on a device stream (NCCL's path, the gloo group
-    marked so): a forward's header, then a backward's (`keep_unread`), are not read when issued; `settle` reads
+    marked so): a forward's header, then a backward's (`keep_unread`), are not read when issued; `read_headers` reads
     both, oldest first. `backward_on_rank_1` False: rank 1 begins a forward where rank 0 begins the backward.
-    Returns how many headers were read after each call, and the error `settle` raised."""
+    Returns how many headers were read after each call, and the error `read_headers` raised."""
     from hf_zero.engine.checks.call_order import Call, CallOrder
     from hf_zero.engine.collectives import CommGroup, ops
 
@@ -110,10 +110,10 @@ def headers_read_where_deferred(backward_on_rank_1: bool) -> dict[str, Any]:
         after_backward = len(reads)
         error = None
         try:
-            order.settle()
+            order.read_headers()
         except ValueError as e:
             error = str(e)
-        return {"after_forward": after_forward, "after_backward": after_backward, "after_settle": len(reads),
+        return {"after_forward": after_forward, "after_backward": after_backward, "after_read": len(reads),
                 "error": error}
     finally:
         ops.GatheredInts.values = original  # type: ignore[method-assign]

@@ -420,7 +420,7 @@ def _skipped_on_rank_1(loop: Loop, block: int) -> None:
 @scenario()
 def last_unit_skipped_on_one_rank(loop: Loop) -> None:
     """Rank 1 skips the last block (the first unit the backward meets) in the second step: at stage 3 the check
-    that the ranks ran the same units, issued after the forward, is settled before that unit's backward."""
+    that the ranks ran the same units, issued after the forward, is resolved before that unit's backward."""
     _skipped_on_rank_1(loop, block=2)
 
 

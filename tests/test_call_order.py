@@ -56,9 +56,9 @@ def test_a_backward_skipped_on_one_rank_is_refused_on_every_rank(pools, stage):
 @pytest.mark.parametrize("apart", [False, True])
 def test_on_a_stream_ordered_backend_the_backwards_header_adds_no_read(pools, apart):
     """On NCCL the headers are read where the engine waits anyway: the backward's is issued without reading the
-    forward's (no host sync at the backward's start), and the next settle reads both, raising where apart."""
+    forward's (no host sync at the backward's start), and the next `read_headers` reads both, raising where apart."""
     for r in pools(2).values(cases.headers_read_where_deferred, not apart):
-        assert (r["after_forward"], r["after_backward"], r["after_settle"]) == (0, 0, 2), r
+        assert (r["after_forward"], r["after_backward"], r["after_read"]) == (0, 0, 2), r
         if apart:
             assert r["error"] is not None and "rank(s) [0] began a backward" in r["error"], r
             assert "rank(s) [1] began a forward with grad" in r["error"], r

@@ -336,7 +336,7 @@ def _prepare(
     layout: FileLayout,
 ) -> tuple[OwnerPlan, list[list[str]], Exchange, list[tuple[str, list[Entry]]]]:
     """The plan, every rank's file names, the exchange, and this rank's files: their entries pull the rounds."""
-    engine.settle_masters()  # [Note: edits between steps]
+    engine.refresh_masters()  # [Note: edits between steps]
     plan = OwnerPlan.deal(folder_tensors(engine, dtype), dtype, engine.world.size, max_bytes)
     names = plan.file_names()
     rank = engine.world.rank

@@ -125,7 +125,7 @@ def save_checkpoint(
         if world.rank == 0:  # the rank that swaps the new checkpoint in ([Note: atomic save])
             _refuse_other_contents(target)
     finish_previous(engine)  # [Note: asynchronous save] the next save starts after the previous one
-    engine.settle_masters()  # [Note: edits between steps]
+    engine.refresh_masters()  # [Note: edits between steps]
     with agreement(world, f"hf_zero.save_checkpoint (removing what killed saves left beside {target})"):
         remove_leftovers(beside(target))  # [Note: leftovers]; every rank (node-local folders too)
     token = broadcast_object(uuid.uuid4().hex[:12], world)

@@ -435,7 +435,7 @@ class ZeroEngine:
 
     # ---- gathering --------------------------------------------------------------------------
     @torch.no_grad()
-    def settle_masters(self) -> None:
+    def refresh_masters(self) -> None:
         """Before the masters are read: the gradients reduced into their shards, and the parameters' changes since
         the last publish taken into the masters ([Note: edits between steps] in flat.py)."""
         self.hooks.wait_reductions()
@@ -458,7 +458,7 @@ class ZeroEngine:
         adapter). Peak memory: one unit, plus what the caller keeps.
         """
         self.calls.begin(Call.GATHER_WEIGHTS, read_now=True)  # [Note: call order]
-        self.settle_masters()
+        self.refresh_masters()
         is_writer = self.world.rank == 0 or not rank0_only
         for part in self.parts:
             if trainable_only and not part.has_trainable:

@@ -163,8 +163,8 @@ class EngineFacade:
         """Wait for every gradient reduction in flight."""
         self._engine.hooks.wait_reductions()
 
-    def settle_masters(self) -> None:
-        self._engine.settle_masters()
+    def refresh_masters(self) -> None:
+        self._engine.refresh_masters()
 
     def zero_grad(self, *, abandon_pass: bool = False) -> None:
         self._engine.zero_grad(abandon_pass=abandon_pass)

@@ -153,7 +153,7 @@ class UnitHooks:
         recompute = in_backward()  # [Note: recomputation] in passes.py
         keep_last(*self._post_hooks[id(unit)])  # [Note: hook order]
         if recompute:
-            self.units_check.settle(self.current)
+            self.units_check.resolve(self.current)
         if unit is self.root and not recompute:
             self._begin_root_forward()
         if unit is self.root:  # [Note: forward called directly] the model's forward runs inside its __call__
@@ -188,7 +188,7 @@ class UnitHooks:
     def _begin_root_forward(self) -> None:
         """The root's pre-forward: forget a pass an exception stopped, free a unit no backward used, learn the
         order after the first forward, gather the units used directly."""
-        self.units_check.settle(self.current)  # a forward with grad that no backward followed
+        self.units_check.resolve(self.current)  # a forward with grad that no backward followed
         if not self.current.idle or any(u.training_state is not TrainingState.IDLE for u in self.units):
             self.reset()  # a previous forward or backward was interrupted by an exception
         self.release_held()  # no backward used it: gather it afresh in this forward
@@ -339,7 +339,7 @@ class UnitHooks:
             for listener in self.settings.listeners:
                 listener.backward()  # [Note: resting gradients]: autograd must not meet the stand-ins
         if unit is not self.root:
-            self.units_check.settle(self.current)  # before anything this unit issues
+            self.units_check.resolve(self.current)  # before anything this unit issues
         if not unit.begin_backward():
             return
         self._open_gate()  # a deferred prefetch goes out before anything this unit issues
@@ -437,7 +437,7 @@ class UnitHooks:
             self._prefetch_after(unit, forward=False)
 
     def _finalize(self) -> None:
-        self.units_check.settle(self.current)
+        self.units_check.resolve(self.current)
         anywhere = self.current.ran_anywhere
         catch_up = self._reduces and self.unsynced
         for unit in reversed(self.units):

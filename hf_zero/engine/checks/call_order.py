@@ -83,21 +83,21 @@ class CallOrder(PassListener):
     def begin(self, call: Call, *, read_now: bool, keep_unread: bool = False) -> None:
         """Issue the header of `call`, first reading those before it. `read_now`: read it at once (between
         steps); otherwise at once only where collectives complete on the host (gloo), elsewhere (NCCL) at the next
-        `settle`, at a point the engine waits anyway. `keep_unread`: leave the headers before it unread too (the
+        `read_headers`, at a point the engine waits anyway. `keep_unread`: leave the headers before it unread too (the
         backward's, so that its start adds no host sync where the forward's is still unread: at most two wait)."""
         if self._group.size == 1:
             return
         if not keep_unread:
-            self.settle()
+            self.read_headers()
         self._begun += 1
         self._pending.append((issue_ints_gather([int(call), self._begun], self._group), call, self._begun))
         if read_now or not self._group.stream_ordered:
-            self.settle()
+            self.read_headers()
 
     def before_waiting(self) -> None:
-        self.settle()
+        self.read_headers()
 
-    def settle(self) -> None:
+    def read_headers(self) -> None:
         """Read the headers in flight, oldest first: raise on every rank that reads one if the ranks are apart."""
         pending, self._pending = self._pending, []
         for gathered, call, begun in pending:

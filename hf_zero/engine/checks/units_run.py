@@ -5,7 +5,7 @@ A unit may run its forward on some ranks and not others in a step (LayerDrop dra
 a rank reached, a branch on the data); its reduction would then be issued on some ranks only and the collectives
 would pair up wrongly or hang. After every forward with grad, one all-gather of a byte per unit (the root last; bit
 0: it ran since the last backward, bit 1: its forward changed its parameters in place, [Note: changed in forward]
-in passes.py) is issued at the root's post-forward (`issue`) and waited for (`settle`) only before what depends on
+in passes.py) is issued at the root's post-forward (`issue`) and waited for (`resolve`) only before what depends on
 it: the first hook of the backward past the root's, a recomputed forward, the final callback, or the next forward
 (waiting at the point of issue cost 80-95 ms per step on the small preset, 2 ranks on gloo). Where the ranks
 differ: at stages 0-2 the backward defers every reduction to its final callback, in unit order, a rank that did not
@@ -66,13 +66,13 @@ class UnitsCheck:
 
     def issue(self, current: Pass) -> None:
         """After a forward with grad, at the root's post-forward: the check of this forward, waited for later."""
-        self.settle(current)  # a second forward before a backward: the first one's check goes first
+        self.resolve(current)  # a second forward before a backward: the first one's check goes first
         if self.world is None or self.world.size == 1:
             return
         codes = current.units_check_codes(self.units)  # bit 0: the unit ran; bit 1: it changed parameters
         current.issue_units_check(issue_flags_gather(codes, self.world))
 
-    def settle(self, current: Pass) -> None:
+    def resolve(self, current: Pass) -> None:
         """Wait for the check issued after the forward (if one is in flight) and act on it: refuse a change in
         place or (stage 3) units apart, or defer the reductions (stages 0-2)."""
         check = current.take_units_check()

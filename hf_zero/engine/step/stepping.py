@@ -44,7 +44,7 @@ class Sharded(Protocol):
 
     def release_gathered(self) -> None: ...
 
-    def settle_masters(self) -> None: ...
+    def refresh_masters(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ class OptimizerSteps:
 
     def _step(self, optimizer: torch.optim.Optimizer) -> bool:
         engine = self.engine
-        engine.settle_masters()
+        engine.refresh_masters()
         entry = self.attached_to(optimizer)
         if entry is None:
             raise RuntimeError(f"[rank {engine.world.rank}] hf_zero: step() of an optimizer this model does not hold")
@@ -252,7 +252,7 @@ class OptimizerSteps:
                 "checks every shard on every rank), or set mixed_precision='no' and compute under "
                 "torch.autocast(dtype=torch.float16) as with DDP."
             )
-        engine.settle_masters()  # the reductions landed in the shards
+        engine.refresh_masters()  # the reductions landed in the shards
         used = self._round()
         held = {id(t) for group in optimizer.param_groups for t in group["params"]}
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -277,7 +277,7 @@ class OptimizerSteps:
         """Publish every unit's master shard into its parameters after the optimizer moved the masters outside
         `step` (schedule-free's `train()` / `eval()`), and drop every copy gathered before."""
         engine = self.engine
-        engine.hooks.wait_reductions()  # not settle_masters: the masters moved, so they no longer match the published
+        engine.hooks.wait_reductions()  # not refresh_masters: the masters moved, so they no longer match the published
         for pending in [part.store.publish(async_op=True) for part in engine.parts]:
             pending.wait()
         engine.release_gathered()
