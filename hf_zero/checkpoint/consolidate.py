@@ -264,7 +264,7 @@ def save_pretrained_async(
         out_dtype = parse_dtype(dtype) or engine.master_dtype
         max_bytes = parse_size(max_shard_size)
     target = Path(output_dir)
-    work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.pins_host, layout=model_layout(model))
+    work = snapshot_owned(engine, target, out_dtype, max_bytes, pin=engine.host_pinned, layout=model_layout(model))
     with agreement(engine.world, f"model.save_pretrained ({output_dir})"):
         if engine.world.rank == 0:
             make_directory(target)

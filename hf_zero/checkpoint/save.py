@@ -140,7 +140,7 @@ def save_checkpoint(
         staging.mkdir(parents=True, exist_ok=True)
         jobs, record = _rank_jobs(model, engine, optimizers)
         if async_save:
-            taken = snapshot(jobs, snapshot_budget_bytes, pin=engine.pins_host)
+            taken = snapshot(jobs, snapshot_budget_bytes, pin=engine.host_pinned)
             jobs = taken.jobs
         else:
             _write_jobs(staging, jobs, record)

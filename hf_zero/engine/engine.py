@@ -107,7 +107,7 @@ class ZeroEngine:
             casts_params=config.param_dtype not in (None, torch.float32),  # [Note: a shard group of one]
         )
         self.device = device
-        self.pins_host = Placement(self.device).pins_host  # [Note: placement]: host copies pinned (checkpoints too)
+        self.host_pinned = Placement(self.device).host_pinned  # [Note: placement]: host copies pinned (checkpoints too)
         self.model_dtype = main_dtype(model)  # the dtype the model had before sharding: what save_pretrained writes
         self.param_dtype = config.param_dtype or self.model_dtype
         self.master_dtype = torch.float32 if config.param_dtype is not None else self.model_dtype

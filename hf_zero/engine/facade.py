@@ -79,8 +79,8 @@ class EngineFacade:
         return self._engine.master_dtype
 
     @property
-    def pins_host(self) -> bool:
-        return self._engine.pins_host
+    def host_pinned(self) -> bool:
+        return self._engine.host_pinned
 
     @property
     def shard_rank(self) -> int:

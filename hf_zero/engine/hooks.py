@@ -471,7 +471,7 @@ class UnitHooks:
         if not finished:
             return
         first = finished[0]
-        if first.placement.offloaded and first.placement.pins_host:
+        if first.placement.offloaded and first.placement.host_pinned:
             torch.accelerator.synchronize(first.device)  # the host may now read the shards copied asynchronously
         for listener in self.settings.listeners:
             listener.reduced()

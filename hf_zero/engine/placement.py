@@ -68,18 +68,18 @@ class Placement:
         return self.host if self.offload_params and self.host is not None else self.device
 
     @property
-    def pins_host(self) -> bool:
+    def host_pinned(self) -> bool:
         """Whether host buffers are pinned: the compute device is an accelerator."""
         return self.device.type != "cpu"
 
     def alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer on `device`, pinned when it is host memory beside an accelerator."""
-        return torch.empty(numel, dtype=dtype, device=device, pin_memory=device.type == "cpu" and self.pins_host)
+        return torch.empty(numel, dtype=dtype, device=device, pin_memory=device.type == "cpu" and self.host_pinned)
 
     @property
     def keeps_grad_shard_memory(self) -> bool:
         """Whether the gradient shard keeps its memory across `zero_grad`: a pinned host shard does."""
-        return self.offloaded and self.pins_host
+        return self.offloaded and self.host_pinned
 
     def label(self, tensor: torch.Tensor, offloaded: bool) -> str:
         """Where accounting files `tensor`: `"host"` for offloaded state (even on a CPU-only machine), else its

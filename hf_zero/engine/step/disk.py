@@ -225,7 +225,7 @@ class DiskOffload:
         self.files = files
         self.offsets = offsets
         self.device = device
-        self.pins = Placement(device).pins_host  # [Note: placement]: host buffers pinned beside an accelerator
+        self.host_pinned = Placement(device).host_pinned  # [Note: placement]: host buffers pinned beside an accelerator
         self._stores: dict[int, DiskMaster] = {}  # id(part) -> its store: where its shard is in the files
         self.windows: list[Window] = []
         self.chunk_ids: set[int] = set()
@@ -378,7 +378,7 @@ class DiskOffload:
             for future in ahead:
                 self._recycle(list(future.result().values()))
         self._io.submit(self.files.advise_willneed)
-        if not self.pins:  # host buffers are plain memory: none is held through forward and backward
+        if not self.host_pinned:  # host buffers are plain memory: none is held through forward and backward
             self.drain()
             self._free.clear()
 
@@ -439,7 +439,7 @@ class DiskOffload:
 
     def _write_window(self, window: Window, buffers: dict[str, torch.Tensor]) -> None:
         copied = None
-        if self.pins:  # the buffers are read by asynchronous copies to the device
+        if self.host_pinned:  # the buffers are read by asynchronous copies to the device
             copied = torch.Event(device=self.device)
             copied.record()
 
@@ -476,7 +476,7 @@ class DiskOffload:
         if free:
             return free.pop()
         self.buffers_made += 1
-        return torch.empty(self.capacity, dtype=dtype, pin_memory=self.pins)
+        return torch.empty(self.capacity, dtype=dtype, pin_memory=self.host_pinned)
 
     def _recycle(self, buffers: list[torch.Tensor]) -> None:
         for b in buffers:

@@ -162,7 +162,7 @@ class DiskMaster:
     def gather_source(self) -> torch.Tensor:
         if self.params_on_disk:  # [Note: parameters on disk]: read for this gather, pinned beside an accelerator
             return self.disk.read_master(
-                self.offset, self.part.layout.shard_numel, self.part.master_dtype, pin=self.part.placement.pins_host
+                self.offset, self.part.layout.shard_numel, self.part.master_dtype, pin=self.part.placement.host_pinned
             )
         return _param_shard(self.part)
 
