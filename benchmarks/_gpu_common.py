@@ -174,14 +174,18 @@ def write_json(path: Path, value: Any) -> None:
     tmp.replace(path)
 
 
-def phase_arguments(doc: str, sizes: Iterable[str], phases: Iterable[str] = ()) -> tuple[argparse.Namespace, Path]:
-    """The command line every phase script takes (`[phase] --device --size --out`), and its out folder, made."""
+def phase_arguments(doc: str, sizes: Iterable[str], phases: Iterable[str] = (),
+                    flags: Iterable[str] = ()) -> tuple[argparse.Namespace, Path]:
+    """The command line every phase script takes (`[phase] --device --size --out`, and the script's own on/off
+    `flags`), and its out folder, made."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if phases:
         ap.add_argument("phase", choices=sorted(phases))
     ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
     ap.add_argument("--size", choices=sorted(sizes), default="full")
     ap.add_argument("--out", required=True)
+    for flag in flags:
+        ap.add_argument(f"--{flag}", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,13 @@ steps, then timed steps; figures per engine: tokens/s, MFU (6 x matmul parameter
 per token, against the GPU's dense bf16 peak), `torch.cuda.max_memory_allocated`, and the first and
 last loss (the three runs start from the same weights and data, so the first losses agree to bf16
 rounding). Results: `<out>/speed.json`.
+
+`--compiled` runs the same three as users who care about speed run them: Liger's kernels on the model (RMSNorm,
+SwiGLU, RoPE and the fused linear cross-entropy, as the Trainer's `--use_liger_kernel` applies them; where the
+wheel installs and a GPU runs triton) and regional `torch.compile` (each decoder layer's forward compiled with
+inductor, the engines' hooks outside the compiled code: hf_zero through `compile_as_requested`, as Accelerate's
+`use_regional_compilation` reaches it; `aot_eager` on the CPU rehearsal). The warm-up steps include the
+compilation. Results: `<out>/compiled.json`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _gpu_common import Cases, init_group, phase_arguments, require
+from torch._dynamo.utils import counters
 
 import hf_zero
 
@@ -96,6 +104,40 @@ def zero3(model: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module
 ENGINES = {"PyTorch (autocast bf16)": plain, "FSDP2 fully_shard (bf16)": fsdp2, "hf_zero ZeRO-3 (bf16)": zero3}
 
 
+def compile_backend(device: torch.device) -> str:
+    return "inductor" if device.type == "cuda" else "aot_eager"  # inductor on 2 CPU cores: minutes per layer
+
+
+def apply_liger(model: torch.nn.Module, device: torch.device) -> str:
+    """Liger's kernels on the model instance before any engine wraps it; which ran ("none" without the wheel or a
+    GPU: triton runs on GPUs only)."""
+    if device.type != "cuda":
+        return "none"
+    try:
+        import liger_kernel
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        return "none"
+    _apply_liger_kernel_to_instance(model=model)
+    return f"liger_kernel {getattr(liger_kernel, '__version__', '?')}"
+
+
+def compile_layers(name: str, model: torch.nn.Module, device: torch.device) -> int:
+    """Regional compilation after the engine wrapped the model: each decoder layer's forward, its hooks eager (for
+    hf_zero through the integrations' `compile_as_requested`, as Accelerate's plugin asks). Returns the layers."""
+    backend = compile_backend(device)
+    if name.startswith("hf_zero"):
+        from accelerate.utils import TorchDynamoPlugin
+
+        from hf_zero.features.compile import compile_as_requested
+
+        compile_as_requested(model, TorchDynamoPlugin(backend=backend, use_regional_compilation=True), 3)
+    else:
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward, backend=backend)
+    return len(model.model.layers)
+
+
 def _clip(model: torch.nn.Module, optimizer: Any) -> None:
     if hasattr(optimizer, "clip_grad_norm_"):  # hf_zero's sharded optimizer
         optimizer.clip_grad_norm_(1.0)
@@ -108,12 +150,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(name: str, sizes: SpeedSizes, device: torch.device, peak: float | None) -> dict[str, Any]:
-    """Build, warm up and time one engine; free everything it held before returning its figures."""
+def measure(name: str, sizes: SpeedSizes, device: torch.device, peak: float | None,
+            compiled: bool = False) -> dict[str, Any]:
+    """Build, warm up and time one engine (`compiled`: with Liger's kernels and regional compilation); free
+    everything it held before returning its figures."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model, optimizer, autocast = ENGINES[name](build(sizes, device), device)
+    extra: dict[str, Any] = {}
+    model = build(sizes, device)
+    if compiled:
+        torch._dynamo.reset()
+        counters.clear()
+        extra["liger"] = apply_liger(model, device)
+    model, optimizer, autocast = ENGINES[name](model, device)
+    if compiled:
+        extra["compiled_layers"] = compile_layers(name, model, device)
+        extra["backend"] = compile_backend(device)
     g = torch.Generator().manual_seed(1)
     batch = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq), generator=g).to(device)
     losses: list[float] = []
@@ -132,12 +185,15 @@ def measure(name: str, sizes: SpeedSizes, device: torch.device, peak: float | No
             losses.append(float(loss))
     _sync(device)
     seconds = time.perf_counter() - started
+    if compiled:
+        extra["frames"] = counters["frames"]["ok"]  # frames dynamo compiled: one per layer's forward at least
     tokens_per_s = sizes.batch * sizes.seq * sizes.steps / seconds
     figures: dict[str, Any] = {
         "tokens_per_s": round(tokens_per_s, 1),
         "step_s": round(seconds / sizes.steps, 4),
         "first_loss": round(losses[0], 4),
         "last_loss": round(losses[-1], 4),
+        **extra,
     }
     if peak is not None:
         figures["mfu"] = round(tokens_per_s * _FLOPS[0] / (peak * 1e12), 4)
@@ -159,19 +215,20 @@ def peak_tflops(device: torch.device) -> tuple[str, float | None]:
 
 
 def main() -> int:
-    args, out = phase_arguments(__doc__, SPEED_SIZES)
+    args, out = phase_arguments(__doc__, SPEED_SIZES, flags=("compiled",))
     device = init_group(args.device)
     sizes = SPEED_SIZES[args.size]
     gpu, peak = peak_tflops(device)
     shape = build(sizes, torch.device("meta"))
     _FLOPS[0] = flops_per_token(shape, sizes)
     params = sum(p.numel() for p in shape.parameters())
-    cases = Cases("speed", out)
+    compiled = args.compiled
+    cases = Cases("compiled" if compiled else "speed", out)
     cases.run("setup", lambda: {"device": gpu, "peak_bf16_tflops": peak, "params_M": round(params / 1e6, 1),
                                 "flops_per_token": _FLOPS[0], "tokens_per_step": sizes.batch * sizes.seq,
                                 "sizes": sizes.__dict__})
     for name in ENGINES:
-        cases.run(name, lambda n=name: measure(n, sizes, device, peak))
+        cases.run(name, lambda n=name: measure(n, sizes, device, peak, compiled))
     first = [c.figures["first_loss"] for c in cases.cases[1:] if c.ok]
     cases.run("same first loss", lambda: _same(first))
     dist.barrier()

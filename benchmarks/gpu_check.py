@@ -46,6 +46,9 @@ run's `--budget`); a failing phase does not stop the next:
 11. `rank_of_n`: one rank of a large job on the one GPU through torch's fake process group: LLaMA-3-8B, ZeRO-3
    bf16, 4096 tokens, gradient checkpointing, at N = 8 and 64: its peak against `hf-zero estimate` (within 5%) and
    its step's time against the step-time model's (`benchmarks/_gpu_rank_of_n.py`, `benchmarks/rank_of_n.py`).
+12. `compiled`: the speed phase's three engines as users who care about speed run them: Liger's kernels (from
+   `.whl/`) and regional `torch.compile` of each decoder layer (inductor), the warm-up including the compilation
+   (`benchmarks/_gpu_speed.py --compiled`); beside the eager figures in the speed table.
 
 Writes `<out>/report.json` and `<out>/report.md` after every phase (a run cut short still leaves what
 it finished; `--out` defaults to `$OUT` where the device tool sets it). Exits 1 when a phase failed or
@@ -76,9 +79,11 @@ WHEELS_PYTHON = "3.12"  # the lent machine's Python, which `make gpu-wheels` dow
 # process starts of ~10 s) and the tiny CPU rehearsal's (what the CI test runs; the whole under 2 minutes).
 BUDGETS = {
     "full": {"wheels": 15, "env": 30, "single": 80, "multi": 90, "trainer": 50, "speed": 110, "example": 110,
-             "profile": 60, "peers": 90, "io": 75, "qlora": 60, "rank_of_n": 100},
+             "profile": 60, "peers": 90, "io": 75, "qlora": 60, "rank_of_n": 100,
+             "compiled": 120},
     "tiny": {"wheels": 10, "env": 25, "single": 30, "multi": 35, "trainer": 30, "speed": 30, "example": 45,
-             "profile": 25, "peers": 30, "io": 25, "qlora": 45, "rank_of_n": 30},
+             "profile": 25, "peers": 30, "io": 25, "qlora": 45, "rank_of_n": 30,
+             "compiled": 30},
 }
 TOTAL_BUDGET = {"full": 540, "tiny": 215}  # the tiny run (the slow-tier test) skips example and profile
 
@@ -194,16 +199,16 @@ def _short(value: object) -> str:
 
 
 def speed_table(record: dict) -> list[str]:
-    speed = next((p for p in record["phases"] if p["name"] == "speed"), None)
-    rows = [c for c in (speed or {}).get("cases", []) if "tokens_per_s" in c["figures"]]
+    """The speed phase's engines and the compiled phase's (labelled), each against eager PyTorch's tokens/s."""
+    rows = [(c["name"] + ("" if p["name"] == "speed" else " + compiled"), c["figures"]) for p in record["phases"]
+            if p["name"] in ("speed", "compiled") for c in p["cases"] if "tokens_per_s" in c["figures"]]
     if not rows:
         return []
-    base = rows[0]["figures"]["tokens_per_s"]
+    base = rows[0][1]["tokens_per_s"]
     lines = ["", "## speed, side by side", "", "| engine | tokens/s | vs PyTorch | MFU | max allocated (GiB) | "
              "first loss | last loss |", "|---|---|---|---|---|---|---|"]
-    for c in rows:
-        f = c["figures"]
-        lines.append(f"| {c['name']} | {f['tokens_per_s']} | {f['tokens_per_s'] / base:.3f} | {f.get('mfu', '-')} | "
+    for name, f in rows:
+        lines.append(f"| {name} | {f['tokens_per_s']} | {f['tokens_per_s'] / base:.3f} | {f.get('mfu', '-')} | "
                      f"{f.get('max_memory_allocated_GiB', '-')} | {f['first_loss']} | {f['last_loss']} |")
     return lines
 
@@ -289,6 +294,8 @@ def phase_commands(python: str, device: str, size: str, out: Path, site: Path,
         ("io", torchrun + ["--nproc_per_node", "1", str(BENCH / "_gpu_io.py"), "--size", size, *common]),
         ("qlora", torchrun + ["--nproc_per_node", "2", str(BENCH / "_gpu_qlora.py"), "--size", size, *common]),
         ("rank_of_n", [python, str(BENCH / "_gpu_rank_of_n.py"), "--size", size, *common]),
+        ("compiled", torchrun + ["--nproc_per_node", "1", str(BENCH / "_gpu_speed.py"), "--size", speed_size,
+                                 "--compiled", *common]),
     ]
 
 

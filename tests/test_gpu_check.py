@@ -69,7 +69,7 @@ def test_rehearsal_runs_every_phase_from_no_index_within_budget(tmp_path):
     report = json.loads((out / "report.json").read_text())
     phases = {p["name"]: p for p in report["phases"]}
     assert list(phases) == ["wheels", "env", "single", "multi", "trainer", "speed", "peers", "io", "qlora",
-                            "rank_of_n"]
+                            "rank_of_n", "compiled"]
     assert report["installed"] == ["hfzero_probe-1.0.dist-info"]  # installed from the folder, with no index
     for p in report["phases"]:
         assert p["ok"] and p["within_budget"], (p["name"], p["seconds"], p["budget"], p["tail"][-2000:])
@@ -94,6 +94,11 @@ def test_rehearsal_runs_every_phase_from_no_index_within_budget(tmp_path):
     speed = {c["name"]: c["figures"] for c in phases["speed"]["cases"]}
     assert {"PyTorch (autocast bf16)", "FSDP2 fully_shard (bf16)", "hf_zero ZeRO-3 (bf16)"} <= set(speed)
     assert all(speed[e]["tokens_per_s"] > 0 for e in speed if "tokens_per_s" in speed[e])
+    compiled = {c["name"]: c["figures"] for c in phases["compiled"]["cases"]}  # aot_eager here; inductor on a GPU
+    assert all(compiled[e]["compiled_layers"] == 2 and compiled[e]["backend"] == "aot_eager"
+               and compiled[e]["frames"] >= 1 for e in speed
+               if "tokens_per_s" in speed[e])
+    assert all(compiled[e]["first_loss"] == speed[e]["first_loss"] for e in speed if "tokens_per_s" in speed[e])
     io = {c["name"]: c["figures"] for c in phases["io"]["cases"]}
     assert len(cases["io"]) == 2 and next(f for n, f in io.items() if "from_pretrained" in n)["weights_rel"] == 0.0
     qlora = {c["name"]: c["figures"] for c in phases["qlora"]["cases"]}  # stage 3 at the tiny size, and the load
@@ -102,6 +107,7 @@ def test_rehearsal_runs_every_phase_from_no_index_within_budget(tmp_path):
     assert len(cases["rank_of_n"]) == 1 and rank["peak_GiB"] > 0 and rank["step_s"] > 0
     markdown = (out / "report.md").read_text()
     assert "## speed, side by side" in markdown and "| hf_zero ZeRO-3 (bf16) |" in markdown
+    assert "| hf_zero ZeRO-3 (bf16) + compiled |" in markdown
 
 
 def test_a_failing_or_overlong_phase_is_reported_and_the_next_one_runs(tmp_path):
