@@ -6,7 +6,8 @@ both take ([Note: sequence parallelism], [Note: tiled loss]), side by side in on
 
 Each run is a fresh 2-rank torchrun job (gloo): a LLaMA of `--layers` x `--hidden` (TinyLlama's proportions,
 32k vocabulary), ZeRO-3, gradient checkpointing on, AdamW; 2 optimizer steps of one sequence of the given length
-per data-parallel replica (with sequence parallelism 2 both ranks share it, each holding half its tokens;
+per data-parallel replica (with `--warmup-length N`, the first step trains N tokens instead: it allocates the
+optimizer state, so the second, at the length, meets every model state as a longer run does, at half the time) (with sequence parallelism 2 both ranks share it, each holding half its tokens;
 without, each rank trains its own, as a user of 2 ranks does). A run fits when both steps finish with every
 rank's peak resident memory (VmHWM, process baseline included) within `--budget-gib`; a run whose memory passes
 1.3x the budget is stopped. Tokens/s counts the tokens trained per second by the job (both ranks).
@@ -125,17 +126,17 @@ def _ulysses_step(args: argparse.Namespace) -> tuple[Callable[[Any], float], Any
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=args.sequence_parallel,
-        micro_batch_size=1, seq_length=args.length, seq_length_is_variable=False)
+        micro_batch_size=1, seq_length=args.length, seq_length_is_variable=bool(args.warmup_length))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), mpu=mpu)
     group, size = mpu.get_sequence_parallel_group(), args.sequence_parallel
-    part = args.length // size
-    lo = dist.get_rank(group) * part
     engine.train()
 
     def step(ids: Any) -> float:
+        part = ids.shape[1] // size
+        lo = dist.get_rank(group) * part
         shifted = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)[:, lo : lo + part]
-        positions = torch.arange(args.length).unsqueeze(0)[:, lo : lo + part]
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)[:, lo : lo + part]
         loss = engine(input_ids=ids[:, lo : lo + part], position_ids=positions, labels=shifted,
                       shift_labels=shifted).loss
         good = (shifted != -100).sum().reshape(1)
@@ -170,8 +171,8 @@ def worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(replica)
     times, losses = [], []
     init_peak = _peak()  # building and sharding the model (the phases below reset the high-water mark)
-    for _ in range(2):
-        ids = torch.randint(0, 32000, (1, args.length), generator=g)
+    for length in ([args.warmup_length] if args.warmup_length else [args.length]) + [args.length]:
+        ids = torch.randint(0, 32000, (1, length), generator=g)
         dist.barrier()
         start = time.perf_counter()
         losses.append(step(ids))
@@ -210,7 +211,8 @@ def run(args: argparse.Namespace, length: int, mode: str, work: Path) -> dict:
     out = work / f"{mode}-{length}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
            "--worker", "--length", str(length), "--sequence-parallel", str(sp), "--layers", str(args.layers),
-           "--hidden", str(args.hidden), "--dtype", args.dtype, "--result", str(out)] + (["--tiled-only"] if tiled else [])
+           "--hidden", str(args.hidden), "--dtype", args.dtype, "--result", str(out),
+           "--warmup-length", str(args.warmup_length)] + (["--tiled-only"] if tiled else [])
     cmd += ["--ulysses"] if mode == "ulysses" else []
     cmd += ["--tiled-mlp"] if mlp else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
@@ -270,7 +272,9 @@ def _ranks_rss(root: int) -> list[int]:
 def report(args: argparse.Namespace, runs: list[dict]) -> str:
     lines = [f"# Sequence parallelism: longest sequence trained, 2 ranks, {args.budget_gib} GiB per rank", "",
              f"LLaMA {args.layers} layers x hidden {args.hidden} (32k vocabulary), ZeRO-3, {args.dtype}, gradient "
-             "checkpointing, AdamW, 2 steps of one sequence per data-parallel replica; peak resident memory per rank "
+             "checkpointing, AdamW, 2 steps of one sequence per data-parallel replica"
+             + (f" (the first of {args.warmup_length} tokens)" if args.warmup_length else "")
+             + "; peak resident memory per rank "
              "(VmHWM, process baseline included). A ladder stops at its first length that does not fit.", "",
              "| run | length | result | peak GiB (rank 0, 1) | last step (s) | tokens/s |", "|---|---|---|---|---|---|"]
     for r in runs:
@@ -285,8 +289,12 @@ def report(args: argparse.Namespace, runs: list[dict]) -> str:
     for m in ran:
         lines.append(f"- longest `{m}`: {longest[m]} tokens (next: {stopped[m]})")
     if longest["whole"] and longest["split"]:
-        lines.append(f"- sequence parallelism 2 / without: {longest['split'] / longest['whole']:.2f}x; "
-                     f"against the tiled-loss control: {longest['split'] / max(longest['tiled'], 1):.2f}x")
+        lines.append(f"- sequence parallelism 2 / without: {longest['split'] / longest['whole']:.2f}x"
+                     + (f"; against the tiled-loss control: {longest['split'] / longest['tiled']:.2f}x"
+                        if longest["tiled"] else ""))
+    if longest["split"] and "ulysses" in ran:
+        lines.append(f"- hf_zero's sequence parallelism / DeepSpeed's Ulysses (ALST): {longest['split']} against "
+                     f"{longest['ulysses']} tokens")
     fit = {m: {r["length"]: r for r in runs if r["ok"] and r["mode"] == m} for m in MODES}
     both = sorted(set(fit["whole"]) & set(fit["split"]))
     if both:
@@ -334,6 +342,10 @@ def main() -> None:
     ap.add_argument("--lengths", default="2048,4096,8192,12288,16384")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--modes", default="whole,tiled,split", help="which ladders, of " + ", ".join(MODES))
+    ap.add_argument("--warmup-length", type=int, default=0,
+                    help="the first step's tokens (0: the length): it allocates the optimizer state")
+    ap.add_argument("--start", default="", help="where a ladder starts, per mode (split=8192,ulysses=8192): "
+                    "shorter lengths fit where a longer one does")
     ap.add_argument("--stop-at-budget", action="store_true",
                     help="stop a run as soon as a rank's resident memory passes the budget (default: at 1.3x it, so "
                     "the peak of a run just over the budget is measured)")
@@ -350,8 +362,9 @@ def main() -> None:
         return worker(args)
     work = Path(tempfile.mkdtemp(prefix="hf_zero-sequence-"))
     runs = []
+    start = {m: int(n) for m, n in (x.split("=") for x in args.start.split(",") if x)}
     for mode in args.modes.split(","):
-        for length in [int(x) for x in args.lengths.split(",")]:
+        for length in [int(x) for x in args.lengths.split(",") if int(x) >= start.get(mode, 0)]:
             r = run(args, length, mode, work)
             runs.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "losses"}), flush=True)
