@@ -28,6 +28,7 @@ from torch.distributed.algorithms.join import JoinHook
 from .config import ZeroConfig
 from .engine.collectives import agreement
 from .engine.engine import ModelStateMemory, ZeroEngine
+from .engine.facade import facade_of
 from .engine.full_state import load_state_dict, state_dict, unshard_model
 from .engine.module import ENGINE_ATTR, get_engine, register_params
 
@@ -392,7 +393,7 @@ def _through_call(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(forward)
     def routed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if get_engine(self).hooks.root_calls > 0:
+        if facade_of(self).in_root_forward:
             return forward(self, *args, **kwargs)
         return self(*args, **kwargs)
 
@@ -420,7 +421,7 @@ def _merge_and_unload(self: Any, *args: Any, **kwargs: Any) -> Any:
     .save_pretrained(dir)` on rank 0). At stages 0-2 every weight is whole on every rank and it works as under DDP,
     locally. At stage 3 the weights are shards, so PEFT's merge would meet the stand-ins' generic error at its
     first read: refused here instead, naming the way that works."""
-    if get_engine(self).plan.params.uses_gather:
+    if facade_of(self).gathers_each_forward:
         raise ValueError(
             "hf_zero: merge_and_unload() of a PEFT model sharded at ZeRO stage 3: its base weights are shards "
             "spread over the ranks, and merging needs each whole. Save the adapter on every rank with "

@@ -187,7 +187,7 @@ def test_the_states_are_read_only_from_outside():
         with pytest.raises(AttributeError):
             setattr(unit, field, getattr(unit, field))
     with pytest.raises(AttributeError):
-        unit.parts[0].grads.state = GradState.REDUCED
+        unit.parts[0].grads.state = GradState.SUMMED
     with pytest.raises(AttributeError):
         Pass().state = PassState.BACKWARD
     for field in ("deferred", "create_graph", "gated", "ran_anywhere", "has_pending"):
@@ -228,17 +228,17 @@ def test_each_gradient_verb_refuses_the_states_it_may_not_be_called_in():
     assert grads.state is GradState.EMPTY and grads.is_zero
     unit.begin_backward()
     unit.attach_grads()
-    assert grads.state is GradState.ACCUMULATING
+    assert grads.state is GradState.HELD
     unit.end_backward()
     unit.collect_grads()
     reduction = unit.reduce_grads(async_op=True)
-    assert grads.state is GradState.REDUCING and grads.is_zero
+    assert grads.state is GradState.IN_FLIGHT and grads.is_zero
 
     def refused(verb: str, call: Any) -> None:
-        pattern = rf"\[rank 0\] hf_zero: {verb} on the gradients of unit 'model\.layers\.0' in state reducing"
+        pattern = rf"\[rank 0\] hf_zero: {verb} on the gradients of unit 'model\.layers\.0' in state in_flight"
         with pytest.raises(RuntimeError, match=pattern):
             call()
-        assert grads.state is GradState.REDUCING
+        assert grads.state is GradState.IN_FLIGHT
 
     refused("zero", grads.zero)  # zero_grad with a reduction in flight: its sum would land in released memory
     refused("attach", grads.attach)  # accumulating into the buffer the reduction reads
@@ -246,8 +246,8 @@ def test_each_gradient_verb_refuses_the_states_it_may_not_be_called_in():
     refused("reduce", lambda: grads.reduce(async_op=True))  # the same buffer reduced twice
     refused("clear_buffer", grads.clear_buffer)
     unit.finish_reduction(reduction, 1.0)
-    assert grads.state is GradState.REDUCED and not grads.is_zero
-    with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: finish on the gradients of unit .* in state reduced"):
+    assert grads.state is GradState.SUMMED and not grads.is_zero
+    with pytest.raises(RuntimeError, match=r"\[rank 0\] hf_zero: finish on the gradients of unit .* in state summed"):
         grads.finish(reduction[0], 1.0)  # finished already
     grads.zero()
     assert grads.state is GradState.EMPTY and grads.is_zero
@@ -266,3 +266,21 @@ def test_the_pass_refuses_the_moves_it_may_not_make():
         with pytest.raises(RuntimeError, match=rf"\[rank 3\] hf_zero: {verb} on the pass in state backward"):
             getattr(p, verb)()
     assert p.state is PassState.BACKWARD
+
+
+def test_gradients_held_while_a_reduction_is_in_flight():
+    """[Note: gradient states]: at stages 2-3 a backward may accumulate while the previous micro-step's reduction
+    is in flight (its buffer let go): both facts at once, `zero` refused until it lands, the sum kept after."""
+    unit = _unit(3)
+    grads = unit.trainable_parts[0].grads
+    unit.begin_backward()
+    unit.attach_grads()
+    unit.end_backward()
+    unit.collect_grads()
+    reduction = unit.reduce_grads(async_op=True)
+    grads.attach()
+    assert grads.state is GradState.HELD | GradState.IN_FLIGHT and grads.is_zero
+    with pytest.raises(RuntimeError, match=r"zero on the gradients of unit .* in state held\+in_flight"):
+        grads.zero()
+    unit.finish_reduction(reduction, 1.0)
+    assert grads.state is GradState.HELD | GradState.SUMMED and not grads.is_zero

@@ -180,6 +180,16 @@ class EngineFacade:
     def generation_needs_sync(self) -> bool:
         return self._engine.generation_needs_sync
 
+    @property
+    def in_root_forward(self) -> bool:
+        """Whether the model's forward is running inside its `__call__` ([Note: forward called directly])."""
+        return self._engine.hooks.root_calls > 0
+
+    @property
+    def gathers_each_forward(self) -> bool:
+        """Whether every forward gathers the parameters (stage 3: they rest as shards between uses)."""
+        return self._engine.plan.params.uses_gather
+
     def gather_units(
         self, *, rank0_only: bool = True, device: torch.device | str = "cpu", trainable_only: bool = False
     ) -> Iterator[list[tuple[str, nn.Parameter, torch.Tensor]]]:

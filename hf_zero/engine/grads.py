@@ -79,8 +79,7 @@ class FlatGrads(ReadsPartSettings):
         self._shard: torch.Tensor | None = None if shard is None else shard.view
         self._shard_nbytes = 0 if shard is None else shard.slab_nbytes  # of the whole slab, or of its own
         self._state = GradState.EMPTY  # [Note: gradient states] in lifecycle.py: moved only by the verbs below
-        self._has_sum = False  # `shard` holds a reduced sum (else it is a lazy zero)
-        self._in_flight: list[GradReduction] = []  # issued reductions not yet finished
+        self._in_flight: list[GradReduction] = []  # which reductions IN_FLIGHT stands for (not a second truth)
         self._unsharded: torch.Tensor | None = None  # 1D (padded_numel,), param dtype
         self.sparse: torch.Tensor | None = None  # a lookup's sparse COO gradient, not yet reduced
         self.used = [False] * len(params)  # per parameter: got a gradient on this rank since zero
@@ -94,7 +93,7 @@ class FlatGrads(ReadsPartSettings):
     @property
     def is_zero(self) -> bool:
         """Whether the shard holds no reduced gradient since `zero` (a lazy zero)."""
-        return not self._has_sum
+        return GradState.SUMMED not in self._state
 
     @property
     def unsharded(self) -> torch.Tensor | None:
@@ -103,16 +102,20 @@ class FlatGrads(ReadsPartSettings):
 
     def _illegal(self, verb: str, why: str) -> RuntimeError:
         subject = f"the gradients of unit '{self.name or '<root>'}'"
-        return illegal_call(self.shard_group.global_rank, verb, subject, self._state.value, why)
+        return illegal_call(self.shard_group.global_rank, verb, subject, self._state.describe(), why)
 
     def _check_buffer_free(self, verb: str) -> None:
         """A reduction in flight that reads the kept buffer (stages 0-1) must land before the buffer changes."""
-        if any(r.buffer is self._unsharded for r in self._in_flight) and self._unsharded is not None:
+        if (
+            GradState.IN_FLIGHT in self._state
+            and self._unsharded is not None
+            and any(r.buffer is self._unsharded for r in self._in_flight)
+        ):
             raise self._illegal(verb, "a reduction in flight still reads this buffer; finish it first")
 
     def _accumulating(self, verb: str) -> None:
         self._check_buffer_free(verb)
-        self._state = GradState.ACCUMULATING
+        self._state |= GradState.HELD
 
     @property
     def has_trainable(self) -> bool:
@@ -134,7 +137,7 @@ class FlatGrads(ReadsPartSettings):
         """The gradient shard's memory while it holds nothing (no gradient since `zero`, nothing in flight) and
         is kept across `zero_grad` (a pinned host shard): scratch for a caller done with it before the next
         backward (the next reduction overwrites it). None otherwise: the memory is released, or in use."""
-        if self._state is not GradState.EMPTY or self._in_flight or self._has_sum or self.releases_memory:
+        if self._state is not GradState.EMPTY or self.releases_memory:
             return None
         if self._shard is None or self._shard.untyped_storage().nbytes() == 0:
             return None
@@ -153,7 +156,7 @@ class FlatGrads(ReadsPartSettings):
         """This rank's reduced gradient shard (master dtype); zeros while no reduction reached it
         since `zero_grad` ([Note: gradient shard lifetime])."""
         grad = self._shard_storage()
-        if not self._has_sum:
+        if self.is_zero:
             grad.zero_()
         return grad
 
@@ -259,7 +262,7 @@ class FlatGrads(ReadsPartSettings):
         self._check_buffer_free("reduce")
         reduction = self._issue(async_op, buffer_is_free)
         self._in_flight.append(reduction)
-        self._state = GradState.REDUCING  # what was held is in flight now
+        self._state = (self._state & ~GradState.HELD) | GradState.IN_FLIGHT  # what was held is in flight now
         return reduction
 
     def _issue(self, async_op: bool, buffer_is_free: bool) -> GradReduction:
@@ -300,7 +303,7 @@ class FlatGrads(ReadsPartSettings):
     def _reduces_into_shard(self) -> bool:
         """Whether a reduction can write straight into the (empty) gradient shard: no sum to add to, no
         cast and no host copy after it."""
-        return not self._has_sum and self.reduce_dtype == self.master_dtype and not self.placement.offloaded
+        return self.is_zero and self.reduce_dtype == self.master_dtype and not self.placement.offloaded
 
     def _reduce_rows(self, async_op: bool) -> GradReduction | None:
         """A lookup's reduction as a row exchange, or None after densifying when the ranks agree that the
@@ -332,21 +335,21 @@ class FlatGrads(ReadsPartSettings):
 
     def finish(self, reduction: GradReduction, divisor: float) -> None:
         """Wait for a reduction and add its mean into `shard`."""
-        if not any(r is reduction for r in self._in_flight):
+        if GradState.IN_FLIGHT not in self._state or not any(r is reduction for r in self._in_flight):
             raise self._illegal("finish", "this reduction is not in flight (finished already, or never issued)")
         reduction.pending.wait()
         out = reduction.output
         if divisor != 1.0:
             out.div_(divisor)
         if not reduction.into_accumulator:
-            if not self._has_sum:
+            if self.is_zero:
                 self._shard_storage().copy_(out, non_blocking=True)  # to the host when offloaded
             else:
                 self.shard.add_(out.to(self.master_device))
-        self._has_sum = True
         self._in_flight = [r for r in self._in_flight if r is not reduction]
-        if not self._in_flight and self._state is GradState.REDUCING:
-            self._state = GradState.REDUCED
+        self._state |= GradState.SUMMED
+        if not self._in_flight:
+            self._state &= ~GradState.IN_FLIGHT
 
     def release_reduced(self, reduction: GradReduction) -> None:
         """Free a finished reduction's unsharded gradients and cast copy (stages 2-3), into the pool."""
@@ -384,10 +387,9 @@ class FlatGrads(ReadsPartSettings):
 
     def zero(self) -> None:
         """Forget the gradients: the shard's memory is released ([Note: gradient shard lifetime])."""
-        if self._in_flight:
+        if GradState.IN_FLIGHT in self._state:
             raise self._illegal("zero", f"{len(self._in_flight)} reduction(s) in flight; wait for them first")
         self._state = GradState.EMPTY
-        self._has_sum = False
         self.sparse = None
         self.used = [False] * len(self.params)
         if self._shard is not None and self.releases_memory:

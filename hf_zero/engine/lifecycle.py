@@ -58,23 +58,29 @@ above names the states):
    ([Note: direct calls] in hooks.py) makes the root's backward end here too.
 
 [Note: gradient states]
-A part's gradients (`FlatGrads`, grads.py) have a `GradState` that only its own verbs move, each checking the
-state it may run in (an illegal call raises with the rank and the unit's name); the `Unit` orders the verbs:
+A part's gradients (`FlatGrads`, grads.py) have a `GradState`, the one truth its guards read, that only its own
+verbs move, each checking the state it may run in (an illegal call raises with the rank and the unit's name); the
+`Unit` orders the verbs. The state is a set of three facts, since a part can be in more than one at once (at
+stages 2-3 a backward accumulates fresh gradients while the previous micro-step's reduction is still in flight):
 
-- EMPTY: nothing since `zero_grad` (the shard is a lazy zero and holds no memory);
-- ACCUMULATING: a backward's gradients are held unreduced (`.grad` views of the unsharded buffer, a lookup's
-  sparse gradient), whether or not the shard already holds a sum (gradient accumulation);
-- REDUCING: reductions are in flight and nothing newer is held;
-- REDUCED: the shard holds the sum of every reduction since `zero_grad`.
+- HELD: a backward's gradients are held unreduced (`.grad` views of the unsharded buffer, a lookup's sparse
+  gradient);
+- IN_FLIGHT: reductions are issued and not yet finished (which ones, and which buffer each reads, the part keeps
+  beside the state: their objects, not a second truth);
+- SUMMED: the shard holds the sum of every reduction finished since `zero_grad` (without it the shard is a lazy
+  zero and may hold no memory).
 
-| verb             | moves                               | raises                                      |
-|------------------|-------------------------------------|---------------------------------------------|
-| attach / collect | any -> ACCUMULATING                 | a reduction in flight reads the kept buffer |
-| reduce           | any -> REDUCING                     | a reduction in flight reads the kept buffer |
-| finish           | REDUCING -> REDUCED (last in flight) | that reduction is not in flight             |
-| zero             | any -> EMPTY                        | a reduction in flight                       |
+EMPTY (none of them) is the state after `zero_grad`.
 
-Whether the shard holds a sum (`is_zero`) is read from the same owner; nothing outside grads.py writes it.
+| verb             | moves                                         | raises                                          |
+|------------------|-----------------------------------------------|-------------------------------------------------|
+| attach / collect | adds HELD                                     | IN_FLIGHT, and that reduction reads the buffer  |
+| reduce           | HELD -> IN_FLIGHT                              | IN_FLIGHT, and that reduction reads the buffer  |
+| finish           | adds SUMMED; drops IN_FLIGHT with the last one | not IN_FLIGHT, or that reduction is not in it   |
+| zero             | any -> EMPTY                                  | IN_FLIGHT                                       |
+
+Whether the shard holds a sum (`is_zero`: SUMMED not in the state) is read from the same owner; nothing outside
+grads.py writes it.
 
 A unit's backward ends on a unit-level signal that is the same on every rank: the gradient of its
 forward inputs ([Note: backward end] in hooks.py), never on which of its parameters got gradients
@@ -101,11 +107,17 @@ class TrainingState(enum.Enum):
     REDUCING = "reducing"
 
 
-class GradState(enum.Enum):
-    EMPTY = "empty"
-    ACCUMULATING = "accumulating"
-    REDUCING = "reducing"
-    REDUCED = "reduced"
+class GradState(enum.Flag):
+    """[Note: gradient states] what a part's gradients hold: a set of facts, EMPTY when none."""
+
+    EMPTY = 0
+    HELD = enum.auto()
+    IN_FLIGHT = enum.auto()
+    SUMMED = enum.auto()
+
+    def describe(self) -> str:
+        """The facts by name, in lower case (`held+in_flight`), or `empty`."""
+        return "+".join(str(fact.name).lower() for fact in GradState if fact.value and fact in self) or "empty"
 
 
 class PassState(enum.Enum):
