@@ -556,8 +556,8 @@ def _name_index(
     names = {id(p): n for part in parts for p, n in zip(part.params, part.spec.param_names)}
     real: dict[int, nn.Parameter] = dict(replaced)
     for part in parts:
-        if part.module_slots is not None:
-            for stand_in, p, n in zip(part.module_slots.resting, part.params, part.spec.param_names):
+        if part.module_holders is not None:
+            for stand_in, p, n in zip(part.module_holders.resting, part.params, part.spec.param_names):
                 real[id(stand_in)] = p
                 names[id(stand_in)] = n
     return names, real

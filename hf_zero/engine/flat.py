@@ -41,7 +41,7 @@ from .grads import FlatGrads, SlabShard
 from .lifecycle import illegal_call
 from .part_settings import PartSettings, ReadsPartSettings
 from .pool import transient_nbytes
-from .resting import ModuleSlots, ShardedGrad
+from .resting import ModuleHolders, ShardedGrad
 from .store import MasterStore
 from .wrap import UnitSpec
 
@@ -96,7 +96,7 @@ class FlatPart(ReadsPartSettings):
         self._published: torch.Tensor | None = None  # at the last publish
         self._current: torch.Tensor | None = None  # at the last `fingerprint_changed`
         # [Note: resting parameters] in resting.py: what the modules hold while the unit is resharded
-        self.module_slots = None if persistent else ModuleSlots(self.params, spec.param_names, spec.slots)
+        self.module_holders = None if persistent else ModuleHolders(self.params, spec.param_names, spec.holders)
         if persistent:
             self.publish_master().wait()  # every rank's shard into the unsharded parameters
         else:
@@ -209,8 +209,8 @@ class FlatPart(ReadsPartSettings):
         """Per parameter, each object users reach it by (the parameter, and at stage 3 its stand-in) with the
         `ShardedGrad` its `.grad` holds at rest ([Note: resting gradients]); made once."""
         if self._grad_stand_ins is None:
-            slots = self.module_slots
-            holders = [(p,) for p in self.params] if slots is None else list(zip(self.params, slots.resting))
+            mh = self.module_holders
+            holders = [(p,) for p in self.params] if mh is None else list(zip(self.params, mh.resting))
             self._grad_stand_ins = [
                 tuple((obj, ShardedGrad(obj, name)) for obj in objs)
                 for objs, name in zip(holders, self.spec.param_names)
@@ -229,8 +229,8 @@ class FlatPart(ReadsPartSettings):
     def bind(self, real: bool) -> None:
         """Register the real parameters (gathered) or their stand-ins (freed) in the modules ([Note: resting
         parameters])."""
-        if self.module_slots is not None:
-            self.module_slots.bind(real=real)
+        if self.module_holders is not None:
+            self.module_holders.bind(real=real)
 
     def free(self) -> None:
         """Give the modules the stand-ins and the unsharded buffer back to the pool (stage 3). A persistent part
@@ -342,8 +342,8 @@ class FlatPart(ReadsPartSettings):
     def held_params(self) -> tuple[torch.Tensor, ...]:
         """What the modules hold for the part's parameters now: the real ones, or (stage 3, resharded) their
         stand-ins, whose `requires_grad` is the one user code sets between passes ([Note: resting parameters])."""
-        slots = self.module_slots
-        return self.params if slots is None or slots.holds_real else slots.resting
+        mh = self.module_holders
+        return self.params if mh is None or mh.holds_real else mh.resting
 
     @property
     def sparse_lookup(self) -> bool:

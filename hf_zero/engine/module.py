@@ -30,8 +30,8 @@ def register_params(engine: ZeroEngine) -> None:
     for part in engine.parts:
         for p in part.params:
             _OWNERS[p] = ref
-        if part.module_slots is not None:
-            for r in part.module_slots.resting:
+        if part.module_holders is not None:
+            for r in part.module_holders.resting:
                 _OWNERS[r] = ref
 
 

@@ -41,7 +41,7 @@ def keep_last(module: nn.Module, handle: RemovableHandle) -> None:
 def members(unit: Unit) -> list[nn.Module]:
     """[Note: direct calls] in hooks.py: the modules that hold `unit`'s parameters, other than the unit's own."""
     own = {id(m) for m in unit.spec.all_modules}
-    found = {id(m): m for part in unit.parts for slots in part.spec.slots for m, _ in slots}
+    found = {id(m): m for part in unit.parts for holders in part.spec.holders for m, _ in holders}
     return [m for key, m in found.items() if key not in own]
 
 

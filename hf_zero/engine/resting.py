@@ -3,8 +3,8 @@
 [Note: resting parameters]
 At stage 3 a unit's compute parameters (views of its flat buffer, [Note: flat layout] in flat.py)
 hold memory only while the unit is gathered. Between uses the modules do not hold those views
-(reading a view of a freed buffer reads freed memory: a segfault, or garbage); each module slot
-holds a `ShardedParameter` instead, registered in `module._parameters` whenever the unit is
+(reading a view of a freed buffer reads freed memory: a segfault, or garbage); each holder (a module attribute
+that holds a parameter) holds a `ShardedParameter` instead, registered in `module._parameters` whenever the unit is
 resharded and swapped back for the real parameter when it is gathered (as FSDP2 swaps its
 sharded and unsharded parameters). A `ShardedParameter`:
 
@@ -237,24 +237,24 @@ def _flat(args: Any, kwargs: Any) -> list[Any]:
     return out
 
 
-class ModuleSlots:
+class ModuleHolders:
     """Where a unit's parameters are registered (every `(module, attribute)` of each, tied aliases
-    included), and which of the real parameter or its stand-in those slots hold now."""
+    included), and which of the real parameter or its stand-in those holders hold now."""
 
     def __init__(
         self,
         params: tuple[nn.Parameter, ...],
         names: tuple[str, ...],
-        slots: tuple[tuple[tuple[nn.Module, str], ...], ...],
+        holders: tuple[tuple[tuple[nn.Module, str], ...], ...],
     ) -> None:
         self.params = params  # the real parameters: views of the unit's flat buffer
         self.resting = tuple(ShardedParameter.of(p, n) for p, n in zip(params, names))
-        self.slots = slots  # per parameter: the (module, attribute name) pairs that hold it
+        self.holders = holders  # per parameter: the (module, attribute name) pairs that hold it
         self.holds_real = True
 
     def bind(self, real: bool) -> None:
-        """Register the real parameters (`real`) or their stand-ins in every slot; `requires_grad`
-        follows whichever object the modules held until now. A slot holding neither holds a tensor a call put
+        """Register the real parameters (`real`) or their stand-ins in every holder; `requires_grad`
+        follows whichever object the modules held until now. A holder holding neither holds a tensor a call put
         there for its length (`torch.func.functional_call`): it is left as it is, so the forward computes with it
         ([Note: parameters replaced after initialize] in checks/forward.py)."""
         if real == self.holds_real:
@@ -263,15 +263,15 @@ class ModuleSlots:
         self.holds_real = real
 
     def _bind(self, real: bool) -> None:
-        for p, r, slots in zip(self.params, self.resting, self.slots):
+        for p, r, holders in zip(self.params, self.resting, self.holders):
             new, old = (p, r) if real else (r, p)
             if new.requires_grad != old.requires_grad:
                 new.requires_grad_(old.requires_grad)
-            for module, attr in slots:
+            for module, attr in holders:
                 held = module._parameters.get(attr)
                 if held is old or held is new:
                     module._parameters[attr] = new
-                # else a tensor put in the slot for one call (torch.func.functional_call): left to that call
+                # else a tensor put in the holder for one call (torch.func.functional_call): left to that call
 
 
 # dynamo cannot trace the context, nor the stand-ins read from `module._parameters`. torch.compiler.disable, applied
@@ -286,7 +286,7 @@ def at_c_speed(fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
 
 
-def parameter_slots(
+def parameter_holders(
     model: nn.Module, params: tuple[nn.Parameter, ...]
 ) -> tuple[tuple[tuple[nn.Module, str], ...], ...]:
     """For each of `params`, every `(module, attribute name)` of `model` that registers it."""

@@ -418,7 +418,7 @@ def _subset(spec: UnitSpec, indices: list[int], frozen: bool, dtype: torch.dtype
         spec,
         params=tuple(spec.params[i] for i in indices),
         param_names=tuple(spec.param_names[i] for i in indices),
-        slots=tuple(spec.slots[i] for i in indices) if spec.slots else (),
+        holders=tuple(spec.holders[i] for i in indices) if spec.holders else (),
         frozen=frozen,
         dtype=dtype,
     )

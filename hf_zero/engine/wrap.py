@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .resting import parameter_slots
+from .resting import parameter_holders
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig
@@ -39,7 +39,7 @@ class UnitSpec:
     param_names: tuple[str, ...]  # first qualified name of each parameter, same order as `params`
     backward_reads_params: bool = True  # False for a lone nn.Embedding (see `_backward_reads_params`)
     modules: tuple[nn.Module, ...] = ()  # every module of the unit; () means (module,)
-    slots: tuple[tuple[tuple[nn.Module, str], ...], ...] = ()  # per parameter: every (module, attribute) holding it
+    holders: tuple[tuple[tuple[nn.Module, str], ...], ...] = ()  # per parameter: every (module, attribute) holding it
     frozen: bool = False  # the frozen part of a unit ([Note: frozen parameters] in unit.py)
     dtype: torch.dtype | None = None  # parameters kept in their own dtype ([Note: parameters kept in their own dtype])
 
@@ -265,7 +265,7 @@ def _assign_params(model: nn.Module, groups: list[Group]) -> list[UnitSpec]:
             param_names=tuple(n for n, _ in owned[i]),
             backward_reads_params=len(group) > 1 or _backward_reads_params(group[0][1], [p for _, p in owned[i]]),
             modules=tuple(m for _, m in group) if len(group) > 1 else (),
-            slots=parameter_slots(model, tuple(p for _, p in owned[i])),
+            holders=parameter_holders(model, tuple(p for _, p in owned[i])),
         )
         for i, group in enumerate(groups)
     ]
@@ -276,7 +276,7 @@ def _assign_params(model: nn.Module, groups: list[Group]) -> list[UnitSpec]:
             module=model,
             params=root,
             param_names=tuple(n for n, _ in owned[len(groups)]),
-            slots=parameter_slots(model, root),
+            holders=parameter_holders(model, root),
         )
     )
     return specs

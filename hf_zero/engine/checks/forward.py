@@ -125,18 +125,18 @@ class ModelStructure:
     them. A parameter or module assigned to the model afterwards (`module.weight = nn.Parameter(t)`, `model.head
     = nn.Linear(...)`, a block appended, a bias set to `None`) is none of those: it would never be reduced across
     ranks or stepped (the optimizer was built over the old one), and at stage 3 the next gather writes the
-    engine's parameter back into its slot, so the change is silently dropped. DDP's documentation forbids the
+    engine's parameter back into its holder, so the change is silently dropped. DDP's documentation forbids the
     same change after wrapping (its reducer keeps the old parameters).
 
     So each forward with grad (at stage 3, each forward) checks that the model is as `initialize` left it, before
-    anything runs: every parameter entry holds an engine parameter or its stand-in (at stage 3 the slots hold
+    anything runs: every parameter entry holds an engine parameter or its stand-in (at stage 3 the holders hold
     either), and where a module's children changed, the whole model still holds them all (a parameterless module
     swapped, a checkpoint wrapper put around a block: accepted, as by DDP). Refused on every rank alike (the same
-    model on each), naming the entry. A tensor that is not an `nn.Parameter` in a slot cannot come from an
+    model on each), naming the entry. A tensor that is not an `nn.Parameter` in a holder cannot come from an
     assignment (`nn.Module.__setattr__` takes only parameters there): it is a call's own, put there for its
     length (`torch.func.functional_call(model, {name: tensor}, ...)`), and is left to it (at stage 3 the gathers
-    skip that slot too, `ModuleSlots.bind`). The check walks lists made at `initialize` (0.55 ms for an 80-layer LLaMA's
-    1,047 modules on one core of this CPU, where `model.modules()` alone takes 2.8 ms).
+    skip that holder too, `ModuleHolders.bind`). The check walks lists made at `initialize` (0.55 ms for an
+    80-layer LLaMA's 1,047 modules on one core of this CPU, where `model.modules()` alone takes 2.8 ms).
     """
 
     def __init__(self, model: nn.Module, known: Mapping[int, str]) -> None:
