@@ -11,6 +11,10 @@ optimizer state, so the second, at the length, meets every model state as a long
 without, each rank trains its own, as a user of 2 ranks does). A run fits when both steps finish with every
 rank's peak resident memory (VmHWM, process baseline included) within `--budget-gib`; a run whose memory passes
 1.3x the budget is stopped. Tokens/s counts the tokens trained per second by the job (both ranks).
+
+The `_packed` modes train packed rows instead ([Note: packed documents]): `--documents` documents end to end in
+each sequence, `position_ids` restarting at each, each document's first label ignored (as
+`DataCollatorWithFlattening` and TRL's `padding_free` make them), attention within each document.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def _hf_zero_step(args: argparse.Namespace) -> tuple[Callable[[Any], float], Any
         PHASES.clear()
         PHASES["before"] = _resident()
         _reset_peak()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, **_packing(args, ids)).loss
         PHASES["forward_peak"], PHASES["after_forward"] = _peak(), _resident()
         _reset_peak()
         loss.backward()
@@ -81,6 +85,21 @@ def _hf_zero_step(args: argparse.Namespace) -> tuple[Callable[[Any], float], Any
 
 
 PHASES: dict[str, int] = {}  # where one rank's memory goes in the last step (bytes): resident and peaks per phase
+
+
+def _packing(args: argparse.Namespace, ids: Any) -> dict[str, Any]:
+    """The labels (and, for packed rows, the positions) of one row: `--documents` documents of equal length end
+    to end, positions restarting at each, each document's first label ignored."""
+    if not args.packed:
+        return {"labels": ids}
+    import torch
+
+    length = ids.shape[1]
+    starts = torch.arange(0, length, length // args.documents)
+    positions = torch.arange(length) - starts.repeat_interleave(length // args.documents)[:length]
+    labels = ids.clone()
+    labels[:, starts] = -100
+    return {"labels": labels, "position_ids": positions.unsqueeze(0)}
 
 
 def _status(field: str) -> int:
@@ -203,6 +222,8 @@ MODES = {  # mode -> (sequence parallelism, tiled loss without a split, tiled ML
     "split": (2, False, False, "ZeRO-3 + sequence parallelism 2 (tiled loss)"),
     "split_mlp": (2, False, True, "ZeRO-3 + sequence parallelism 2 (tiled loss) + `tiled_mlp`"),
     "ulysses": (2, False, False, "DeepSpeed ZeRO-3 (the HF Trainer's values) + its Ulysses sequence parallelism 2"),
+    "whole_packed": (1, False, False, "as `whole`, on packed rows (documents end to end)"),
+    "split_packed": (2, False, False, "as `split`, on packed rows (documents end to end)"),
 }
 
 
@@ -215,6 +236,7 @@ def run(args: argparse.Namespace, length: int, mode: str, work: Path) -> dict:
            "--warmup-length", str(args.warmup_length)] + (["--tiled-only"] if tiled else [])
     cmd += ["--ulysses"] if mode == "ulysses" else []
     cmd += ["--tiled-mlp"] if mlp else []
+    cmd += ["--packed", "--documents", str(args.documents)] if mode.endswith("_packed") else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     limit = int((1.0 if args.stop_at_budget else 1.3) * args.budget_gib * GIB)  # resident memory, polled every 0.1 s
     started = time.time()
@@ -292,6 +314,9 @@ def report(args: argparse.Namespace, runs: list[dict]) -> str:
         lines.append(f"- sequence parallelism 2 / without: {longest['split'] / longest['whole']:.2f}x"
                      + (f"; against the tiled-loss control: {longest['split'] / longest['tiled']:.2f}x"
                         if longest["tiled"] else ""))
+    if longest["whole_packed"] and longest["split_packed"]:
+        lines.append(f"- packed rows: sequence parallelism 2 / without: "
+                     f"{longest['split_packed'] / longest['whole_packed']:.2f}x")
     if longest["split"] and "ulysses" in ran:
         lines.append(f"- hf_zero's sequence parallelism / DeepSpeed's Ulysses (ALST): {longest['split']} against "
                      f"{longest['ulysses']} tokens")
@@ -357,6 +382,8 @@ def main() -> None:
     ap.add_argument("--tiled-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ulysses", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tiled-mlp", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--documents", type=int, default=4, help="documents per packed row (the `_packed` modes)")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
