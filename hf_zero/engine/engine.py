@@ -429,7 +429,7 @@ class ZeroEngine:
         so no copy of the parameters gathered before a change of the master weights is used after it."""
         self.hooks.wait_reductions()
         self.hooks.release_held()
-        self.hooks.drop_graph_pins()  # [Note: double backward]: a step invalidates the graph they served
+        self.hooks.forget_graph()  # [Note: double backward]: a step invalidates the graph they served
         for unit in self.units:
             unit.release()
 

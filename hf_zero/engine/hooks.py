@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .checks.double_backward import GraphPins
 from .checks.units_run import UnitsCheck, changed_in_forward_error
 from .collectives import CommGroup
 from .grads import UnitReduction
@@ -86,8 +87,8 @@ class UnitHooks:
         self._forward_order: list[Unit] = []  # inner units in the order the first forward ran them
         self._order_known = False
         self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
-        self.graph_pins: list[Unit] = []  # [Note: double backward] units pinned for a graph a backward built
-        self.graph_built = False  # [Note: double backward] a backward built a graph that a later one may go through
+        self.graph = GraphPins(pins=plan.params.uses_gather)  # [Note: double backward] in checks/double_backward.py
+        self.listeners = (*settings.listeners, self.graph)  # [Note: pass events]: told in this order
         self.root_calls = 0  # [Note: forward called directly] the root's forwards running inside its __call__
         self.direct_call: nn.Module | None = None  # [Note: direct calls] the root's module whose direct call runs
         self._handles: list[RemovableHandle] = []
@@ -109,7 +110,7 @@ class UnitHooks:
             self._reduces = previous
 
     def _tell_before_waiting(self) -> None:
-        for listener in self.settings.listeners:
+        for listener in self.listeners:
             listener.before_waiting()
 
     # ---- registration -----------------------------------------------------------------------
@@ -196,7 +197,7 @@ class UnitHooks:
             self._order_known = True
             plan_prefetches(self._forward_order, self.settings.prefetch)
         self.current.begin_forward()
-        for listener in self.settings.listeners:
+        for listener in self.listeners:
             listener.root_forward()
         for direct in self.direct:  # [Note: direct use]
             direct.before_compute()
@@ -232,7 +233,7 @@ class UnitHooks:
             return
         if unit.training_state is not TrainingState.IDLE:
             self.reset()  # an exception interrupted a backward pass
-        for listener in self.settings.listeners:
+        for listener in self.listeners:
             listener.direct_call()
         unit.begin_forward()
         self.direct_call = module
@@ -336,7 +337,7 @@ class UnitHooks:
 
     def _pre_backward(self, unit: Unit) -> None:
         if not self.current.in_backward:
-            for listener in self.settings.listeners:
+            for listener in self.listeners:
                 listener.backward()  # [Note: resting gradients]: autograd must not meet the stand-ins
         if unit is not self.root:
             self.units_check.resolve(self.current)  # before anything this unit issues
@@ -349,9 +350,8 @@ class UnitHooks:
             self._begin_backward_pass()
         if unit.spec.backward_reads_params:
             unit.before_compute()
-            if self.current.create_graph and self.plan.params.uses_gather and unit not in self.graph_pins:
-                unit.pin()  # [Note: double backward]
-                self.graph_pins.append(unit)
+            for listener in self.listeners:
+                listener.unit_backward(unit, self.current.create_graph)  # [Note: double backward]
         if not unit.prefetch_targets.late:
             if self.settings.gate_on_reductions and self.current.has_pending and self._prefetches(unit, forward=False):
                 self.current.gate(unit)  # [Note: reduction-gated prefetch]
@@ -450,12 +450,12 @@ class UnitHooks:
         self.unsynced = not self._reduces
         self.wait_reductions()
         if self.unsynced:
-            for listener in self.settings.listeners:
+            for listener in self.listeners:
                 listener.deferred()  # [Note: resting gradients]: accumulated, not reduced, `.grad` a stand-in too
         for unit in self.units:
             unit.end_pass()
-        if not self.current.create_graph:
-            self.drop_graph_pins()  # [Note: double backward]: the graph the pins served was consumed
+        for listener in self.listeners:
+            listener.backward_ended(self.current.create_graph)  # [Note: double backward]
         self.current = Pass(rank=self.root.rank)
         self.pool.clear()
 
@@ -473,7 +473,7 @@ class UnitHooks:
         first = finished[0]
         if first.placement.offloaded and first.placement.host_pinned:
             torch.accelerator.synchronize(first.device)  # the host may now read the shards copied asynchronously
-        for listener in self.settings.listeners:
+        for listener in self.listeners:
             listener.reduced()
 
     def use_directly(self, unit: Unit) -> None:
@@ -507,7 +507,7 @@ class UnitHooks:
             reduction.pending.wait()
         self.current = Pass(rank=self.root.rank)
         self.direct_call = None
-        self.drop_graph_pins()
+        self.forget_graph()
         for unit in self.units:
             unit.abandon()
         if not self._order_known:  # a first forward that did not finish: learn the order from the next one
@@ -516,25 +516,13 @@ class UnitHooks:
 
     # ---- passes off the plan --------------------------------------------------------------------
     def _begin_backward_pass(self) -> None:
-        """The first pre_backward of a backward pass.
+        """The first pre_backward of a backward pass: whether it builds a graph, and whether it goes through one an
+        earlier backward built ([Note: double backward] in checks/double_backward.py)."""
+        self.current.begin_backward_pass(torch.is_grad_enabled(), self.graph.built)
+        for listener in self.listeners:
+            listener.backward_begun(self.current.create_graph)
 
-        [Note: double backward]
-        A backward run with `create_graph=True` (`torch.autograd.grad(..., create_graph=True)` for a gradient
-        penalty) builds a graph that reads the parameters again when a later backward goes through it. At
-        stage 3 its units are pinned as its backward gathers them, and stay whole until the final callback of
-        the next backward pass that builds no graph (or an optimizer step, after which torch refuses that
-        graph anyway); that pass, which runs the second-order terms in no fixed order, reduces every unit in
-        its final callback, in unit order, at every stage (each thread numbers the nodes it creates: on a GPU that
-        graph comes from the device's autograd thread, and its terms may follow a unit's end signal)."""
-        self.current.begin_backward_pass(torch.is_grad_enabled(), self.graph_built)
-        if self.current.create_graph:
-            self.graph_built = True
-
-    def drop_graph_pins(self) -> None:
-        """[Note: double backward] forget the graph a create_graph backward built; unpin and free its units."""
-        pins, self.graph_pins = self.graph_pins, []
-        self.graph_built = False
-        for unit in pins:
-            unit.unpin()
-            if unit.training_state in (TrainingState.IDLE, TrainingState.REDUCING):
-                unit.release()
+    def forget_graph(self) -> None:
+        """[Note: double backward] a step or an interrupted pass: what any listener kept for the pass goes."""
+        for listener in self.listeners:
+            listener.forget()

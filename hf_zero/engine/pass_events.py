@@ -3,11 +3,17 @@
 [Note: pass events]
 The hooks run the pass; what else must happen at its fixed points (the call-order header of a forward, the
 gradients woken for autograd, the refusal of parameters replaced since `initialize`, the buffers' broadcast, the
-gradients put to rest after a backward) belongs to other owners. Each is a `PassListener`, handed to the hooks once
-(`HookSettings.listeners`) and told of every event in the order given; a listener overrides the events it needs.
+gradients put to rest after a backward, the units a graph-building backward keeps whole) belongs to other
+owners. Each is a `PassListener`, handed to the hooks once (`HookSettings.listeners`; the hooks add their own
+`GraphPins` last) and told of every event in the order given; a listener overrides the events it needs.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .unit import Unit
 
 
 class PassListener:
@@ -40,3 +46,16 @@ class PassListener:
 
     def before_waiting(self) -> None:
         """The units check is about to be waited for ([Note: units run on some ranks] in checks/units_run.py)."""
+
+    def backward_begun(self, create_graph: bool) -> None:
+        """The backward pass's first unit: whether it builds a graph of its own ([Note: double backward] in
+        checks/double_backward.py)."""
+
+    def unit_backward(self, unit: Unit, create_graph: bool) -> None:
+        """A unit's backward begins with its parameters gathered (its backward reads them)."""
+
+    def backward_ended(self, create_graph: bool) -> None:
+        """A backward pass's final callback ended: every unit reduced (or deferred)."""
+
+    def forget(self) -> None:
+        """The pass was interrupted (an exception) or the weights stepped: what was kept for it goes."""
