@@ -122,7 +122,7 @@ def test_gathered_parameters_modifier_rank_writes_back_everywhere(pools, kind, s
             assert (r["after"]["lm_head.weight"][3] == 0.5).all()
             assert rel_err(r["after"][r["layer_param"]], r["before"][r["layer_param"]] * 0.5) <= 1e-2
         if stage == 3:
-            assert r["rests_after"] == "ShardedParameter"
+            assert r["rests_after"] == "RestingParameter"
             assert "changed in place inside a block with modifier_rank=None" in r["read_only_error"], r[
                 "read_only_error"
             ]

@@ -1,12 +1,12 @@
-"""What a stage-3 parameter is between uses: a `ShardedParameter`, safe to touch.
+"""What a stage-3 parameter is between uses: a `RestingParameter`, safe to touch.
 
 [Note: resting parameters]
 At stage 3 a unit's compute parameters (views of its flat buffer, [Note: flat layout] in flat.py)
 hold memory only while the unit is gathered. Between uses the modules do not hold those views
 (reading a view of a freed buffer reads freed memory: a segfault, or garbage); each holder (a module attribute
-that holds a parameter) holds a `ShardedParameter` instead, registered in `module._parameters` whenever the unit is
+that holds a parameter) holds a `RestingParameter` instead, registered in `module._parameters` whenever the unit is
 resharded and swapped back for the real parameter when it is gathered (as FSDP2 swaps its
-sharded and unsharded parameters). A `ShardedParameter`:
+sharded and unsharded parameters). A `RestingParameter`:
 
 - has the parameter's full shape, dtype, device and `requires_grad`, so metadata code works
   unchanged: `numel()`, `model.num_parameters()`, `model.device`, `model.dtype`, `.to()` to the
@@ -59,7 +59,7 @@ class RestingParameterError(TypeError, RuntimeError):
     so a `TypeError` (the stand-in holds no values), and a `RuntimeError` as well, for code that caught that."""
 
 
-class ShardedParameter(torch.Tensor):
+class RestingParameter(torch.Tensor):
     """The stand-in a module holds for a stage-3 parameter while its unit is resharded
     ([Note: resting parameters]). Metadata works; any read of values raises a `RestingParameterError`
     that says what to use.
@@ -78,7 +78,7 @@ class ShardedParameter(torch.Tensor):
     _hf_zero_param: nn.Parameter  # set on the nn.Parameter that wraps it (`of`): the real parameter
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, name: str) -> ShardedParameter:
+    def __new__(cls, like: torch.Tensor, name: str) -> RestingParameter:
         t = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=like.requires_grad
         )
@@ -88,7 +88,7 @@ class ShardedParameter(torch.Tensor):
     @staticmethod
     def of(param: nn.Parameter, name: str) -> nn.Parameter:
         """The stand-in of `param`: an `nn.Parameter` (by `isinstance`) of the same shape, dtype and device."""
-        stand_in = nn.Parameter(ShardedParameter(param, name), requires_grad=param.requires_grad)
+        stand_in = nn.Parameter(RestingParameter(param, name), requires_grad=param.requires_grad)
         stand_in._hf_zero_param = param  # type: ignore[attr-defined]  # an nn.Parameter, which declares no such field
         return stand_in
 
@@ -102,13 +102,13 @@ class ShardedParameter(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub types it as an instance method
         first = args[0] if args else None
-        if func in _METADATA_OPS and isinstance(first, ShardedParameter):
-            return ShardedParameter(first, first._hf_zero_name)
+        if func in _METADATA_OPS and isinstance(first, RestingParameter):
+            return RestingParameter(first, first._hf_zero_name)
         flat = _flat(args, kwargs)
         grads = [a._hf_zero_name for a in flat if isinstance(a, ShardedGrad)]
         if grads:  # an optimizer hf_zero never saw, stepping a resting parameter by its `.grad`: the gradient's word
             raise TypeError(f"{_grad_message(grads[0])} (operation: {func})")
-        names = [a._hf_zero_name for a in flat if isinstance(a, ShardedParameter)]
+        names = [a._hf_zero_name for a in flat if isinstance(a, RestingParameter)]
         raise RestingParameterError(f"{_message(names[0] if names else 'a parameter')} (operation: {func})")
 
     @classmethod
@@ -135,7 +135,7 @@ class ShardedParameter(torch.Tensor):
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
     def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]  # torch's stub names a keyword-only `Any`
-        return f"ShardedParameter('{self._hf_zero_name}', shape={tuple(self.shape)}, dtype={self.dtype})"
+        return f"RestingParameter('{self._hf_zero_name}', shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise RestingParameterError(_message(self._hf_zero_name))
@@ -248,7 +248,7 @@ class ModuleHolders:
         holders: tuple[tuple[tuple[nn.Module, str], ...], ...],
     ) -> None:
         self.params = params  # the real parameters: views of the unit's flat buffer
-        self.resting = tuple(ShardedParameter.of(p, n) for p, n in zip(params, names))
+        self.resting = tuple(RestingParameter.of(p, n) for p, n in zip(params, names))
         self.holders = holders  # per parameter: the (module, attribute name) pairs that hold it
         self.holds_real = True
 
