@@ -6,11 +6,12 @@ both take ([Note: sequence parallelism], [Note: tiled loss]), side by side in on
 
 Each run is a fresh 2-rank torchrun job (gloo): a LLaMA of `--layers` x `--hidden` (TinyLlama's proportions,
 32k vocabulary), ZeRO-3, gradient checkpointing on, AdamW; 2 optimizer steps of one sequence of the given length
-per data-parallel replica (with `--warmup-length N`, the first step trains N tokens instead: it allocates the
-optimizer state, so the second, at the length, meets every model state as a longer run does, at half the time) (with sequence parallelism 2 both ranks share it, each holding half its tokens;
-without, each rank trains its own, as a user of 2 ranks does). A run fits when both steps finish with every
-rank's peak resident memory (VmHWM, process baseline included) within `--budget-gib`; a run whose memory passes
-1.3x the budget is stopped. Tokens/s counts the tokens trained per second by the job (both ranks).
+per data-parallel replica (with sequence parallelism 2 both ranks share it, each holding half its tokens;
+without, each rank trains its own, as a user of 2 ranks does). With `--warmup-length N` the first step trains N
+tokens instead: it allocates the optimizer state, so the second, at the length, meets every model state as a
+longer run does, in half the time. A run fits when both steps finish with every rank's peak resident memory
+(VmHWM, process baseline included) within `--budget-gib`; a run whose memory passes 1.3x the budget (with
+`--stop-at-budget`: the budget) is stopped. Tokens/s counts the tokens trained per second by the job (both ranks).
 
 The `_packed` modes train packed rows instead ([Note: packed documents]): `--documents` documents end to end in
 each sequence, `position_ids` restarting at each, each document's first label ignored (as
