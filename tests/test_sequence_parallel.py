@@ -281,7 +281,8 @@ def test_falcon_with_one_key_value_head_splits_around_its_own_attention(pools, s
         assert rel_err(results[0]["state"][name], value) <= 1e-5, name
 
 
-@pytest.mark.parametrize("kind, stage, world", [("llama", 1, 2), ("llama", 2, 2), ("llama", 3, 2), ("falcon", 3, 2),
+@pytest.mark.parametrize("kind, stage, world", [("llama", 1, 2), ("llama", 2, 2), ("llama", 3, 2), ("falcon", 1, 2),
+                                                ("falcon", 2, 2), ("falcon", 3, 2), ("qwen2", 1, 2), ("qwen2", 2, 2),
                                                 ("qwen2", 3, 2), ("llama", 3, 4)])
 def test_packed_documents_split_by_sequence_equal_one_process(pools, kind, stage, world):
     """[Note: packed documents] Packed rows (documents restarting their positions, labels ignored at each start)
