@@ -363,3 +363,36 @@ def test_a_frozen_base_on_the_cpu_maps_large_blocks_on_their_own():
     fixed = {how: subprocess.run([sys.executable, "-c", _FROZEN_PROBE, how], capture_output=True, text=True,
                                  check=True).stdout.split()[-1] for how in ("frozen", "trained")}
     assert fixed == {"frozen": str(1 << 20), "trained": "None"}, fixed
+
+
+_MASK_PEAK = """
+import resource, sys, torch
+from hf_zero.features.sequence_parallel import _whole_mask
+L = 8192
+documents = (torch.arange(L) // (L // 4)).unsqueeze(0) + 1
+padding = torch.ones(1, L, dtype=torch.bool)
+padding[0, -5:] = False
+query = torch.empty(1, 1, L, 1)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+mask = _whole_mask(padding, query, "sdpa", documents)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+d = documents[0]
+expected = (d[:, None] == d[None, :]) & torch.ones(L, L, dtype=torch.bool).tril() & padding[0][None, :]
+print(grown * 1024, int(torch.equal(mask[0, 0], expected)))
+"""
+
+
+def test_a_packed_rows_mask_takes_one_boolean_per_pair():
+    """[Note: packed documents]: the whole row's per-document causal mask (with padding) is built in place, one
+    boolean per pair of tokens (64 MiB at 8192 tokens; three times that when built from intermediates, which at
+    16384 tokens put a 0.84B run over its 9 GiB budget), and equals causal & same document & key not padding."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", _MASK_PEAK], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}).stdout.split()
+    grown, equal = int(out[-2]), int(out[-1])
+    assert equal == 1
+    assert grown <= 1.25 * 8192 * 8192, f"the mask grew the process by {grown / 2**20:.0f} MiB"
