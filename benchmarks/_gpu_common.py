@@ -190,3 +190,13 @@ def phase_arguments(doc: str, sizes: Iterable[str], phases: Iterable[str] = (),
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     return args, out
+
+
+def liger_kernels(model: torch.nn.Module) -> str:
+    """Liger's kernels on the model instance, as the Trainer's `--use_liger_kernel` applies them (from `.whl/`; needs
+    triton and a GPU); which ran. Raises ImportError without the wheel."""
+    import liger_kernel
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model)
+    return f"liger_kernel {getattr(liger_kernel, '__version__', '?')}"

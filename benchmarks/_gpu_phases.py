@@ -39,6 +39,7 @@ from _gpu_common import (
     adamw,
     corpus,
     init_group,
+    liger_kernels,
     llama,
     norm_diff,
     phase_arguments,
@@ -61,11 +62,7 @@ def apply_liger(model: torch.nn.Module, device: torch.device) -> str:
     the CPU rehearsal the test suite's Liger-like forward (tests/_training.apply_liger_like) stands in. Returns
     which ran."""
     if device.type == "cuda":  # the real kernels, from .whl/ (make gpu-wheels): a missing wheel fails the case
-        import liger_kernel
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-        _apply_liger_kernel_to_instance(model=model)
-        return f"liger_kernel {getattr(liger_kernel, '__version__', '?')}"
+        return liger_kernels(model)
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a package of the working tree

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _gpu_common import Cases, init_group, phase_arguments, require
+from _gpu_common import Cases, init_group, liger_kernels, phase_arguments, require
 from torch._dynamo.utils import counters
 
 import hf_zero
@@ -114,12 +114,9 @@ def apply_liger(model: torch.nn.Module, device: torch.device) -> str:
     if device.type != "cuda":
         return "none"
     try:
-        import liger_kernel
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        return liger_kernels(model)
     except ImportError:
         return "none"
-    _apply_liger_kernel_to_instance(model=model)
-    return f"liger_kernel {getattr(liger_kernel, '__version__', '?')}"
 
 
 def compile_layers(name: str, model: torch.nn.Module, device: torch.device) -> int:
