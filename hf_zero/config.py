@@ -158,7 +158,7 @@ class ZeroConfig:
             optimizer state stay exact, so rounding does not accumulate across steps.
         quantized_gradients (`bool`, *optional*, defaults to `False`):
             Stages 2-3: reduce-scatter gradients in int8 with per-block scales (ZeRO++'s qgZ): each
-            rank quantizes the chunk every other rank owns, sends it with one all-to-all, and the
+            rank quantizes the part every other rank owns, sends it with one all-to-all, and the
             owner dequantizes and sums in fp32. A quarter of fp32's bytes; each rank's contribution
             is rounded once, the sum is not. (`reduce_dtype="bf16"` is the milder option: half.)
         quantization_block (`int`, *optional*, defaults to 256):

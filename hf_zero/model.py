@@ -387,8 +387,8 @@ def _through_call(forward: Callable[..., Any]) -> Callable[..., Any]:
     still train correctly. hf_zero's work runs in the hooks `nn.Module.__call__` runs around `forward`: called
     directly, the root's forward ran without them (at stage 3 its own parameters not gathered: an error about
     sharded parameters; at stages 0-2 no buffer broadcast, no input cast, no units check, no call-order header).
-    So the sharded model's `forward`, called outside its `__call__`, goes through it; inside it (the hooks count
-    the root's forwards running, `UnitHooks.root_calls`) it is the model's own. `functools.wraps` keeps the
+    So the sharded model's `forward`, called outside its `__call__`, goes through it; inside it (the running pass
+    counts the root's forwards running, `Pass.in_root_forward`) it is the model's own. `functools.wraps` keeps the
     signature, which the Trainer reads to choose the dataset's columns."""
 
     @functools.wraps(forward)

@@ -24,18 +24,20 @@ def packed_row(rank: int, step: int) -> dict[str, torch.Tensor]:
             "labels": labels[None]}
 
 
-def _steps(model: torch.nn.Module, opt: Any, rows: list[list[dict[str, torch.Tensor]]]) -> list[float]:
+def _steps(
+    model: torch.nn.Module, opt: Any, rows: list[list[dict[str, torch.Tensor]]]
+) -> tuple[list[float], list[float]]:
     """3 steps; in each, every row of `rows[step]` is a rank's (the losses of a step averaged over them, as DDP
-    averages the gradients)."""
-    losses = []
+    averages the gradients). The losses and the gradient norms before clipping."""
+    losses, norms = [], []
     for step_rows in rows:
         loss = sum(model(**row, use_cache=False).loss for row in step_rows) / len(step_rows)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses
+    return losses, norms
 
 
 def packed_against_one_process(kind: str, stage: int) -> dict[str, Any]:
@@ -51,16 +53,17 @@ def packed_against_one_process(kind: str, stage: int) -> dict[str, Any]:
                            for a, b in zip(starts, starts[1:])])
     ref.train()
     ref_opt = make_optimizer(ref, 1e-3)
-    ref_losses = _steps(ref, ref_opt, [[packed_row(r, s) for r in range(world)] for s in range(3)])
+    ref_losses, ref_norms = _steps(ref, ref_opt, [[packed_row(r, s) for r in range(world)] for s in range(3)])
     model = make_model(kind)
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3),
                                     hf_zero.ZeroConfig(stage=stage))
-    losses = torch.tensor(_steps(model, opt, [[packed_row(rank, s)] for s in range(3)]))
+    own, norms = _steps(model, opt, [[packed_row(rank, s)] for s in range(3)])
+    losses = torch.tensor(own)
     dist.all_reduce(losses)
     state = hf_zero.full_state_dict(model, rank0_only=False)
     return {
         "within_documents": float((packed - alone).abs().max()),
-        "reference": ref_losses, "losses": (losses / world).tolist(),
+        "reference": ref_losses, "losses": (losses / world).tolist(), "reference_norms": ref_norms, "norms": norms,
         "weights": {k: float((state[k] - v).norm() / v.norm()) for k, v in ref.state_dict().items()},
     }
 
@@ -84,13 +87,13 @@ def packed_split(kind: str, stage: int) -> dict[str, Any]:
     if kind == "falcon":
         ref.config._attn_implementation = "sdpa"  # its attention is split around torch's sdpa call
     ref_opt = make_optimizer(ref, 1e-3)
-    ref_losses = _steps(ref, ref_opt, [[_even_row(s)] for s in range(3)])
+    ref_losses, ref_norms = _steps(ref, ref_opt, [[_even_row(s)] for s in range(3)])
     model = make_model(kind)
     if kind == "falcon":
         model.config._attn_implementation = "sdpa"
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3),
                                     hf_zero.ZeroConfig(stage=stage, sequence_parallel=2))
-    losses = _steps(model, opt, [[_even_row(s)] for s in range(3)])
+    losses, norms = _steps(model, opt, [[_even_row(s)] for s in range(3)])
     state = hf_zero.full_state_dict(model, rank0_only=False)
-    return {"reference": ref_losses, "losses": losses,
+    return {"reference": ref_losses, "losses": losses, "reference_norms": ref_norms, "norms": norms,
             "weights": {k: float((state[k] - v).norm() / v.norm()) for k, v in ref.state_dict().items()}}

@@ -252,7 +252,7 @@ def test_streams_read_unaligned_tensors_across_small_chunks(tmp_path):
             where = stored_tensors(path)["v"]
             assert where.begin % 4, "the test needs an unaligned tensor"
             for dtype in (torch.float32, torch.bfloat16):
-                stream = FileStream(path, Digest(), chunk_bytes=4096, ahead=2)
+                stream = FileStream(path, Digest(), read_bytes=4096, ahead=2)
                 got = torch.cat([p.clone() for p in _cast_pieces([(str(path), where, 0)], {str(path): stream},
                                                                  dtype, Staging(), _NoBar())()])
                 assert torch.equal(got, values.to(dtype)), dtype

@@ -161,5 +161,5 @@ def test_verification_hash_reads_in_pipelined_chunks_and_matches_the_checksum(tm
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)).numpy()
     path = tmp_path / "f.bin"
     path.write_bytes(data.tobytes())
-    assert checksum_of(path, "sha256", chunk_bytes=4096) == "sha256:" + hashlib.sha256(data.tobytes()).hexdigest()
-    assert checksum_of(path, chunk_bytes=4096) == "xxh3_128:" + xxhash.xxh3_128(data.tobytes()).hexdigest()
+    assert checksum_of(path, "sha256", read_bytes=4096) == "sha256:" + hashlib.sha256(data.tobytes()).hexdigest()
+    assert checksum_of(path, read_bytes=4096) == "xxh3_128:" + xxhash.xxh3_128(data.tobytes()).hexdigest()

@@ -27,13 +27,13 @@ def stored(tmp_path):
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
-@pytest.mark.parametrize("chunk", [sequential.CHUNK_BYTES, 4096], ids=["one-chunk", "many-chunks"])
-def test_ranges_land_in_their_tensors_and_the_checksum_is_the_files(stored, monkeypatch, chunk, direct):
+@pytest.mark.parametrize("span", [sequential.READ_BYTES, 4096], ids=["one-read", "many-reads"])
+def test_ranges_land_in_their_tensors_and_the_checksum_is_the_files(stored, monkeypatch, span, direct):
     """Buffered, and around the page cache through the aligned buffers (where the filesystem takes O_DIRECT; it
     falls back to buffered reads elsewhere): the same tensors, the same checksum."""
     directory, tensors = stored
-    monkeypatch.setattr(sequential, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(sequential, "_BOUNCE", [])  # buffers of this chunk size
+    monkeypatch.setattr(sequential, "READ_BYTES", span)
+    monkeypatch.setattr(sequential, "_BOUNCE", [])  # buffers of this span
     reads = RangeReads(directory, direct=direct)
     # "a" saved as two pieces [0, 600) and [600, 1000) of one parameter, in one file under two keys is not how a
     # checkpoint stores it; one key per file, with the piece's range: elements [100, 900) of "a"
@@ -50,11 +50,11 @@ def test_ranges_land_in_their_tensors_and_the_checksum_is_the_files(stored, monk
     assert checksum == "xxh3_128:" + xxhash.xxh3_128((directory / "f.safetensors").read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("chunk", [sequential.CHUNK_BYTES, 4096], ids=["one-chunk", "many-chunks"])
-def test_direct_reads_without_a_digest_fill_scattered_ranges(stored, monkeypatch, chunk):
-    """Around the page cache, only the aligned chunks around the wanted ranges are read, and each lands whole."""
+@pytest.mark.parametrize("span", [sequential.READ_BYTES, 4096], ids=["one-read", "many-reads"])
+def test_direct_reads_without_a_digest_fill_scattered_ranges(stored, monkeypatch, span):
+    """Around the page cache, only the aligned spans around the wanted ranges are read, and each lands whole."""
     directory, tensors = stored
-    monkeypatch.setattr(sequential, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(sequential, "READ_BYTES", span)
     monkeypatch.setattr(sequential, "_BOUNCE", [])
     reads = RangeReads(directory, direct=True)
     out_z, out_a = torch.empty(7, dtype=torch.float64), torch.empty(3, dtype=torch.float32)

@@ -252,12 +252,14 @@ def test_tiled_loss_equals_the_whole_logits_loss(monkeypatch, dtype):
 def test_packed_documents_without_sequence_parallelism_equal_one_process(pools, kind, stage):
     """Packed rows (documents end to end, position_ids restarting, labels ignored at each start, no attention mask;
     transformers then attends within each document only: checked against each document alone) train under hf_zero
-    as in one process on every rank's row: losses and weights within 1e-5 after 3 clipped AdamW steps."""
+    as in one process on every rank's row: losses, gradient norms and weights within 1e-5 after 3 clipped AdamW
+    steps."""
     from tests import _packed_cases
 
     for r in pools(2).values(_packed_cases.packed_against_one_process, kind, stage):
         assert r["within_documents"] < 1e-5, r["within_documents"]
         np.testing.assert_allclose(r["losses"], r["reference"], rtol=1e-5)
+        np.testing.assert_allclose(r["norms"], r["reference_norms"], rtol=1e-5)
         assert max(r["weights"].values()) <= 1e-5, {k: v for k, v in r["weights"].items() if v > 1e-5}
 
 
@@ -286,14 +288,15 @@ def test_falcon_with_one_key_value_head_splits_around_its_own_attention(pools, s
                                                 ("qwen2", 3, 2), ("llama", 3, 4)])
 def test_packed_documents_split_by_sequence_equal_one_process(pools, kind, stage, world):
     """[Note: packed documents] Packed rows (documents restarting their positions, labels ignored at each start)
-    split over 2 ranks: each rank's attention, on whole rows after the exchange, sees each document only; losses and
-    weights equal one process on the whole rows within 1e-5 after 3 clipped AdamW steps (LLaMA through the attention
-    registry, Falcon around its own sdpa call, Qwen2 under eager attention's additive mask); on 4 ranks, 2 groups of
-    2 (sequence 2 x data 2) at stage 3, each group on the same rows."""
+    split over 2 ranks: each rank's attention, on whole rows after the exchange, sees each document only; losses,
+    gradient norms and weights equal one process on the whole rows within 1e-5 after 3 clipped AdamW steps (LLaMA
+    through the attention registry, Falcon around its own sdpa call, Qwen2 under eager attention's additive mask);
+    on 4 ranks, 2 groups of 2 (sequence 2 x data 2) at stage 3, each group on the same rows."""
     from tests import _packed_cases
 
     for r in pools(world).values(_packed_cases.packed_split, kind, stage):
         np.testing.assert_allclose(r["losses"], r["reference"], rtol=1e-5)
+        np.testing.assert_allclose(r["norms"], r["reference_norms"], rtol=1e-5)
         assert max(r["weights"].values()) <= 1e-5, {k: v for k, v in r["weights"].items() if v > 1e-5}
 
 

@@ -1,7 +1,7 @@
 """Turning shards into a `from_pretrained` directory: offline from a checkpoint, or live at the end of training.
 
 Both stream. Offline, every model file of the checkpoint is read once, front to back, its bytes cast on the way
-into the output file's write buffer ([Note: streamed consolidation] in streams.py): memory is the streams' chunks
+into the output file's write buffer ([Note: streamed consolidation] in streams.py): memory is the streams' spans
 and the writer's buffers, whatever the model size. Live, a unit is gathered by one all-gather, cast, handed to
 `HFShardWriter`, and dropped when its output shard is written: about one output shard plus one unit.
 Tied weights are written once, under the name `save_pretrained` keeps; `from_pretrained` ties them.
@@ -45,7 +45,7 @@ from .pretrained import PEFT_ROOT, Staging
 from .reader import FileCache, read_pieces
 from .sequential import Stored, stored_tensors
 from .stream import Entry, FileLayout, host_pieces, layout_from_json, write_streamed
-from .streams import MAX_STREAMS, FileStream, chunk_bytes_for, stream_order
+from .streams import MAX_STREAMS, FileStream, read_bytes_for, stream_order
 from .target import check_target, record_output
 from .writer import INDEX_FILE, HFShardWriter, make_directory, parse_size, shard_groups
 
@@ -313,11 +313,11 @@ def _write_streamed(
     files = sorted({f for pieces in held.values() for f, _, _ in pieces})
     listed = {f for entries in manifest.slices.values() for f, _, _ in entries}
     check_files(ckpt, manifest, sorted(listed - set(files)), verify)  # a model file no piece is read from
-    chunk = chunk_bytes_for(len(files))
+    span = read_bytes_for(len(files))
     streams: dict[str, FileStream] = {}
     try:
         for f in files:
-            streams[f] = FileStream(ckpt / f, Digest.matching(manifest.files[f].checksum) if verify else None, chunk)
+            streams[f] = FileStream(ckpt / f, Digest.matching(manifest.files[f].checksum) if verify else None, span)
         casting = Staging()  # host memory reused for every cast (fresh pages cost as much as the cast)
         entries = []
         for name in order:
@@ -342,13 +342,13 @@ def _write_streamed(
 def _cast_pieces(
     pieces: Held, streams: dict[str, FileStream], dtype: torch.dtype, casting: Staging, bar: Any
 ) -> Callable[[], Iterator[torch.Tensor]]:
-    """A parameter's bytes in `dtype`, streamed from its pieces' files: views of their chunks, or those cast into
+    """A parameter's bytes in `dtype`, streamed from its pieces' files: views of the spans read, or those cast into
     reused memory (each piece is written out before the next is made)."""
 
     def each() -> Iterator[torch.Tensor]:
         for file, where, _ in pieces:
             size = where.dtype.itemsize
-            carry = torch.empty(0, dtype=torch.uint8)  # an element split between two chunks (unaligned files only)
+            carry = torch.empty(0, dtype=torch.uint8)  # an element split between two spans (unaligned files only)
             for view in streams[file].views(where.begin, where.numel * size):
                 if where.begin % size or carry.numel():
                     view = torch.cat([carry, view])

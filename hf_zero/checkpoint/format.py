@@ -192,11 +192,11 @@ def _file_entry(raw: dict[str, Any]) -> FileEntry:
     return FileEntry(**raw)
 
 
-def checksum_of(path: str | os.PathLike[str], algorithm: str = CHECKSUM, chunk_bytes: int = 16 << 20) -> str:
-    """The file's checksum ([Note: checksums]), read in large chunks while a second thread hashes the previous
+def checksum_of(path: str | os.PathLike[str], algorithm: str = CHECKSUM, read_bytes: int = 16 << 20) -> str:
+    """The file's checksum ([Note: checksums]), read in large spans while a second thread hashes the previous
     one, so verifying runs at the slower of the disk and the hash rather than at their sum."""
     h = Digest(algorithm)
-    buffers = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
+    buffers = [bytearray(read_bytes), bytearray(read_bytes)]
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as hasher:
         hashing: Future[None] | None = None
         for i in itertools.count():

@@ -15,7 +15,7 @@ of `_read_direct` to overlap anything. Told every unit in advance (`prepare`, by
 builds them), the source reads the next units' ranges on threads into host memory of the files' dtypes while the
 caller casts the present one into its shard. Two units are read at once (`AHEAD`, each with its own `Staging`
 buffer, a third holding the unit being cast): with one reader the disk idles between units (each unit's last
-chunk copied out, the next unit's first read not yet issued; 0.84B on 2 ranks: 0.89 GB/s where plain reads of the
+span copied out, the next unit's first read not yet issued; 0.84B on 2 ranks: 0.89 GB/s where plain reads of the
 same bytes run at 1.02). A `fill` out of that order reads its unit itself and drops the plan.
 
 [Note: names in the files]

@@ -12,7 +12,7 @@ file's safetensors header); `read` then streams one file in order with `pread` i
 themselves (the bytes between them into two scratch buffers, only when the file is being checked) while a
 second thread hashes each range in file order, so the checksum is that of the file and costs no second read.
 Where the filesystem takes it, `RangeReads(direct=True)` reads around the page cache (`O_DIRECT`, whole aligned
-64 MiB chunks into two aligned buffers made once per process, one read by a thread while the other is hashed
+64 MiB spans into two aligned buffers made once per process, one read by a thread while the other is hashed
 and copied into its tensors): a byte read once should not first take a page of the cache, which on the VMs
 measured costs as much as the read (buffered, the one-pass load ran at 0.33 of the disk's O_DIRECT speed).
 
@@ -43,7 +43,7 @@ from ..dtypes import SAFETENSORS_NAMES as DTYPE_NAMES
 from .direct import BLOCK, O_DIRECT
 from .format import Digest
 
-CHUNK_BYTES = 64 << 20  # one pread, and one hashed range, at most
+READ_BYTES = 64 << 20  # one pread, and one hashed range, at most
 _BOUNCE: list[tuple[mmap.mmap, mmap.mmap]] = []  # free pairs of aligned buffers for direct reads ([Note: bounce])
 _BOUNCE_LOCK = threading.Lock()
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # safetensors' names, as the writer uses them
@@ -210,11 +210,11 @@ def _read_in_order(path: Path, wants: list[Want], digest: Digest | None) -> None
                 if scratch is not None:
                     scratch.through(at, want.start)
                 view = want.into.numpy().data
-                for lo in range(0, len(view), CHUNK_BYTES):
-                    chunk = view[lo : lo + CHUNK_BYTES]
-                    _pread_into(fd, chunk, want.start + lo, path)
+                for lo in range(0, len(view), READ_BYTES):
+                    span = view[lo : lo + READ_BYTES]
+                    _pread_into(fd, span, want.start + lo, path)
                     if digest is not None:
-                        hashed.append(hasher.submit(digest.update, chunk))
+                        hashed.append(hasher.submit(digest.update, span))
                 hashed = _unfinished(hashed)
                 at = want.end
             if scratch is not None:
@@ -229,14 +229,14 @@ def _read_in_order(path: Path, wants: list[Want], digest: Digest | None) -> None
 @contextlib.contextmanager
 def _bounce_pair() -> Iterator[tuple[mmap.mmap, mmap.mmap]]:
     """[Note: bounce]
-    A direct read goes through two aligned CHUNK_BYTES buffers (one read by a thread while the other is hashed and
+    A direct read goes through two aligned READ_BYTES buffers (one read by a thread while the other is hashed and
     copied out), made once and kept: fresh memory each time would cost its first touch again. Each read running at
     once takes a pair of its own (`PretrainedSource` reads two units at once), so a second pair is made the first
     time two overlap; `keep_one_bounce_pair` gives the spare ones back once such a load is done."""
     with _BOUNCE_LOCK:
         pair = _BOUNCE.pop() if _BOUNCE else None
     if pair is None:
-        pair = (mmap.mmap(-1, CHUNK_BYTES), mmap.mmap(-1, CHUNK_BYTES))
+        pair = (mmap.mmap(-1, READ_BYTES), mmap.mmap(-1, READ_BYTES))
     try:
         yield pair
     finally:
@@ -255,7 +255,7 @@ def keep_one_bounce_pair() -> None:
 
 def _read_direct(path: Path, wants: list[Want], digest: Digest | None, complete: Callable[[Want], None]) -> bool:
     """Read `wants` (sorted) with O_DIRECT, through the aligned buffers, and with `digest` the whole file through
-    it, calling `complete` on each want once its last byte is in (while the next chunk is being read); False,
+    it, calling `complete` on each want once its last byte is in (while the next span is being read); False,
     with nothing read, where the filesystem refuses O_DIRECT."""
     try:
         fd = os.open(path, os.O_RDONLY | O_DIRECT)
@@ -267,10 +267,10 @@ def _read_direct(path: Path, wants: list[Want], digest: Digest | None, complete:
         size = os.fstat(fd).st_size
         if wants and wants[-1].end > size:
             raise ValueError(f"{path} ends at byte {size}, before the tensors its header lists: it is truncated.")
-        chunks = _aligned_chunks([(0, size)] if digest is not None else [(w.start, w.end) for w in wants])
+        spans = _aligned_reads([(0, size)] if digest is not None else [(w.start, w.end) for w in wants])
         with _bounce_pair() as bounce, ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-read") as reader:
             buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in bounce]
-            pending = reader.submit(_pread_direct, fd, bounce[0], *chunks[0]) if chunks else None
+            pending = reader.submit(_pread_direct, fd, bounce[0], *spans[0]) if spans else None
             try:
                 got = pending.result() if pending is not None else 0
             except OSError as e:  # a filesystem that opens with O_DIRECT but refuses its reads
@@ -278,11 +278,11 @@ def _read_direct(path: Path, wants: list[Want], digest: Digest | None, complete:
                     return False
                 raise
             first = 0  # the first want not yet filled completely
-            for k, (offset, _) in enumerate(chunks):
+            for k, (offset, _) in enumerate(spans):
                 if k:
                     got = pending.result() if pending is not None else 0
-                if k + 1 < len(chunks):
-                    pending = reader.submit(_pread_direct, fd, bounce[(k + 1) % 2], *chunks[k + 1])
+                if k + 1 < len(spans):
+                    pending = reader.submit(_pread_direct, fd, bounce[(k + 1) % 2], *spans[k + 1])
                 end = min(offset + got, size)
                 if digest is not None:
                     digest.update(memoryview(bounce[k % 2])[: end - offset])
@@ -301,18 +301,18 @@ def _read_direct(path: Path, wants: list[Want], digest: Digest | None, complete:
     return True
 
 
-def _aligned_chunks(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(offset, length) reads of at most CHUNK_BYTES, BLOCK-aligned, covering the byte `spans` (sorted)."""
-    chunks: list[tuple[int, int]] = []
+def _aligned_reads(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) reads of at most READ_BYTES, BLOCK-aligned, covering the byte `spans` (sorted)."""
+    reads: list[tuple[int, int]] = []
     covered = 0
     for start, end in spans:
         at = max(start // BLOCK * BLOCK, covered)
         while at < end:
-            n = min(CHUNK_BYTES, -(-(end - at) // BLOCK) * BLOCK)
-            chunks.append((at, n))
+            n = min(READ_BYTES, -(-(end - at) // BLOCK) * BLOCK)
+            reads.append((at, n))
             at += n
         covered = max(covered, at)
-    return chunks
+    return reads
 
 
 def _pread_direct(fd: int, buffer: mmap.mmap, offset: int, length: int) -> int:
@@ -354,9 +354,9 @@ class _Scratch:
             pending = self.hashing[i]
             if pending is not None:
                 pending.result()
-            n = min(CHUNK_BYTES, end - start)
+            n = min(READ_BYTES, end - start)
             if len(self.buffers[i]) < n:
-                self.buffers[i] = bytearray(min(CHUNK_BYTES, max(n, 1 << 20)))
+                self.buffers[i] = bytearray(min(READ_BYTES, max(n, 1 << 20)))
             view = memoryview(self.buffers[i])[:n]
             _pread_into(self.fd, view, start, None)
             self.hashing[i] = self.hasher.submit(self.digest.update, view)

@@ -1,4 +1,4 @@
-"""Checkpoint files read front to back side by side, each a few chunks ahead on its own thread, through its checksum.
+"""Checkpoint files read front to back side by side, each a few reads ahead on its own thread, through its checksum.
 
 [Note: streamed consolidation]
 A consolidation reads every model file (checksum included) and writes the output once; on a fast volume the time
@@ -8,17 +8,17 @@ the end ran at 0.55 of the disk beside it, 0.84B in bf16).
 
 Every rank's model file holds its pieces of the parameters in the engine's order, and all files agree on that
 order, so the parameters can be written in an order in which every file is read once, front to back
-(`stream_order`). Each file is a `FileStream`: a thread reads its next aligned chunk (`O_DIRECT` where the
+(`stream_order`). Each file is a `FileStream`: a thread reads its next aligned span (`O_DIRECT` where the
 filesystem takes it: a byte read once should not first take a page of the cache) and hashes it while the caller
-casts the present chunk's bytes (into memory reused for every cast) and copies them into the output file's
+casts the present span's bytes (into memory reused for every cast) and copies them into the output file's
 write buffer, which a flush thread of its own writes ([Note: pipelined sink] in direct.py). Reading, casting and
-writing overlap; nothing but the chunks and the sink's buffers is held, whatever the model's size. A checksum
+writing overlap; nothing but the spans read and the sink's buffers is held, whatever the model's size. A checksum
 that does not match is found once the files are read to their ends, after the output was written under
 temporary names: those are removed, and an earlier consolidation in the same directory is left as it was.
 
-Each stream holds `READ_AHEAD + 1` chunks (the files are taken in turn, a parameter's piece at a time, so each
+Each stream holds `READ_AHEAD + 1` spans (the files are taken in turn, a parameter's piece at a time, so each
 reads ahead while the others are consumed); with many files (a checkpoint of many ranks, every parameter split
-across all of them) the chunks shrink to keep the streams' memory at `STREAMS_BYTES`, and past `MAX_STREAMS`
+across all of them) the spans shrink to keep the streams' memory at `STREAMS_BYTES`, and past `MAX_STREAMS`
 files the consolidation reads through the page cache as before.
 """
 
@@ -38,15 +38,15 @@ from .direct import BLOCK, O_DIRECT
 from .format import Digest
 from .sequential import Stored
 
-STREAMS_BYTES = 512 << 20  # all streams' chunks together, at most
-STREAM_CHUNK = 32 << 20  # one read of a stream
-READ_AHEAD = 3  # chunks each stream reads ahead: the files are taken in turn, a parameter's piece at a time
+STREAMS_BYTES = 512 << 20  # all streams' spans together, at most
+STREAM_READ = 32 << 20  # one read of a stream
+READ_AHEAD = 3  # spans each stream reads ahead: the files are taken in turn, a parameter's piece at a time
 MAX_STREAMS = 32  # files read side by side; more read through the page cache
 
 
 class FileStream:
-    """One file read in order, `ahead` chunks ahead on a thread, every byte through `digest`; ranges handed out as
-    views of the chunks.
+    """One file read in order, `ahead` spans ahead on a thread, every byte through `digest`; ranges handed out as
+    views of the spans read.
 
     Example:
 
@@ -59,26 +59,26 @@ class FileStream:
     """
 
     def __init__(
-        self, path: Path, digest: Digest | None, chunk_bytes: int = STREAM_CHUNK, ahead: int = READ_AHEAD
+        self, path: Path, digest: Digest | None, read_bytes: int = STREAM_READ, ahead: int = READ_AHEAD
     ) -> None:
-        if chunk_bytes <= 0 or chunk_bytes % BLOCK:
-            raise ValueError(f"FileStream's chunk_bytes must be a positive multiple of {BLOCK}; got {chunk_bytes}.")
-        self.path, self.digest, self.chunk_bytes = path, digest, chunk_bytes
+        if read_bytes <= 0 or read_bytes % BLOCK:
+            raise ValueError(f"FileStream's read_bytes must be a positive multiple of {BLOCK}; got {read_bytes}.")
+        self.path, self.digest, self.read_bytes = path, digest, read_bytes
         self._fd, self.direct = _open(path)
         self.size = os.fstat(self._fd).st_size
-        # a ring of page-aligned buffers (as O_DIRECT wants): chunk k in buffer k % len; `ahead` chunks read ahead
-        self._memories = [mmap.mmap(-1, chunk_bytes) for _ in range(ahead + 1)]
+        # a ring of page-aligned buffers (as O_DIRECT wants): span k in buffer k % len; `ahead` spans read ahead
+        self._memories = [mmap.mmap(-1, read_bytes) for _ in range(ahead + 1)]
         self._buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in self._memories]
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-stream")
-        self._at, self._got = 0, 0  # the present chunk's offset and bytes (none yet); chunk k is at k * chunk_bytes
+        self._at, self._got = 0, 0  # the present span's offset and bytes (none yet); span k is at k * read_bytes
         self._pending: deque[Future[int]] = deque()
-        self._asked = 0  # the offset of the next chunk to ask the thread for
+        self._asked = 0  # the offset of the next span to ask the thread for
         for _ in range(ahead):
             self._ask()
 
     def views(self, start: int, nbytes: int) -> Iterator[torch.Tensor]:
-        """Bytes `[start, start + nbytes)` as uint8 views of the chunks, in order; each is valid until the next is
-        asked for. Ranges must come in file order (`start` at or past the present chunk)."""
+        """Bytes `[start, start + nbytes)` as uint8 views of the spans read, in order; each is valid until the next is
+        asked for. Ranges must come in file order (`start` at or past the present span)."""
         if start < self._at:
             raise RuntimeError(f"hf_zero: {self.path} was asked for byte {start}, behind its stream at {self._at}")
         end = start + nbytes
@@ -88,7 +88,7 @@ class FileStream:
             while start >= self._at + self._got:
                 self._next()
             stop = min(end, self._at + self._got)
-            yield self._buffers[self._at // self.chunk_bytes % len(self._buffers)][start - self._at : stop - self._at]
+            yield self._buffers[self._at // self.read_bytes % len(self._buffers)][start - self._at : stop - self._at]
             start = stop
 
     def finish(self) -> str | None:
@@ -123,7 +123,7 @@ class FileStream:
         self.close()
 
     def _next(self) -> None:
-        """Make the next chunk the present one, and ask for one more into the buffer the present one leaves (whose
+        """Make the next span the present one, and ask for one more into the buffer the present one leaves (whose
         views the caller is done with)."""
         if not self._pending:
             raise ValueError(f"{self.path} ended at byte {self._at + self._got}: it is truncated.")
@@ -133,15 +133,15 @@ class FileStream:
 
     def _ask(self) -> None:
         if self._asked < self.size:
-            self._pending.append(self._thread.submit(self._read_chunk, self._asked))
-            self._asked += self.chunk_bytes
+            self._pending.append(self._thread.submit(self._read_at, self._asked))
+            self._asked += self.read_bytes
 
-    def _read_chunk(self, offset: int) -> int:
-        """On the stream's thread: the chunk at `offset` into its buffer, then hashed (chunks are read in order)."""
-        want = min(self.chunk_bytes, self.size - offset)
-        view = memoryview(self._memories[offset // self.chunk_bytes % len(self._memories)])
+    def _read_at(self, offset: int) -> int:
+        """On the stream's thread: the span at `offset` into its buffer, then hashed (spans are read in order)."""
+        want = min(self.read_bytes, self.size - offset)
+        view = memoryview(self._memories[offset // self.read_bytes % len(self._memories)])
         try:
-            length = min(self.chunk_bytes, -(-want // BLOCK) * BLOCK)  # O_DIRECT reads whole blocks
+            length = min(self.read_bytes, -(-want // BLOCK) * BLOCK)  # O_DIRECT reads whole blocks
             got = 0
             while got < length:
                 n = self._preadv(view[got:length], offset + got)
@@ -178,10 +178,10 @@ def _open(path: Path) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY), False
 
 
-def chunk_bytes_for(files: int) -> int:
-    """The chunk size of each of `files` streams read side by side: their chunks within `STREAMS_BYTES`."""
+def read_bytes_for(files: int) -> int:
+    """The span each of `files` streams read side by side reads at once: their spans within `STREAMS_BYTES`."""
     share = STREAMS_BYTES // max(1, (READ_AHEAD + 1) * files)
-    return max(BLOCK, min(STREAM_CHUNK, share // BLOCK * BLOCK))
+    return max(BLOCK, min(STREAM_READ, share // BLOCK * BLOCK))
 
 
 def stream_order(pieces: dict[str, list[tuple[str, Stored]]]) -> list[str] | None:

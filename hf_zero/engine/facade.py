@@ -183,7 +183,7 @@ class EngineFacade:
     @property
     def in_root_forward(self) -> bool:
         """Whether the model's forward is running inside its `__call__` ([Note: forward called directly])."""
-        return self._engine.hooks.root_calls > 0
+        return self._engine.hooks.current.in_root_forward
 
     @property
     def gathers_each_forward(self) -> bool:

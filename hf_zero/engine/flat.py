@@ -69,7 +69,7 @@ class FlatPart(ReadsPartSettings):
         on_disk: bool = False,
     ) -> None:
         """`store` builds the part's master store once its shards exist ([Note: master stores] in step/master.py);
-        `on_disk`: the store is the offload files (the master is not compared with the chunk: a fingerprint)."""
+        `on_disk`: the store is the offload files (the master is not compared with the shard: a fingerprint)."""
         self.spec = spec
         self.settings = settings  # one record, shared with the gradients (part_settings.py)
         placement, shard_group = settings.placement, settings.shard_group
@@ -91,7 +91,7 @@ class FlatPart(ReadsPartSettings):
             self.sharded_param = self._gather_shard(on_disk=on_disk)
         self.params = self._bind_params(spec.params)
         # [Note: edits between steps]: the master in another device's memory or in files is not compared with the
-        # chunk; a fingerprint of the chunk, taken at each publish, tells whether it changed since
+        # shard; a fingerprint of the shard, taken at each publish, tells whether it changed since
         self.fingerprinted = persistent and placement.offloaded and (on_disk or self.master_device != self.device)
         self._published: torch.Tensor | None = None  # at the last publish
         self._current: torch.Tensor | None = None  # at the last `fingerprint_changed`
@@ -242,7 +242,7 @@ class FlatPart(ReadsPartSettings):
 
     def param_shard(self) -> torch.Tensor:
         """This rank's shard of the compute parameters: the gather source (stage 3), or this rank's
-        chunk of the whole parameters (stages 0-2)."""
+        shard of the whole parameters (stages 0-2)."""
         if not self.persistent and self.sharded_param is not None:
             return self.sharded_param
         lo, hi = self.layout.shard_range(self.shard_group.rank)
@@ -260,7 +260,7 @@ class FlatPart(ReadsPartSettings):
 
     @property
     def master_apart(self) -> bool:
-        """Whether this rank's master is a tensor of its own in the compute device's memory, beside its chunk of the
+        """Whether this rank's master is a tensor of its own in the compute device's memory, beside its shard of the
         whole parameters (stages 0-2 under mixed precision, or offloaded where the device is the host): compared
         element by element in [Note: edits between steps]."""
         return (
@@ -276,7 +276,7 @@ class FlatPart(ReadsPartSettings):
         parameter itself (fp32, in memory) the change is the master's. Where it is apart (bf16 or fp16 mixed
         precision) the change reached only the compute parameters, and the next step's publish wrote the fp32
         masters over it, without a word. So before the masters are read (a step, a state dict, a save), the
-        engine asks each part whether its chunk still holds, bit for bit, its master's cast (chunk by chunk through
+        engine asks each part whether its shard still holds, bit for bit, its master's cast (a span at a time through
         `cast` and `differs`, memory it keeps; a 0-d bool on the device, all parts answered in one sync) and has the
         parts that changed take the changed elements into their masters (`take_edits`), the others keeping their
         exact fp32 value, as `gathered_parameters` does on leaving its block. The comparison holds only while the
@@ -284,10 +284,10 @@ class FlatPart(ReadsPartSettings):
         published by `publish_masters` without it).
 
         Where the master is in another device's memory (offloaded from an accelerator to the host) or in files,
-        comparing would move every shard each step. There the part takes a fingerprint of its chunk at each publish
-        (`gather_persistent`: the chunk is then its master's cast) and again before the masters are read
+        comparing would move every shard each step. There the part takes a fingerprint of its shard at each publish
+        (`gather_persistent`: the shard is then its master's cast) and again before the masters are read
         (`fingerprint_changed`); only a part whose fingerprint moved reads its master and takes the changed elements
-        (`take_edits`), as above. A fingerprint that is stale (a path that wrote the chunk without publishing)
+        (`take_edits`), as above. A fingerprint that is stale (a path that wrote the shard without publishing)
         costs one needless comparison, never a value."""
         new, master = self.param_shard(), self.sharded_master
         bits = _SAME_SIZE_INT[new.element_size()]
@@ -300,7 +300,7 @@ class FlatPart(ReadsPartSettings):
         return found
 
     def fingerprint_changed(self) -> torch.Tensor:
-        """[Note: edits between steps] whether the chunk's fingerprint moved since the last publish (a 0-d bool on
+        """[Note: edits between steps] whether the shard's fingerprint moved since the last publish (a 0-d bool on
         the device); the new fingerprint is kept for `take_edits`."""
         self._current = current = fingerprint(self.param_shard())
         if self._published is None:
@@ -308,7 +308,7 @@ class FlatPart(ReadsPartSettings):
         return current != self._published
 
     def take_edits(self) -> None:
-        """[Note: edits between steps] the elements of this rank's chunk that differ from its master's cast, into it
+        """[Note: edits between steps] the elements of this rank's shard that differ from its master's cast, into it
         (through the store where the master is elsewhere: read whole, changed, written back)."""
         master = self.store.read()
         new = self.param_shard().to(master.device)
@@ -320,11 +320,11 @@ class FlatPart(ReadsPartSettings):
             self._published = self._current
 
     def gather_persistent(self, async_op: bool = False) -> Pending:
-        """Stages 0-2: all-gather every rank's chunk of the parameters after they were updated (stage 3:
+        """Stages 0-2: all-gather every rank's shard of the parameters after they were updated (stage 3:
         nothing; the next use gathers)."""
         if not self.persistent:
             return Pending()
-        if self.fingerprinted:  # [Note: edits between steps]: the chunk is its master's cast now
+        if self.fingerprinted:  # [Note: edits between steps]: the shard is its master's cast now
             self._published = fingerprint(self.param_shard())
         return all_gather_into(self.unsharded_param, self.param_shard(), self.shard_group, async_op)
 
@@ -379,10 +379,10 @@ def take_edits(
         return scratch
     if scratch is None and apart:
         first = apart[0].param_shard()
-        chunk = min(AT_ONCE_NUMEL, max(part.param_shard().numel() for part in apart))
+        span = min(AT_ONCE_NUMEL, max(part.param_shard().numel() for part in apart))
         scratch = (
-            torch.empty(chunk, dtype=first.dtype, device=first.device),
-            torch.empty(chunk, dtype=torch.bool, device=first.device),
+            torch.empty(span, dtype=first.dtype, device=first.device),
+            torch.empty(span, dtype=torch.bool, device=first.device),
         )
     answers = [part.edited(*scratch) for part in apart] if scratch is not None else []
     answers += [part.fingerprint_changed() for part in fingerprinted]  # on the compute device, as the comparisons

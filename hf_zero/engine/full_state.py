@@ -166,7 +166,7 @@ def _write_back(engine: ZeroEngine, part: FlatPart, modifier_rank: int) -> None:
     lo, hi = part.layout.shard_range(part.shard_group.rank)
     new, master = full[lo:hi], part.store.read()
     if new.data_ptr() == master.data_ptr():
-        return  # the master is this rank's chunk of the parameters (fp32, stages 0-2): already written
+        return  # the master is this rank's shard of the parameters (fp32, stages 0-2): already written
     new = new.to(master.device)  # the master may live on the host (offload, disk)
     before = master.to(part.param_dtype)
     changed = (new != before) & ~(new.isnan() & before.isnan())

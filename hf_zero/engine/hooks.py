@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .checks.changed_in_forward import ChangedInForward
 from .checks.double_backward import GraphPins
-from .checks.units_run import UnitsCheck, changed_in_forward_error
+from .checks.units_run import UnitsCheck
 from .collectives import CommGroup
 from .grads import UnitReduction
 from .lifecycle import TrainingState
@@ -88,15 +89,14 @@ class UnitHooks:
         self._order_known = False
         self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
         self.graph = GraphPins(pins=plan.params.uses_gather)  # [Note: double backward] in checks/double_backward.py
-        self.listeners = (*settings.listeners, self.graph)  # [Note: pass events]: told in this order
-        self.root_calls = 0  # [Note: forward called directly] the root's forwards running inside its __call__
-        self.direct_call: nn.Module | None = None  # [Note: direct calls] the root's module whose direct call runs
+        changes = ChangedInForward()  # [Note: changed in forward] in checks/changed_in_forward.py
+        self.listeners = (*settings.listeners, self.graph, changes)  # [Note: pass events]: told in this order
         self._handles: list[RemovableHandle] = []
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
         # [Note: units run on some ranks] in checks/units_run.py: a plug-in the pass calls at fixed points
         self.units_check = UnitsCheck(
-            units, settings.world, plan.params.uses_gather, self.reset, self._tell_before_waiting
+            units, settings.world, plan.params.uses_gather, changes, self.reset, self._tell_before_waiting
         )
         self._register()
 
@@ -158,7 +158,7 @@ class UnitHooks:
         if unit is self.root and not recompute:
             self._begin_root_forward()
         if unit is self.root:  # [Note: forward called directly] the model's forward runs inside its __call__
-            self.root_calls = 1 if not recompute else self.root_calls + 1
+            self.current.enter_root(recompute)
         elif not self._order_known and not recompute and unit is not self.root and unit not in self._forward_order:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
         if not recompute:
@@ -171,8 +171,8 @@ class UnitHooks:
             self.units_check.agree_on_gather(unit)  # [Note: units run on some ranks] in checks/units_run.py
         unit.before_compute()
         if not recompute:
-            if not unit.persistent:
-                self.current.remember_versions(unit)  # [Note: changed in forward]
+            for listener in self.listeners:
+                listener.unit_gathered(unit)
             self._prefetch_after(unit, forward=True)
         if unit.sparse_lookup:
             cast(Any, unit.spec.module).sparse = True  # [Note: sparse lookup gradients]; switched back after forward
@@ -236,24 +236,18 @@ class UnitHooks:
         for listener in self.listeners:
             listener.direct_call()
         unit.begin_forward()
-        self.direct_call = module
-        if torch.is_grad_enabled():
-            self.current.called_directly(unit)
+        self.current.begin_direct_call(unit, module)
         unit.before_compute()
-        if not unit.persistent:
-            self.current.remember_versions(unit)
+        for listener in self.listeners:
+            listener.unit_gathered(unit)
 
     def _post_direct_call(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         """[Note: direct calls] the end of a direct call (also after an exception in it: `always_call`)."""
-        if self.direct_call is not module:
+        if not self.current.end_direct_call(module):
             return
-        self.direct_call = None
         unit.end_forward()
-        changed = self.current.note_changes(unit)  # [Note: changed in forward]
+        self._tell_forward_ended(unit, direct=True)
         unit.after_forward()
-        if changed:
-            self.reset()
-            raise changed_in_forward_error(changed)
         if torch.is_grad_enabled():
             self._hook_outputs(unit, output)
 
@@ -293,7 +287,7 @@ class UnitHooks:
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if unit is self.root:
-            self.root_calls = max(0, self.root_calls - 1)
+            self.current.leave_root()
         if unit.sparse_lookup:
             cast(Any, unit.spec.module).sparse = False
         if in_backward():  # [Note: recomputation]: the unit's backward follows, keep it gathered
@@ -301,10 +295,7 @@ class UnitHooks:
                 self._hook_outputs(unit, output)
             return None
         unit.end_forward()
-        changed = self.current.note_changes(unit)  # [Note: changed in forward]
-        if changed and not torch.is_grad_enabled():  # no units check follows: refused on the ranks that changed
-            self.reset()
-            raise changed_in_forward_error(changed)
+        self._tell_forward_ended(unit, direct=False)
         if self._keeps_for_backward(unit):
             unit.hold()
         else:
@@ -321,6 +312,15 @@ class UnitHooks:
             output = self.settings.root_output_fn(output)
         self._hook_outputs(unit, output)
         return output
+
+    def _tell_forward_ended(self, unit: Unit, direct: bool) -> None:
+        """The listeners hear that `unit`'s forward (or a direct call) ended; one refusing it forgets the pass first."""
+        try:
+            for listener in self.listeners:
+                listener.unit_forward_ended(unit, direct)
+        except Exception:
+            self.reset()
+            raise
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
         for t in tensors(output):  # [Note: containers] in tree.py
@@ -479,7 +479,7 @@ class UnitHooks:
     def use_directly(self, unit: Unit) -> None:
         """[Note: direct use]
         Some code reads a unit's parameters without calling its module: TRL's fused loss computes
-        log-probabilities chunk by chunk from `lm_head.weight` and the backbone's hidden states, so the
+        log-probabilities a slice of tokens at a time from `lm_head.weight` and the backbone's hidden states, so the
         head's forward hooks never run. Such a unit is gathered at the root's pre_forward (its
         parameters are then the real ones) and stays gathered through the forward; its backward
         begins at its first parameter gradient (pre_backward keeps the gradient autograd made) and
@@ -506,7 +506,6 @@ class UnitHooks:
         for reduction in self.current.pending_reductions():
             reduction.pending.wait()
         self.current = Pass(rank=self.root.rank)
-        self.direct_call = None
         self.forget_graph()
         for unit in self.units:
             unit.abandon()

@@ -3,9 +3,10 @@
 [Note: pass events]
 The hooks run the pass; what else must happen at its fixed points (the call-order header of a forward, the
 gradients woken for autograd, the refusal of parameters replaced since `initialize`, the buffers' broadcast, the
-gradients put to rest after a backward, the units a graph-building backward keeps whole) belongs to other
-owners. Each is a `PassListener`, handed to the hooks once (`HookSettings.listeners`; the hooks add their own
-`GraphPins` last) and told of every event in the order given; a listener overrides the events it needs.
+gradients put to rest after a backward, the units a graph-building backward keeps whole, the parameters a forward
+changed in place) belongs to other owners. Each is a `PassListener`, handed to the hooks once
+(`HookSettings.listeners`; the hooks add their own checks last: `GraphPins`, `ChangedInForward`) and told of every
+event in the order given; a listener overrides the events it needs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ class PassListener:
 
     def direct_call(self) -> None:
         """A module of the root is called outside the model's forward ([Note: direct calls] in hooks.py)."""
+
+    def unit_gathered(self, unit: Unit) -> None:
+        """A unit's forward, or a direct call, has its parameters gathered and is about to compute (not a
+        recomputation)."""
+
+    def unit_forward_ended(self, unit: Unit, direct: bool) -> None:
+        """A unit's forward (`direct`: a direct call of a module of the root) ended, its parameters still gathered
+        (not a recomputation). A listener refuses what it ran by raising: the hooks forget the pass, then the error
+        goes on to the caller ([Note: changed in forward] in checks/changed_in_forward.py)."""
 
     def backward(self) -> None:
         """A backward pass begins, before any unit's gradients."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from .lifecycle import PassState, illegal_call
 
@@ -52,14 +53,14 @@ class Pass:
     _finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
     _gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
     _ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
-    _versions: dict[int, tuple[int, ...]] = field(default_factory=dict)  # [Note: changed in forward] at the gather
-    _changed: dict[int, list[str]] = field(default_factory=dict)  # [Note: changed in forward] by unit, since then
     _units_check: GatheredFlags | None = None  # [Note: units run on some ranks]: issued after the forward, not waited
     _ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
     _deferred: bool = False  # every post_backward waits for the final callback, in unit order
     _create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own
     _called_directly: set[int] = field(default_factory=set)  # [Note: direct calls] in hooks.py: units whose backward
     # ends in the final callback, a module of theirs having run with grad outside their forward
+    _direct: nn.Module | None = None  # [Note: direct calls] the root's module whose direct call runs
+    _root_calls: int = 0  # [Note: forward called directly] in model.py: the root's forwards running in its __call__
     _state: PassState = PassState.IDLE
 
     @property
@@ -113,17 +114,36 @@ class Pass:
     def was_called_directly(self, unit: Unit) -> bool:
         return id(unit) in self._called_directly
 
+    @property
+    def in_root_forward(self) -> bool:
+        """Whether the root's forward runs, inside its `__call__` ([Note: forward called directly] in model.py)."""
+        return self._root_calls > 0
+
+    def enter_root(self, recompute: bool) -> None:
+        """The root's pre-forward: a forward begins (`recompute`: one more runs inside a backward's recomputation)."""
+        self._root_calls = self._root_calls + 1 if recompute else 1
+
+    def leave_root(self) -> None:
+        """The root's post-forward."""
+        self._root_calls = max(0, self._root_calls - 1)
+
     def ran_forward(self, unit: Unit) -> None:
         """An inner unit's forward ran with grad (outside backward)."""
         self._ran[id(unit)] = unit
 
-    def remember_versions(self, unit: Unit) -> None:
-        """[Note: changed in forward] the versions of a unit's parameters as gathered."""
-        self._versions[id(unit)] = unit.param_versions()
+    def begin_direct_call(self, unit: Unit, module: nn.Module) -> None:
+        """[Note: direct calls] `module` of `unit` is called outside its forward (with grad: the unit's backward ends
+        in the final callback)."""
+        self._direct = module
+        if torch.is_grad_enabled():
+            self._called_directly.add(id(unit))
 
-    def called_directly(self, unit: Unit) -> None:
-        """[Note: direct calls] a module of `unit` ran with grad outside its forward."""
-        self._called_directly.add(id(unit))
+    def end_direct_call(self, module: nn.Module) -> bool:
+        """[Note: direct calls] whether `module`'s call was the direct call that runs (which then ends)."""
+        if self._direct is not module:
+            return False
+        self._direct = None
+        return True
 
     def gate(self, unit: Unit) -> None:
         """[Note: reduction-gated prefetch] defer `unit`'s backward prefetch until the reductions are done."""
@@ -156,14 +176,9 @@ class Pass:
         if (not create_graph and graph_built) or self._ran_anywhere is not None:
             self._deferred = True
 
-    def units_check_codes(self, units: list[Unit]) -> list[int]:
-        """[Note: units run on some ranks] a byte per unit: bit 0 it ran since the last backward, bit 1 its forward
-        changed its parameters in place."""
-        return [int(id(u) in self._ran) | int(id(u) in self._changed) << 1 for u in units]
-
-    def changed_names(self) -> list[str]:
-        """[Note: changed in forward] the parameters forwards changed in place this pass."""
-        return sorted({n for names in self._changed.values() for n in names})
+    def ran(self, unit: Unit) -> bool:
+        """[Note: units run on some ranks] whether `unit`'s forward ran with grad (outside backward) this pass."""
+        return id(unit) in self._ran
 
     def issue_units_check(self, check: GatheredFlags) -> None:
         self._units_check = check
@@ -178,15 +193,6 @@ class Pass:
         self._ran_anywhere = units
         if self.in_backward:
             self._deferred = True
-
-    def note_changes(self, unit: Unit) -> list[str]:
-        """[Note: changed in forward] at a gathered unit's post-forward: the parameters its forward changed in
-        place, kept for the units check (with grad)."""
-        versions = self._versions.pop(id(unit), None)
-        changed = unit.changed_since(versions) if versions is not None else []
-        if changed and torch.is_grad_enabled():
-            self._changed.setdefault(id(unit), []).extend(changed)
-        return changed
 
     def _illegal(self, verb: str) -> RuntimeError:
         return illegal_call(self.rank, verb, "the pass", self._state.value)

@@ -252,16 +252,8 @@ class Unit:
         return tuple(p._version for p in self.params)
 
     def changed_since(self, versions: tuple[int, ...]) -> list[str]:
-        """[Note: changed in forward]
-        The names of the parameters changed in place since `versions` were taken. At stage 3 a unit's
-        parameters are gathered for its forward and freed after it: a change the forward makes to them in place
-        (`nn.Embedding(max_norm=...)` renormalizes the rows it looks up, a weight clamped or renormalized inside
-        `forward` under `torch.no_grad()`) would be dropped with the gathered copy, and the backward would
-        re-gather the old values, so the gradient and every later step would silently differ from DDP's (where
-        the change stays in the weight). The hooks take the versions when the unit is gathered for its forward
-        and compare them at its end; a change is reported in the forward's units check ([Note: units run on
-        some ranks] in hooks.py), so every rank refuses it before the backward reduces anything (a forward
-        without grad, which has no check, refuses it on the ranks that made it)."""
+        """The names of the parameters changed in place since `versions` were taken ([Note: changed in forward] in
+        checks/changed_in_forward.py)."""
         names = [n for part in self.parts for n in part.spec.param_names]
         return [n for n, p, v in zip(names, self.params, versions) if p._version != v]
 

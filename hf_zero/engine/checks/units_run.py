@@ -1,17 +1,17 @@
 """The units check: which units ran their forward, and which changed their parameters, on which ranks.
 
 [Note: units run on some ranks]
-A unit may run its forward on some ranks and not others in a step (LayerDrop drawn per rank, an expert no token of
-a rank reached, a branch on the data); its reduction would then be issued on some ranks only and the collectives
-would pair up wrongly or hang. After every forward with grad, one all-gather of a byte per unit (the root last; bit
-0: it ran since the last backward, bit 1: its forward changed its parameters in place, [Note: changed in forward]
-in passes.py) is issued at the root's post-forward (`issue`) and waited for (`resolve`) only before what depends on
-it: the first hook of the backward past the root's, a recomputed forward, the final callback, or the next forward
-(waiting at the point of issue cost 80-95 ms per step on the small preset, 2 ranks on gloo). Where the ranks
-differ: at stages 0-2 the backward defers every reduction to its final callback, in unit order, a rank that did not
-run a unit reducing zeros for it (exact, as DDP with `find_unused_parameters=True`); at stage 3, whose gathers
-already depend on which units ran, it is refused on every rank, naming the units. A gather no prefetch plan pairs
-on every rank (the first forward, or no prefetch) is agreed on first (`agree_on_gather`).
+A unit may run its forward on some ranks and not others in a step (LayerDrop drawn per rank, an expert no token of a
+rank reached, a branch on the data); its reduction would then be issued on some ranks only and the collectives would
+pair up wrongly or hang. After every forward with grad, one all-gather of a byte per unit (the root last; bit 0: it
+ran since the last backward, bit 1: its forward changed its parameters in place, [Note: changed in forward] in
+checks/changed_in_forward.py) is issued at the root's post-forward (`issue`) and waited for (`resolve`) only before
+what depends on it: the first hook of the backward past the root's, a recomputed forward, the final callback, or the
+next forward (waiting at the point of issue cost 80-95 ms per step on the small preset, 2 ranks on gloo). Where the
+ranks differ: at stages 0-2 the backward defers every reduction to its final callback, in unit order, a rank that
+did not run a unit reducing zeros for it (exact, as DDP with `find_unused_parameters=True`); at stage 3, whose
+gathers already depend on which units ran, it is refused on every rank, naming the units. A gather no prefetch plan
+pairs on every rank (the first forward, or no prefetch) is agreed on first (`agree_on_gather`).
 """
 
 from __future__ import annotations
@@ -20,21 +20,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..collectives import CommGroup, issue_flags_gather, issue_ints_gather
+from .changed_in_forward import ChangedInForward, changed_in_forward_error
 
 if TYPE_CHECKING:
     from ..passes import Pass
     from ..unit import Unit
-
-
-def changed_in_forward_error(names: list[str]) -> ValueError:
-    """[Note: changed in forward] the refusal naming the parameters a stage-3 forward changed in place."""
-    return ValueError(
-        f"hf_zero: the forward changed parameters {names} in place (e.g. nn.Embedding(max_norm=...), or a weight "
-        "renormalized or clamped inside forward). At ZeRO stage 3 a unit's parameters are gathered for its forward "
-        "and freed after it, so the change would be lost and the backward would use the old values. Make the "
-        "change between steps, inside `with hf_zero.gathered_parameters(params, modifier_rank=0):`, or train "
-        "at ZeRO stage 1 or 2, where the parameters stay whole and such a change is kept."
-    )
 
 
 def units_apart_error(what: str) -> ValueError:
@@ -49,19 +39,21 @@ def units_apart_error(what: str) -> ValueError:
 class UnitsCheck:
     """[Note: units run on some ranks] for one model's units over `world` (None: a world of one checks nothing).
 
-    `gathers`: stage 3 (units apart are refused, not deferred). `before_waiting`: told before a check is waited for
-    (the forward's call-order header goes first, [Note: call order] in checks/call_order.py). `reset`: forgets the
-    pass before a refusal is raised. The running `Pass` is handed to each verb (the hooks replace it every pass)."""
+    `gathers`: stage 3 (units apart are refused, not deferred). `changes`: which units' forwards changed their
+    parameters in place. `before_waiting`: told before a check is waited for (the forward's call-order header goes
+    first, [Note: call order] in checks/call_order.py). `reset`: forgets the pass before a refusal is raised. The
+    running `Pass` is handed to each verb (the hooks replace it every pass)."""
 
     def __init__(
         self,
         units: list[Unit],
         world: CommGroup | None,
         gathers: bool,
+        changes: ChangedInForward,
         reset: Callable[[], None],
         before_waiting: Callable[[], None] | None = None,
     ) -> None:
-        self.units, self.world, self.gathers = units, world, gathers
+        self.units, self.world, self.gathers, self.changes = units, world, gathers, changes
         self.reset, self.before_waiting = reset, before_waiting
 
     def issue(self, current: Pass) -> None:
@@ -69,7 +61,7 @@ class UnitsCheck:
         self.resolve(current)  # a second forward before a backward: the first one's check goes first
         if self.world is None or self.world.size == 1:
             return
-        codes = current.units_check_codes(self.units)  # bit 0: the unit ran; bit 1: it changed parameters
+        codes = [int(current.ran(u)) | int(self.changes.changed(u)) << 1 for u in self.units]
         current.issue_units_check(issue_flags_gather(codes, self.world))
 
     def resolve(self, current: Pass) -> None:
@@ -83,7 +75,7 @@ class UnitsCheck:
         inner = self.units[:-1]
         codes = check.values()  # per rank, per unit (the root last)
         if any(code & 2 for row in codes for code in row):  # [Note: changed in forward], on some rank
-            changed = current.changed_names()
+            changed = self.changes.changed_names()
             self.reset()
             raise changed_in_forward_error(changed or ["(on another rank)"])
         ran_on = [[bool(code & 1) for code in row[:-1]] for row in codes]

@@ -98,7 +98,7 @@ class CommGroup:
 @dataclass
 class Pending:
     """Issued communication; `wait()` blocks (or orders streams) until its output is ready, then runs
-    `then` (the local step that completes it, e.g. summing received chunks)."""
+    `then` (the local step that completes it, e.g. summing received rows)."""
 
     work: dist.Work | list[dist.Work] | None = None
     then: Callable[[], object] | None = None

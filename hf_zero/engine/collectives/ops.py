@@ -12,16 +12,16 @@ current stream wait on it, on gloo it runs on gloo's own threads.
 The two bulk collectives of ZeRO (all-gather of parameters, reduce-scatter of gradients) have
 two implementations, chosen per group once (`CommGroup.composed`): the backend's own
 collectives, or ones composed of the backend's faster primitives: an all-gather as one
-broadcast from each rank (every rank's chunk sent once to every peer, the bytes of an
+broadcast from each rank (every rank's row sent once to every peer, the bytes of an
 all-gather), and a reduce-scatter as an all-reduce of the whole buffer (which overwrites it)
-keeping this rank's chunk (twice the bytes of a reduce-scatter). The backend's collectives are
+keeping this rank's row (twice the bytes of a reduce-scatter). The backend's collectives are
 the fast path on NCCL. gloo's all-gather and reduce-scatter are slow for their bytes, so "auto"
 composes them there: 2 ranks, fp32, 100 MB buffers, all-gather 164 ms native vs 50 ms as
 broadcasts, reduce-scatter 178 ms native vs 106 ms through all-reduce (`benchmarks/collectives.py`).
 Point-to-point sends were faster still for the reduce-scatter (58 ms) but were dropped: a gloo
 group that had run them occasionally aborted the process at exit (2 of about 100 benchmark jobs).
 Where the caller has a free buffer of the input's size (the unsharded gradients after their cast
-to the reduce dtype), the composed reduce-scatter receives every rank's chunk into it with an
+to the reduce dtype), the composed reduce-scatter receives every rank's row into it with an
 all-to-all (the bytes of a reduce-scatter) and sums them locally: 2 ranks, 12.8M elements, bf16
 7 ms + 1 ms for the sum against 20 ms for the all-reduce (fp32 22 + 5 ms against 42 ms, but there
 the buffer would be an extra allocation, so fp32 keeps the all-reduce).
@@ -59,7 +59,7 @@ def _staged(tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
     """Gather every rank's `shard` into the 1D `output` (`output.numel() == group.size * shard.numel()`).
 
-    `shard` may be this rank's own chunk of `output` (in place). Tensors off the communication
+    `shard` may be this rank's own row of `output` (in place). Tensors off the communication
     device are staged ([Note: staging]).
     """
     if group.size == 1:
@@ -79,14 +79,11 @@ def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: CommGroup) -> 
     """`all_gather_into` on tensors already on the communication device, issued asynchronously."""
     if not group.composed:
         return Pending(_all_gather_single(output, shard, group=group.pg, async_op=True))
-    chunks = output.view(group.size, -1)
-    if chunks[group.rank].data_ptr() != shard.data_ptr():
-        chunks[group.rank].copy_(shard)
+    rows = output.view(group.size, -1)
+    if rows[group.rank].data_ptr() != shard.data_ptr():
+        rows[group.rank].copy_(shard)
     return Pending(
-        [
-            dist.broadcast(chunks[i], src=group.global_rank_of(i), group=group.pg, async_op=True)
-            for i in range(group.size)
-        ]
+        [dist.broadcast(rows[i], src=group.global_rank_of(i), group=group.pg, async_op=True) for i in range(group.size)]
     )
 
 
@@ -97,11 +94,11 @@ def reduce_scatter_into(
     async_op: bool = False,
     scratch: torch.Tensor | None = None,
 ) -> Pending:
-    """Sum `full` over the group and keep this rank's chunk in `output` (SUM, not mean).
+    """Sum `full` over the group and keep this rank's row in `output` (SUM, not mean).
 
     `output` must not overlap `full`. `full` is consumed: the composed implementation sums it in
     place (see [Note: composed collectives]). `scratch`, a free buffer of `full`'s size and dtype, lets
-    the composed implementation receive every rank's chunk instead (an all-to-all, half the bytes of the
+    the composed implementation receive every rank's row instead (an all-to-all, half the bytes of the
     all-reduce) and sum them here. Tensors off the communication device are staged ([Note: staging]).
     """
     if group.size == 1:
@@ -139,13 +136,13 @@ def _sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
         out.add_(row)
 
 
-def all_to_all_into(output: torch.Tensor, chunks: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
-    """Send chunk j of `chunks` (`(group.size, n)`) to group rank j; `output` (`(group.size, n)`) receives
-    rank i's chunk for this rank in row i."""
+def all_to_all_into(output: torch.Tensor, rows: torch.Tensor, group: CommGroup, async_op: bool = False) -> Pending:
+    """Send row j of `rows` (`(group.size, n)`) to group rank j; `output` (`(group.size, n)`) receives rank i's row
+    for this rank in row i."""
     if group.size == 1:
-        output.copy_(chunks)
+        output.copy_(rows)
         return Pending()
-    staged_out, staged_in = _staged(output, group), _staged(chunks, group)
+    staged_out, staged_in = _staged(output, group), _staged(rows, group)
     pending = Pending(dist.all_to_all_single(staged_out, staged_in, group=group.pg, async_op=True))
     if staged_out is not output:  # [Note: staging]
         pending.and_then(lambda: output.copy_(staged_out))

@@ -14,8 +14,8 @@ stay in their own dtypes, so the rounding of one step does not carry into the ne
   whole into the unsharded parameter, its own shard included, so every rank computes with the
   same weights.
 - Gradients (`reduce_scatter_int8`): a reduce-scatter cannot add int8 numbers of different
-  scales, so each rank quantizes the chunk every other rank owns and an all-to-all delivers the
-  chunks to their owners, which dequantize and sum in fp32.
+  scales, so each rank quantizes the row every other rank owns and an all-to-all delivers the
+  rows to their owners, which dequantize and sum in fp32.
 """
 
 from __future__ import annotations
@@ -142,13 +142,13 @@ def gather_int8(
 def reduce_scatter_int8(
     output: torch.Tensor, full: torch.Tensor, group: CommGroup, block: int, async_op: bool = False
 ) -> Pending:
-    """Sum `full` (1D, `group.size * output.numel()`) over the group, this rank's chunk into `output`, with
-    int8 traffic ([Note: block quantization]): an all-to-all of quantized chunks, summed in fp32 by the owner."""
+    """Sum `full` (1D, `group.size * output.numel()`) over the group, this rank's row into `output`, with
+    int8 traffic ([Note: block quantization]): an all-to-all of quantized rows, summed in fp32 by the owner."""
     n = output.numel()
     q, scales = quantize_blocks(full.view(group.size, n), block)
     got_q, got_scales = torch.empty_like(q), torch.empty_like(scales)
 
-    def accumulate() -> None:  # fp32 sum of every rank's dequantized chunk
+    def accumulate() -> None:  # fp32 sum of every rank's dequantized row
         blocks = got_scales.shape[1]
         total = torch.empty(blocks, got_q.shape[1] // blocks, dtype=torch.float32, device=got_q.device)
         scratch = torch.empty_like(total)

@@ -1,8 +1,8 @@
 """The collectives of sequence parallelism, differentiable: each one's backward is the collective that moves the
 gradient back the way the values came ([Note: sequence parallelism] in `hf_zero/features/sequence_parallel.py`).
 
-- `all_to_all_dims(x, group, split_dim, cat_dim)`: `x` cut into `group.size` chunks along `split_dim`, chunk j
-  sent to rank j, the chunks received joined along `cat_dim` in rank order. With `split_dim` the heads and
+- `all_to_all_dims(x, group, split_dim, cat_dim)`: `x` cut into `group.size` slices along `split_dim`, slice j
+  sent to rank j, the slices received joined along `cat_dim` in rank order. With `split_dim` the heads and
   `cat_dim` the sequence, a rank holding every head of its tokens comes to hold its heads of every token (and
   back). Its backward is the same exchange with the two dimensions swapped.
 - `gather_dim(x, group, dim)`: every rank's `x` joined along `dim`; its backward sums the gradients of the
@@ -21,9 +21,9 @@ from .ops import all_gather_into, all_to_all_into
 
 
 def _exchange(x: torch.Tensor, group: CommGroup, split_dim: int, cat_dim: int) -> torch.Tensor:
-    chunks = torch.stack(x.chunk(group.size, dim=split_dim))  # (size, *chunk): row j goes to rank j
-    received = torch.empty_like(chunks)
-    all_to_all_into(received.view(group.size, -1), chunks.view(group.size, -1), group)
+    rows = torch.stack(x.chunk(group.size, dim=split_dim))  # (size, *slice): row j goes to rank j
+    received = torch.empty_like(rows)
+    all_to_all_into(received.view(group.size, -1), rows.view(group.size, -1), group)
     return torch.cat(received.unbind(0), dim=cat_dim)
 
 
@@ -50,9 +50,9 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         group = ctx.group
-        chunks = torch.stack(grad.contiguous().chunk(group.size, dim=ctx.dim))  # rank j's slice goes to rank j
-        received = torch.empty_like(chunks)
-        all_to_all_into(received.view(group.size, -1), chunks.view(group.size, -1), group)
+        rows = torch.stack(grad.contiguous().chunk(group.size, dim=ctx.dim))  # rank j's slice goes to rank j
+        received = torch.empty_like(rows)
+        all_to_all_into(received.view(group.size, -1), rows.view(group.size, -1), group)
         return received.sum(0), None, None
 
 
