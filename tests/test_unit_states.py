@@ -196,9 +196,11 @@ def test_the_states_are_read_only_from_outside():
 
 
 def test_only_the_pass_touches_its_facts():
-    """[Note: pass state]: every fact of the running pass (reductions in flight, the gate, what ran, what changed,
-    the units check, deferral) is a private field of `Pass`, changed only by its verbs: no other module of the
-    package reads or writes one on another object (`x.current._pending`)."""
+    """[Note: pass state]: every fact of the running pass (reductions in flight, the gate, what ran, the units
+    check, deferral, the direct call) and of the accumulation across passes (no_sync, unsynced, gradients reduced
+    or resting) is a private field of `Pass`, changed only by its verbs: no other module of the package reads or
+    writes one on another object (`x.current._pending`), and neither the hooks nor the engine keep one of their
+    own."""
     import ast
     import dataclasses
     from pathlib import Path
@@ -206,7 +208,8 @@ def test_only_the_pass_touches_its_facts():
     import hf_zero
 
     private = {f.name for f in dataclasses.fields(Pass) if f.name.startswith("_")}
-    assert {"_pending", "_gated", "_deferred", "_units_check", "_state"} <= private
+    assert {"_pending", "_gated", "_deferred", "_check_in_flight", "_state", "_direct_call", "_root_calls"} <= private
+    assert {"_reduces", "_in_no_sync", "_unsynced", "_has_grads", "_grads_resting"} <= private
     root = Path(hf_zero.__file__).parent
     reaches = [
         f"{path.relative_to(root)}:{node.lineno} .{node.attr}"
@@ -217,6 +220,17 @@ def test_only_the_pass_touches_its_facts():
         and not (isinstance(node.value, ast.Name) and node.value.id == "self")  # other classes' own fields
     ]
     assert reaches == []
+    from hf_zero.engine import engine, hooks
+
+    kept = [  # the pass's facts assigned anywhere but in Pass (`self.unsynced = ...` in the hooks, say)
+        f"{module.__name__}:{node.lineno} .{target.attr}"
+        for module in (engine, hooks)
+        for node in ast.walk(ast.parse(Path(module.__file__).read_text()))
+        if isinstance(node, ast.Assign | ast.AugAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute) and target.attr.lstrip("_") in {name.lstrip("_") for name in private}
+    ]
+    assert kept == []
 
 
 def test_each_gradient_verb_refuses_the_states_it_may_not_be_called_in():

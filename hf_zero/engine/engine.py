@@ -147,9 +147,6 @@ class ZeroEngine:
         self.pool.clear()
         parts = iter(self.parts)
         self.units = [Unit([next(parts) for _ in split], self.plan.params, self.plan.grads) for split in grouped]
-        self.has_grads = False  # some reduced gradient reached the shards since the last zero_grad
-        self._grads_resting = False  # [Note: resting gradients] some `.grad` holds a stand-in
-        self.in_no_sync = False  # inside no_sync(): DDP's gradient sync is off (and the buffers' broadcast not due)
         self._edit_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # [Note: edits between steps]
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
@@ -263,8 +260,18 @@ class ZeroEngine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         return float(self.plan.data_parallel_size) * scale
 
+    @property
+    def has_grads(self) -> bool:
+        """Whether some reduced gradient reached the shards since the last `zero_grad` ([Note: pass state])."""
+        return self.hooks.current.has_grads
+
+    @property
+    def in_no_sync(self) -> bool:
+        """Inside `no_sync()`: DDP's gradient sync is off (and the buffers' broadcast not due)."""
+        return self.hooks.current.in_no_sync
+
     def _mark_has_grads(self) -> None:
-        self.has_grads = True
+        self.hooks.current.grads_reduced()
         self.steps.on_reduced()
         self._rest_grads()
 
@@ -274,7 +281,7 @@ class ZeroEngine:
         for part in self.parts:
             at_c_speed(part.rest_grads)
         self.steps.rest_grads()  # [Note: optimizer tensors at rest]
-        self._grads_resting = True
+        self.hooks.current.grads_rested()
 
     def _before_backward(self) -> None:
         """As a backward pass begins: its header ([Note: call order]: a backward skipped on some ranks), then the
@@ -284,11 +291,10 @@ class ZeroEngine:
 
     def _wake_grads(self) -> None:
         """[Note: resting gradients] before a forward with grad or a backward pass, and at `zero_grad`."""
-        if self._grads_resting:
+        if self.hooks.current.wake_grads():
             for part in self.parts:
                 at_c_speed(part.wake_grads)
             self.steps.wake_grads()  # [Note: optimizer tensors at rest]
-            self._grads_resting = False
 
     @property
     def defers_reduction_in_no_sync(self) -> bool:
@@ -303,13 +309,11 @@ class ZeroEngine:
     def no_sync(self) -> Iterator[None]:
         """The backward passes run inside accumulate without reduction where that costs no memory
         ([Note: accumulation]); see `ZeroModel.no_sync`."""
-        previous = self.in_no_sync
-        self.in_no_sync = True
+        previous = self.hooks.current.enter_no_sync(defer=self.defers_reduction_in_no_sync)
         try:
-            with self.hooks.reductions_deferred(self.defers_reduction_in_no_sync):
-                yield
+            yield
         finally:
-            self.in_no_sync = previous
+            self.hooks.current.leave_no_sync(previous)
 
     def as_unwrapped(self) -> contextlib.AbstractContextManager[None]:
         """Forwards inside run as on the module a DDP wrapper holds ([Note: buffer broadcast] in buffers.py): no
@@ -367,7 +371,7 @@ class ZeroEngine:
         for piece in self.pieces:
             piece.unbind_grads()
         self.steps.wake_grads()  # [Note: optimizer tensors at rest], also after a step no backward preceded
-        self.has_grads = False
+        self.hooks.current.grads_zeroed()
         self.steps.on_zero_grad()
         self.steps.keep_zeros(set_to_none)
 

@@ -3,9 +3,8 @@ running pass's state: passes.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -82,9 +81,7 @@ class UnitHooks:
         self.plan = plan
         self.pool = pool  # emptied at the end of every pass ([Note: buffer reuse])
         self.settings = settings
-        self._reduces = True  # False inside no_sync() where it defers: keep unsharded grads, no reduction
-        self.unsynced = False  # [Note: accumulation] a pass since the last reduction skipped its reductions
-        self.current = Pass(rank=self.root.rank)
+        self.current = Pass(rank=self.root.rank)  # the running pass, and the accumulation across passes
         self._forward_order: list[Unit] = []  # inner units in the order the first forward ran them
         self._order_known = False
         self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
@@ -99,15 +96,6 @@ class UnitHooks:
             units, settings.world, plan.params.uses_gather, changes, self.reset, self._tell_before_waiting
         )
         self._register()
-
-    @contextlib.contextmanager
-    def reductions_deferred(self, defer: bool) -> Iterator[None]:
-        """[Note: accumulation] inside (when `defer`): backward passes accumulate and reduce nothing."""
-        previous, self._reduces = self._reduces, not defer
-        try:
-            yield
-        finally:
-            self._reduces = previous
 
     def _tell_before_waiting(self) -> None:
         for listener in self.listeners:
@@ -424,7 +412,7 @@ class UnitHooks:
             return
         self._open_gate()  # before this unit's reduction is issued
         unit.collect_grads()
-        if self._reduces and unit.has_trainable:
+        if self.current.reduces and unit.has_trainable:
             self.current.issue(unit, unit.reduce_grads(async_op=True))
             # [Note: bounded reductions] finish older reductions as new ones are issued: each holds its
             # unit's unsharded gradients, so letting them pile up until the end of the backward pass
@@ -439,7 +427,7 @@ class UnitHooks:
     def _finalize(self) -> None:
         self.units_check.resolve(self.current)
         anywhere = self.current.ran_anywhere
-        catch_up = self._reduces and self.unsynced
+        catch_up = self.current.reduces and self.current.unsynced
         for unit in reversed(self.units):
             if unit.training_state is TrainingState.IDLE and (unit in anywhere or (catch_up and unit.has_trainable)):
                 # [Note: units run on some ranks]: it ran on another rank, reduce zeros; [Note: accumulation]: it ran
@@ -447,16 +435,16 @@ class UnitHooks:
                 unit.begin_backward()
             if unit.training_state is TrainingState.IN_BACKWARD:
                 self._post_backward(unit)
-        self.unsynced = not self._reduces
+        self.current.backward_done()
         self.wait_reductions()
-        if self.unsynced:
+        if self.current.unsynced:
             for listener in self.listeners:
                 listener.deferred()  # [Note: resting gradients]: accumulated, not reduced, `.grad` a stand-in too
         for unit in self.units:
             unit.end_pass()
         for listener in self.listeners:
             listener.backward_ended(self.current.create_graph)  # [Note: double backward]
-        self.current = Pass(rank=self.root.rank)
+        self.current.renew()
         self.pool.clear()
 
     def _finish(self, unit: Unit, reduction: UnitReduction) -> None:
@@ -498,14 +486,15 @@ class UnitHooks:
     def settle(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) for the issued reductions and forget them ([Note: clean exit] in teardown.py);
         issues nothing. True when they all finished."""
-        pending, self.current = self.current.pending_reductions(), Pass(rank=self.root.rank)
+        pending = self.current.pending_reductions()
+        self.current.renew()
         return all([r.pending.settle(timeout_s) for r in pending])
 
     def reset(self) -> None:
         """Forget an interrupted forward or backward pass: wait for issued work, free gathered units, detach grads."""
         for reduction in self.current.pending_reductions():
             reduction.pending.wait()
-        self.current = Pass(rank=self.root.rank)
+        self.current.renew()
         self.forget_graph()
         for unit in self.units:
             unit.abandon()

@@ -12,7 +12,12 @@ through `Pass`'s verbs, each checking where it may run; an illegal move raises w
 
 (The hooks reset a pass an exception interrupted before its next forward begins.)
 
-A pass ends by being replaced with a new one (`UnitHooks` makes it at the final callback, or at `reset`).
+One `Pass` lives as long as the hooks. A pass ends with `renew` (at the final callback, at `reset`, at `settle`):
+its facts (what ran, the reductions in flight, the gate, the units check, deferral, the direct call) go; the facts
+of the accumulation across passes stay, each moved by its own verbs: whether reductions run (`no_sync`, [Note:
+accumulation] in engine.py), whether a pass since the last reduction skipped its own (`unsynced`), whether reduced
+gradients reached the shards since the last `zero_grad` (`has_grads`), whether `.grad` holds stand-ins ([Note:
+resting gradients]), and how many forwards of the root run ([Note: forward called directly] in model.py).
 
 [Note: recomputation]
 Activation checkpointing runs a unit's forward again inside its backward: HF's
@@ -45,23 +50,92 @@ if TYPE_CHECKING:
 
 @dataclass
 class Pass:
-    """The running pass: what is in flight, forgotten when the pass ends ([Note: pass state]). Its facts change only
-    through the verbs below; the hooks read them through the properties."""
+    """The running pass: what is in flight, forgotten when the pass ends, and the accumulation across passes ([Note:
+    pass state]). Its facts change only through the verbs below; the hooks and the engine read them through the
+    properties."""
 
     rank: int = 0  # for the errors of an illegal move
     _pending: list[tuple[Unit, UnitReduction]] = field(default_factory=list)  # issued reductions, not yet waited
     _finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
     _gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
     _ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
-    _units_check: GatheredFlags | None = None  # [Note: units run on some ranks]: issued after the forward, not waited
+    _check_in_flight: GatheredFlags | None = None  # [Note: units run on some ranks]: issued after the forward, not waited
     _ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
     _deferred: bool = False  # every post_backward waits for the final callback, in unit order
     _create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own
     _called_directly: set[int] = field(default_factory=set)  # [Note: direct calls] in hooks.py: units whose backward
     # ends in the final callback, a module of theirs having run with grad outside their forward
-    _direct: nn.Module | None = None  # [Note: direct calls] the root's module whose direct call runs
-    _root_calls: int = 0  # [Note: forward called directly] in model.py: the root's forwards running in its __call__
+    _direct_call: nn.Module | None = None  # [Note: direct calls] the root's module whose direct call runs
     _state: PassState = PassState.IDLE
+    # Across passes (kept by `renew`):
+    _root_calls: int = 0  # [Note: forward called directly] in model.py: the root's forwards running in its __call__
+    _reduces: bool = True  # False inside no_sync() where it defers: keep unsharded gradients, reduce nothing
+    _in_no_sync: bool = False  # inside no_sync(): DDP's gradient sync is off (and the buffers' broadcast not due)
+    _unsynced: bool = False  # [Note: accumulation] a pass since the last reduction skipped its reductions
+    _has_grads: bool = False  # some reduced gradient reached the shards since the last zero_grad
+    _grads_resting: bool = False  # [Note: resting gradients] some `.grad` holds a stand-in
+
+    def renew(self) -> None:
+        """The pass ended (its final callback) or is forgotten: its own facts go, the accumulation's stay."""
+        self._pending, self._finished, self._gated = [], [], None
+        self._ran, self._check_in_flight, self._ran_anywhere = {}, None, None
+        self._deferred = self._create_graph = False
+        self._called_directly, self._direct_call = set(), None
+        self._state = PassState.IDLE
+
+    # ---- across passes ----------------------------------------------------------------------
+    @property
+    def reduces(self) -> bool:
+        """Whether a backward reduces its gradients (not inside a `no_sync` that defers them)."""
+        return self._reduces
+
+    @property
+    def in_no_sync(self) -> bool:
+        return self._in_no_sync
+
+    @property
+    def unsynced(self) -> bool:
+        """[Note: accumulation] whether a backward since the last reduction skipped its reductions."""
+        return self._unsynced
+
+    @property
+    def has_grads(self) -> bool:
+        """Whether some reduced gradient reached the shards since the last `zero_grad`."""
+        return self._has_grads
+
+    @property
+    def grads_resting(self) -> bool:
+        """[Note: resting gradients] whether some `.grad` holds a stand-in."""
+        return self._grads_resting
+
+    def enter_no_sync(self, defer: bool) -> tuple[bool, bool]:
+        """Inside `no_sync()` (`defer`: its backwards reduce nothing); returns what `leave_no_sync` restores."""
+        previous = (self._in_no_sync, self._reduces)
+        self._in_no_sync, self._reduces = True, not defer
+        return previous
+
+    def leave_no_sync(self, previous: tuple[bool, bool]) -> None:
+        self._in_no_sync, self._reduces = previous
+
+    def backward_done(self) -> None:
+        """[Note: accumulation] at the final callback: whether this backward left its reductions for a later one."""
+        self._unsynced = not self._reduces
+
+    def grads_reduced(self) -> None:
+        self._has_grads = True
+
+    def grads_zeroed(self) -> None:
+        self._has_grads = False
+
+    def grads_rested(self) -> None:
+        self._grads_resting = True
+
+    def wake_grads(self) -> bool:
+        """Whether the gradients were resting (they are awake now)."""
+        resting, self._grads_resting = self._grads_resting, False
+        return resting
+
+    # ---- this pass --------------------------------------------------------------------------
 
     @property
     def state(self) -> PassState:
@@ -134,15 +208,15 @@ class Pass:
     def begin_direct_call(self, unit: Unit, module: nn.Module) -> None:
         """[Note: direct calls] `module` of `unit` is called outside its forward (with grad: the unit's backward ends
         in the final callback)."""
-        self._direct = module
+        self._direct_call = module
         if torch.is_grad_enabled():
             self._called_directly.add(id(unit))
 
     def end_direct_call(self, module: nn.Module) -> bool:
         """[Note: direct calls] whether `module`'s call was the direct call that runs (which then ends)."""
-        if self._direct is not module:
+        if self._direct_call is not module:
             return False
-        self._direct = None
+        self._direct_call = None
         return True
 
     def gate(self, unit: Unit) -> None:
@@ -181,10 +255,10 @@ class Pass:
         return id(unit) in self._ran
 
     def issue_units_check(self, check: GatheredFlags) -> None:
-        self._units_check = check
+        self._check_in_flight = check
 
     def take_units_check(self) -> GatheredFlags | None:
-        check, self._units_check = self._units_check, None
+        check, self._check_in_flight = self._check_in_flight, None
         return check
 
     def ranks_ran(self, units: list[Unit]) -> None:

@@ -38,7 +38,9 @@ class Sharded(Protocol):
     scaler: LossScaler | None
     flat_step: FlatStep
     world: CommGroup
-    has_grads: bool
+
+    @property
+    def has_grads(self) -> bool: ...
 
     def zero_grad(self, *, abandon_pass: bool = False, set_to_none: bool = True) -> None: ...
 
@@ -199,7 +201,7 @@ class OptimizerSteps:
                 "shared flat buffers, dropped once every optimizer has called zero_grad() (or model.zero_grad()). Call "
                 "zero_grad() on every optimizer before the next backward."
             )
-        if engine.hooks.unsynced:
+        if engine.hooks.current.unsynced:
             raise ValueError(_NEVER_SYNCED)
         used = self._round()
         if not used:
