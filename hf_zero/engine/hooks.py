@@ -92,14 +92,26 @@ class UnitHooks:
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
         # [Note: units run on some ranks] in checks/units_run.py: a plug-in the pass calls at fixed points
-        self.units_check = UnitsCheck(
-            units, settings.world, plan.params.uses_gather, changes, self.reset, self._tell_before_waiting
-        )
+        self.units_check = UnitsCheck(units, settings.world, plan.params.uses_gather, changes)
         self._register()
 
-    def _tell_before_waiting(self) -> None:
+    def _refusing(self, verb: Callable[..., None], *args: Any) -> None:
+        """Run a check's `verb`; one that refuses the pass (raising) finds it forgotten on the way out."""
+        try:
+            verb(*args)
+        except Exception:
+            self.reset()
+            raise
+
+    def _resolve_units_check(self) -> None:
+        """[Note: units run on some ranks] in checks/units_run.py: wait for the forward's check, if one is in flight,
+        and act on it (the listeners told first: the forward's call-order header goes before, [Note: call order])."""
+        check = self.current.take_units_check()
+        if check is None:
+            return
         for listener in self.listeners:
             listener.before_waiting()
+        self._refusing(self.units_check.act_on, check, self.current)
 
     # ---- registration -----------------------------------------------------------------------
     def _register(self) -> None:
@@ -142,7 +154,7 @@ class UnitHooks:
         recompute = in_backward()  # [Note: recomputation] in passes.py
         keep_last(*self._post_hooks[id(unit)])  # [Note: hook order]
         if recompute:
-            self.units_check.resolve(self.current)
+            self._resolve_units_check()
         if unit is self.root and not recompute:
             self._begin_root_forward()
         if unit is self.root:  # [Note: forward called directly] the model's forward runs inside its __call__
@@ -156,7 +168,7 @@ class UnitHooks:
         if self.current.gated is not None and self._forward_gathers(unit, recompute):
             self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
         if not recompute and self.units_check.off_plan(unit, self._order_known and self.settings.prefetch > 0):
-            self.units_check.agree_on_gather(unit)  # [Note: units run on some ranks] in checks/units_run.py
+            self._refusing(self.units_check.agree_on_gather, unit)  # [Note: units run on some ranks]
         unit.before_compute()
         if not recompute:
             for listener in self.listeners:
@@ -177,7 +189,7 @@ class UnitHooks:
     def _begin_root_forward(self) -> None:
         """The root's pre-forward: forget a pass an exception stopped, free a unit no backward used, learn the
         order after the first forward, gather the units used directly."""
-        self.units_check.resolve(self.current)  # a forward with grad that no backward followed
+        self._resolve_units_check()  # a forward with grad that no backward followed
         if not self.current.idle or any(u.training_state is not TrainingState.IDLE for u in self.units):
             self.reset()  # a previous forward or backward was interrupted by an exception
         self.release_held()  # no backward used it: gather it afresh in this forward
@@ -295,6 +307,7 @@ class UnitHooks:
         if not torch.is_grad_enabled():
             return None
         if unit is self.root:
+            self._resolve_units_check()  # a second forward before a backward: the first one's check goes first
             self.units_check.issue(self.current)
         if unit is self.root and self.settings.root_output_fn is not None:
             output = self.settings.root_output_fn(output)
@@ -302,13 +315,9 @@ class UnitHooks:
         return output
 
     def _tell_forward_ended(self, unit: Unit, direct: bool) -> None:
-        """The listeners hear that `unit`'s forward (or a direct call) ended; one refusing it forgets the pass first."""
-        try:
-            for listener in self.listeners:
-                listener.unit_forward_ended(unit, direct)
-        except Exception:
-            self.reset()
-            raise
+        """The listeners hear that `unit`'s forward (or a direct call) ended; one may refuse it."""
+        for listener in self.listeners:
+            self._refusing(listener.unit_forward_ended, unit, direct)
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
         for t in tensors(output):  # [Note: containers] in tree.py
@@ -328,7 +337,7 @@ class UnitHooks:
             for listener in self.listeners:
                 listener.backward()  # [Note: resting gradients]: autograd must not meet the stand-ins
         if unit is not self.root:
-            self.units_check.resolve(self.current)  # before anything this unit issues
+            self._resolve_units_check()  # before anything this unit issues
         if not unit.begin_backward():
             return
         self._open_gate()  # a deferred prefetch goes out before anything this unit issues
@@ -425,7 +434,7 @@ class UnitHooks:
             self._prefetch_after(unit, forward=False)
 
     def _finalize(self) -> None:
-        self.units_check.resolve(self.current)
+        self._resolve_units_check()
         anywhere = self.current.ran_anywhere
         catch_up = self.current.reduces and self.current.unsynced
         for unit in reversed(self.units):

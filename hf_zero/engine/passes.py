@@ -59,7 +59,9 @@ class Pass:
     _finished: list[Unit] = field(default_factory=list)  # units reduced since the last wait_reductions
     _gated: Unit | None = None  # [Note: reduction-gated prefetch] the running unit, whose prefetch is deferred
     _ran: dict[int, Unit] = field(default_factory=dict)  # inner units whose forward ran (outside backward) this pass
-    _check_in_flight: GatheredFlags | None = None  # [Note: units run on some ranks]: issued after the forward, not waited
+    _check_in_flight: GatheredFlags | None = (
+        None  # [Note: units run on some ranks]: issued after the forward, not waited
+    )
     _ran_anywhere: list[Unit] | None = None  # [Note: units run on some ranks]: set when the ranks disagree
     _deferred: bool = False  # every post_backward waits for the final callback, in unit order
     _create_graph: bool = False  # [Note: double backward] this backward builds a graph of its own

@@ -5,7 +5,7 @@ A unit may run its forward on some ranks and not others in a step (LayerDrop dra
 rank reached, a branch on the data); its reduction would then be issued on some ranks only and the collectives would
 pair up wrongly or hang. After every forward with grad, one all-gather of a byte per unit (the root last; bit 0: it
 ran since the last backward, bit 1: its forward changed its parameters in place, [Note: changed in forward] in
-checks/changed_in_forward.py) is issued at the root's post-forward (`issue`) and waited for (`resolve`) only before
+checks/changed_in_forward.py) is issued at the root's post-forward (`issue`) and waited for (`act_on`) only before
 what depends on it: the first hook of the backward past the root's, a recomputed forward, the final callback, or the
 next forward (waiting at the point of issue cost 80-95 ms per step on the small preset, 2 ranks on gloo). Where the
 ranks differ: at stages 0-2 the backward defers every reduction to its final callback, in unit order, a rank that
@@ -16,13 +16,13 @@ pairs on every rank (the first forward, or no prefetch) is agreed on first (`agr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..collectives import CommGroup, issue_flags_gather, issue_ints_gather
 from .changed_in_forward import ChangedInForward, changed_in_forward_error
 
 if TYPE_CHECKING:
+    from ..collectives import GatheredFlags
     from ..passes import Pass
     from ..unit import Unit
 
@@ -40,43 +40,28 @@ class UnitsCheck:
     """[Note: units run on some ranks] for one model's units over `world` (None: a world of one checks nothing).
 
     `gathers`: stage 3 (units apart are refused, not deferred). `changes`: which units' forwards changed their
-    parameters in place. `before_waiting`: told before a check is waited for (the forward's call-order header goes
-    first, [Note: call order] in checks/call_order.py). `reset`: forgets the pass before a refusal is raised. The
-    running `Pass` is handed to each verb (the hooks replace it every pass)."""
+    parameters in place. The hooks hand each verb the running `Pass`, wait for the check in flight (telling the pass's
+    listeners first: the forward's call-order header goes before, [Note: call order] in checks/call_order.py), and
+    forget the pass when a verb refuses it by raising."""
 
-    def __init__(
-        self,
-        units: list[Unit],
-        world: CommGroup | None,
-        gathers: bool,
-        changes: ChangedInForward,
-        reset: Callable[[], None],
-        before_waiting: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, units: list[Unit], world: CommGroup | None, gathers: bool, changes: ChangedInForward) -> None:
         self.units, self.world, self.gathers, self.changes = units, world, gathers, changes
-        self.reset, self.before_waiting = reset, before_waiting
 
     def issue(self, current: Pass) -> None:
-        """After a forward with grad, at the root's post-forward: the check of this forward, waited for later."""
-        self.resolve(current)  # a second forward before a backward: the first one's check goes first
+        """After a forward with grad, at the root's post-forward (an earlier forward's check acted on first): the
+        check of this forward, waited for later."""
         if self.world is None or self.world.size == 1:
             return
         codes = [int(current.ran(u)) | int(self.changes.changed(u)) << 1 for u in self.units]
         current.issue_units_check(issue_flags_gather(codes, self.world))
 
-    def resolve(self, current: Pass) -> None:
-        """Wait for the check issued after the forward (if one is in flight) and act on it: refuse a change in
-        place or (stage 3) units apart, or defer the reductions (stages 0-2)."""
-        check = current.take_units_check()
-        if check is None:
-            return
-        if self.before_waiting is not None:
-            self.before_waiting()  # the forward's header first: it tells ranks apart ([Note: call order])
+    def act_on(self, check: GatheredFlags, current: Pass) -> None:
+        """Wait for the check issued after the forward and act on it: refuse a change in place or (stage 3) units
+        apart, or defer the reductions (stages 0-2)."""
         inner = self.units[:-1]
         codes = check.values()  # per rank, per unit (the root last)
         if any(code & 2 for row in codes for code in row):  # [Note: changed in forward], on some rank
             changed = self.changes.changed_names()
-            self.reset()
             raise changed_in_forward_error(changed or ["(on another rank)"])
         ran_on = [[bool(code & 1) for code in row[:-1]] for row in codes]
         anywhere = [any(column) for column in zip(*ran_on)]
@@ -84,7 +69,6 @@ class UnitsCheck:
         if not mixed:
             return
         if self.gathers:
-            self.reset()
             raise units_apart_error(
                 f"units {[u.name for u in mixed]} ran their forward on some ranks and not on others"
             )
@@ -104,5 +88,4 @@ class UnitsCheck:
         indices = [row[0] for row in issue_ints_gather([self.units.index(unit)], self.world).values()]
         if len(set(indices)) > 1:
             names = sorted({self.units[i].name for i in indices})
-            self.reset()
             raise units_apart_error(f"the ranks gather different units ({names}) at the same point of a forward")
