@@ -96,10 +96,11 @@ class UnitHooks:
         self._register()
 
     def _refusing(self, verb: Callable[..., None], *args: Any) -> None:
-        """Run a check's `verb`; one that refuses the pass (raising) finds it forgotten on the way out."""
+        """Run a check's `verb`; a refusal (the `ValueError` a check raises) forgets the pass on its way out. Other
+        errors (a collective that failed) go on untouched, as they would from anywhere in the pass."""
         try:
             verb(*args)
-        except Exception:
+        except ValueError:
             self.reset()
             raise
 

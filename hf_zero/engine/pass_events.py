@@ -43,7 +43,7 @@ class PassListener:
     def unit_forward_ended(self, unit: Unit, direct: bool) -> None:
         """A unit's forward (`direct`: a direct call of a module of the root) ended, its parameters still gathered
         (not a recomputation). A listener refuses what it ran by raising: the hooks forget the pass, then the error
-        goes on to the caller ([Note: changed in forward] in checks/changed_in_forward.py)."""
+        goes on to the caller (a `ValueError`, [Note: changed in forward] in checks/changed_in_forward.py)."""
 
     def backward(self) -> None:
         """A backward pass begins, before any unit's gradients."""
