@@ -83,13 +83,14 @@ def _even_row(step: int) -> dict[str, torch.Tensor]:
 def packed_split(kind: str, stage: int) -> dict[str, Any]:
     """[Note: packed documents] 2 ranks, one sequence-parallel group, each holding half of every packed row, 3
     clipped AdamW steps, against one process on the whole rows."""
+    kind, _, attention = kind.partition("-")  # "llama-sdpa": LLaMA under sdpa, through the attention registry
     ref = make_model(kind)
-    if kind == "falcon":
-        ref.config._attn_implementation = "sdpa"  # its attention is split around torch's sdpa call
+    if kind == "falcon" or attention == "sdpa":  # Falcon's attention is split around torch's sdpa call
+        ref.config._attn_implementation = "sdpa"
     ref_opt = make_optimizer(ref, 1e-3)
     ref_losses, ref_norms = _steps(ref, ref_opt, [[_even_row(s)] for s in range(3)])
     model = make_model(kind)
-    if kind == "falcon":
+    if kind == "falcon" or attention == "sdpa":
         model.config._attn_implementation = "sdpa"
     model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3),
                                     hf_zero.ZeroConfig(stage=stage, sequence_parallel=2))

@@ -285,13 +285,15 @@ def test_falcon_with_one_key_value_head_splits_around_its_own_attention(pools, s
 
 @pytest.mark.parametrize("kind, stage, world", [("llama", 1, 2), ("llama", 2, 2), ("llama", 3, 2), ("falcon", 1, 2),
                                                 ("falcon", 2, 2), ("falcon", 3, 2), ("qwen2", 1, 2), ("qwen2", 2, 2),
-                                                ("qwen2", 3, 2), ("llama", 3, 4)])
+                                                ("qwen2", 3, 2), ("llama", 3, 4), ("llama-sdpa", 1, 2),
+                                                ("llama-sdpa", 3, 2), ("llama-sdpa", 3, 4)])
 def test_packed_documents_split_by_sequence_equal_one_process(pools, kind, stage, world):
     """[Note: packed documents] Packed rows (documents restarting their positions, labels ignored at each start)
     split over 2 ranks: each rank's attention, on whole rows after the exchange, sees each document only; losses,
     gradient norms and weights equal one process on the whole rows within 1e-5 after 3 clipped AdamW steps (LLaMA
-    through the attention registry, Falcon around its own sdpa call, Qwen2 under eager attention's additive mask);
-    on 4 ranks, 2 groups of 2 (sequence 2 x data 2) at stage 3, each group on the same rows."""
+    through the attention registry under eager attention's mask and under sdpa, which attends each document on its
+    own, Falcon around its own sdpa call, Qwen2 under eager attention's additive mask); on 4 ranks, 2 groups of 2
+    (sequence 2 x data 2) at stage 3, each group on the same rows."""
     from tests import _packed_cases
 
     for r in pools(world).values(_packed_cases.packed_split, kind, stage):

@@ -40,6 +40,7 @@ forward sets the one it uses.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import weakref
 from collections import OrderedDict
@@ -68,7 +69,7 @@ class SequenceSplit:
     class, not a dataclass: hooks that map over a forward's inputs (the engine's, Accelerate's) rebuild
     dataclasses, and the attention would count on a copy."""
 
-    __slots__ = ("group", "padding", "calls", "labels", "count", "head_loss", "unshifted", "documents")
+    __slots__ = ("group", "padding", "calls", "labels", "count", "head_loss", "unshifted", "documents", "spans")
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class SequenceSplit:
         self.group = group
         self.padding = padding  # (batch, sequence) bool, True for real tokens
         self.documents = documents  # (batch, sequence) int: each token's document in a packed row, or None
+        self.spans = _document_spans(documents) if documents is not None else None  # per row, each document's range
         self.calls = [0]
         self.labels = labels  # this rank's shifted labels, when the head computes the loss in tiles
         self.count = count  # labelled tokens of the whole micro-batch (or the caller's num_items)
@@ -394,8 +396,16 @@ def _attention(
         runs = _OneGroup(module)
     # (batch, heads, tokens/N, dim) -> (batch, heads/N, tokens, dim)
     query, key, value = (all_to_all_dims(t, group, split_dim=1, cat_dim=2) for t in (query, key, value))
-    mask = _whole_mask(split.padding, query, owner.inner, split.documents)
-    out, _ = inner(runs, query, key, value, mask, **kwargs)  # (batch, tokens, heads/N, dim)
+    if split.spans is not None and split.padding is None and owner.inner == "sdpa":  # [Note: packed documents]
+
+        def attend(row: int, start: int, end: int) -> torch.Tensor:
+            part = (t[row : row + 1, :, start:end] for t in (query, key, value))
+            return inner(runs, *part, None, **kwargs)[0]  # no mask: causal within the document
+
+        out = _by_document(split.spans, attend, token_dim=1)
+    else:
+        mask = _whole_mask(split.padding, query, owner.inner, split.documents)
+        out, _ = inner(runs, query, key, value, mask, **kwargs)  # (batch, tokens, heads/N, dim)
     return all_to_all_dims(out, group, split_dim=1, cat_dim=2), None  # (batch, tokens/N, heads, dim)
 
 
@@ -446,10 +456,17 @@ def _split_sdpa(
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     query, key, value = (all_to_all_dims(t, group, split_dim=1, cat_dim=2) for t in (query, key, value))
-    mask = _whole_mask(split.padding, query, "sdpa", split.documents)
-    out = _TORCH_SDPA["sdpa"](
-        query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale
-    )
+    sdpa = _TORCH_SDPA["sdpa"]
+    if split.spans is not None and split.padding is None:  # [Note: packed documents]
+
+        def attend(row: int, start: int, end: int) -> torch.Tensor:
+            part = (t[row : row + 1, :, start:end] for t in (query, key, value))
+            return sdpa(*part, dropout_p=dropout_p, is_causal=True, scale=scale)
+
+        out = _by_document(split.spans, attend, token_dim=2)
+    else:
+        mask = _whole_mask(split.padding, query, "sdpa", split.documents)
+        out = sdpa(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale)
     return all_to_all_dims(out, group, split_dim=2, cat_dim=1)
 
 
@@ -470,10 +487,13 @@ def _documents(positions: torch.Tensor | None, state: SequenceParallel, size: in
     A packed row (documents end to end, `position_ids` restarting at each: `DataCollatorWithFlattening`, TRL's
     `padding_free`) is split like any row: each rank keeps its part of the tokens and their per-document positions
     (RoPE sees each token where it is in its document), and the labels, shifted over the whole row, ignore each
-    document's first token as the collator set them. Attention, which sees whole rows after the all-to-all, gets
-    the causal mask within each document (the block-diagonal mask transformers builds for the unsplit model from
-    the same position_ids), from the document index of every token of the whole row, computed here before the
-    split. Flash attention would take cumulative lengths instead: refused by name."""
+    document's first token as the collator set them. Attention sees whole rows after the all-to-all, and each
+    document only, as transformers' block-diagonal mask has the unsplit model see it, from the document index of
+    every token of the whole row, computed here before the split: under sdpa each document of each row is attended
+    on its own, causally, with no mask (no tokens x tokens tensor: at 16384 tokens a boolean mask took 256 MiB and
+    the float mask sdpa makes of it 1 GiB, per layer's call; and the blocks across documents are not computed);
+    under eager attention, or with padding in the batch, the whole block-diagonal mask. Flash attention would take
+    cumulative lengths instead: refused by name."""
     if positions is None or not bool((positions[..., 1:] != positions[..., :-1] + 1).any()):
         return None
     if state.inner not in ("sdpa", "eager"):
@@ -485,6 +505,24 @@ def _documents(positions: torch.Tensor | None, state: SequenceParallel, size: in
     restarts = torch.ones_like(positions, dtype=torch.long)
     restarts[..., 1:] = (positions[..., 1:] != positions[..., :-1] + 1).long()
     return restarts.cumsum(-1)
+
+
+def _document_spans(documents: torch.Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """[Note: packed documents] per row, each document's `[start, end)` in the whole row."""
+    spans = []
+    for row in documents:
+        ends = list(itertools.accumulate(torch.unique_consecutive(row, return_counts=True)[1].tolist()))
+        spans.append(tuple(zip([0, *ends[:-1]], ends)))
+    return tuple(spans)
+
+
+def _by_document(
+    spans: tuple[tuple[tuple[int, int], ...], ...], attend: Callable[[int, int, int], torch.Tensor], token_dim: int
+) -> torch.Tensor:
+    """[Note: packed documents] `attend(row, start, end)` of every document of every row (causal within it, no
+    mask), joined along the tokens, then the rows."""
+    rows = [torch.cat([attend(b, start, end) for start, end in row], dim=token_dim) for b, row in enumerate(spans)]
+    return torch.cat(rows, dim=0)
 
 
 def _whole_mask(
