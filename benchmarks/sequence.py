@@ -336,7 +336,22 @@ def report(args: argparse.Namespace, runs: list[dict]) -> str:
                      "tokens/s")
     if longest["split"] and longest["split_mlp"]:
         lines.append(f"- `tiled_mlp` / sequence parallelism alone: {longest['split_mlp'] / longest['split']:.2f}x")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + account(runs)) + "\n"
+
+
+def account(runs: list[dict]) -> list[str]:
+    """Where rank 0's memory goes in the measured step of each run that fits (resident GiB, process included)."""
+    keys = ["before", "forward_peak", "after_forward", "backward_peak", "after_backward"]
+    rows = [r for r in runs if r.get("ok") and r.get("phases")]
+    if not rows:
+        return []
+    lines = ["", "## Where one rank's memory goes (rank 0, the measured step; GiB, resident, process included)", "",
+             "| run | length | before the step (model states + process) | forward peak | after forward | backward peak "
+             "| after backward |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        phase = r["phases"][0]
+        lines.append(f"| {r['mode']} | {r['length']} | " + " | ".join(f"{phase[k] / GIB:.2f}" for k in keys) + " |")
+    return lines
 
 
 def chart(runs: list[dict], path: Path, budget_gib: float) -> None:
