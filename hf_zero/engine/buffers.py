@@ -37,9 +37,14 @@ class BufferSync:
         self._due = True  # the next forward broadcasts (DDP's `require_forward_param_sync`)
         self._unwrapped = False  # forwards run as on the module a DDP wrapper holds
 
+    @property
+    def due(self) -> bool:
+        """Whether the next forward of the model broadcasts the buffers (asked before it begins; changes nothing)."""
+        return self._due and self.enabled and bool(self.persistent) and not self._unwrapped
+
     def begin_forward(self, grad: bool, in_no_sync: bool) -> bool:
         """A forward of the model begins: whether it broadcasts the buffers; the rule set for the next one."""
-        broadcast = self._due and self.enabled and bool(self.persistent) and not self._unwrapped
+        broadcast = self.due
         if not self._unwrapped:
             self._due = grad and not in_no_sync
         return broadcast

@@ -15,7 +15,7 @@ from ..config import ZeroConfig
 from .accounting import ModelStateMemory
 from .buffers import BufferSync
 from .checks.call_order import Call, CallOrder
-from .checks.forward import ModelStructure, refuse_replaced_data, refuse_uneven_join, unfrozen_parts
+from .checks.forward import ForwardChecks, unfrozen_parts
 from .collectives import (
     CommGroup,
     all_gather_into,
@@ -151,11 +151,14 @@ class ZeroEngine:
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
         self.calls = CallOrder(world)  # [Note: call order]
+        self._names, self._real = _name_index(self.parts, self.replaced)
+        self.buffers = BufferSync(model, world, config.broadcast_buffers)  # [Note: buffer broadcast] in buffers.py
+        checks = ForwardChecks(model, self._names, self.parts, self.plan.params.uses_gather, self.buffers)
         settings = HookSettings(
             prefetch=config.prefetch,
             gate_on_reductions=not self.plan.shard_group.stream_ordered,
             grad_divisor=self._grad_divisor,
-            listeners=(self.calls, _EngineEvents(self)),  # [Note: pass events]: the header first
+            listeners=(self.calls, checks, _EngineEvents(self)),  # [Note: pass events]: refusals before any collective
             root_output_fn=self.scaler.scale_outputs if self.scaler else None,
             world=world,
             input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
@@ -163,10 +166,7 @@ class ZeroEngine:
         self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
         self.pieces: list[Piece] = [piece for part in self.parts for piece in pieces_of(part)]
         self.flat_step.build(self.pieces)
-        self._names, self._real = _name_index(self.parts, self.replaced)
         self._frozen_parts = [part for part in self.parts if part.spec.frozen]
-        self.buffers = BufferSync(model, world, config.broadcast_buffers)  # [Note: buffer broadcast] in buffers.py
-        self._structure = ModelStructure(model, self._names)  # [Note: parameters replaced after initialize]
         track(self)  # [Note: clean exit] in teardown.py
         register(self)  # [Note: torch clipping] in torch_clip.py
 
@@ -321,20 +321,17 @@ class ZeroEngine:
         return self.buffers.as_unwrapped()
 
     def _before_forward(self) -> None:
-        """As each forward of the model begins (not a recomputation): the header of a forward that issues collectives
-        ([Note: call order]) and the refusal of parameters assigned since `initialize`; then, with grad, units
-        unfrozen since start training and parameters given new `.data` are refused; and the buffers are broadcast
-        where DDP would ([Note: buffer broadcast] in buffers.py)."""
-        refuse_uneven_join(self.model)  # [Note: uneven inputs]: before any collective
+        """As each forward of the model begins (not a recomputation), after its checks (`ForwardChecks` in
+        checks/forward.py): the header of a forward that issues collectives ([Note: call order]); with grad, the
+        gradients woken and units unfrozen since `initialize` started; and the buffers broadcast where DDP would
+        ([Note: buffer broadcast] in buffers.py)."""
         grad = torch.is_grad_enabled()
         broadcast = self.buffers.begin_forward(grad, self.in_no_sync)  # [Note: buffer broadcast] in buffers.py
         if grad or broadcast or self.plan.params.uses_gather:
             self.calls.begin(Call.FORWARD if grad else Call.FORWARD_NO_GRAD, read_now=False)
-            self._structure.refuse_changes()
         if grad:
             self._wake_grads()
             self._start_unfrozen_units()
-            refuse_replaced_data(self.parts)
         if broadcast:
             self.buffers.broadcast()
 

@@ -1,7 +1,9 @@
-"""The checks every forward with grad (at stage 3, every forward) makes before it runs: parameters that left the
-state `initialize` gave them.
+"""The checks every forward of the model makes before it runs (`ForwardChecks`, told of each root forward: [Note:
+pass events] in pass_events.py): uneven inputs under torch's `Join`, and parameters that left the state `initialize`
+gave them (replaced, given new `.data`, unfrozen where they cannot start training).
 
-Each raises on every rank alike (every rank holds the same parameters), at the first forward after the change.
+Each raises on every rank alike (every rank holds the same parameters), at the first forward after the change, before
+the forward issues any collective.
 """
 
 from __future__ import annotations
@@ -12,8 +14,32 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..buffers import BufferSync
 from ..flat import FlatPart
+from ..pass_events import PassListener
 from ..unit import Unit
+
+
+class ForwardChecks(PassListener):
+    """The checks of each forward of `model` (not a recomputation), first among the pass's listeners: uneven inputs
+    ([Note: uneven inputs]) at every forward; with grad, or wherever the forward issues collectives (`gathers`: stage
+    3, or the buffers' broadcast due, [Note: buffer broadcast] in buffers.py), the model's structure ([Note:
+    parameters replaced after initialize]); with grad, parameters given new `.data` ([Note: replaced data]).
+    `known`: id of each engine parameter or stand-in -> its name."""
+
+    def __init__(
+        self, model: nn.Module, known: Mapping[int, str], parts: list[FlatPart], gathers: bool, buffers: BufferSync
+    ) -> None:
+        self.model, self.parts, self.gathers, self.buffers = model, parts, gathers, buffers
+        self.structure = ModelStructure(model, known)
+
+    def root_forward(self) -> None:
+        refuse_uneven_join(self.model)
+        grad = torch.is_grad_enabled()
+        if grad or self.gathers or self.buffers.due:
+            self.structure.refuse_changes()
+        if grad:
+            refuse_replaced_data(self.parts)
 
 
 def unfrozen_parts(
