@@ -64,6 +64,25 @@ def test_stage_3_without_prefetch(pools, name):
         assert max(r["weights"].values()) <= TOL
 
 
+@pytest.mark.parametrize("name", ["weight_changed_in_forward", "root_weight_changed_in_forward"])
+@pytest.mark.parametrize("setting", [{}, {"offload_params": True, "offload_optimizer": True},
+                                     {"mixed_precision": "bf16"}])
+def test_a_change_in_forward_at_one_rank_is_kept_or_refused(pools, name, setting):
+    """[Note: changed in forward] at a world of one, stage 3: in fp32 on the device the units stay whole ([Note: a
+    shard group of one]) and a weight changed in place inside a forward with grad is kept, exact as plain PyTorch;
+    where each use gathers (parameters offloaded to the host, or cast under mixed precision) the change would go to a
+    copy freed after the forward, and is refused at that forward, naming the parameter (it trained silently apart:
+    the renormalized weights 1.03 relative off)."""
+    r = pools(1).values(peer.run_scenario, name, 3, **setting)[0]
+    if not setting:
+        assert r["error"] is None, r["error"]
+        assert peer.worst_difference(r["reference"], r["record"]) <= TOL
+        assert max(r["weights"].values()) <= TOL, r["weights"]
+        return
+    expected = peer.REFUSED[name][3]
+    assert r["error"] is not None and r["error"].startswith("ValueError") and expected in r["error"], r["error"]
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_batchnorm_statistics_follow_ddps_rule(pools, stage):
     """BatchNorm against torch's DDP on the same ranks: evaluation before training, accumulation with the first

@@ -309,7 +309,7 @@ class UnitHooks:
             return None
         if unit is self.root:
             self._resolve_units_check()  # a second forward before a backward: the first one's check goes first
-            self.units_check.issue(self.current)
+            self._refusing(self.units_check.issue, self.current)  # at a world of one it may refuse at once
         if unit is self.root and self.settings.root_output_fn is not None:
             output = self.settings.root_output_fn(output)
         self._hook_outputs(unit, output)

@@ -8,7 +8,8 @@ versions of a gathered unit's parameters are taken when its forward (or a direct
 [Note: direct calls] in hooks.py) gathers them and compared when it ends. A forward without grad, or a direct call,
 is refused at once on the ranks that changed (no collective follows it). A forward with grad is refused on every
 rank by the units check after the forward ([Note: units run on some ranks] in checks/units_run.py), which carries
-a bit per unit saying its forward changed its parameters. At stages 0-2 the parameters stay whole (persistent units)
+a bit per unit saying its forward changed its parameters (at a world of one, where stage 3 gathers only to cast or to
+copy from the host, at the root's post-forward, with nothing to wait for). At stages 0-2 the parameters stay whole (persistent units)
 and a change is kept, as under DDP: nothing is taken.
 """
 

@@ -49,8 +49,13 @@ class UnitsCheck:
 
     def issue(self, current: Pass) -> None:
         """After a forward with grad, at the root's post-forward (an earlier forward's check acted on first): the
-        check of this forward, waited for later."""
+        check of this forward, waited for later. Over no other rank there is nothing to wait for: a change in place is
+        refused at once ([Note: changed in forward] at a world of one, where stage 3 gathers to cast or to copy from
+        the host)."""
         if self.world is None or self.world.size == 1:
+            changed = self.changes.changed_names()
+            if changed:
+                raise changed_in_forward_error(changed)
             return
         codes = [int(current.ran(u)) | int(self.changes.changed(u)) << 1 for u in self.units]
         current.issue_units_check(issue_flags_gather(codes, self.world))
