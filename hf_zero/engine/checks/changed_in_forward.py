@@ -9,8 +9,8 @@ versions of a gathered unit's parameters are taken when its forward (or a direct
 is refused at once on the ranks that changed (no collective follows it). A forward with grad is refused on every
 rank by the units check after the forward ([Note: units run on some ranks] in checks/units_run.py), which carries
 a bit per unit saying its forward changed its parameters (at a world of one, where stage 3 gathers only to cast or to
-copy from the host, at the root's post-forward, with nothing to wait for). At stages 0-2 the parameters stay whole (persistent units)
-and a change is kept, as under DDP: nothing is taken.
+copy from the host, at the root's post-forward, with nothing to wait for). At stages 0-2 the parameters stay whole
+(persistent units) and a change is kept, as under DDP: nothing is taken.
 """
 
 from __future__ import annotations
