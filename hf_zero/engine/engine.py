@@ -153,22 +153,27 @@ class ZeroEngine:
         self.calls = CallOrder(world)  # [Note: call order]
         self._names, self._real = _name_index(self.parts, self.replaced)
         self.buffers = BufferSync(model, world, config.broadcast_buffers)  # [Note: buffer broadcast] in buffers.py
-        checks = ForwardChecks(model, self._names, self.parts, self.plan.params.uses_gather, self.buffers)
-        settings = HookSettings(
-            prefetch=config.prefetch,
-            gate_on_reductions=not self.plan.shard_group.stream_ordered,
-            grad_divisor=self._grad_divisor,
-            listeners=(self.calls, checks, _EngineEvents(self)),  # [Note: pass events]: refusals before any collective
-            root_output_fn=self.scaler.scale_outputs if self.scaler else None,
-            world=world,
-            input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
-        )
-        self.hooks = UnitHooks(self.units, self.plan, self.pool, settings)
+        self.hooks = UnitHooks(self.units, self.plan, self.pool, self._hook_settings())
         self.pieces: list[Piece] = [piece for part in self.parts for piece in pieces_of(part)]
         self.flat_step.build(self.pieces)
         self._frozen_parts = [part for part in self.parts if part.spec.frozen]
         track(self)  # [Note: clean exit] in teardown.py
         register(self)  # [Note: torch clipping] in torch_clip.py
+
+    def _hook_settings(self) -> HookSettings:
+        """What the hooks run the pass with; its listeners in order ([Note: pass events] in pass_events.py): the call
+        order, the forward's checks (their refusals before any collective), then the engine's own events."""
+        config = self.config
+        checks = ForwardChecks(self.model, self._names, self.parts, self.plan.params.uses_gather, self.buffers)
+        return HookSettings(
+            prefetch=config.prefetch,
+            gate_on_reductions=not self.plan.shard_group.stream_ordered,
+            grad_divisor=self._grad_divisor,
+            listeners=(self.calls, checks, _EngineEvents(self)),
+            root_output_fn=self.scaler.scale_outputs if self.scaler else None,
+            world=self.world,
+            input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
+        )
 
     def _placement(self, frozen: bool) -> Placement:
         """A part's placement; frozen parts stay on the device ([Note: frozen parameters], [Note: placement])."""
