@@ -167,7 +167,7 @@ def initialize(
         if compute.type == "cpu" and (cfg.sequence_parallel > 1 or frozen):
             map_large_host_allocations()  # [Note: host heap] in engine/pool.py, before the weights are read
         if getattr(model, "hf_zero_four_bit", None):  # [Note: quantized load]: quantized where it computes
-            from .integrations.quantized_load import place
+            from .checkpoint.conversions import place
 
             place(model, compute)
         check_optimizers(optimizer_list(optimizer), model, cfg.offload_dir)
@@ -232,10 +232,10 @@ def _size(n: int) -> str:
 
 def _file_conversions(model: nn.Module) -> Conversions | None:
     """transformers' checkpoint conversions for a transformers model ([Note: converted weights] in
-    integrations/conversions.py); None for any other model."""
+    checkpoint/conversions.py); None for any other model."""
     if "transformers" not in sys.modules:  # a transformers model was built with it imported
         return None
-    from .integrations.conversions import checkpoint_conversions, with_built
+    from .checkpoint.conversions import checkpoint_conversions, with_built
 
     conversions = checkpoint_conversions(model)
     four_bit = getattr(model, "hf_zero_four_bit", None)  # [Note: quantized load] in integrations/quantized_load.py

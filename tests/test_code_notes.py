@@ -66,3 +66,36 @@ def test_checkpoints_and_integrations_reach_the_engine_through_its_facade():
     assert not found, "\n".join(found)
     users = [p for f in ("checkpoint", "integrations") for p in (ROOT / "hf_zero" / f).rglob("*.py")]
     assert sum("facade_of" in p.read_text() or "EngineFacade" in p.read_text() for p in users) >= 8
+
+
+# each layer of the package, and what it may import besides itself: the settings below everything, then the engine,
+# then what is built on it (checkpoints, model features); above them the public API, the model's mixin and the
+# integrations with transformers and Accelerate (unlisted: they may import any layer below)
+SETTINGS = {"config", "dtypes", "launch"}
+LAYERS = {"engine": SETTINGS, "checkpoint": SETTINGS | {"engine"}, "features": SETTINGS | {"engine"}}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "(package)"
+
+
+def test_the_layers_import_only_what_is_below_them():
+    """engine/ imports only the settings (config, dtypes, launch); checkpoint/ and features/ only the engine and the
+    settings: none reaches up to the public API, the model's mixin or integrations/, which only the package's root
+    imports from outside it; counting every import, as the cycle check does."""
+    from tests._import_graph import edges
+
+    up = []
+    for module, targets in edges().items():
+        layer = _layer(module)
+        for target in targets:
+            other = _layer(target)
+            if other == layer:
+                continue
+            if layer in LAYERS and other not in LAYERS[layer]:
+                up.append(f"{module} -> {target}")
+            if other == "integrations" and layer != "(package)":
+                up.append(f"{module} -> {target}")
+    assert not up, "\n".join(sorted(set(up)))
+

@@ -25,8 +25,8 @@ from torch import nn
 from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import agreement, broadcast_object
 from ..engine.facade import facade_of
-from ..integrations.conversions import model_layout
 from .background import AsyncSave, chain, checkpoint_group
+from .conversions import model_layout
 from .format import (
     BUFFERS_FILE,
     Digest,
@@ -403,7 +403,7 @@ def _write_cached(
 def _write_adapter(ckpt: Path, manifest: Manifest, out: Path, dtype: torch.dtype | None, verify: bool) -> list[str]:
     """[Note: adapter export] a PEFT model's checkpoint written as its adapter: `adapter_config.json` and
     `adapter_model.safetensors` (then the tokenizer's files), what `PeftModel.save_pretrained` writes."""
-    from ..integrations.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_weights, write_adapter_config
+    from .peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_weights, write_adapter_config
 
     if manifest.peft is None:
         raise ValueError(

@@ -138,7 +138,7 @@ class Manifest:
     layout: dict[str, list[list[Any]]] | None = None  # name -> [[stored name, shape], ...] where transformers' files
     #   store a parameter otherwise ([Note: file layout] in stream.py); None in checkpoints before version 3
     peft: dict[str, dict[str, Any]] | None = None  # a PEFT model's adapter configs by adapter name ([Note: adapter
-    #   export] in integrations/peft_export.py); None for another model
+    #   export] in checkpoint/peft_export.py); None for another model
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
 

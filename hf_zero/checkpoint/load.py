@@ -371,11 +371,10 @@ def _load_buffers(model: nn.Module, manifest: Manifest, cache: FileCache) -> Non
 
 
 def _own_load_state_dict(cls: type) -> Callable[..., Any]:
-    """The `load_state_dict` the model's own class defines (below hf_zero's mixin), or `nn.Module`'s."""
-    from ..model import ZeroModel
-
+    """The `load_state_dict` the model's own class defines, or `nn.Module`'s: hf_zero's classes are passed over (the
+    mixin; the class `attach` in model.py makes from it and the model's own defines none)."""
     for klass in cls.__mro__:
-        if klass in (cls, ZeroModel, nn.Module) or not issubclass(klass, nn.Module):
+        if klass is nn.Module or klass.__module__.startswith("hf_zero.") or not issubclass(klass, nn.Module):
             continue
         if "load_state_dict" in vars(klass):
             return cast(Callable[..., Any], vars(klass)["load_state_dict"])

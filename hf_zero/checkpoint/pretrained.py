@@ -29,7 +29,7 @@ them. With `ignore_mismatched_sizes=True`, as under transformers, a weight the f
 initialized anew instead and marked (`NOT_FROM_FILES`) so that it is not read. Where transformers stores a
 model's weights under other names or in other shapes than its modules have (its checkpoint conversions), the names
 are the files' keys as transformers renames them, and a weight it builds from several tensors is built by its rules
-([Note: converted weights] in integrations/conversions.py).
+([Note: converted weights] in checkpoint/conversions.py).
 """
 
 from __future__ import annotations

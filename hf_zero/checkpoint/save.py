@@ -40,9 +40,8 @@ from ..engine.collectives import (
 from ..engine.facade import EngineFacade, facade_of
 from ..engine.step.optim import ShardedOptimizer, sharded_list
 from ..engine.step.pieces import Piece
-from ..integrations.conversions import model_layout
-from ..integrations.peft_export import peft_configs
 from .background import AsyncSave, FileJob, Snapshot, chain, checkpoint_group, finish_previous, snapshot
+from .conversions import model_layout
 from .format import (
     BUFFERS_FILE,
     FORMAT_VERSION,
@@ -60,6 +59,7 @@ from .format import (
 from .leftovers import beside
 from .leftovers import remove as remove_leftovers
 from .owned_state import owned_entries
+from .peft_export import peft_configs
 from .shared import require_shared
 from .stream import Entry, host_pieces, layout_to_json, write_streamed
 

@@ -19,7 +19,7 @@ stored tensors lying one after the other in its row-major bytes (expert 0's w1 t
 entry keeps its bytes and pieces as they are and lists those names and shapes as its `parts`: the header
 describes consecutive ranges of the same bytes, so writing the transformers layout costs no copy and streams as
 any tensor. The layout comes from transformers' own rules ([Note: converted weights] in
-integrations/conversions.py).
+checkpoint/conversions.py).
 """
 
 from __future__ import annotations

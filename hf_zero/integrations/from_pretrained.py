@@ -23,13 +23,13 @@ import torch
 from torch import nn
 
 from ..api import initialize
+from ..checkpoint.conversions import checkpoint_conversions
 from ..checkpoint.pretrained import NOT_FROM_FILES, PretrainedSource, files_dtype, saved_4bit_config, trained_copy
 from ..config import ZeroConfig
 from ..dtypes import dtype_from_name, parse_dtype
 from ..engine.collectives import CommGroup, agreement, all_agree, broadcast_tensors, digest_of
 from ..engine.facade import facade_of
 from ..engine.step.optim import ShardedOptimizer
-from .conversions import checkpoint_conversions
 from .quantized_load import attach_saved_states, attach_states, to_4bit_on_meta
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ hf_zero would then shard the packed codes ([Note: quantized base] in engine/quan
 `hf_zero.from_pretrained`, the model is built on the meta device and transformers' own `replace_with_bnb_linear`
 puts bitsandbytes' `Linear4bit` where it would (the same `modules_to_not_convert`); each 4-bit weight becomes a
 meta parameter of its packed shape and storage dtype, which the engine shards in a part of its own. Its codes are
-built from the files' weight ([Note: converted weights] in integrations/conversions.py: read whole, cast to the
+built from the files' weight ([Note: converted weights] in checkpoint/conversions.py: read whole, cast to the
 load's dtype, quantized by bitsandbytes exactly as transformers' loader does) when a rank fills its slice; the
 rank keeps that slice and the weight's quantization state (scales, code table), which every rank needs whole.
 A rank whose shards hold no byte of a weight quantizes it once more for its state after `initialize`. So host
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from ..checkpoint.conversions import FourBitWeight
 
 # what transformers saves beside a 4-bit weight's codes (bitsandbytes' `QuantState.as_dict(packed=True)`)
 SCALE_SUFFIXES = (
@@ -36,37 +37,6 @@ SCALE_SUFFIXES = (
     "quant_state.bitsandbytes__nf4",
     "quant_state.bitsandbytes__fp4",
 )
-
-
-@dataclass
-class FourBitWeight:
-    """One linear weight quantized as it is read ([Note: quantized load]): a `Built` of the conversions."""
-
-    key: str  # the files' key of the full-precision weight
-    shape: tuple[int, ...]  # the packed codes' shape
-    dtype: torch.dtype  # their storage dtype
-    load_dtype: torch.dtype  # what the weight is cast to before it is quantized (the load's dtype)
-    settings: dict[str, Any]  # blocksize, compress_statistics, quant_type, quant_storage
-    state: Any = field(default=None, repr=False)  # bitsandbytes' QuantState, once built
-    # where it is quantized and its state lives: the engine's compute device (`place`), as transformers' loader
-    # quantizes on the device the model is loaded to (bitsandbytes' CUDA kernels on a GPU)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    def build(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        import bitsandbytes as bnb
-
-        weight = read(self.key).to(self.load_dtype)
-        params: Any = bnb.nn.Params4bit(weight, requires_grad=False, **self.settings)
-        quantized = params.to(self.device)  # bitsandbytes quantizes as the parameter moves (as transformers' loader)
-        self.state = quantized.quant_state
-        return quantized.data.reshape(self.shape)
-
-
-def place(model: nn.Module, device: torch.device) -> None:
-    """Quantize the model's 4-bit weights built on load ([Note: quantized load]) on `device`, the engine's compute
-    device, and keep their states there: what `initialize` calls once it has decided that device."""
-    for weight in (getattr(model, "hf_zero_four_bit", None) or {}).values():
-        weight.device = device
 
 
 def to_4bit_on_meta(model: nn.Module, quantization_config: Any, load_dtype: torch.dtype) -> dict[str, FourBitWeight]:

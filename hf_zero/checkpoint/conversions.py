@@ -24,15 +24,15 @@ import math
 import re
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..checkpoint.pretrained import Built, Conversions, FileNames
-from ..checkpoint.stream import FileLayout, Parts
 from ..engine.module import wrapped_model
+from .pretrained import Built, Conversions, FileNames
+from .stream import FileLayout, Parts
 
 
 @dataclass
@@ -56,8 +56,8 @@ class _Built:
 
 def with_built(conversions: Conversions | None, extra: Mapping[str, Built]) -> Conversions:
     """`conversions` (or the files' own names) with `extra` weights built from the files by their own rules (QLoRA's
-    4-bit weights, quantized as they are read: [Note: quantized load] in quantized_load.py); each built weight's file
-    key is its renamed spelling where the conversions rename it."""
+    4-bit weights, quantized as they are read: [Note: quantized load] in integrations/quantized_load.py); each built
+    weight's file key is its renamed spelling where the conversions rename it."""
 
     def names(file_keys: list[str], meta_of: Callable[[str], torch.Tensor]) -> FileNames:
         base = conversions(file_keys, meta_of) if conversions is not None else FileNames({k: k for k in file_keys}, {})
@@ -67,6 +67,38 @@ def with_built(conversions: Conversions | None, extra: Mapping[str, Built]) -> C
         return FileNames(renamed, {**base.built, **extra})
 
     return names
+
+
+@dataclass
+class FourBitWeight:
+    """One linear weight of a QLoRA base quantized as it is read ([Note: quantized load] in
+    integrations/quantized_load.py): a `Built` of the conversions."""
+
+    key: str  # the files' key of the full-precision weight
+    shape: tuple[int, ...]  # the packed codes' shape
+    dtype: torch.dtype  # their storage dtype
+    load_dtype: torch.dtype  # what the weight is cast to before it is quantized (the load's dtype)
+    settings: dict[str, Any]  # blocksize, compress_statistics, quant_type, quant_storage
+    state: Any = field(default=None, repr=False)  # bitsandbytes' QuantState, once built
+    # where it is quantized and its state lives: the engine's compute device (`place`), as transformers' loader
+    # quantizes on the device the model is loaded to (bitsandbytes' CUDA kernels on a GPU)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def build(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        import bitsandbytes as bnb
+
+        weight = read(self.key).to(self.load_dtype)
+        params: Any = bnb.nn.Params4bit(weight, requires_grad=False, **self.settings)
+        quantized = params.to(self.device)  # bitsandbytes quantizes as the parameter moves (as transformers' loader)
+        self.state = quantized.quant_state
+        return quantized.data.reshape(self.shape)
+
+
+def place(model: nn.Module, device: torch.device) -> None:
+    """Quantize the model's 4-bit weights built on load ([Note: quantized load]) on `device`, the engine's compute
+    device, and keep their states there: what `initialize` calls once it has decided that device."""
+    for weight in (getattr(model, "hf_zero_four_bit", None) or {}).values():
+        weight.device = device
 
 
 def checkpoint_conversions(model: nn.Module) -> Conversions | None:
