@@ -359,6 +359,33 @@ def replaced_param_data(stage: int) -> str:
     return ""
 
 
+def changed_in_forward_then_step() -> str:
+    """Stage 3: a step trained as usual, then a forward with grad that clamps the input layer's weight in place (a
+    pre-hook), an optimizer step (of the first step's gradients) before its backward, then that backward: the error
+    this rank raises ("" if none)."""
+    from tests._peer_harness import Net
+
+    torch.manual_seed(0)
+    model = Net()
+    model, opt = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    hf_zero.ZeroConfig(stage=3, wrap=["Block"]))
+
+    def clamp(module: torch.nn.Module, args: object) -> None:
+        with torch.no_grad():
+            module.weight.clamp_(-0.2, 0.2)
+
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    model.inp.register_forward_pre_hook(clamp)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.step()
+    try:
+        loss.backward()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def parallel_wrapper_before_initialize(kind: str) -> str:
     """`hf_zero.initialize` given a model inside DDP or `nn.DataParallel` (`kind`), or holding one as a submodule
     ("inner"): the error this rank raises ("" if none)."""

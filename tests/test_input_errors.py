@@ -338,6 +338,14 @@ def test_replacing_a_parameters_data_is_refused_at_the_next_forward_on_every_ran
         assert "parameter 'head.weight' had its `.data` replaced" in error and "param.copy_(tensor)" in error, error
 
 
+def test_a_change_in_forward_refused_after_a_step_still_names_the_parameter(pools):
+    """[Note: changed in forward] a forward with grad that changed a weight in place, an optimizer step, then the
+    backward: refused on every rank at the backward, naming the parameter (the step forgot what the forward had
+    changed, so the refusal named "(on another rank)" on the rank that changed it too)."""
+    for error in pools(2).values(engine_cases.changed_in_forward_then_step):
+        assert "the forward changed parameters ['inp.weight'] in place" in error, error
+
+
 @pytest.mark.parametrize(
     ("kind", "where"),
     [("ddp", "the model is a DistributedDataParallel"), ("data_parallel", "the model is a DataParallel"),

@@ -435,7 +435,7 @@ class ZeroEngine:
         so no copy of the parameters gathered before a change of the master weights is used after it."""
         self.hooks.wait_reductions()
         self.hooks.release_held()
-        self.hooks.forget_graph()  # [Note: double backward]: a step invalidates the graph they served
+        self.hooks.weights_changed()  # [Note: double backward]: a step invalidates the graph they served
         for unit in self.units:
             unit.release()
 

@@ -505,7 +505,8 @@ class UnitHooks:
         for reduction in self.current.pending_reductions():
             reduction.pending.wait()
         self.current.renew()
-        self.forget_graph()
+        for listener in self.listeners:
+            listener.forget()  # what any listener kept for the pass goes ([Note: double backward], ...)
         for unit in self.units:
             unit.abandon()
         if not self._order_known:  # a first forward that did not finish: learn the order from the next one
@@ -520,7 +521,8 @@ class UnitHooks:
         for listener in self.listeners:
             listener.backward_begun(self.current.create_graph)
 
-    def forget_graph(self) -> None:
-        """[Note: double backward] a step or an interrupted pass: what any listener kept for the pass goes."""
+    def weights_changed(self) -> None:
+        """A step, a load or a change between passes moved the weights: the listeners hear it ([Note: double
+        backward] in checks/double_backward.py: a graph built before is stale)."""
         for listener in self.listeners:
-            listener.forget()
+            listener.weights_changed()

@@ -68,5 +68,9 @@ class PassListener:
     def backward_ended(self, create_graph: bool) -> None:
         """A backward pass's final callback ended: every unit reduced (or deferred)."""
 
+    def weights_changed(self) -> None:
+        """The weights changed between passes (an optimizer step, a load, a change through `gathered_parameters`):
+        whatever was gathered before them is stale. A pass's facts stay (a forward's check may still be in flight)."""
+
     def forget(self) -> None:
-        """The pass was interrupted (an exception) or the weights stepped: what was kept for it goes."""
+        """The pass was interrupted (an exception, or `zero_grad(abandon_pass=True)`): what was kept for it goes."""

@@ -60,6 +60,9 @@ class GraphPins(PassListener):
         if not create_graph:
             self.forget()  # the graph the pins served was consumed
 
+    def weights_changed(self) -> None:
+        self.forget()  # a graph built before is stale: its units were gathered from the old weights
+
     def forget(self) -> None:
         """The graph is gone (consumed, invalidated by a step, or its pass interrupted): unpin and free its units."""
         units, self._units = self._units, []
