@@ -150,9 +150,9 @@ class ZeroEngine:
         self._edit_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # [Note: edits between steps]
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
-        self.calls = CallOrder(world)  # [Note: call order]
         self._names, self._real = _name_index(self.parts, self.replaced)
         self.buffers = BufferSync(model, world, config.broadcast_buffers)  # [Note: buffer broadcast] in buffers.py
+        self.calls = CallOrder(world, self.plan.params.uses_gather, self.buffers)  # [Note: call order]
         self.hooks = UnitHooks(self.units, self.plan, self.pool, self._hook_settings())
         self.pieces: list[Piece] = [piece for part in self.parts for piece in pieces_of(part)]
         self.flat_step.build(self.pieces)
@@ -161,15 +161,16 @@ class ZeroEngine:
         register(self)  # [Note: torch clipping] in torch_clip.py
 
     def _hook_settings(self) -> HookSettings:
-        """What the hooks run the pass with; its listeners in order ([Note: pass events] in pass_events.py): the call
-        order, the forward's checks (their refusals before any collective), then the engine's own events."""
+        """What the hooks run the pass with; its listeners in order ([Note: pass events] in pass_events.py): the
+        forward's checks (their refusals before any collective), the call order (each call's header before its first
+        collective), then the engine's own events."""
         config = self.config
         checks = ForwardChecks(self.model, self._names, self.parts, self.plan.params.uses_gather, self.buffers)
         return HookSettings(
             prefetch=config.prefetch,
             gate_on_reductions=not self.plan.shard_group.stream_ordered,
             grad_divisor=self._grad_divisor,
-            listeners=(self.calls, checks, _EngineEvents(self)),
+            listeners=(checks, self.calls, _EngineEvents(self)),
             root_output_fn=self.scaler.scale_outputs if self.scaler else None,
             world=self.world,
             input_dtype=self.param_dtype if config.mixed_precision != "no" else None,  # [Note: input dtype]
@@ -289,9 +290,8 @@ class ZeroEngine:
         self.hooks.current.grads_rested()
 
     def _before_backward(self) -> None:
-        """As a backward pass begins: its header ([Note: call order]: a backward skipped on some ranks), then the
-        gradients woken for autograd ([Note: resting gradients])."""
-        self.calls.begin(Call.BACKWARD, read_now=False, keep_unread=True)
+        """As a backward pass begins (after its header, [Note: call order]): the gradients woken for autograd ([Note:
+        resting gradients])."""
         self._wake_grads()
 
     def _wake_grads(self) -> None:
@@ -327,13 +327,11 @@ class ZeroEngine:
 
     def _before_forward(self) -> None:
         """As each forward of the model begins (not a recomputation), after its checks (`ForwardChecks` in
-        checks/forward.py): the header of a forward that issues collectives ([Note: call order]); with grad, the
-        gradients woken and units unfrozen since `initialize` started; and the buffers broadcast where DDP would
-        ([Note: buffer broadcast] in buffers.py)."""
+        checks/forward.py) and its header ([Note: call order]): with grad, the gradients woken and units unfrozen
+        since `initialize` started; and the buffers broadcast where DDP would ([Note: buffer broadcast] in
+        buffers.py)."""
         grad = torch.is_grad_enabled()
         broadcast = self.buffers.begin_forward(grad, self.in_no_sync)  # [Note: buffer broadcast] in buffers.py
-        if grad or broadcast or self.plan.params.uses_gather:
-            self.calls.begin(Call.FORWARD if grad else Call.FORWARD_NO_GRAD, read_now=False)
         if grad:
             self._wake_grads()
             self._start_unfrozen_units()
@@ -351,10 +349,8 @@ class ZeroEngine:
             self._frozen_parts.remove(part)
 
     def _before_direct_call(self) -> None:
-        """As a module of the root is called outside the model's forward ([Note: direct calls] in hooks.py): at
-        stage 3 its gather is a collective, so its header goes first, read at once ([Note: call order])."""
-        if self.plan.params.uses_gather:
-            self.calls.begin(Call.DIRECT_CALL, read_now=True)
+        """As a module of the root is called outside the model's forward ([Note: direct calls] in hooks.py), after its
+        header ([Note: call order]): with grad, the gradients woken."""
         if torch.is_grad_enabled():
             self._wake_grads()
 

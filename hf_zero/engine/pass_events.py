@@ -5,7 +5,7 @@ The hooks run the pass; what else must happen at its fixed points (the call-orde
 gradients woken for autograd, the refusal of parameters replaced since `initialize`, the buffers' broadcast, the
 gradients put to rest after a backward, the units a graph-building backward keeps whole, the parameters a forward
 changed in place) belongs to other owners. Each is a `PassListener`, handed to the hooks once
-(`HookSettings.listeners`: the call order, the forward checks, the engine; the hooks add their own checks last:
+(`HookSettings.listeners`: the forward checks, the call order, the engine; the hooks add their own checks last:
 `GraphPins`, `ChangedInForward`) and told of every event in the order given; a listener overrides the events it
 needs.
 """

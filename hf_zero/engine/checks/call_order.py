@@ -36,9 +36,15 @@ buffers.py: the first forward after a training step, for a model with persistent
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
+
+import torch
 
 from ..collectives import CommGroup, GatheredInts, issue_ints_gather
 from ..pass_events import PassListener
+
+if TYPE_CHECKING:
+    from ..buffers import BufferSync
 
 
 class Call(enum.IntEnum):
@@ -71,14 +77,32 @@ WHAT = {
 
 
 class CallOrder(PassListener):
-    """Issues and reads the headers of one engine's calls ([Note: call order]); owns the count of calls begun. Told of
-    a pass's events ([Note: pass events] in pass_events.py): before the units check is waited for, the forward's
-    header is read first (it tells ranks apart)."""
+    """Issues and reads the headers of one engine's calls ([Note: call order]); owns the count of calls begun.
 
-    def __init__(self, group: CommGroup) -> None:
+    Told of a pass's events ([Note: pass events] in pass_events.py), it begins the pass's own calls: a forward that
+    issues collectives (with grad; every forward where the units are gathered, `gathers`, stage 3; or one that
+    broadcasts the `buffers`, [Note: buffer broadcast] in buffers.py), a direct call that gathers, a backward; and
+    before the units check is waited for, it reads the headers in flight first (they tell ranks apart). The calls
+    between steps begin their headers through `begin`."""
+
+    def __init__(self, group: CommGroup, gathers: bool = False, buffers: BufferSync | None = None) -> None:
         self._group = group
+        self._gathers, self._buffers = gathers, buffers
         self._begun = 0
         self._pending: list[tuple[GatheredInts, Call, int]] = []  # headers issued, unread: (gather, call, count)
+
+    def root_forward(self) -> None:
+        grad = torch.is_grad_enabled()
+        if grad or self._gathers or (self._buffers is not None and self._buffers.due):
+            self.begin(Call.FORWARD if grad else Call.FORWARD_NO_GRAD, read_now=False)
+
+    def direct_call(self) -> None:
+        if self._gathers:  # its gather is a collective: the header goes first, read at once
+            self.begin(Call.DIRECT_CALL, read_now=True)
+
+    def backward(self) -> None:
+        # a backward skipped on some ranks; left unread with the forward's, so that no host sync is added
+        self.begin(Call.BACKWARD, read_now=False, keep_unread=True)
 
     def begin(self, call: Call, *, read_now: bool, keep_unread: bool = False) -> None:
         """Issue the header of `call`, first reading those before it. `read_now`: read it at once (between
