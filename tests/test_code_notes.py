@@ -7,8 +7,10 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# a note is defined where `[Note: X]` opens a line, a comment or a docstring; referred to anywhere else
-DEFINED = re.compile(r'^[ \t]*(?:"""|#)?[ \t]*\[Note: ([^\]]+)\]', flags=re.M)
+# a note is defined where its title `[Note: X]` stands alone on a line (after `#` or a docstring's quotes), or, for a
+# note with no such line anywhere, where the title opens a line and is not a pointer (`[Note: X] in FILE`)
+TITLE = re.compile(r'^[ \t]*(?:"""|#)?[ \t]*\[Note: ([^\]]+)\][ \t]*$', flags=re.M)
+DEFINED = re.compile(r'^[ \t]*(?:"""|#)?[ \t]*\[Note: ([^\]]+)\](?!\s+in\s)', flags=re.M)
 POINTER = re.compile(r"\[Note: ([^\]]+)\] in\s+`?([\w/.]+\.py)")
 
 
@@ -18,10 +20,14 @@ def _name(text: str) -> str:
 
 def test_every_note_pointer_names_the_file_that_holds_the_note():
     files = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "hf_zero").rglob("*.py")}
-    holders: dict[str, set[str]] = {}
+    titled: dict[str, set[str]] = {}
+    opened: dict[str, set[str]] = {}
     for path, text in files.items():
+        for m in TITLE.finditer(text):
+            titled.setdefault(_name(m.group(1)), set()).add(path)
         for m in DEFINED.finditer(text):
-            holders.setdefault(_name(m.group(1)), set()).add(path)
+            opened.setdefault(_name(m.group(1)), set()).add(path)
+    holders = {**opened, **titled}
     stale = []
     for path, text in files.items():
         for m in POINTER.finditer(text):

@@ -87,32 +87,31 @@ class UnitHooks:
         self.direct: list[Unit] = []  # [Note: direct use] units gathered with the root's forward
         self.graph = GraphPins(pins=plan.params.uses_gather)  # [Note: double backward] in checks/double_backward.py
         changes = ChangedInForward()  # [Note: changed in forward] in checks/changed_in_forward.py
-        self.listeners = (*settings.listeners, self.graph, changes)  # [Note: pass events]: told in this order
+        # [Note: units run on some ranks] in checks/units_run.py: last, so that the headers are read before it waits
+        units_check = UnitsCheck(units, settings.world, plan.params.uses_gather, changes, self.current)
+        self.listeners = (*settings.listeners, self.graph, changes, units_check)  # [Note: pass events]: in this order
         self._handles: list[RemovableHandle] = []
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
-        # [Note: units run on some ranks] in checks/units_run.py: a plug-in the pass calls at fixed points
-        self.units_check = UnitsCheck(units, settings.world, plan.params.uses_gather, changes)
         self._register()
 
-    def _refusing(self, verb: Callable[..., None], *args: Any) -> None:
-        """Run a check's `verb`; a refusal (the `ValueError` a check raises) forgets the pass on its way out. Other
-        errors (a collective that failed) go on untouched, as they would from anywhere in the pass."""
+    def _tell(self, event: Callable[[PassListener], None]) -> None:
+        """Tell every listener of an event it may refuse (`event(listener)`, [Note: pass events]): a refusal (the
+        `ValueError` a check raises) forgets the pass on its way out. Other errors (a collective that failed) go on
+        untouched, as they would from anywhere in the pass."""
         try:
-            verb(*args)
+            for listener in self.listeners:
+                event(listener)
         except ValueError:
             self.reset()
             raise
 
     def _resolve_units_check(self) -> None:
-        """[Note: units run on some ranks] in checks/units_run.py: wait for the forward's check, if one is in flight,
-        and act on it (the listeners told first: the forward's call-order header goes before, [Note: call order])."""
-        check = self.current.take_units_check()
-        if check is None:
-            return
-        for listener in self.listeners:
-            listener.before_waiting()
-        self._refusing(self.units_check.act_on, check, self.current)
+        """[Note: units run on some ranks] in checks/units_run.py: where what follows depends on the forward's check, if
+        one is in flight, the listeners wait for what they issued (the forward's call-order header first, [Note: call
+        order]) and act on it."""
+        if self.current.units_check_in_flight:
+            self._tell(lambda listener: listener.before_waiting())
 
     # ---- registration -----------------------------------------------------------------------
     def _register(self) -> None:
@@ -168,8 +167,9 @@ class UnitHooks:
                 self.current.ran_forward(unit)
         if self.current.gated is not None and self._forward_gathers(unit, recompute):
             self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
-        if not recompute and self.units_check.off_plan(unit, self._order_known and self.settings.prefetch > 0):
-            self._refusing(self.units_check.agree_on_gather, unit)  # [Note: units run on some ranks]
+        if not recompute:  # [Note: units run on some ranks]: a gather no plan pairs is agreed on first
+            planned = self._order_known and self.settings.prefetch > 0
+            self._tell(lambda listener: listener.before_gather(unit, planned))
         unit.before_compute()
         if not recompute:
             for listener in self.listeners:
@@ -309,7 +309,7 @@ class UnitHooks:
             return None
         if unit is self.root:
             self._resolve_units_check()  # a second forward before a backward: the first one's check goes first
-            self._refusing(self.units_check.issue, self.current)  # at a world of one it may refuse at once
+            self._tell(lambda listener: listener.forward_ended())  # the units check issued (or, at one rank, a refusal)
         if unit is self.root and self.settings.root_output_fn is not None:
             output = self.settings.root_output_fn(output)
         self._hook_outputs(unit, output)
@@ -317,8 +317,7 @@ class UnitHooks:
 
     def _tell_forward_ended(self, unit: Unit, direct: bool) -> None:
         """The listeners hear that `unit`'s forward (or a direct call) ended; one may refuse it."""
-        for listener in self.listeners:
-            self._refusing(listener.unit_forward_ended, unit, direct)
+        self._tell(lambda listener: listener.unit_forward_ended(unit, direct))
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
         for t in tensors(output):  # [Note: containers] in tree.py

@@ -6,8 +6,9 @@ gradients woken for autograd, the refusal of parameters replaced since `initiali
 gradients put to rest after a backward, the units a graph-building backward keeps whole, the parameters a forward
 changed in place) belongs to other owners. Each is a `PassListener`, handed to the hooks once
 (`HookSettings.listeners`: the forward checks, the call order, the engine; the hooks add their own checks last:
-`GraphPins`, `ChangedInForward`) and told of every event in the order given; a listener overrides the events it
-needs.
+`GraphPins`, `ChangedInForward`, `UnitsCheck`) and told of every event in the order given; a listener overrides the
+events it needs. A listener refuses by raising a `ValueError`: the pass it stopped is forgotten (at once, or by the
+next forward) and the error goes on to the caller.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class PassListener:
     def direct_call(self) -> None:
         """A module of the root is called outside the model's forward ([Note: direct calls] in hooks.py)."""
 
+    def before_gather(self, unit: Unit, planned: bool) -> None:
+        """A unit's forward (not a recomputation) is about to gather its parameters; `planned`: the prefetch plan pairs
+        that gather on every rank ([Note: units run on some ranks] in checks/units_run.py). A listener refuses by
+        raising a `ValueError`, as below."""
+
     def unit_gathered(self, unit: Unit) -> None:
         """A unit's forward, or a direct call, has its parameters gathered and is about to compute (not a
         recomputation)."""
@@ -45,6 +51,10 @@ class PassListener:
         """A unit's forward (`direct`: a direct call of a module of the root) ended, its parameters still gathered
         (not a recomputation). A listener refuses what it ran by raising: the hooks forget the pass, then the error
         goes on to the caller (a `ValueError`, [Note: changed in forward] in checks/changed_in_forward.py)."""
+
+    def forward_ended(self) -> None:
+        """The model's forward with grad ended (the root's post-forward; the check of an earlier forward acted on
+        first). A listener refuses by raising a `ValueError`."""
 
     def backward(self) -> None:
         """A backward pass begins, before any unit's gradients."""
@@ -56,7 +66,9 @@ class PassListener:
         """A backward pass ended whose reductions `no_sync` deferred."""
 
     def before_waiting(self) -> None:
-        """The units check is about to be waited for ([Note: units run on some ranks] in checks/units_run.py)."""
+        """What follows depends on the forward's units check, in flight: each listener waits for what it issued, in
+        order (the call order's headers, then the units check itself: [Note: units run on some ranks] in
+        checks/units_run.py). A listener refuses by raising a `ValueError`."""
 
     def backward_begun(self, create_graph: bool) -> None:
         """The backward pass's first unit: whether it builds a graph of its own ([Note: double backward] in

@@ -256,6 +256,11 @@ class Pass:
         """[Note: units run on some ranks] whether `unit`'s forward ran with grad (outside backward) this pass."""
         return id(unit) in self._ran
 
+    @property
+    def units_check_in_flight(self) -> bool:
+        """[Note: units run on some ranks] whether a forward's units check was issued and not yet acted on."""
+        return self._check_in_flight is not None
+
     def issue_units_check(self, check: GatheredFlags) -> None:
         self._check_in_flight = check
 

@@ -19,8 +19,8 @@ instead of pairing the wrong collectives. Where a header is read:
 - the root's forward (stages 0-2 with grad; stage 3 every forward) and each backward pass: at once on a backend
   whose collectives complete on the host (gloo: the call's own first collective waits for the other ranks
   anyway); on a device-stream backend (NCCL) at the next point the engine waits on the host anyway (the
-  forward's units check, [Note: units run on some ranks] in hooks.py, which the backward's first inner unit
-  waits for too) or at the next header, so a step takes no extra sync.
+  forward's units check, [Note: units run on some ranks] in checks/units_run.py, which the backward's first
+  inner unit waits for too) or at the next header, so a step takes no extra sync.
 
 The backward's header finds a backward skipped on some ranks (`if not torch.isfinite(loss): continue`, decided
 from each rank's own loss): its reductions met the other ranks' next forward (on gloo a crash on mismatched
