@@ -151,35 +151,47 @@ class UnitHooks:
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        recompute = in_backward()  # [Note: recomputation] in passes.py
         keep_last(*self._post_hooks[id(unit)])  # [Note: hook order]
-        if recompute:
-            self._resolve_units_check()
-        if unit is self.root and not recompute:
+        if in_backward():  # [Note: recomputation] in passes.py
+            return self._pre_recompute(unit, args, kwargs)
+        if unit is self.root:
             self._begin_root_forward()
-        if unit is self.root:  # [Note: forward called directly] the model's forward runs inside its __call__
-            self.current.enter_root(recompute)
-        elif not self._order_known and not recompute and unit is not self.root and unit not in self._forward_order:
+            self.current.enter_root(False)  # [Note: forward called directly] the forward runs inside its __call__
+        elif not self._order_known and unit not in self._forward_order:
             self._forward_order.append(unit)  # [Note: prefetch] learned from the first forward
-        if not recompute:
-            unit.begin_forward()
-            if unit is not self.root and torch.is_grad_enabled():
-                self.current.ran_forward(unit)
-        if self.current.gated is not None and self._forward_gathers(unit, recompute):
-            self._open_gate()  # a forward inside a backward (recomputation) gathers: the deferred prefetch goes first
-        if not recompute:  # [Note: units run on some ranks]: a gather no plan pairs is agreed on first
-            planned = self._order_known and self.settings.prefetch > 0
-            self._tell(lambda listener: listener.before_gather(unit, planned))
+        unit.begin_forward()
+        if unit is not self.root and torch.is_grad_enabled():
+            self.current.ran_forward(unit)
+        if self.current.gated is not None and self._forward_gathers(unit, recompute=False):
+            self._open_gate()
+        planned = self._order_known and self.settings.prefetch > 0  # [Note: units run on some ranks]
+        self._tell(lambda listener: listener.before_gather(unit, planned))
         unit.before_compute()
-        if not recompute:
-            for listener in self.listeners:
-                listener.unit_gathered(unit)
-            self._prefetch_after(unit, forward=True)
+        for listener in self.listeners:
+            listener.unit_gathered(unit)
+        self._prefetch_after(unit, forward=True)
+        cast_any = False
+        if unit is self.root and self.settings.input_dtype is not None:
+            args, kwargs, cast_any = cast_floating_inputs(args, kwargs, self.settings.input_dtype)
+        return self._inputs(unit, args, kwargs, cast_any, recompute=False)
+
+    def _pre_recompute(self, unit: Unit, args: Any, kwargs: Any) -> Any:
+        """[Note: recomputation] a unit's forward replayed inside backward: the forward's units check acted on
+        first, the unit gathered (a deferred prefetch goes out before, [Note: reduction-gated prefetch]); no listener
+        hears of it, nothing is prefetched and the inputs are the first forward's, already cast."""
+        self._resolve_units_check()
+        if unit is self.root:
+            self.current.enter_root(True)
+        if self.current.gated is not None and self._forward_gathers(unit, recompute=True):
+            self._open_gate()
+        unit.before_compute()
+        return self._inputs(unit, args, kwargs, False, recompute=True)
+
+    def _inputs(self, unit: Unit, args: Any, kwargs: Any, cast_any: bool, recompute: bool) -> Any:
+        """What a pre-forward returns: the inputs that carry the unit's end signal with grad ([Note: backward end]),
+        or the cast ones, or None where neither changed them."""
         if unit.sparse_lookup:
             cast(Any, unit.spec.module).sparse = True  # [Note: sparse lookup gradients]; switched back after forward
-        cast_any = False
-        if unit is self.root and not recompute and self.settings.input_dtype is not None:
-            args, kwargs, cast_any = cast_floating_inputs(args, kwargs, self.settings.input_dtype)
         if not torch.is_grad_enabled():
             return (args, kwargs) if cast_any else None
         args, kwargs, wrapped = self._carry_end_signal(unit, args, kwargs)
