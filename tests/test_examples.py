@@ -256,6 +256,9 @@ def test_dpo_at_stage_3_matches_stock_dpo_trainer_under_ddp(assets, tmp_path, st
         np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+# the slow tier (37 s on 2 cores: two `accelerate launch`es importing TRL): ranks that end their generations at
+# different steps are in tests/test_sharded_model.py, TRL's trainers in the main tier through the SFT example
+@pytest.mark.slow
 def test_grpo_at_stage_3_matches_stock_grpo_trainer_under_ddp(tmp_path):
     """TRL's GRPOTrainer (online RL) with hf_zero mixed in against TRL's stock GRPOTrainer under DDP, both under
     `accelerate launch` on 2 processes: every step generates on the sharded model (ranks ending their completions
