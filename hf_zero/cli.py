@@ -16,6 +16,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from . import __version__
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -317,9 +319,8 @@ def _merge_adapter(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero command-line tools.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_consolidate(sub: Any) -> None:
+    """`hf-zero consolidate CHECKPOINT OUTPUT`."""
     c = sub.add_parser(
         "consolidate",
         help="write a sharded hf_zero checkpoint as a from_pretrained directory (offline, bounded memory)",
@@ -344,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
         "files): same-named files are replaced. Without it such an OUTPUT is refused and left as it is",
     )
     c.set_defaults(func=_consolidate)
+
+
+def _add_merge_adapter(sub: Any) -> None:
+    """`hf-zero merge-adapter ADAPTER BASE OUTPUT`."""
     m = sub.add_parser(
         "merge-adapter",
         help="write a base model with a LoRA adapter merged in, as a from_pretrained directory (offline, one tensor "
@@ -356,12 +361,22 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-shard-size", default="5GB", help="largest weight file (default 5GB)")
     m.add_argument("--overwrite", action="store_true", help="write into OUTPUT even where it holds other files")
     m.set_defaults(func=_merge_adapter)
+
+
+def _add_leftovers(sub: Any) -> None:
+    """`hf-zero leftovers RUN_DIR`."""
     left = sub.add_parser(
-        "leftovers", help="list (and --remove) what killed saves left under a run folder ([Note: leftovers])"
+        "leftovers",
+        help="list (and --remove) the temporary files and folders that killed or interrupted saves left under a "
+        "run folder",
     )
     left.add_argument("run_dir", help="a run's output folder (the Trainer's output_dir)")
     left.add_argument("--remove", action="store_true", help="delete them")
     left.set_defaults(func=_leftovers)
+
+
+def _add_preemptible(sub: Any) -> None:
+    """`hf-zero preemptible OUTPUT_DIR -- COMMAND`."""
     pre = sub.add_parser(
         "preemptible",
         help="run a launch command; exit 75 when the job was preempted with a complete checkpoint (requeue on it)",
@@ -370,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("command_line", nargs=argparse.REMAINDER, help="-- then the launch command")
     pre.set_defaults(func=_preemptible)
 
+
+def _add_from_deepspeed(sub: Any) -> None:
+    """`hf-zero from-deepspeed CONFIG`."""
     peer = sub.add_parser(
         "from-deepspeed",
         help="translate a DeepSpeed config (or, with --fsdp, an accelerate config with the FSDP plugin) into "
@@ -379,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--fsdp", action="store_true", help="CONFIG is an accelerate config YAML with fsdp_config")
     peer.set_defaults(func=_from_peer)
 
+
+def _add_estimate(sub: Any) -> None:
+    """`hf-zero estimate MODEL`: memory per device, or step time with `--time`."""
     e = sub.add_parser(
         "estimate",
         help="memory per device and per node for every stage and offload setting, and the configuration to use",
@@ -452,6 +473,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--intra-node-gbps", type=float, default=None, help="override the bus bandwidth in a node (GB/s)")
     t.add_argument("--inter-node-gbps", type=float, default=None, help="override the bandwidth per device across nodes")
     e.set_defaults(func=_estimate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf-zero` parser: one subcommand per tool."""
+    parser = argparse.ArgumentParser(
+        prog="hf-zero",
+        description="hf_zero's tools: plan a run (estimate, from-deepspeed), turn its checkpoints into models "
+        "(consolidate, merge-adapter), and keep long jobs safe (preemptible, leftovers).",
+        epilog="Run `hf-zero COMMAND --help` for a command's options. Docs: docs/guide.md.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_estimate,
+        _add_from_deepspeed,
+        _add_consolidate,
+        _add_merge_adapter,
+        _add_preemptible,
+        _add_leftovers,
+    ):
+        add(sub)
     return parser
 
 

@@ -195,3 +195,18 @@ def test_initialize_logs_one_startup_line_on_rank_0(pools, stage):
     assert line.startswith(f"hf_zero: ZeRO stage {stage} on 2 rank(s) (cpu, gloo), ") and "parameters" in line, line
     with_adam = float(re.search(r"([\d.]+) MiB with Adam's state", line).group(1))
     assert with_adam == pytest.approx(results[0]["after_step"] / 2**20, abs=0.05), line
+
+
+def test_the_command_line_says_its_version_and_lists_each_tool_once():
+    """`hf-zero --version` and `hf-zero --help`: the version the package declares, each subcommand listed with its
+    help, no internal note names in what a user reads."""
+    from tests._cli import run_cli
+
+    done = run_cli(["--version"])
+    assert done.returncode == 0 and done.stdout.strip() == f"hf-zero {hf_zero.__version__}"
+    done = run_cli(["--help"])
+    assert done.returncode == 0
+    for command in ("estimate", "from-deepspeed", "consolidate", "merge-adapter", "preemptible", "leftovers"):
+        assert f"\n    {command} " in done.stdout, command
+        assert run_cli([command, "--help"]).returncode == 0
+    assert "[Note:" not in done.stdout
