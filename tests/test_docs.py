@@ -64,3 +64,16 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     for name in hf_zero.__all__:
         assert name in api, name
+
+
+# Phrases of a changelog or of one machine's session, not of a page that says what the library does: "Before: ..."
+# (what a fix replaced), "silently; now ..." (a story of a fix), "this CPU" / "this machine" / "this VM" (whose?).
+HISTORY = re.compile(r"\bBefore[:,] |; before, |\(before[:,] |here before|\bthis (?:CPU|VM|machine)\b|\bis now refused\b")
+
+
+def test_user_pages_say_what_is_not_what_was():
+    """README.md and docs/: what each behaviour is, with the measuring machine named beside a figure, not the history
+    of a fix or "this machine" (the reader's is another)."""
+    found = [f"{page.relative_to(ROOT)}:{n}: {m.group(0)!r}" for page in PAGES
+             for n, line in enumerate(page.read_text().splitlines(), 1) for m in HISTORY.finditer(line)]
+    assert not found, "\n".join(found)
