@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast, overload
 
@@ -181,12 +182,14 @@ def initialize(
     refuse_models_that_differ(model, world)
     if source is not None:
         refuse_weights_that_differ(fingerprint, str(source.directory), world)
+    started = time.perf_counter()
     engine = ZeroEngine(model, specs, cfg, world, compute, source)
     if source is not None:  # [Note: read errors] in checkpoint/pretrained.py
         raise_if_any_failed(source.error, world, f"hf_zero.initialize (reading {source.directory})")
     attach(model, engine)
     if world.rank == 0 and logger.isEnabledFor(logging.INFO):
-        logger.info(startup_line(engine, specs))
+        read = None if source is None else (source.bytes_read, time.perf_counter() - started)
+        logger.info(startup_line(engine, specs, read))
     keep_fused_loss_head_gathered(model)
     if cfg.sequence_parallel > 1:  # [Note: sequence parallelism]
         from .features import sequence_parallel as sequence
@@ -199,9 +202,10 @@ def initialize(
     return model, shard_optimizers(optimizer, engine)
 
 
-def startup_line(engine: ZeroEngine, specs: list[UnitSpec]) -> str:
-    """The one line `initialize` logs on rank 0: what was set up, and the model-state memory per rank that an
-    Adam-style optimizer brings at its first step (`hf-zero estimate`'s count, exact against the engine's)."""
+def startup_line(engine: ZeroEngine, specs: list[UnitSpec], read: tuple[int, float] | None = None) -> str:
+    """The one line `initialize` logs on rank 0: what was set up, the model-state memory per rank that an
+    Adam-style optimizer brings at its first step (`hf-zero estimate`'s count, exact against the engine's), and,
+    given `read` (bytes, seconds), how fast rank 0 filled its shards from the weight files."""
     from .estimate import model_states
 
     config = engine.config
@@ -219,7 +223,15 @@ def startup_line(engine: ZeroEngine, specs: list[UnitSpec]) -> str:
         f"{str(engine.param_dtype).removeprefix('torch.')}"
         + (f", {offload} offloaded{where}" if offload else "")
         + f"; model states per rank: {_size(engine.memory().total())} now, {_size(adam)} with Adam's state"
+        + (_read_figure(*read) if read is not None else "")
     )
+
+
+def _read_figure(nbytes: int, seconds: float) -> str:
+    """How fast rank 0 filled its shards from the weight files (the reads, the casts and the first touch of its
+    masters), for the start-up line."""
+    rate = nbytes / max(seconds, 1e-9)
+    return f"; weights read on rank 0: {_size(nbytes)} in {seconds:.1f} s ({_size(int(rate))}/s)"
 
 
 def _count(n: int) -> str:

@@ -19,3 +19,13 @@ def startup_and_first_step(stage: int) -> dict[str, Any]:
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     return {"records": records, "after_step": hf_zero.model_state_memory(model).total()}
+
+
+def startup_of_a_load(directory: str) -> dict[str, Any]:
+    """`hf_zero.from_pretrained` of `directory` at stage 3 (capturing the log records): the records and this rank's
+    parameter shards' bytes."""
+    from transformers import AutoModelForCausalLM
+
+    with hf_zero_records() as records:
+        model, _ = hf_zero.from_pretrained(AutoModelForCausalLM, directory, hf_zero.ZeroConfig(stage=3))
+    return {"records": records, "shards": hf_zero.model_state_memory(model).total()}

@@ -68,7 +68,7 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
 
 # Phrases of a changelog or of one machine's session, not of a page that says what the library does: "Before: ..."
 # (what a fix replaced), "silently; now ..." (a story of a fix), "this CPU" / "this machine" / "this VM" (whose?).
-HISTORY = re.compile(r"\bBefore[:,] |; before, |\(before[:,] |here before|\bthis (?:CPU|VM|machine)\b|\bis now refused\b")
+HISTORY = re.compile(r"\bBefore[:,] |; before, |\(before[:,] |here before|\bthis (?:CPU|VM|machine)\b|\bis now refused\b|\b\w+th session\b")
 
 
 def test_user_pages_say_what_is_not_what_was():

@@ -210,3 +210,20 @@ def test_the_command_line_says_its_version_and_lists_each_tool_once():
         assert f"\n    {command} " in done.stdout, command
         assert run_cli([command, "--help"]).returncode == 0
     assert "[Note:" not in done.stdout
+
+
+def test_the_startup_line_of_a_load_says_how_fast_rank_0_read_its_weights(pools, tmp_path):
+    """`hf_zero.from_pretrained`: the start-up line adds the bytes rank 0 filled its shards with from the weight
+    files and the time it took (a figure on the longest part of a start); `initialize` without files adds none."""
+    import re
+
+    from tests import _startup_cases
+
+    make_model("llama_8").save_pretrained(tmp_path / "base")  # fp32 files: the shards' own bytes
+    results = pools(2).values(_startup_cases.startup_of_a_load, str(tmp_path / "base"))
+    assert results[1]["records"] == []
+    (line,) = results[0]["records"]
+    found = re.search(r"; weights read on rank 0: ([\d.]+) MiB in ([\d.]+) s \(([\d.]+) (MiB|GiB)/s\)$", line)
+    assert found, line
+    assert float(found.group(1)) == pytest.approx(results[0]["shards"] / 2**20, abs=0.051), line
+    assert "weights read" not in pools(2).values(_startup_cases.startup_and_first_step, 3)[0]["records"][0]

@@ -228,6 +228,7 @@ class PretrainedSource:
             self._params[name] = p
         self._prefix = f"{getattr(model, 'base_model_prefix', '') or ''}."  # [Note: names in the files]
         self.error: Exception | None = None  # [Note: read errors] the first read that failed
+        self.bytes_read = 0  # the bytes of this rank's shards filled so far (in the files' dtypes)
 
     def fingerprint(self) -> int:
         """[Note: the same model on every rank] A digest of the weight files' sizes and of their first and last
@@ -384,6 +385,7 @@ class PretrainedSource:
         out[covered - lo : hi - lo].zero_()
         for start, end, staged in self._staged(layout, params, shard_rank):
             out[start - lo : end - lo].copy_(staged)  # the cast, beside the next unit's reads
+            self.bytes_read += staged.nbytes
 
     def _staged(self, layout: FlatLayout, params: tuple[nn.Parameter, ...], shard_rank: int) -> list[_Staged]:
         """This unit's ranges read: by the thread when it is the planned next one (whose successor's reads start
