@@ -450,3 +450,21 @@ def lora_checkpoint_and_adapter(path: str, ckpt: str, adapter_dir: str, modules_
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROMPT)).logits
     return {"logits": logits}
+
+
+def save_and_load_logged(ckpt: str, async_save: bool) -> dict[str, Any]:
+    """A step, a save (synchronous or asynchronous, finished) and a load, the hf_zero log records of each kept."""
+    from tests._training import hf_zero_records
+
+    model = make_model("llama")
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), hf_zero.ZeroConfig(stage=3))
+    x = torch.randint(0, 100, (2, 8))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    with hf_zero_records() as saved:
+        handle = hf_zero.save_checkpoint(ckpt, model, opt, async_save=async_save)
+        if async_save:
+            handle.wait()
+    with hf_zero_records() as loaded:
+        hf_zero.load_checkpoint(ckpt, model, opt)
+    return {"saved": saved, "loaded": loaded}

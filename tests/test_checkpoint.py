@@ -103,3 +103,25 @@ def test_checkpoint_layout_is_self_describing(pools, tmp_path):
     with safe_open(str(ckpt / "optim-rank00000-of-00002.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert any(k.endswith("::exp_avg") for k in keys) and any(k.endswith("::step") for k in keys)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_and_a_load_each_log_their_size_and_time_on_rank_0(pools, tmp_path, async_save):
+    """One line on rank 0 at the end of each (for an asynchronous save, at its commit): the checkpoint's files, their
+    bytes in all (the files' sizes on disk) and the seconds it took; nothing on the other ranks."""
+    import re
+
+    from tests import _checkpoint_cases as cases
+
+    ckpt = tmp_path / "ckpt"
+    results = pools(2).values(cases.save_and_load_logged, str(ckpt), async_save)
+    assert results[1] == {"saved": [], "loaded": []}
+    manifest = json.loads((ckpt / "hf_zero_manifest.json").read_text())
+    on_disk = sum((ckpt / name).stat().st_size for name in manifest["files"])
+    for verb in ("saved", "loaded"):
+        (line,) = results[0][verb]
+        found = re.fullmatch(rf"hf_zero: {verb} {re.escape(str(ckpt))} \(([\d.]+) MiB in (\d+) files from 2 ranks\) "
+                             r"in [\d.]+ s, [\d.]+ (MiB|GiB)/s", line)
+        assert found, line
+        assert int(found.group(2)) == len(manifest["files"])
+        assert float(found.group(1)) == pytest.approx(on_disk / 2**20, abs=0.051), line

@@ -145,6 +145,17 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
+    def figure(self, verb: str, directory: str | os.PathLike[str], seconds: float) -> str:
+        """The line rank 0 logs at the end of a save or a load (`verb`: "saved", "loaded"): the checkpoint's
+        files in all, their bytes and the time it took, e.g. `hf_zero: saved ckpt (2.3 GiB in 5 files from 2
+        ranks) in 1.4 s, 1.6 GiB/s`."""
+        size = sum(entry.bytes for entry in self.files.values())
+        rate = size / max(seconds, 1e-9)
+        return (
+            f"hf_zero: {verb} {directory} ({_size(size)} in {len(self.files)} files from {self.world_size} ranks) "
+            f"in {seconds:.1f} s, {_size(int(rate))}/s"
+        )
+
     @staticmethod
     def read(directory: str | os.PathLike[str]) -> Manifest:
         """Read and check a checkpoint's manifest.
@@ -365,3 +376,7 @@ def last_complete_checkpoint(
         if match and (child / subdir / MANIFEST).is_file() and all((child / f).exists() for f in also_required):
             found.append((int(match.group(1)), child))
     return max(found)[1] if found else None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

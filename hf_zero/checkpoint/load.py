@@ -10,8 +10,10 @@ the optimizer state first, the masters last, once a copy of them is held ([Note:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,8 @@ from .reader import FileCache, read_pieces
 from .sequential import RangeReads
 
 Staged = list[tuple[Piece, dict[str, Any], set[str]]]  # an optimizer's state read ahead: (piece, state, flat keys)
+
+logger = logging.getLogger(__name__)
 
 
 def load_checkpoint(
@@ -94,6 +98,7 @@ def load_checkpoint(
     >>> start_step = meta["step"]
     ```
     """
+    started = time.perf_counter()
     engine = facade_of(model)
     engine.begin_call(Call.LOAD_CHECKPOINT)  # [Note: call order]
     finish_previous(engine)  # [Note: asynchronous save]: a checkpoint being written is read once committed
@@ -161,6 +166,8 @@ def load_checkpoint(
     if "loss_scale" in manifest.engine:
         engine.set_loss_scale(float(manifest.engine["loss_scale"]))
     engine.zero_grad()
+    if engine.world.rank == 0:
+        logger.info(manifest.figure("loaded", directory, time.perf_counter() - started))
     return dict(manifest.user)
 
 

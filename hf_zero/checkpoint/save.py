@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -117,6 +118,7 @@ def save_checkpoint(
     engine = facade_of(model)
     engine.begin_call(Call.SAVE_CHECKPOINT)  # [Note: call order]
     world = engine.world
+    started = time.perf_counter()
     target = Path(path)
     with agreement(world, "hf_zero.save_checkpoint"):  # arguments may differ between ranks: agree first
         optimizers = sharded_list(optimizer, "save_checkpoint")
@@ -158,7 +160,7 @@ def save_checkpoint(
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
     if not async_save:
-        _commit(world, staging, target, token, manifest)
+        _commit(world, staging, target, token, manifest, started)
         return target
     group = checkpoint_group(engine)
 
@@ -172,7 +174,7 @@ def save_checkpoint(
         _raise_if_failed(failure, group, staging, "write its shards to", target)
         merged = {k: v for rec in gather_objects(files, group) for k, v in rec["files"].items()}
         done = None if manifest is None else replace(manifest, files={k: FileEntry(**v) for k, v in merged.items()})
-        _commit(group, staging, target, token, done)
+        _commit(group, staging, target, token, done, started)
 
     handle = chain(engine, target, write_and_commit)  # the previous one is finished: it starts at once
     if taken is not None:
@@ -188,8 +190,11 @@ def save_checkpoint(
     return handle
 
 
-def _commit(world: CommGroup, staging: Path, target: Path, token: str, manifest: Manifest | None) -> None:
-    """Rank 0 writes the manifest (last) and swaps the staging folder into place; every rank agrees on it."""
+def _commit(
+    world: CommGroup, staging: Path, target: Path, token: str, manifest: Manifest | None, started: float
+) -> None:
+    """Rank 0 writes the manifest (last) and swaps the staging folder into place; every rank agrees on it. Rank 0
+    logs the checkpoint's size and the time since the call (`started`, a `time.perf_counter()`)."""
     with agreement(world, f"hf_zero.save_checkpoint (commit of {target}; nothing was replaced)"):
         if world.rank == 0:
             try:
@@ -200,6 +205,8 @@ def _commit(world: CommGroup, staging: Path, target: Path, token: str, manifest:
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
+    if world.rank == 0 and manifest is not None:
+        logger.info(manifest.figure("saved", target, time.perf_counter() - started))
 
 
 def _check_async(async_save: object, budget: object) -> None:
