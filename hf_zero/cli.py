@@ -497,7 +497,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Optional packages' import-time notes, not about the command: torchao's "Failed to load ..._C_*.so" for GPU
+# kernels a CPU machine cannot load and torch's pytree deprecation per enum it registers; bitsandbytes' missing CPU
+# kernels. Harmless, but they read as errors above a table. Set to ERROR unless the user configured them.
+_IMPORT_NOTES = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops")
+
+
+def _quiet_import_notes() -> None:
+    import logging
+
+    for name in _IMPORT_NOTES:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_import_notes()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
