@@ -55,10 +55,11 @@ class Program:
     blocks: int = 3
     batchnorm: bool = False
     tie: bool = False
-    optimizer: str = "adamw"  # adamw | sgd | adam_amsgrad | rmsprop
+    optimizer: str = "adamw"  # adamw | sgd | adam_amsgrad | rmsprop | adafactor (whole parameters, each on its owner)
     scheduler: bool = False
-    offload: str = "none"  # none | optimizer | params
+    offload: str = "none"  # none | optimizer | params | disk (optimizer state and masters in files)
     prefetch: int = 1
+    bucket_mb: int = 0  # ZeroConfig.bucket_size_mb: 0, a bucket per unit; 25, every unit of this model in one
     ops: tuple[tuple[Any, ...], ...] = ()
     frozen: tuple[int, ...] = ()  # blocks frozen before the model is wrapped (unfrozen later by a `freeze` op)
     amp: bool = False  # steps through torch.amp.GradScaler (scale, unscale_ before clipping, step, update)
@@ -96,7 +97,7 @@ def draw(seed: int) -> Program:
             ops.append((kind,))
     if not any(op[0] == "step" for op in ops):
         ops.append(("step", 2, True, None, True))
-    return Program(
+    program = Program(
         seed=seed,
         blocks=blocks,
         batchnorm=rng.random() < 0.4,
@@ -108,6 +109,14 @@ def draw(seed: int) -> Program:
         ops=tuple(ops),
         frozen=(rng.randrange(blocks),) if rng.random() < 0.25 else (),
         amp=rng.random() < 0.25,
+    )
+    # drawn after the settings above, so that a seed keeps what it drew before these were added
+    whole, disk, bucket = rng.random() < 0.15, rng.random() < 0.15, rng.random() < 0.3
+    return dataclasses.replace(
+        program,
+        optimizer="adafactor" if whole else program.optimizer,
+        offload="disk" if disk else program.offload,
+        bucket_mb=25 if bucket else 0,
     )
 
 
@@ -127,6 +136,8 @@ def _optimizer(program: Program, params: Any) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=0.01, amsgrad=True)
     if program.optimizer == "rmsprop":
         return torch.optim.RMSprop(params, lr=0.005, momentum=0.5)
+    if program.optimizer == "adafactor":  # reads each parameter's shape: stepped whole, on the rank that owns it
+        return torch.optim.Adafactor(params, lr=0.01)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
@@ -143,10 +154,12 @@ def _batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.
     return (torch.randn(4, D_IN, generator=g) * (1 + rank)).to(dtype), torch.randn(4, D_OUT, generator=g).to(dtype)
 
 
-def _config(program: Program, stage: int) -> hf_zero.ZeroConfig:
+def _config(program: Program, stage: int, scratch: str) -> hf_zero.ZeroConfig:
+    """`scratch`: a folder of this run's own, where `offload="disk"` keeps its files."""
     return hf_zero.ZeroConfig(
-        stage=stage, wrap=("Block",), bucket_size_mb=0, prefetch=program.prefetch,
+        stage=stage, wrap=("Block",), bucket_size_mb=program.bucket_mb, prefetch=program.prefetch,
         offload_optimizer=program.offload != "none", offload_params=program.offload == "params" and stage == 3,
+        offload_dir=f"{scratch}/offload" if program.offload == "disk" else None,
     )
 
 
@@ -244,11 +257,11 @@ def _freeze_at_start(program: Program, model: nn.Module) -> None:
             p.requires_grad_(False)
 
 
-def _sharded(program: Program, stage: int, resumed: bool = False) -> _Run:
+def _sharded(program: Program, stage: int, scratch: str, resumed: bool = False) -> _Run:
     model = _model(program)
     if not resumed:
         _freeze_at_start(program, model)
-    model, opt = hf_zero.initialize(model, _optimizer(program, model.parameters()), _config(program, stage))
+    model, opt = hf_zero.initialize(model, _optimizer(program, model.parameters()), _config(program, stage, scratch))
     return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype),
                 _scaler(program))
 
@@ -259,7 +272,8 @@ def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
     hf_zero.save_checkpoint(directory, run.model, run.opt, metadata={"scaler": scaler_state})
     frozen = [name for name, p in run.inner.named_parameters() if not p.requires_grad]
     sched_state = run.sched.state_dict() if run.sched is not None else None
-    fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage, resumed=True)  # the load must win
+    fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage, f"{directory}-resumed", resumed=True)
+    # (another seed: the load must win)
     meta = hf_zero.load_checkpoint(directory, fresh.model, fresh.opt)
     if fresh.scaler is not None:
         fresh.scaler.load_state_dict(meta["scaler"])
@@ -272,7 +286,7 @@ def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
 
 
 def _run_sharded(program: Program, stage: int, rank: int, directory: str) -> tuple[dict, dict]:
-    run = _sharded(program, stage)
+    run = _sharded(program, stage, directory)
     for step, op in enumerate(program.ops):
         if op[0] == "resume":
             run = _resume(run, program, op[1], f"{directory}/step{step}")
@@ -364,7 +378,7 @@ def is_silent(outcome: str) -> bool:
 def shrink(program: Program, fails: Any) -> Program:
     """The smallest program found, removing operations and simplifying settings, for which `fails(program)` holds."""
     simpler = [dict(amp=False), dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
-               dict(prefetch=1), dict(optimizer="adamw")]
+               dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0)]
     changed = True
     while changed:
         changed = False

@@ -60,6 +60,14 @@ def grad_scaler_overflow_on_one_rank_with_clipping(loop: Loop) -> None:
         loop.opt.zero_grad()
 
 
+@scenario(adafactor=True)
+def grad_scaler_overflow_with_a_whole_parameter_optimizer(loop: Loop) -> None:
+    """The same with torch's Adafactor, which hf_zero steps on whole parameters, each on the rank that owns it
+    ([Note: whole-parameter step]): the gradient shards are unscaled and checked before its step gathers them
+    whole, so an overflow on one rank skips every rank's step (it was refused)."""
+    grad_scaler_overflow_on_one_rank_with_clipping(loop)
+
+
 # ---- a GradScaler's state through a checkpoint ------------------------------------------------------------------
 def grad_scaler_resumed(stage: int, path: str) -> dict[str, Any]:
     """4 steps with a GradScaler (overflow at step 1 on rank 1's head.bias gradient: every rank skips and halves),

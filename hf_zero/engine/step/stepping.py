@@ -238,15 +238,11 @@ class OptimizerSteps:
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor
     ) -> dict[torch.device, torch.Tensor]:
         """[Note: grad scaler] in amp.py: `optimizer`'s gradient shards multiplied by `inv_scale`, and `found_inf`
-        set where any rank's hold an inf or NaN (the same on every rank); the scaler's record of it."""
+        set where any rank's hold an inf or NaN (the same on every rank); the scaler's record of it. An optimizer
+        on the whole-parameter path ([Note: whole-parameter step]) has its parameters' gradient shards unscaled
+        here, before its step gathers them whole on their owners."""
         engine = self.engine
         entry = self.attached_to(optimizer)
-        if entry is not None and entry.whole is not None:
-            raise ValueError(
-                "hf_zero: torch.amp.GradScaler with an optimizer that steps whole parameters (Adafactor, Muon, ... "
-                "[Note: whole-parameter step]) is not supported: its gradients are gathered whole on their owners "
-                "inside the step. Use ZeroConfig(mixed_precision='fp16') (loss scaling by the engine) or bf16."
-            )
         if engine.scaler is not None:
             raise ValueError(
                 "hf_zero: torch.amp.GradScaler together with ZeroConfig(mixed_precision='fp16'), which scales the "
@@ -256,11 +252,19 @@ class OptimizerSteps:
             )
         engine.refresh_masters()  # the reductions landed in the shards
         used = self._round()
-        held = {id(t) for group in optimizer.param_groups for t in group["params"]}
+        whole = entry is not None and entry.whole is not None
+        if whole and entry is not None:  # the model parameters it steps, whole on their owners
+            held = {id(p) for group in entry.groups for p in group}
+        else:  # the pieces of this rank's shards in its param groups
+            held = {id(t) for group in optimizer.param_groups for t in group["params"]}
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for piece in engine.pieces:
             if not used or not used[id(piece.part)][piece.slot_index] or piece.part.grads.is_zero:
                 continue  # no gradient anywhere (None under DDP), or the unit got no reduction (zeros)
+            if whole:
+                if id(piece.param) in held:
+                    by_device.setdefault(piece.grad.device, []).append(piece.grad)
+                continue
             for t, (a, b) in zip(piece.optim_params, piece.bounds):
                 if id(t) in held:
                     grad = piece.grad[a:b]
