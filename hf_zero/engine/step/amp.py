@@ -10,8 +10,10 @@ they all skip and move the scale alike. A sharded optimizer's tensors are pieces
 `.grad` the reduced gradient shards: an inf lands in one rank's shard only. So `install()` (when hf_zero is
 imported) gives `_unscale_grads_` a way through for a sharded optimizer: its pieces' gradient shards are
 unscaled and checked, and the flag is agreed over every rank (a max) before the scaler reads it, so every rank
-skips or steps together and its scale moves as DDP's does. Optimizers that are not sharded go to torch's own
-code unchanged.
+skips or steps together and its scale moves as DDP's does. An optimizer stepped on whole parameters ([Note:
+whole-parameter step] in whole.py) holds no pieces: its model parameters' gradient shards are unscaled instead,
+before its step gathers them whole on their owners. Optimizers that are not sharded go to torch's own code
+unchanged.
 """
 
 from __future__ import annotations
