@@ -16,9 +16,12 @@ Each rank uses the GPU of its `LOCAL_RANK`.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import queue
+import signal
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 ENV_VAR = "HF_ZERO_TEST_DEVICE"
+STACKS_SIGNAL = signal.SIGUSR1  # a worker prints every thread's stack on it (`DistPool.run` past its timeout)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, tim
     )
     if placement.device == "cpu":
         os.environ["ACCELERATE_USE_CPU"] = "true"
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a task past its timeout: every thread's stack, on stderr
     import torch
     import torch.distributed as dist
 
@@ -194,11 +199,21 @@ class DistPool:
                 results.append(self._results.get(timeout=timeout))
         except queue.Empty:
             self.broken = True
-            raise TimeoutError(f"{fn.__name__} did not finish on every rank within {timeout}s (a hang?)") from None
+            self._dump_stacks()
+            raise TimeoutError(f"{fn.__name__} did not finish on every rank within {timeout}s (a hang?); the "
+                               "ranks' stacks are on stderr") from None
         results.sort(key=lambda r: r.rank)
         if len({r.ok for r in results}) > 1:
             self.broken = True
         return results
+
+    def _dump_stacks(self) -> None:
+        """Every live worker prints each thread's stack to stderr (where it waits, for a hang's diagnosis)."""
+        for rank, p in enumerate(self._procs):
+            if p.is_alive() and p.pid is not None:
+                print(f"--- rank {rank} (pid {p.pid}): stacks at the timeout ---", file=sys.stderr, flush=True)
+                os.kill(p.pid, STACKS_SIGNAL)
+                time.sleep(1.0)  # its output before the next rank's
 
     def values(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run on every rank and return the values; any rank's exception fails the test with its traceback."""
