@@ -120,7 +120,7 @@ def test_a_save_and_a_load_each_log_their_size_and_time_on_rank_0(pools, tmp_pat
     on_disk = sum((ckpt / name).stat().st_size for name in manifest["files"])
     for verb in ("saved", "loaded"):
         (line,) = results[0][verb]
-        found = re.fullmatch(rf"hf_zero: {verb} {re.escape(str(ckpt))} \(([\d.]+) MiB in (\d+) files from 2 ranks\) "
+        found = re.fullmatch(rf"hf_zero: {verb} {re.escape(str(ckpt))} \(([\d.]+) MiB in (\d+) files written by 2 ranks\) "
                              r"in [\d.]+ s, [\d.]+ (MiB|GiB)/s", line)
         assert found, line
         assert int(found.group(2)) == len(manifest["files"])

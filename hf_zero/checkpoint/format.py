@@ -147,13 +147,13 @@ class Manifest:
 
     def figure(self, verb: str, directory: str | os.PathLike[str], seconds: float) -> str:
         """The line rank 0 logs at the end of a save or a load (`verb`: "saved", "loaded"): the checkpoint's
-        files in all, their bytes and the time it took, e.g. `hf_zero: saved ckpt (2.3 GiB in 5 files from 2
-        ranks) in 1.4 s, 1.6 GiB/s`."""
+        files in all, their bytes and the time it took: `hf_zero: saved DIR (SIZE in N files written by R ranks) in
+        SECONDS s, RATE/s`."""
         size = sum(entry.bytes for entry in self.files.values())
         rate = size / max(seconds, 1e-9)
         return (
-            f"hf_zero: {verb} {directory} ({_size(size)} in {len(self.files)} files from {self.world_size} ranks) "
-            f"in {seconds:.1f} s, {_size(int(rate))}/s"
+            f"hf_zero: {verb} {directory} ({_size(size)} in {len(self.files)} files written by "
+            f"{self.world_size} ranks) in {seconds:.1f} s, {_size(int(rate))}/s"
         )
 
     @staticmethod
