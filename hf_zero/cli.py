@@ -1,12 +1,14 @@
 """The `hf-zero` command.
 
 hf-zero consolidate CKPT OUT [--dtype bf16] [--max-shard-size 5GB] [--overwrite]
+hf-zero merge-adapter ADAPTER BASE OUT [--dtype bf16] [--overwrite]
 hf-zero leftovers RUN_DIR [--remove]
 hf-zero preemptible OUTPUT_DIR -- LAUNCH COMMAND...
 hf-zero from-deepspeed DS_CONFIG_JSON | --fsdp ACCELERATE_CONFIG_YAML
 hf-zero estimate MODEL_DIR_OR_HUB_ID --world-size N [--nodes M] [--seq-len L] [--micro-batch B] [--attention sdpa]
                  [--gradient-checkpointing] [--dtype bf16] [--device-memory 80GB] [--host-memory 1TB]
                  [--disk 4TB]
+hf-zero env
 """
 
 from __future__ import annotations
@@ -475,12 +477,55 @@ def _add_estimate(sub: Any) -> None:
     e.set_defaults(func=_estimate)
 
 
+_PACKAGES = ("transformers", "accelerate", "safetensors", "peft", "trl", "bitsandbytes", "torchao", "deepspeed")
+
+
+def _env(args: argparse.Namespace) -> int:
+    """What a bug report needs: the versions, the devices and the launch this process sees (nothing imported but
+    torch)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+    import torch.distributed as dist
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    cuda = torch.cuda.is_available()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    rows = [
+        ("hf_zero", __version__),
+        ("platform", platform.platform()),
+        ("python", platform.python_version()),
+        ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
+        ("GPUs", ", ".join(gpus) or "none"),
+        ("NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else "none"),
+        ("gloo", "yes" if dist.is_gloo_available() else "no"),
+        ("CPU capability", torch.backends.cpu.get_cpu_capability()),
+        *((name, installed(name)) for name in _PACKAGES),
+        *((var, os.environ[var]) for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") if var in os.environ),
+    ]
+    print("Paste this into a bug report:\n")
+    print("\n".join(f"- {key}: {value}" for key, value in rows))
+    return 0
+
+
+def _add_env(sub: Any) -> None:
+    """`hf-zero env`."""
+    e = sub.add_parser("env", help="print the versions, devices and launch this machine has, for a bug report")
+    e.set_defaults(func=_env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `hf-zero` parser: one subcommand per tool."""
     parser = argparse.ArgumentParser(
         prog="hf-zero",
         description="hf_zero's tools: plan a run (estimate, from-deepspeed), turn its checkpoints into models "
-        "(consolidate, merge-adapter), and keep long jobs safe (preemptible, leftovers).",
+        "(consolidate, merge-adapter), keep long jobs safe (preemptible, leftovers), and report a bug (env).",
         epilog="Run `hf-zero COMMAND --help` for a command's options. Docs: docs/guide.md.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -492,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_merge_adapter,
         _add_preemptible,
         _add_leftovers,
+        _add_env,
     ):
         add(sub)
     return parser

@@ -206,7 +206,7 @@ def test_the_command_line_says_its_version_and_lists_each_tool_once():
     assert done.returncode == 0 and done.stdout.strip() == f"hf-zero {hf_zero.__version__}"
     done = run_cli(["--help"])
     assert done.returncode == 0
-    for command in ("estimate", "from-deepspeed", "consolidate", "merge-adapter", "preemptible", "leftovers"):
+    for command in ("estimate", "from-deepspeed", "consolidate", "merge-adapter", "preemptible", "leftovers", "env"):
         assert f"\n    {command} " in done.stdout, command
         assert run_cli([command, "--help"]).returncode == 0
     assert "[Note:" not in done.stdout
@@ -227,3 +227,20 @@ def test_the_startup_line_of_a_load_says_how_fast_rank_0_read_its_weights(pools,
     assert found, line
     assert float(found.group(1)) == pytest.approx(results[0]["shards"] / 2**20, abs=0.051), line
     assert "weights read" not in pools(2).values(_startup_cases.startup_and_first_step, 3)[0]["records"][0]
+
+
+def test_the_env_command_prints_what_a_bug_report_needs(monkeypatch):
+    """`hf-zero env`: hf_zero's and torch's versions, the devices, each integration's version (or "not installed")
+    and the launch variables this process sees."""
+    from importlib.metadata import version
+
+    from tests._cli import run_cli
+
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    done = run_cli(["env"])
+    assert done.returncode == 0, done.stderr
+    lines = dict(line[2:].split(": ", 1) for line in done.stdout.splitlines() if line.startswith("- "))
+    assert lines["hf_zero"] == hf_zero.__version__ and lines["torch"].startswith(torch.__version__)
+    assert lines["transformers"] == version("transformers") and lines["WORLD_SIZE"] == "16"
+    assert lines["gloo"] == "yes" and lines["GPUs"] == ("none" if not torch.cuda.is_available() else lines["GPUs"])
+    assert {"accelerate", "safetensors", "peft", "trl", "bitsandbytes", "NCCL", "CPU capability"} <= lines.keys()
