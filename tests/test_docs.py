@@ -77,3 +77,15 @@ def test_user_pages_say_what_is_not_what_was():
     found = [f"{page.relative_to(ROOT)}:{n}: {m.group(0)!r}" for page in PAGES
              for n, line in enumerate(page.read_text().splitlines(), 1) for m in HISTORY.finditer(line)]
     assert not found, "\n".join(found)
+
+
+def test_the_command_line_page_lists_every_subcommand():
+    """docs/cli.md has a row for each `hf-zero` subcommand the parser knows (a new one cannot go unlisted)."""
+    import argparse
+
+    from hf_zero.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    page = (ROOT / "docs" / "cli.md").read_text()
+    missing = [name for name in sub.choices if not re.search(rf"^\| `hf-zero {re.escape(name)}[ `]", page, re.M)]
+    assert not missing, missing
