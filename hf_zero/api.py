@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast, overload
 import torch
 from torch import nn
 
+from .checkpoint.format import format_size
 from .checkpoint.pretrained import Conversions, PretrainedSource
 from .config import ZeroConfig
 from .engine.checks.same_model import refuse_configs_that_differ, refuse_models_that_differ, refuse_weights_that_differ
@@ -222,7 +223,7 @@ def startup_line(engine: ZeroEngine, specs: list[UnitSpec], read: tuple[int, flo
         f"{len(engine.units)} units, {_count(total)} parameters{trainable}, compute "
         f"{str(engine.param_dtype).removeprefix('torch.')}"
         + (f", {offload} offloaded{where}" if offload else "")
-        + f"; model states per rank: {_size(engine.memory().total())} now, {_size(adam)} with Adam's state"
+        + f"; model states per rank: {format_size(engine.memory().total())} now, {format_size(adam)} with Adam's state"
         + (_read_figure(*read) if read is not None else "")
     )
 
@@ -231,15 +232,11 @@ def _read_figure(nbytes: int, seconds: float) -> str:
     """How fast rank 0 filled its shards from the weight files (the reads, the casts and the first touch of its
     masters), for the start-up line."""
     rate = nbytes / max(seconds, 1e-9)
-    return f"; weights read on rank 0: {_size(nbytes)} in {seconds:.1f} s ({_size(int(rate))}/s)"
+    return f"; weights read on rank 0: {format_size(nbytes)} in {seconds:.1f} s ({format_size(int(rate))}/s)"
 
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _file_conversions(model: nn.Module) -> Conversions | None:

@@ -152,8 +152,8 @@ class Manifest:
         size = sum(entry.bytes for entry in self.files.values())
         rate = size / max(seconds, 1e-9)
         return (
-            f"hf_zero: {verb} {directory} ({_size(size)} in {len(self.files)} files written by "
-            f"{self.world_size} ranks) in {seconds:.1f} s, {_size(int(rate))}/s"
+            f"hf_zero: {verb} {directory} ({format_size(size)} in {len(self.files)} files written by "
+            f"{self.world_size} ranks) in {seconds:.1f} s, {format_size(int(rate))}/s"
         )
 
     @staticmethod
@@ -378,5 +378,6 @@ def last_complete_checkpoint(
     return max(found)[1] if found else None
 
 
-def _size(n: int) -> str:
+def format_size(n: int) -> str:
+    """`n` bytes as a person reads them in a log line: GiB from one GiB on, else MiB."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
