@@ -5,8 +5,11 @@ A `Program` is a model (blocks, an optional BatchNorm, optionally a tied weight)
 engine settings (offload, prefetch) and a list of operations between steps: training steps of 1-3 micro-batches
 (the first ones under `no_sync` or not), clipping by torch's `clip_grad_norm_` (2, 1, inf) or `clip_grad_value_`,
 `zero_grad(set_to_none=...)`, freezing and unfreezing a block, evaluation forwards, a forward without grad in train
-mode, a learning-rate change, and a checkpoint saved and resumed into a fresh model at another stage. Every program
-is made from its seed (`draw`), so a seed names it.
+mode, a learning-rate change, and a checkpoint saved and resumed into a fresh model at another stage. A step's
+forwards are plain, or skip a block (on every rank), or run block 0 twice, or recompute every block in backward
+(activation checkpointing), or add the otherwise unused spare head; the optimizer's parameters are one group,
+or the Trainer's two (no weight decay on biases and norms), or a group per block with its own learning rate. Every
+program is made from its seed (`draw`), so a seed names it.
 
 `run_program` runs one program on every rank of a pool: under `DistributedDataParallel` (its defaults,
 `find_unused_parameters=True`), then under hf_zero at each stage, from the same weights and data. The outcome of a
@@ -60,9 +63,10 @@ class Program:
     offload: str = "none"  # none | optimizer | params | disk (optimizer state and masters in files)
     prefetch: int = 1
     bucket_mb: int = 0  # ZeroConfig.bucket_size_mb: 0, a bucket per unit; 25, every unit of this model in one
-    ops: tuple[tuple[Any, ...], ...] = ()
+    ops: tuple[tuple[Any, ...], ...] = ()  # a step: ("step", micros, no_sync, clip, set_to_none[, forward])
     frozen: tuple[int, ...] = ()  # blocks frozen before the model is wrapped (unfrozen later by a `freeze` op)
     amp: bool = False  # steps through torch.amp.GradScaler (scale, unscale_ before clipping, step, update)
+    groups: str = "one"  # one | decay (the Trainer's: none on biases and norms) | blocks (a learning rate per block)
     dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
 
     def to_json(self) -> str:
@@ -112,12 +116,33 @@ def draw(seed: int) -> Program:
     )
     # drawn after the settings above, so that a seed keeps what it drew before these were added
     whole, disk, bucket = rng.random() < 0.15, rng.random() < 0.15, rng.random() < 0.3
+    # and these after those
+    groups = rng.choice(("one", "one", "decay", "blocks"))
+    forwards = [op + (_draw_forward(rng, blocks),) if op[0] == "step" else op for op in program.ops]
     return dataclasses.replace(
         program,
         optimizer="adafactor" if whole else program.optimizer,
         offload="disk" if disk else program.offload,
         bucket_mb=25 if bucket else 0,
+        groups=groups,
+        ops=tuple(forwards),
     )
+
+
+FORWARDS = ("plain", "skip", "reuse", "recompute", "spare")
+
+
+def _draw_forward(rng: random.Random, blocks: int) -> str:
+    """A step's forward: `plain`, `skip:<block>`, `reuse` (block 0 twice), `recompute` (activation checkpointing) or
+    `spare` (the spare head added)."""
+    kind = rng.choices(FORWARDS, weights=(4, 1, 1, 1, 1))[0]
+    return f"skip:{rng.randrange(blocks)}" if kind == "skip" else kind
+
+
+def _forward_kwargs(forward: str) -> dict[str, Any]:
+    if forward.startswith("skip:"):
+        return {"skip": (int(forward.split(":")[1]),)}
+    return {"reuse": {"reuse": 2}, "recompute": {"recompute": True}, "spare": {"spare": True}}.get(forward, {})
 
 
 # ---- running one program on this rank ------------------------------------------------------------------------
@@ -129,7 +154,32 @@ def _model(program: Program) -> nn.Module:
     return model.to(getattr(torch, program.dtype))
 
 
-def _optimizer(program: Program, params: Any) -> torch.optim.Optimizer:
+def _groups(program: Program, model: nn.Module) -> Any:
+    """The optimizer's parameters as `program.groups` splits them (the `lr` of a group scales the optimizer's)."""
+    named = list(model.named_parameters())
+    if program.groups == "decay":  # the Trainer's split: no decay on biases and normalisation weights
+        plain = [p for n, p in named if n.endswith("bias") or ".norm." in n or n.startswith("bn.")]
+        return [{"params": [p for _, p in named if not any(p is q for q in plain)]},
+                {"params": plain, "weight_decay": 0.0}]
+    if program.groups == "blocks":  # discriminative learning rates: deeper blocks faster, the rest in one group
+        groups: list[dict[str, Any]] = [{"params": [p for n, p in named if not n.startswith("blocks.")]}]
+        seen: set[int] = set()  # a weight tied across blocks goes with the first
+        for i, block in enumerate(model.blocks):
+            mine = [p for p in block.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in mine)
+            groups.append({"params": mine, "lr_scale": 1.0 + i})
+        return groups
+    return model.parameters()
+
+
+def _optimizer(program: Program, model: nn.Module) -> torch.optim.Optimizer:
+    opt = _make_optimizer(program, _groups(program, model))
+    for group in opt.param_groups:
+        group["lr"] = group["lr"] * group.pop("lr_scale", 1.0)
+    return opt
+
+
+def _make_optimizer(program: Program, params: Any) -> torch.optim.Optimizer:
     if program.optimizer == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
     if program.optimizer == "adam_amsgrad":
@@ -183,12 +233,13 @@ class _Run:
 def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
     kind = op[0]
     if kind == "step":
-        _, micros, use_no_sync, clip, set_to_none = op
+        _, micros, use_no_sync, clip, set_to_none = op[:5]
+        kwargs = _forward_kwargs(op[5] if len(op) > 5 else "plain")
         for micro in range(micros):
             x, y = _batch(step, micro, rank, run.dtype)
             quiet = use_no_sync and micro < micros - 1
             with run.no_sync() if quiet else contextlib.nullcontext():
-                loss = nn.functional.mse_loss(run.model(x), y) / micros
+                loss = nn.functional.mse_loss(run.model(x, **kwargs), y) / micros
                 (run.scaler.scale(loss) if run.scaler is not None else loss).backward()
             run.note("loss", loss.detach())
         params = list(run.inner.parameters())
@@ -234,7 +285,7 @@ def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[
     model = _model(program)
     ddp = DistributedDataParallel(model, find_unused_parameters=True)  # built over every parameter: DDP's reducer
     _freeze_at_start(program, model)  # never reduces one frozen when it is built, so it is frozen after
-    opt = _optimizer(program, model.parameters())
+    opt = _optimizer(program, model)
     run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype), _scaler(program))
     for step, op in enumerate(program.ops):
         if op[0] == "resume":  # a resumed DDP job: a fresh wrapper (rank 0's buffers, its flag due) on the same state,
@@ -261,7 +312,7 @@ def _sharded(program: Program, stage: int, scratch: str, resumed: bool = False) 
     model = _model(program)
     if not resumed:
         _freeze_at_start(program, model)
-    model, opt = hf_zero.initialize(model, _optimizer(program, model.parameters()), _config(program, stage, scratch))
+    model, opt = hf_zero.initialize(model, _optimizer(program, model), _config(program, stage, scratch))
     return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype),
                 _scaler(program))
 
@@ -378,7 +429,7 @@ def is_silent(outcome: str) -> bool:
 def shrink(program: Program, fails: Any) -> Program:
     """The smallest program found, removing operations and simplifying settings, for which `fails(program)` holds."""
     simpler = [dict(amp=False), dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
-               dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0)]
+               dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0), dict(groups="one")]
     changed = True
     while changed:
         changed = False
@@ -387,6 +438,11 @@ def shrink(program: Program, fails: Any) -> Program:
             if any(op[0] == "step" for op in candidate.ops) and fails(candidate):
                 program, changed = candidate, True
                 break
+        for i, op in enumerate(program.ops):  # a step's forward made plain
+            if op[0] == "step" and len(op) > 5 and op[5] != "plain":
+                candidate = dataclasses.replace(program, ops=program.ops[:i] + (op[:5] + ("plain",),) + program.ops[i + 1 :])
+                if fails(candidate):
+                    program, changed = candidate, True
         for change in simpler:
             candidate = dataclasses.replace(program, **change)
             if candidate != program and fails(candidate):
@@ -438,6 +494,7 @@ def check(run: Any, program: Program, shrink_found: bool = True) -> Finding:
     bad = [s for s, o in outcomes.items() if is_silent(o)]
     if bad and shrink_found:
         stage = bad[0]
-        wide = dataclasses.replace(program, dtype="float64") if outcomes[stage].startswith("diverged") else program
-        finding.shrunk = shrink(wide, lambda q: is_silent(outcomes_of(run, q, (stage,))[stage]))
+        kind = outcomes[stage].split(":")[0]  # a crash shrinks to a crash, not to a smaller program's fp32 noise
+        wide = dataclasses.replace(program, dtype="float64") if kind == "diverged" else program
+        finding.shrunk = shrink(wide, lambda q: outcomes_of(run, q, (stage,))[stage].startswith(kind))
     return finding

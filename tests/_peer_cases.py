@@ -276,6 +276,18 @@ def unit_reused(loop: Loop) -> None:
 
 
 @scenario()
+def blocks_skipped_on_every_rank(loop: Loop) -> None:
+    """LayerDrop drawn from a seed every rank shares, and a block looped: the first block skipped, then the last, then
+    the middle one with the first run twice (in a bucket of blocks: [Note: bucket blocks skipped or repeated])."""
+    for step, kwargs in enumerate(({}, {"skip": (0,)}, {"skip": (2,)}, {"skip": (1,), "reuse": 2})):
+        loss = loop.loss(step, **kwargs)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario()
 def two_forwards_one_backward(loop: Loop) -> None:
     """Two forwards, the sum of their losses backpropagated once (contrastive pairs, multi-crop)."""
     for step in range(3):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 D_IN, D, D_OUT = 6, 12, 3
@@ -69,15 +70,18 @@ class Net(nn.Module):
         skip: tuple[int, ...] = (),
         embeds: torch.Tensor | None = None,
         head_by_weight: bool = False,
+        recompute: bool = False,
     ) -> torch.Tensor:
         """`spare`: add the spare head; `reuse`: apply block 0 that many times; `skip`: blocks not run; `embeds`:
         used instead of `inp(x)` (HF's `inputs_embeds`); `head_by_weight`: the head's weight read, the head not
-        called (a fused loss's way)."""
+        called (a fused loss's way); `recompute`: each block called through torch's non-reentrant activation
+        checkpoint, as transformers' gradient checkpointing calls a decoder layer."""
         h: Any = self.inp(x) if embeds is None else embeds
         for i, block in enumerate(self.blocks):
             for _ in range(reuse if i == 0 else 1):
-                if i not in skip:
-                    h = block(h)
+                if i in skip:
+                    continue
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if recompute else block(h)
         h = h.hidden if isinstance(h, Carried) else h
         h = self.bn(h) if self.bn is not None else h
         out = nn.functional.linear(h, self.head.weight, self.head.bias) if head_by_weight else self.head(h)

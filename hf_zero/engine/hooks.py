@@ -93,6 +93,7 @@ class UnitHooks:
         self._handles: list[RemovableHandle] = []
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
+        self._open_bucket: tuple[Unit, Any] | None = None  # [Note: bucket blocks skipped or repeated]
         self._register()
 
     def _tell(self, event: Callable[[PassListener], None]) -> None:
@@ -123,8 +124,9 @@ class UnitHooks:
             post = last.register_forward_hook(partial(self._post_forward, unit), with_kwargs=True)
             self._handles.append(post)
             self._post_hooks[id(unit)] = (last, post)
-            for member in modules[1:]:  # [Note: recomputation] a bucket's block may be replayed alone
-                self._handles.append(register_first_pre_hook(member, partial(self._member_pre_forward, unit)))
+            for member in modules[1:]:  # [Note: recomputation] a bucket's block may be replayed alone, or run first
+                member_pre = partial(self._member_pre_forward, unit)
+                self._handles.append(register_first_pre_hook(member, member_pre, with_kwargs=True))
             for member in modules[:-1]:
                 self._handles.append(member.register_forward_hook(partial(self._member_post_forward, unit)))
             self.watch_grads(unit)
@@ -154,6 +156,10 @@ class UnitHooks:
         keep_last(*self._post_hooks[id(unit)])  # [Note: hook order]
         if in_backward():  # [Note: recomputation] in passes.py
             return self._pre_recompute(unit, args, kwargs)
+        if self._open_bucket is not None:  # [Note: bucket blocks skipped or repeated]
+            if self._open_bucket[0] is unit:
+                return None  # a block of the open bucket run again: still gathered, its inputs' signal carried
+            self._close_bucket()
         if unit is self.root:
             self._begin_root_forward()
             self.current.enter_root(False)  # [Note: forward called directly] the forward runs inside its __call__
@@ -215,17 +221,49 @@ class UnitHooks:
         for direct in self.direct:  # [Note: direct use]
             direct.before_compute()
 
-    def _member_pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
-        """A block of a bucketed unit other than its first, replayed alone inside backward: gather the unit
-        (outside backward the first block's pre_forward has)."""
+    def _member_pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """A block of a bucketed unit other than its first: replayed alone inside backward, gather the unit;
+        in a forward, the unit's forward begins here if the blocks before it did not run ([Note: bucket blocks
+        skipped or repeated]), else the unit is already gathered."""
         if in_backward():
             unit.before_compute()
+            return None
+        if self._open_bucket is not None and self._open_bucket[0] is unit:
+            return None
+        return self._pre_forward(unit, module, args, kwargs)
 
     def _member_post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        """A block of a bucketed unit other than its last, replayed inside backward: its outputs' gradients
-        begin the unit's backward, as the last block's do after a forward."""
-        if in_backward() and torch.is_grad_enabled():
-            self._hook_outputs(unit, output)
+        """A block of a bucketed unit other than its last: replayed inside backward, its outputs' gradients
+        begin the unit's backward, as the last block's do after a forward; in a forward, the unit stays open with
+        this output as its own until another unit begins or the model's forward ends ([Note: bucket blocks skipped
+        or repeated])."""
+        if in_backward():
+            if torch.is_grad_enabled():
+                self._hook_outputs(unit, output)
+            return
+        if unit.training_state is not TrainingState.FORWARD:
+            return
+        self._open_bucket = (unit, output)
+        if not self.current.in_root_forward:  # a block called on its own, outside the model's forward
+            self._close_bucket()
+
+    def _close_bucket(self) -> None:
+        """[Note: bucket blocks skipped or repeated]
+        A unit may join several sibling blocks (`bucket_size_mb`): it is gathered at its first block's pre-forward
+        and its forward ends at its last block's post-forward. Models do not always run each block once in order:
+        LayerDrop skips blocks (OPT's `layerdrop`, drawn from a seed every rank shares), early exits skip the last
+        ones, ALBERT and looped transformers run a block again. Under DDP each of these trains. Here a unit's
+        forward begins at whichever of its blocks runs first (its inputs then carry the unit's end signal, [Note:
+        backward end]); a block of the open unit run again finds it gathered; the unit stays open after a block
+        other than its last, with that block's output as the unit's, and ends when another unit begins, when the
+        model's forward ends, or at once outside the model's forward. Its backward then begins at the gradient of
+        the output of the last block that ran and ends when its first inputs' gradient is complete, as for one
+        module. Skipped blocks' parameters get no gradient on this rank (zeros in the reduction, as DDP's)."""
+        if self._open_bucket is None:
+            return
+        unit, output = self._open_bucket
+        self._open_bucket = None
+        self._end_forward(unit, output)
 
     def _pre_direct_call(self, unit: Unit, module: nn.Module, args: Any) -> None:
         """[Note: direct calls]
@@ -307,6 +345,27 @@ class UnitHooks:
             if torch.is_grad_enabled():
                 self._hook_outputs(unit, output)
             return None
+        if self._open_bucket is not None and self._open_bucket[0] is unit:
+            self._open_bucket = None  # its last block ran: it ends here
+        self._close_bucket()  # one whose last blocks did not run ends before the model's forward does
+        if unit is not self.root:
+            self._end_forward(unit, output)
+            return None
+        self._end_forward(unit, None)
+        self.pool.clear()
+        self.current.end_forward()
+        if not torch.is_grad_enabled():
+            return None
+        self._resolve_units_check()  # a second forward before a backward: the first one's check goes first
+        self._tell(lambda listener: listener.forward_ended())  # the units check issued (or, at one rank, a refusal)
+        if self.settings.root_output_fn is not None:
+            output = self.settings.root_output_fn(output)
+        self._hook_outputs(unit, output)
+        return output
+
+    def _end_forward(self, unit: Unit, output: Any) -> None:
+        """A unit's forward ends: freed (or held for its backward), the listeners told, its outputs (None: none
+        here) hooked to begin its backward."""
         unit.end_forward()
         self._tell_forward_ended(unit, direct=False)
         if self._keeps_for_backward(unit):
@@ -314,18 +373,8 @@ class UnitHooks:
         else:
             unit.after_forward()
         self._trim_pool(unit, forward=True)
-        if unit is self.root:
-            self.pool.clear()
-            self.current.end_forward()
-        if not torch.is_grad_enabled():
-            return None
-        if unit is self.root:
-            self._resolve_units_check()  # a second forward before a backward: the first one's check goes first
-            self._tell(lambda listener: listener.forward_ended())  # the units check issued (or, at one rank, a refusal)
-        if unit is self.root and self.settings.root_output_fn is not None:
-            output = self.settings.root_output_fn(output)
-        self._hook_outputs(unit, output)
-        return output
+        if output is not None and torch.is_grad_enabled():
+            self._hook_outputs(unit, output)
 
     def _tell_forward_ended(self, unit: Unit, direct: bool) -> None:
         """The listeners hear that `unit`'s forward (or a direct call) ended; one may refuse it."""
@@ -516,6 +565,7 @@ class UnitHooks:
         for reduction in self.current.pending_reductions():
             reduction.pending.wait()
         self.current.renew()
+        self._open_bucket = None
         for listener in self.listeners:
             listener.forget()  # what any listener kept for the pass goes ([Note: double backward], ...)
         for unit in self.units:
