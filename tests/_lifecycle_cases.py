@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-from tests._training import make_model, make_optimizer
+from tests._training import VOCAB, make_model, make_optimizer
 
 
 def _holds_memory(unit: Any) -> bool:
@@ -234,3 +234,31 @@ def frozen_block_state_at_embedding_grad() -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     return {"block0_at_embedding_grad": seen, "frozen": units["model.layers.0"].spec.frozen}
+
+
+def backbone_called_directly(bucket_size_mb: float) -> dict[str, Any]:
+    """Stage 3, the tiny 8-layer LLaMA with its layers joined three by three (`bucket_size_mb`): two steps whose loss
+    comes from the backbone called directly (`model.model(...)`, then `model.lm_head`: TRL's fused-loss paths), the
+    same batch on every rank. The final weights' worst difference from one plain model trained the same way, and how
+    many times each bucketed unit began a forward in one backbone call."""
+    reference, model = make_model("llama_8"), make_model("llama_8")
+    ref_opt = make_optimizer(reference, 1e-3)
+    config = hf_zero.ZeroConfig(stage=3, bucket_size_mb=bucket_size_mb)
+    model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
+    bucketed = [u for u in model.zero_engine.units if len(u.spec.all_modules) > 1]
+    begun: dict[str, int] = {u.spec.name: 0 for u in bucketed}
+    for unit in bucketed:
+        unit.begin_forward = _tracking(unit.begin_forward, lambda name=unit.spec.name: begun.__setitem__(name, begun[name] + 1))
+    batch = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    for m, o in ((reference, ref_opt), (model, opt)):
+        for _ in range(2):
+            for name in begun:
+                begun[name] = 0
+            logits = m.lm_head(m.model(input_ids=batch).last_hidden_state)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    full = hf_zero.full_state_dict(model, rank0_only=False)
+    worst = max(float((full[k] - v).abs().max() / (v.abs().max() + 1e-12)) for k, v in reference.state_dict().items())
+    return {"worst": worst, "begun": begun}

@@ -150,3 +150,12 @@ def test_floating_inputs_are_cast_to_the_compute_dtype(pools, stage, precision):
             continue
         for got, want in zip(r["losses"], r["reference"]):
             assert abs(got - want) <= 2e-2 * abs(want), (r["losses"], r["reference"])
+
+
+def test_a_backbone_called_directly_gathers_each_bucket_once(pools):
+    """[Note: bucket blocks skipped or repeated]: `model.model(...)` called outside the model's forward, its layers
+    joined three by three: each bucket begins one forward per call (it stays open between its blocks until the backbone
+    returns), and the weights after two steps equal one plain model's (fp32, 1e-5 relative)."""
+    for r in pools(2).values(lifecycle_cases.backbone_called_directly, 0.3):
+        assert len(r["begun"]) == 3 and set(r["begun"].values()) == {1}, r["begun"]
+        assert r["worst"] <= 1e-5, r["worst"]

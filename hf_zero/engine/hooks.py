@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .buckets import OpenBucket, bucket_callers
 from .checks.changed_in_forward import ChangedInForward
 from .checks.double_backward import GraphPins
 from .checks.units_run import UnitsCheck
@@ -93,7 +94,7 @@ class UnitHooks:
         self._handles: list[RemovableHandle] = []
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
-        self._open_bucket: tuple[Unit, Any] | None = None  # [Note: bucket blocks skipped or repeated]
+        self._open_bucket = OpenBucket()  # [Note: bucket blocks skipped or repeated] in buckets.py
         self._register()
 
     def _tell(self, event: Callable[[PassListener], None]) -> None:
@@ -130,6 +131,9 @@ class UnitHooks:
             for member in modules[:-1]:
                 self._handles.append(member.register_forward_hook(partial(self._member_post_forward, unit)))
             self.watch_grads(unit)
+        for caller in bucket_callers(self.root.spec.module, self.units):  # [Note: bucket blocks skipped or repeated]
+            self._handles.append(caller.register_forward_pre_hook(self._enter_caller))
+            self._handles.append(caller.register_forward_hook(self._leave_caller, always_call=True))
         for member in members(self.root):  # [Note: direct calls]
             self._handles.append(register_first_pre_hook(member, partial(self._pre_direct_call, self.root)))
             end = partial(self._post_direct_call, self.root)
@@ -156,10 +160,9 @@ class UnitHooks:
         keep_last(*self._post_hooks[id(unit)])  # [Note: hook order]
         if in_backward():  # [Note: recomputation] in passes.py
             return self._pre_recompute(unit, args, kwargs)
-        if self._open_bucket is not None:  # [Note: bucket blocks skipped or repeated]
-            if self._open_bucket[0] is unit:
-                return None  # a block of the open bucket run again: still gathered, its inputs' signal carried
-            self._close_bucket()
+        if self._open_bucket.holds(unit):  # [Note: bucket blocks skipped or repeated] in buckets.py
+            return None  # a block of the open bucket run again: still gathered, its inputs' signal carried
+        self._close_bucket()
         if unit is self.root:
             self._begin_root_forward()
             self.current.enter_root(False)  # [Note: forward called directly] the forward runs inside its __call__
@@ -224,46 +227,42 @@ class UnitHooks:
     def _member_pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         """A block of a bucketed unit other than its first: replayed alone inside backward, gather the unit;
         in a forward, the unit's forward begins here if the blocks before it did not run ([Note: bucket blocks
-        skipped or repeated]), else the unit is already gathered."""
+        skipped or repeated] in buckets.py), else the unit is already gathered."""
         if in_backward():
             unit.before_compute()
             return None
-        if self._open_bucket is not None and self._open_bucket[0] is unit:
+        if self._open_bucket.holds(unit):
             return None
         return self._pre_forward(unit, module, args, kwargs)
 
     def _member_post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         """A block of a bucketed unit other than its last: replayed inside backward, its outputs' gradients
         begin the unit's backward, as the last block's do after a forward; in a forward, the unit stays open with
-        this output as its own until another unit begins or the model's forward ends ([Note: bucket blocks skipped
-        or repeated])."""
+        this output ([Note: bucket blocks skipped or repeated] in buckets.py)."""
         if in_backward():
             if torch.is_grad_enabled():
                 self._hook_outputs(unit, output)
             return
         if unit.training_state is not TrainingState.FORWARD:
             return
-        self._open_bucket = (unit, output)
-        if not self.current.in_root_forward:  # a block called on its own, outside the model's forward
+        self._open_bucket.keep_open(unit, output)
+        if not (self.current.in_root_forward or self._open_bucket.caller_running()):
+            self._close_bucket()  # a block called on its own
+
+    def _enter_caller(self, module: nn.Module, args: Any) -> None:
+        self._open_bucket.enter_caller()
+
+    def _leave_caller(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The module that calls bucketed blocks returned: an open bucket's forward ends."""
+        self._open_bucket.leave_caller()
+        if not in_backward():
             self._close_bucket()
 
     def _close_bucket(self) -> None:
-        """[Note: bucket blocks skipped or repeated]
-        A unit may join several sibling blocks (`bucket_size_mb`): it is gathered at its first block's pre-forward
-        and its forward ends at its last block's post-forward. Models do not always run each block once in order:
-        LayerDrop skips blocks (OPT's `layerdrop`, drawn from a seed every rank shares), early exits skip the last
-        ones, ALBERT and looped transformers run a block again. Under DDP each of these trains. Here a unit's
-        forward begins at whichever of its blocks runs first (its inputs then carry the unit's end signal, [Note:
-        backward end]); a block of the open unit run again finds it gathered; the unit stays open after a block
-        other than its last, with that block's output as the unit's, and ends when another unit begins, when the
-        model's forward ends, or at once outside the model's forward. Its backward then begins at the gradient of
-        the output of the last block that ran and ends when its first inputs' gradient is complete, as for one
-        module. Skipped blocks' parameters get no gradient on this rank (zeros in the reduction, as DDP's)."""
-        if self._open_bucket is None:
-            return
-        unit, output = self._open_bucket
-        self._open_bucket = None
-        self._end_forward(unit, output)
+        """The open bucket's forward ends, if one is open ([Note: bucket blocks skipped or repeated] in buckets.py)."""
+        taken = self._open_bucket.take()
+        if taken is not None:
+            self._end_forward(*taken)
 
     def _pre_direct_call(self, unit: Unit, module: nn.Module, args: Any) -> None:
         """[Note: direct calls]
@@ -345,8 +344,8 @@ class UnitHooks:
             if torch.is_grad_enabled():
                 self._hook_outputs(unit, output)
             return None
-        if self._open_bucket is not None and self._open_bucket[0] is unit:
-            self._open_bucket = None  # its last block ran: it ends here
+        if self._open_bucket.holds(unit):
+            self._open_bucket.forget()  # its last block ran: it ends here
         self._close_bucket()  # one whose last blocks did not run ends before the model's forward does
         if unit is not self.root:
             self._end_forward(unit, output)
@@ -565,7 +564,7 @@ class UnitHooks:
         for reduction in self.current.pending_reductions():
             reduction.pending.wait()
         self.current.renew()
-        self._open_bucket = None
+        self._open_bucket.forget()
         for listener in self.listeners:
             listener.forget()  # what any listener kept for the pass goes ([Note: double backward], ...)
         for unit in self.units:
