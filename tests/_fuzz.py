@@ -7,7 +7,9 @@ engine settings (offload, prefetch) and a list of operations between steps: trai
 `zero_grad(set_to_none=...)`, freezing and unfreezing a block, evaluation forwards, a forward without grad in train
 mode, a learning-rate change, and a checkpoint saved and resumed into a fresh model at another stage. A step's
 forwards are plain, or skip a block (on every rank), or run block 0 twice, or recompute every block in backward
-(activation checkpointing), or add the otherwise unused spare head; the optimizer's parameters are one group,
+(activation checkpointing), or add the otherwise unused spare head, or run in eval mode (BatchNorm's running
+statistics, no update); the weights may be snapshotted (`state_dict()`) and rewound to the snapshot later
+(`load_state_dict`, the optimizer's state kept); the optimizer's parameters are one group,
 or the Trainer's two (no weight decay on biases and norms), or a group per block with its own learning rate. Every
 program is made from its seed (`draw`), so a seed names it.
 
@@ -119,6 +121,10 @@ def draw(seed: int) -> Program:
     # and these after those
     groups = rng.choice(("one", "one", "decay", "blocks"))
     forwards = [op + (_draw_forward(rng, blocks),) if op[0] == "step" else op for op in program.ops]
+    if rng.random() < 0.25:  # a snapshot of the weights, and a rewind to it later
+        at = rng.randrange(len(forwards) + 1)
+        forwards.insert(at, ("snapshot",))
+        forwards.insert(rng.randrange(at + 1, len(forwards) + 1), ("rewind",))
     return dataclasses.replace(
         program,
         optimizer="adafactor" if whole else program.optimizer,
@@ -129,13 +135,13 @@ def draw(seed: int) -> Program:
     )
 
 
-FORWARDS = ("plain", "skip", "reuse", "recompute", "spare")
+FORWARDS = ("plain", "skip", "reuse", "recompute", "spare", "evalmode")
 
 
 def _draw_forward(rng: random.Random, blocks: int) -> str:
     """A step's forward: `plain`, `skip:<block>`, `reuse` (block 0 twice), `recompute` (activation checkpointing) or
-    `spare` (the spare head added)."""
-    kind = rng.choices(FORWARDS, weights=(4, 1, 1, 1, 1))[0]
+    `spare` (the spare head added) or `evalmode` (the model in eval mode)."""
+    kind = rng.choices(FORWARDS, weights=(4, 1, 1, 1, 1, 1))[0]
     return f"skip:{rng.randrange(blocks)}" if kind == "skip" else kind
 
 
@@ -143,6 +149,15 @@ def _forward_kwargs(forward: str) -> dict[str, Any]:
     if forward.startswith("skip:"):
         return {"skip": (int(forward.split(":")[1]),)}
     return {"reuse": {"reuse": 2}, "recompute": {"recompute": True}, "spare": {"spare": True}}.get(forward, {})
+
+
+def _snapshot_or_rewind(run: _Run, kind: str) -> None:
+    """`snapshot`: the model's `state_dict()` kept (full tensors under hf_zero); `rewind`: loaded back, if one was
+    taken (a rewind to a known-good point: the optimizer's state stays)."""
+    if kind == "snapshot":
+        run.snapshot = {k: v.detach().clone() for k, v in run.inner.state_dict().items()}
+    elif run.snapshot is not None:
+        run.inner.load_state_dict(run.snapshot)
 
 
 # ---- running one program on this rank ------------------------------------------------------------------------
@@ -224,6 +239,7 @@ class _Run:
     no_sync: Any
     dtype: torch.dtype
     scaler: Any = None  # a torch.amp.GradScaler, or None
+    snapshot: dict[str, torch.Tensor] | None = None  # the weights a `snapshot` op kept
     record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def note(self, key: str, value: Any) -> None:
@@ -234,7 +250,9 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
     kind = op[0]
     if kind == "step":
         _, micros, use_no_sync, clip, set_to_none = op[:5]
-        kwargs = _forward_kwargs(op[5] if len(op) > 5 else "plain")
+        forward = op[5] if len(op) > 5 else "plain"
+        kwargs = _forward_kwargs(forward)
+        run.model.train(forward != "evalmode")
         for micro in range(micros):
             x, y = _batch(step, micro, rank, run.dtype)
             quiet = use_no_sync and micro < micros - 1
@@ -264,6 +282,9 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
         if run.sched is not None:
             run.sched.step()
         run.opt.zero_grad(set_to_none=set_to_none)
+        run.model.train()
+    elif kind in ("snapshot", "rewind"):
+        _snapshot_or_rewind(run, kind)
     elif kind == "eval":
         run.model.eval()
         with torch.no_grad():
@@ -328,7 +349,7 @@ def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
     meta = hf_zero.load_checkpoint(directory, fresh.model, fresh.opt)
     if fresh.scaler is not None:
         fresh.scaler.load_state_dict(meta["scaler"])
-    fresh.record = run.record
+    fresh.record, fresh.snapshot = run.record, run.snapshot
     for name, p in fresh.inner.named_parameters():
         p.requires_grad_(name not in frozen)
     if fresh.sched is not None and sched_state is not None:
