@@ -254,6 +254,30 @@ def test_offload_files_round_trip_and_report_a_full_disk(tmp_path, monkeypatch):
     os.sync()
 
 
+def test_an_unclosed_disk_offload_is_finalized_without_joining_its_threads(tmp_path):
+    """[Note: no join in a finalizer]: the finalizer of a store nobody closed, run (as the garbage collector runs it)
+    in a thread that holds `threading`'s shutdown lock, as a thread starting up does: it returns and removes the
+    files (it joined the I/O threads there, which take that lock to finish: a rank hung in a save)."""
+    import threading
+
+    from hf_zero.engine.step.disk import DiskOffload, OffloadFiles
+
+    files = OffloadFiles.create(tmp_path, rank=0, numel=100, dtype=torch.float32)
+    store = DiskOffload(files, torch.device("cpu"), {})
+    store._io.submit(files.advise_willneed).result()  # an I/O thread started, now idle
+    finalizer = store._finalizer
+    done = threading.Event()
+
+    def collect() -> None:
+        with threading._shutdown_locks_lock:  # type: ignore[attr-defined]  # held by Thread._set_tstate_lock
+            finalizer()
+        done.set()
+
+    threading.Thread(target=collect, daemon=True).start()
+    assert done.wait(20), "the finalizer waited for the I/O threads while holding threading's shutdown lock"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_optimizer_state_dict_is_refused_with_a_pointer_to_checkpoints(tmp_path):
     import hf_zero
 

@@ -493,6 +493,7 @@ class DiskOffload:
     def close(self) -> None:
         """Finish the writes, stop the threads and remove the files."""
         self.drain()
+        self._io.shutdown(wait=True)
         self._finalizer()
 
 
@@ -504,7 +505,14 @@ def _grad_of(chunk: Chunk, used: dict[int, list[bool]]) -> torch.Tensor | None:
 
 
 def _shutdown(io: ThreadPoolExecutor, files: OffloadFiles) -> None:
-    io.shutdown(wait=True)
+    """[Note: no join in a finalizer]
+    The finalizer of a `DiskOffload` nobody closed runs where its last reference goes: in the garbage collector,
+    which runs in whichever thread allocates, or in an I/O thread that drops the last task holding it. Joining
+    threads there deadlocks: a thread starting up collects garbage while it holds `threading`'s own lock that every
+    join takes to finish (seen as a hang of one rank in a save), and an I/O thread cannot join itself. So the threads
+    are told to stop and not waited for (`close()` waits first). No read or write can be in flight: each task holds
+    the store, so none is queued or running once it is garbage; at most a read-ahead hint (`posix_fadvise`) is."""
+    io.shutdown(wait=False)
     files.remove()
 
 
