@@ -101,7 +101,8 @@ class ZeroConfig:
             dtype), and each unit is gathered with one all-gather and reduced with one
             reduce-scatter. Larger buckets mean fewer, larger collectives and fewer hook
             round-trips (helps models with small blocks, or links where each collective pays a
-            latency) at the cost of gathering more parameters at once at stage 3. 0 makes every
+            latency) at the cost of gathering more parameters at once at stage 3. Blocks frozen whole
+            at `initialize` join only each other (gradual unfreezing starts them later). 0 makes every
             block a unit of its own; a block of 25 MiB or more is always alone, so large models
             are unaffected by the default. The default (DDP's bucket size too) comes from
             `benchmarks/bench.py --sweep` on the small preset (12 MiB blocks, grouped by 3):

@@ -43,7 +43,8 @@ def test_models_without_blocks_get_predictable_units(caplog):
 
 def test_bucket_size_groups_consecutive_blocks():
     """Blocks join until a unit holds `bucket_numel` parameters; the untied embedding and head stay
-    units of their own, and every parameter still belongs to exactly one unit."""
+    units of their own, and every parameter still belongs to exactly one unit. Blocks frozen whole join only each
+    other (such a unit can be unfrozen later)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hf_zero.engine.wrap import find_units
@@ -64,3 +65,8 @@ def test_bucket_size_groups_consecutive_blocks():
     assert sorted(owned) == sorted(n for n, _ in model.named_parameters())
     assert not grouped[0].backward_reads_params and all(s.backward_reads_params for s in grouped[1:])
     assert names(find_units(model, "auto", bucket_numel=10**9)) == ["model.embed_tokens", "model.layers.0-4", "lm_head", ""]
+    for p in model.model.layers[:2].parameters():  # gradual unfreezing's start: the lowest blocks frozen whole
+        p.requires_grad_(False)
+    model.model.layers[3].mlp.requires_grad_(False)  # a block frozen in part (LoRA's shape) joins trainable ones
+    assert names(find_units(model, "auto", bucket_numel=10**9)) == [
+        "model.embed_tokens", "model.layers.0-1", "model.layers.2-4", "lm_head", ""]

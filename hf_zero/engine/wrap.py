@@ -115,7 +115,9 @@ def units_for(model: nn.Module, config: ZeroConfig) -> list[UnitSpec]:
 
 def _group_blocks(blocks: list[tuple[str, nn.Module]], ungrouped: set[int], bucket_numel: int) -> list[Group]:
     """Consecutive sibling blocks joined while a group holds fewer than `bucket_numel` parameters.
-    The embedding and the head (`ungrouped`) always stay alone."""
+    The embedding and the head (`ungrouped`) always stay alone, and a block frozen whole joins only blocks frozen
+    whole: a unit frozen whole can start training later ([Note: requires_grad after initialize] in
+    checks/forward.py: gradual unfreezing), one frozen in part cannot."""
     groups: list[Group] = []
     size = 0
     for name, module in blocks:
@@ -127,6 +129,7 @@ def _group_blocks(blocks: list[tuple[str, nn.Module]], ungrouped: set[int], buck
             and id(module) not in ungrouped
             and id(last[-1][1]) not in ungrouped
             and _parent(last[-1][0]) == _parent(name)
+            and _frozen_whole(module) == _frozen_whole(last[-1][1])
         )
         if joins and last is not None:
             last.append((name, module))
@@ -135,6 +138,10 @@ def _group_blocks(blocks: list[tuple[str, nn.Module]], ungrouped: set[int], buck
             groups.append([(name, module)])
             size = numel
     return groups
+
+
+def _frozen_whole(module: nn.Module) -> bool:
+    return not any(p.requires_grad for p in module.parameters())
 
 
 def _parent(name: str) -> str:
