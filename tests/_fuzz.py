@@ -121,6 +121,9 @@ def draw(seed: int) -> Program:
     # and these after those
     groups = rng.choice(("one", "one", "decay", "blocks"))
     forwards = [op + (_draw_forward(rng, blocks),) if op[0] == "step" else op for op in program.ops]
+    frozen = program.frozen
+    if frozen and rng.random() < 0.4:  # two neighbouring blocks frozen at set-up (gradual unfreezing's start)
+        frozen = (0, 1)
     if rng.random() < 0.25:  # a snapshot of the weights, and a rewind to it later
         at = rng.randrange(len(forwards) + 1)
         forwards.insert(at, ("snapshot",))
@@ -132,6 +135,7 @@ def draw(seed: int) -> Program:
         bucket_mb=25 if bucket else 0,
         groups=groups,
         ops=tuple(forwards),
+        frozen=frozen,
     )
 
 

@@ -220,6 +220,18 @@ def unfreeze_later(loop: Loop) -> None:
     _steps(loop, before=lambda step: _set_trainable(loop.model.blocks[0], step >= 1))
 
 
+@scenario(freeze=("blocks.0.", "blocks.1."))
+def unfreeze_from_the_top(loop: Loop) -> None:
+    """Gradual unfreezing (ULMFiT's): blocks 0 and 1 frozen at set-up, block 1 made trainable after the first step,
+    block 0 after the second (in one bucket, its unit starts training with block 0 still frozen)."""
+
+    def before(step: int) -> None:
+        _set_trainable(loop.model.blocks[1], step >= 1)
+        _set_trainable(loop.model.blocks[0], step >= 2)
+
+    _steps(loop, n=4, before=before)
+
+
 @scenario(freeze=("blocks.0.lin.",))
 def unfreeze_part_of_a_unit_later(loop: Loop) -> None:
     """Progressive unfreezing of a unit frozen only in part at set-up (its norm trains, its linear layer not)."""

@@ -347,6 +347,7 @@ class ZeroEngine:
             unit.start_training()
             self.hooks.watch_grads(unit)
             self._frozen_parts.remove(part)
+        self.hooks.watch_unfrozen()
 
     def _before_direct_call(self) -> None:
         """As a module of the root is called outside the model's forward ([Note: direct calls] in hooks.py), after its

@@ -18,6 +18,7 @@ from .checks.changed_in_forward import ChangedInForward
 from .checks.double_backward import GraphPins
 from .checks.units_run import UnitsCheck
 from .collectives import CommGroup
+from .flat import FlatPart
 from .grads import UnitReduction
 from .lifecycle import TrainingState
 from .order import plan_prefetches
@@ -94,6 +95,7 @@ class UnitHooks:
         self._handles: list[RemovableHandle] = []
         self._post_hooks: dict[int, tuple[nn.Module, RemovableHandle]] = {}  # [Note: hook order] by id(unit)
         self._watched: set[int] = set()  # ids of the parameters whose gradients are hooked (`watch_grads`)
+        self._unwatched: dict[int, tuple[Unit, FlatPart, int]] = {}  # by id: left for when they require grad
         self._open_bucket = OpenBucket()  # [Note: bucket blocks skipped or repeated] in buckets.py
         self._register()
 
@@ -140,15 +142,32 @@ class UnitHooks:
             self._handles.append(member.register_forward_hook(end, always_call=True))
 
     def watch_grads(self, unit: Unit) -> None:
-        """Hook, once each, the parameters of the unit's trainable part (which got gradients; the prefetch polls)."""
-        for p in (p for part in unit.trainable_parts for p in part.params):
-            if id(p) in self._watched:
-                continue
-            self._watched.add(id(p))
-            # Through a weak reference: a hook a parameter holds is invisible to the garbage collector,
-            # so a strong one would keep the hooks, the engine and the model (its offload files) alive.
-            hook = partial(weakly, weakref.WeakMethod(self._on_grad_ready), weakref.ref(unit))
-            self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        """Hook, once each, the parameters of the unit's trainable part (which got gradients; the prefetch polls).
+        One that does not require grad yet (a unit frozen at `initialize` started training with some of its
+        parameters still frozen: [Note: requires_grad after initialize]) is hooked when it does (`watch_unfrozen`)."""
+        for part in unit.trainable_parts:
+            for i, p in enumerate(part.params):
+                if id(p) in self._watched:
+                    continue
+                if not p.requires_grad:
+                    self._unwatched[id(p)] = (unit, part, i)
+                    continue
+                self._unwatched.pop(id(p), None)
+                self._watch(unit, p)
+
+    def watch_unfrozen(self) -> None:
+        """At a forward with grad: hook the parameters `watch_grads` left for later that now require grad."""
+        for unit, part, i in list(self._unwatched.values()):
+            if part.held_params[i].requires_grad:
+                part.params[i].requires_grad_(True)  # as the next gather would ([Note: resting parameters])
+                self.watch_grads(unit)
+
+    def _watch(self, unit: Unit, p: torch.Tensor) -> None:
+        self._watched.add(id(p))
+        # Through a weak reference: a hook a parameter holds is invisible to the garbage collector,
+        # so a strong one would keep the hooks, the engine and the model (its offload files) alive.
+        hook = partial(weakly, weakref.WeakMethod(self._on_grad_ready), weakref.ref(unit))
+        self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def remove(self) -> None:
         for h in self._handles:
