@@ -204,6 +204,25 @@ def zero_grad_keeps_zeros(loop: Loop) -> None:
 
 
 @scenario()
+def zero_grad_keeps_zeros_of_a_skipped_block(loop: Loop) -> None:
+    """The same with block 1 skipped in the second and third steps: its whole unit gets no reduction there, its
+    parameters' kept zero gradients still step (and the optimizer's state they move is read in the fourth)."""
+    for step in range(4):
+        loss = loop.loss(step, skip=(1,) if step in (1, 2) else ())
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad(set_to_none=False)
+
+
+@scenario(adafactor=True)
+def zero_grad_keeps_zeros_whole_parameter(loop: Loop) -> None:
+    """The same with Adafactor, stepped on whole parameters ([Note: whole-parameter step]): a zero gradient still
+    moves its factored second moments."""
+    zero_grad_keeps_zeros_of_a_skipped_block(loop)
+
+
+@scenario()
 def model_zero_grad(loop: Loop) -> None:
     """`model.zero_grad()` instead of the optimizer's."""
     for step in range(3):

@@ -83,6 +83,19 @@ def test_a_bucket_of_blocks_follows_blocks_skipped_repeated_or_unfrozen(pools, n
         assert max(r["weights"].values()) <= TOL, (rank, {k: v for k, v in r["weights"].items() if v > TOL})
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", ["zero_grad_keeps_zeros_of_a_skipped_block", "zero_grad_keeps_zeros_whole_parameter"])
+def test_kept_zero_gradients_step_from_disk(pools, tmp_path, name, stage):
+    """[Note: zero gradients kept] with the optimizer's state and masters on disk (`offload_dir`): a parameter whose
+    gradient `zero_grad(set_to_none=False)` kept as zeros is stepped on zeros, as in memory (it was skipped: the
+    differential fuzzer's seed 593)."""
+    for rank, r in enumerate(pools(2).values(peer.run_scenario, name, stage, offload_optimizer=True,
+                                             offload_dir=str(tmp_path))):
+        assert r["error"] is None, (rank, r["error"])
+        assert peer.worst_difference(r["reference"], r["record"]) <= TOL, (rank, r["reference"], r["record"])
+        assert max(r["weights"].values()) <= TOL, (rank, {k: v for k, v in r["weights"].items() if v > TOL})
+
+
 @pytest.mark.parametrize("name", ["weight_changed_in_forward", "root_weight_changed_in_forward"])
 @pytest.mark.parametrize("setting", [{}, {"offload_params": True, "offload_optimizer": True},
                                      {"mixed_precision": "bf16"}])

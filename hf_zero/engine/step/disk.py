@@ -498,8 +498,11 @@ class DiskOffload:
 
 
 def _grad_of(chunk: Chunk, used: dict[int, list[bool]]) -> torch.Tensor | None:
+    """The chunk's gradient: None for a parameter no rank's backward reached since the last step; zeros (the shard
+    allocated) for one whose gradient `zero_grad(set_to_none=False)` kept as zeros ([Note: zero gradients kept] in
+    stepping.py), as `Piece.bind_grads` gives in memory."""
     piece = chunk.piece
-    if piece.part.grads.is_zero or not used[id(piece.part)][piece.slot_index]:
+    if not used[id(piece.part)][piece.slot_index]:
         return None
     return piece.grad[chunk.a : chunk.b]
 

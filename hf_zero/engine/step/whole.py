@@ -169,8 +169,9 @@ class WholeStep:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, used: dict[int, list[bool]]) -> None:
         """Step every parameter that got a gradient on some rank (`used`: per unit, per slot; [Note: unused
-        parameters]), each on its owner, round by round ([Note: group state on the whole path])."""
-        stepped = [used[id(part)][s] and not part.grads.is_zero for part, s in self.slots]
+        parameters]; with a zero gradient where `zero_grad(set_to_none=False)` kept one: [Note: zero gradients kept]
+        in stepping.py), each on its owner, round by round ([Note: group state on the whole path])."""
+        stepped = [used[id(part)][s] for part, s in self.slots]
         before = [_group_state(g) for g in optimizer.param_groups]
         after: list[dict[str, Any]] | None = None
         coupled: list[str] = []
