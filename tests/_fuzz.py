@@ -2,7 +2,7 @@
 hf_zero at stages 1-3 on the same ranks, compared number by number.
 
 A `Program` is a model (blocks, an optional BatchNorm, optionally a tied weight), an optimizer and scheduler,
-engine settings (offload, prefetch) and a list of operations between steps: training steps of 1-3 micro-batches
+engine settings (offload, prefetch, buckets, unsharded gradients kept under `no_sync`, a shard group per rank) and a list of operations between steps: training steps of 1-3 micro-batches
 (the first ones under `no_sync` or not), clipping by torch's `clip_grad_norm_` (2, 1, inf) or `clip_grad_value_`,
 `zero_grad(set_to_none=...)`, freezing and unfreezing a block, evaluation forwards, a forward without grad in train
 mode, a learning-rate change, and a checkpoint saved and resumed into a fresh model at another stage. A step's
@@ -69,6 +69,8 @@ class Program:
     frozen: tuple[int, ...] = ()  # blocks frozen before the model is wrapped (unfrozen later by a `freeze` op)
     amp: bool = False  # steps through torch.amp.GradScaler (scale, unscale_ before clipping, step, update)
     groups: str = "one"  # one | decay (the Trainer's: none on biases and norms) | blocks (a learning rate per block)
+    keep_grads: bool = False  # ZeroConfig.no_sync_keeps_grads: unsharded gradients kept through a no_sync window
+    replicas: bool = False  # ZeroConfig.shard_group_size=1: each rank a shard group of its own (hybrid sharding)
     dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
 
     def to_json(self) -> str:
@@ -121,6 +123,7 @@ def draw(seed: int) -> Program:
     # and these after those
     groups = rng.choice(("one", "one", "decay", "blocks"))
     forwards = [op + (_draw_forward(rng, blocks),) if op[0] == "step" else op for op in program.ops]
+    keep_grads, replicas = rng.random() < 0.2, rng.random() < 0.15
     frozen = program.frozen
     if frozen and rng.random() < 0.4:  # two neighbouring blocks frozen at set-up (gradual unfreezing's start)
         frozen = (0, 1)
@@ -136,6 +139,8 @@ def draw(seed: int) -> Program:
         groups=groups,
         ops=tuple(forwards),
         frozen=frozen,
+        keep_grads=keep_grads,
+        replicas=replicas,
     )
 
 
@@ -229,6 +234,7 @@ def _config(program: Program, stage: int, scratch: str) -> hf_zero.ZeroConfig:
         stage=stage, wrap=("Block",), bucket_size_mb=program.bucket_mb, prefetch=program.prefetch,
         offload_optimizer=program.offload != "none", offload_params=program.offload == "params" and stage == 3,
         offload_dir=f"{scratch}/offload" if program.offload == "disk" else None,
+        no_sync_keeps_grads=program.keep_grads, shard_group_size=1 if program.replicas else None,
     )
 
 
@@ -454,7 +460,8 @@ def is_silent(outcome: str) -> bool:
 def shrink(program: Program, fails: Any) -> Program:
     """The smallest program found, removing operations and simplifying settings, for which `fails(program)` holds."""
     simpler = [dict(amp=False), dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
-               dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0), dict(groups="one")]
+               dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0), dict(groups="one"),
+               dict(keep_grads=False), dict(replicas=False)]
     changed = True
     while changed:
         changed = False
