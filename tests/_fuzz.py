@@ -79,7 +79,7 @@ class Program:
     @staticmethod
     def from_json(text: str) -> Program:
         raw = json.loads(text)
-        raw["ops"] = tuple(tuple(op) for op in raw["ops"])
+        raw["ops"] = tuple(tuple(tuple(a) if isinstance(a, list) else a for a in op) for op in raw["ops"])
         raw["frozen"] = tuple(raw.get("frozen", ()))
         return Program(**raw)
 
