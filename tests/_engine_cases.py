@@ -544,3 +544,18 @@ def compiled_steps(stage: int, backend: str) -> dict[str, Any]:
             losses.append(float(loss))
         runs.append((losses, hf_zero.full_state_dict(model, rank0_only=False)))
     return {"compiled": runs[0], "eager": runs[1], "frames": counters["frames"]["ok"]}
+
+
+def groups_after_engines(count: int) -> list[int]:
+    """The number of process groups this process has after each of `count` engines with hybrid sharding and
+    sequence parallelism ([Note: groups made once] in collectives/group.py), each released before the next."""
+    from torch.distributed import distributed_c10d
+
+    seen = []
+    for _ in range(count):
+        model = make_model("llama")
+        config = hf_zero.ZeroConfig(stage=3, shard_group_size=1, sequence_parallel=2)
+        model, opt = hf_zero.initialize(model, make_optimizer(model, 1e-3), config)
+        del model, opt
+        seen.append(len(distributed_c10d._world.pg_map))
+    return seen

@@ -47,3 +47,11 @@ def test_hybrid_checkpoint_resumes_under_plain_stage_3(pools, tmp_path):
 def test_shard_group_size_must_divide_the_world(pools):
     for r in pools(2).run(engine_cases.initialize_with_config, {"stage": 3, "shard_group_size": 3}):
         assert r.error_type == "ValueError" and "must divide the world size (2)" in r.error
+
+
+def test_engines_made_one_after_another_reuse_their_process_groups(pools):
+    """[Note: groups made once]: the groups of hybrid sharding, sequence parallelism and background saves are made
+    by the first engine and reused by the next ones (each engine made its own: 600 gloo groups, 1800 threads per
+    rank, after the fuzzer's 600 programs)."""
+    for counts in pools(2).values(engine_cases.groups_after_engines, 3):
+        assert counts[0] == counts[1] == counts[2], counts

@@ -186,12 +186,12 @@ def hybrid_groups(world: CommGroup, group_size: int, timeout_s: float | None) ->
     shard = replicate = None
     for g in range(n_groups):
         ranks = list(range(g * group_size, (g + 1) * group_size))
-        pg = dist.new_group(ranks, timeout=timeout)
+        pg = group_over(ranks, timeout)
         if rank in ranks:
             shard = CommGroup.of(pg, ranks.index(rank), group_size)
     for i in range(group_size):
         ranks = [g * group_size + i for g in range(n_groups)]
-        pg = dist.new_group(ranks, timeout=timeout)
+        pg = group_over(ranks, timeout)
         if rank in ranks:
             replicate = CommGroup.of(pg, ranks.index(rank), n_groups)
     if shard is None or replicate is None:
@@ -208,7 +208,7 @@ def sequence_group(world: CommGroup, size: int, timeout_s: float | None) -> Comm
     mine = None
     for g in range(world.size // size):
         ranks = list(range(g * size, (g + 1) * size))
-        pg = dist.new_group(ranks, timeout=timeout)
+        pg = group_over(ranks, timeout)
         if world.rank in ranks:
             mine = CommGroup.of(pg, ranks.index(world.rank), size)
     if mine is None:
@@ -216,7 +216,23 @@ def sequence_group(world: CommGroup, size: int, timeout_s: float | None) -> Comm
     return mine
 
 
-_HOST_GROUPS: dict[tuple[int, ...], CommGroup] = {}
+_GROUPS: dict[tuple[tuple[int, ...], datetime.timedelta, str | None], tuple[object, dist.ProcessGroup]] = {}
+
+
+def group_over(ranks: list[int], timeout: datetime.timedelta, backend: str | None = None) -> dist.ProcessGroup:
+    """[Note: groups made once]
+    A process group over `ranks` (global ranks), made the first time every rank asks for it and reused by every
+    engine after, while the default group lives: each gloo group holds a socket loop and two threads per process
+    and is never freed before `destroy_process_group`, so a process that makes many engines (a sweep, a notebook,
+    a reference model beside the policy) would pile them up (600 groups and 1800 threads per rank in a fuzzer run,
+    each collective slower). Every rank asks for the same groups in the same order, so every rank hits or makes
+    each one alike; sharing a group between engines is as sharing the default one."""
+    world = dist.distributed_c10d._get_default_group()
+    key = (tuple(ranks), timeout, backend)
+    made = _GROUPS.get(key)
+    if made is None or made[0] is not world:
+        made = _GROUPS[key] = (world, dist.new_group(ranks, timeout=timeout, backend=backend))
+    return made[1]
 
 
 def host_side_group(world: CommGroup, timeout_s: float | None) -> CommGroup:
@@ -228,12 +244,8 @@ def host_side_group(world: CommGroup, timeout_s: float | None) -> CommGroup:
         return CommGroup.single()
     if world.backend == "fake":  # torch's fake process group (one process playing a rank: nothing moves)
         return world
-    ranks = tuple(world.global_rank_of(r) for r in range(world.size))
-    group = _HOST_GROUPS.get(ranks)
-    if group is None:
-        pg = dist.new_group(list(ranks), backend="gloo", timeout=group_timeout(timeout_s))
-        group = _HOST_GROUPS[ranks] = CommGroup.of(pg, world.rank, world.size)
-    return group
+    ranks = [world.global_rank_of(r) for r in range(world.size)]
+    return CommGroup.of(group_over(ranks, group_timeout(timeout_s), "gloo"), world.rank, world.size)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
