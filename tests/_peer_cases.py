@@ -204,25 +204,6 @@ def zero_grad_keeps_zeros(loop: Loop) -> None:
 
 
 @scenario()
-def zero_grad_keeps_zeros_of_a_skipped_block(loop: Loop) -> None:
-    """The same with block 1 skipped in the second and third steps: its whole unit gets no reduction there, its
-    parameters' kept zero gradients still step (and the optimizer's state they move is read in the fourth)."""
-    for step in range(4):
-        loss = loop.loss(step, skip=(1,) if step in (1, 2) else ())
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad(set_to_none=False)
-
-
-@scenario(adafactor=True)
-def zero_grad_keeps_zeros_whole_parameter(loop: Loop) -> None:
-    """The same with Adafactor, stepped on whole parameters ([Note: whole-parameter step]): a zero gradient still
-    moves its factored second moments."""
-    zero_grad_keeps_zeros_of_a_skipped_block(loop)
-
-
-@scenario()
 def model_zero_grad(loop: Loop) -> None:
     """`model.zero_grad()` instead of the optimizer's."""
     for step in range(3):
@@ -237,18 +218,6 @@ def model_zero_grad(loop: Loop) -> None:
 def unfreeze_later(loop: Loop) -> None:
     """Progressive unfreezing: block 0 frozen at set-up, made trainable after the first step."""
     _steps(loop, before=lambda step: _set_trainable(loop.model.blocks[0], step >= 1))
-
-
-@scenario(freeze=("blocks.0.", "blocks.1."))
-def unfreeze_from_the_top(loop: Loop) -> None:
-    """Gradual unfreezing (ULMFiT's): blocks 0 and 1 frozen at set-up, block 1 made trainable after the first step,
-    block 0 after the second (in one bucket, its unit starts training with block 0 still frozen)."""
-
-    def before(step: int) -> None:
-        _set_trainable(loop.model.blocks[1], step >= 1)
-        _set_trainable(loop.model.blocks[0], step >= 2)
-
-    _steps(loop, n=4, before=before)
 
 
 @scenario(freeze=("blocks.0.lin.",))
@@ -304,18 +273,6 @@ def batchnorm_buffers(loop: Loop) -> None:
 def unit_reused(loop: Loop) -> None:
     """One block applied twice in a forward (weight sharing in a loop)."""
     _steps(loop, reuse=2)
-
-
-@scenario()
-def blocks_skipped_on_every_rank(loop: Loop) -> None:
-    """LayerDrop drawn from a seed every rank shares, and a block looped: the first block skipped, then the last, then
-    the middle one with the first run twice (in a bucket of blocks: [Note: bucket blocks skipped or repeated])."""
-    for step, kwargs in enumerate(({}, {"skip": (0,)}, {"skip": (2,)}, {"skip": (1,), "reuse": 2})):
-        loss = loop.loss(step, **kwargs)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.opt.step()
-        loop.opt.zero_grad()
 
 
 @scenario()

@@ -1,6 +1,7 @@
 """Peer scenarios, continued (tests/_peer_cases.py has the runner): how users build the optimizer's groups, skip a
 step, load and save state with torch's own tools (`load_state_dict(strict=False)`, `torch.distributed.checkpoint`),
-re-initialize or prune weights between steps and keep activations on the host. Registered in the same `SCENARIOS`
+re-initialize or prune weights between steps and keep activations on the host; blocks skipped or run twice,
+unfreezing from the top, zero gradients kept for a skipped block. Registered in the same `SCENARIOS`
 when tests/_peer_cases.py imports this module."""
 
 from __future__ import annotations
@@ -189,3 +190,46 @@ def activations_saved_on_the_host(loop: Loop) -> None:
         loop.backward(loss)
         loop.opt.step()
         loop.opt.zero_grad()
+
+
+@scenario()
+def blocks_skipped_on_every_rank(loop: Loop) -> None:
+    """LayerDrop drawn from a seed every rank shares, and a block looped: the first block skipped, then the last, then
+    the middle one with the first run twice (in a bucket of blocks: [Note: bucket blocks skipped or repeated])."""
+    for step, kwargs in enumerate(({}, {"skip": (0,)}, {"skip": (2,)}, {"skip": (1,), "reuse": 2})):
+        loss = loop.loss(step, **kwargs)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+
+
+@scenario(freeze=("blocks.0.", "blocks.1."))
+def unfreeze_from_the_top(loop: Loop) -> None:
+    """Gradual unfreezing (ULMFiT's): blocks 0 and 1 frozen at set-up, block 1 made trainable after the first step,
+    block 0 after the second (in one bucket, its unit starts training with block 0 still frozen)."""
+
+    def before(step: int) -> None:
+        loop.model.blocks[1].requires_grad_(step >= 1)
+        loop.model.blocks[0].requires_grad_(step >= 2)
+
+    _steps(loop, n=4, before=before)
+
+
+@scenario()
+def zero_grad_keeps_zeros_of_a_skipped_block(loop: Loop) -> None:
+    """The same with block 1 skipped in the second and third steps: its whole unit gets no reduction there, its
+    parameters' kept zero gradients still step (and the optimizer's state they move is read in the fourth)."""
+    for step in range(4):
+        loss = loop.loss(step, skip=(1,) if step in (1, 2) else ())
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad(set_to_none=False)
+
+
+@scenario(adafactor=True)
+def zero_grad_keeps_zeros_whole_parameter(loop: Loop) -> None:
+    """The same with Adafactor, stepped on whole parameters ([Note: whole-parameter step]): a zero gradient still
+    moves its factored second moments."""
+    zero_grad_keeps_zeros_of_a_skipped_block(loop)

@@ -16,10 +16,13 @@ the reduction, as under DDP)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from .passes import in_backward
 from .unit import Unit
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # hold blocks, never called
@@ -51,11 +54,22 @@ class OpenBucket:
     def forget(self) -> None:
         self._unit, self._output = None, None
 
-    def enter_caller(self) -> None:
-        self._callers_running += 1
+    def hook_callers(self, callers: list[nn.Module], close: Callable[[], None]) -> list[RemovableHandle]:
+        """Count the forwards of `callers` (`bucket_callers`) running; as one returns, `close()` the open bucket."""
 
-    def leave_caller(self) -> None:
-        self._callers_running = max(0, self._callers_running - 1)
+        def enter(module: nn.Module, args: Any) -> None:
+            self._callers_running += 1
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            self._callers_running = max(0, self._callers_running - 1)
+            if not in_backward():
+                close()
+
+        handles = []
+        for caller in callers:
+            handles.append(caller.register_forward_pre_hook(enter))
+            handles.append(caller.register_forward_hook(leave, always_call=True))
+        return handles
 
     def caller_running(self) -> bool:
         """Whether a module that calls bucketed blocks (other than the root) is in its forward."""

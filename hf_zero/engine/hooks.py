@@ -133,9 +133,8 @@ class UnitHooks:
             for member in modules[:-1]:
                 self._handles.append(member.register_forward_hook(partial(self._member_post_forward, unit)))
             self.watch_grads(unit)
-        for caller in bucket_callers(self.root.spec.module, self.units):  # [Note: bucket blocks skipped or repeated]
-            self._handles.append(caller.register_forward_pre_hook(self._enter_caller))
-            self._handles.append(caller.register_forward_hook(self._leave_caller, always_call=True))
+        callers = bucket_callers(self.root.spec.module, self.units)  # [Note: bucket blocks skipped or repeated]
+        self._handles += self._open_bucket.hook_callers(callers, self._close_bucket)
         for member in members(self.root):  # [Note: direct calls]
             self._handles.append(register_first_pre_hook(member, partial(self._pre_direct_call, self.root)))
             end = partial(self._post_direct_call, self.root)
@@ -267,15 +266,6 @@ class UnitHooks:
         self._open_bucket.keep_open(unit, output)
         if not (self.current.in_root_forward or self._open_bucket.caller_running()):
             self._close_bucket()  # a block called on its own
-
-    def _enter_caller(self, module: nn.Module, args: Any) -> None:
-        self._open_bucket.enter_caller()
-
-    def _leave_caller(self, module: nn.Module, args: Any, output: Any) -> None:
-        """The module that calls bucketed blocks returned: an open bucket's forward ends."""
-        self._open_bucket.leave_caller()
-        if not in_backward():
-            self._close_bucket()
 
     def _close_bucket(self) -> None:
         """The open bucket's forward ends, if one is open ([Note: bucket blocks skipped or repeated] in buckets.py)."""
