@@ -1,7 +1,9 @@
 """A differential fuzzer: training programs drawn from a grammar of what users do, run under torch's DDP and under
 hf_zero at stages 1-3 on the same ranks, compared number by number.
 
-A `Program` is a model (blocks, an optional BatchNorm, optionally a tied weight), an optimizer and scheduler,
+A `Program` is a model (blocks, an optional BatchNorm, optionally a tied weight, the data flow between its blocks:
+plain, mixtures of experts with a router loss, a long skip connection, a root parameter every block reads, the first
+block's bias passed to the rest; tests/_fuzz_models.py), an optimizer and scheduler,
 engine settings (offload, prefetch, buckets, unsharded gradients kept under `no_sync`, a shard group per rank) and a list of operations between steps: training steps of 1-3 micro-batches
 (the first ones under `no_sync` or not), clipping by torch's `clip_grad_norm_` (2, 1, inf) or `clip_grad_value_`,
 `zero_grad(set_to_none=...)`, freezing and unfreezing a block, evaluation forwards, a forward without grad in train
@@ -45,7 +47,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hf_zero
-from tests._peer_harness import D_IN, D_OUT, Net
+from tests._fuzz_models import FLOWS, FlowNet, block_class
+from tests._peer_harness import D_IN, D_OUT
 
 TOL = {"float32": 1e-5, "float64": 1e-9}  # relative
 REFUSALS = ("ValueError", "TypeError")
@@ -71,6 +74,7 @@ class Program:
     groups: str = "one"  # one | decay (the Trainer's: none on biases and norms) | blocks (a learning rate per block)
     keep_grads: bool = False  # ZeroConfig.no_sync_keeps_grads: unsharded gradients kept through a no_sync window
     replicas: bool = False  # ZeroConfig.shard_group_size=1: each rank a shard group of its own (hybrid sharding)
+    flow: str = "plain"  # how tensors move between the blocks (tests/_fuzz_models.py: FLOWS)
     dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
 
     def to_json(self) -> str:
@@ -131,6 +135,7 @@ def draw(seed: int) -> Program:
         at = rng.randrange(len(forwards) + 1)
         forwards.insert(at, ("snapshot",))
         forwards.insert(rng.randrange(at + 1, len(forwards) + 1), ("rewind",))
+    flow = rng.choices(FLOWS, weights=(4, 1, 1, 1, 1))[0]  # and this after those
     return dataclasses.replace(
         program,
         optimizer="adafactor" if whole else program.optimizer,
@@ -141,6 +146,7 @@ def draw(seed: int) -> Program:
         frozen=frozen,
         keep_grads=keep_grads,
         replicas=replicas,
+        flow=flow,
     )
 
 
@@ -172,7 +178,7 @@ def _snapshot_or_rewind(run: _Run, kind: str) -> None:
 # ---- running one program on this rank ------------------------------------------------------------------------
 def _model(program: Program) -> nn.Module:
     torch.manual_seed(program.seed)
-    model = Net(n=program.blocks, batchnorm=program.batchnorm)
+    model = FlowNet(program.blocks, program.batchnorm, program.flow)
     if program.tie:
         model.blocks[2].lin.weight = model.blocks[0].lin.weight
     return model.to(getattr(torch, program.dtype))
@@ -231,7 +237,7 @@ def _batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.
 def _config(program: Program, stage: int, scratch: str) -> hf_zero.ZeroConfig:
     """`scratch`: a folder of this run's own, where `offload="disk"` keeps its files."""
     return hf_zero.ZeroConfig(
-        stage=stage, wrap=("Block",), bucket_size_mb=program.bucket_mb, prefetch=program.prefetch,
+        stage=stage, wrap=(block_class(program.flow),), bucket_size_mb=program.bucket_mb, prefetch=program.prefetch,
         offload_optimizer=program.offload != "none", offload_params=program.offload == "params" and stage == 3,
         offload_dir=f"{scratch}/offload" if program.offload == "disk" else None,
         no_sync_keeps_grads=program.keep_grads, shard_group_size=1 if program.replicas else None,
@@ -461,7 +467,7 @@ def shrink(program: Program, fails: Any) -> Program:
     """The smallest program found, removing operations and simplifying settings, for which `fails(program)` holds."""
     simpler = [dict(amp=False), dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
                dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0), dict(groups="one"),
-               dict(keep_grads=False), dict(replicas=False)]
+               dict(keep_grads=False), dict(replicas=False), dict(flow="plain")]
     changed = True
     while changed:
         changed = False

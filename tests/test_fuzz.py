@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from tests import _fuzz as fuzz
+from tests._fuzz_models import FLOWS, FlowNet, MoEBlock
 
 SLICE = range(1000, 1010)  # fixed seeds: 10 programs, 30 runs beside DDP
 
@@ -36,7 +38,40 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert {p.groups for p in programs} == {"one", "decay", "blocks"}
     forwards = {op[5].split(":")[0] for p in programs for op in p.ops if op[0] == "step"}
     assert forwards == set(fuzz.FORWARDS)
+    assert {p.flow for p in programs} == set(FLOWS)
     assert all(fuzz.Program.from_json(p.to_json()) == p for p in programs)  # clipping's tuples too
+
+
+def _used(model: torch.nn.Module, *args: torch.Tensor) -> dict[str, bool]:
+    out = model(*args)
+    sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+    return {name: p.grad is not None and bool(p.grad.abs().sum() > 0) for name, p in model.named_parameters()}
+
+
+def test_each_flow_moves_tensors_as_it_says():
+    """The flows' models do what tests/_fuzz_models.py says: the second expert reached only by rows the data routes
+    to it, the root's parameter read by every block, the first block's bias reaching the others' loss, block 0's
+    output reaching the head past the others."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 12)
+    expert = MoEBlock()
+    unrouted, routed = _used(expert, x.clamp(max=0.5)), _used(expert, x.clamp(min=0.6))
+    assert not unrouted["alt.weight"] and routed["alt.weight"] and unrouted["gate.weight"]  # gate: the router loss
+    x = torch.randn(4, 6)
+    assert _used(FlowNet(3, False, "shared"), x)["shift"]
+    relative = _used(FlowNet(3, False, "relative"), x)
+    assert relative["blocks.0.rel"] and not relative["blocks.1.rel"] and not relative["blocks.2.rel"]
+    torch.manual_seed(0)
+    model = FlowNet(3, False, "long")
+    for p in model.blocks[1].parameters():
+        p.requires_grad_(False)
+    model.blocks[2].lin.weight.data.zero_()  # blocks 1-2 pass h through; the skip doubles block 0's output
+    x = torch.randn(4, 6)
+    torch.manual_seed(0)
+    plain = FlowNet(3, False, "plain")
+    h0 = model.blocks[0](model.inp(x))
+    expected = model.head(model.blocks[2](model.blocks[1](h0)) + h0)
+    assert torch.allclose(model(x), expected) and not torch.allclose(plain(x), expected)
 
 
 def test_shrink_keeps_only_what_the_failure_needs():
