@@ -49,7 +49,6 @@ from tests._peer_harness import (
 # Scenarios hf_zero refuses, with a piece of the message (every other scenario must be exact), by stage; those of
 # tests/_peer_cases_model.py are added from its own REFUSED when it is imported below.
 REFUSED: dict[str, dict[int, str]] = {
-    "unfreeze_part_of_a_unit_later": {s: "unit 'blocks.0' was frozen only in part at initialize" for s in (1, 2, 3)},
     "cast_to_bf16_for_evaluation": {s: "a conversion to torch.bfloat16 on " for s in (1, 2, 3)},
     "deepcopy_for_an_ema": {s: "copy.deepcopy of a sharded model" for s in (1, 2, 3)},
     "grad_rows_zeroed_before_step": {s: "'head.weight'.grad of a model sharded by hf_zero" for s in (1, 2, 3)},

@@ -66,7 +66,7 @@ def test_stage_3_without_prefetch(pools, name):
 
 BUCKETED = ["blocks_skipped_on_every_rank", "unit_reused", "two_forwards_one_backward", "unit_skipped_on_one_rank",
             "last_unit_skipped_on_one_rank", "accumulation_unit_skipped_on_one_rank", "unfreeze_later",
-            "unfreeze_from_the_top"]
+            "unfreeze_from_the_top", "unfreeze_part_of_a_unit_later"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -75,8 +75,8 @@ def test_a_bucket_of_blocks_follows_blocks_skipped_repeated_or_unfrozen(pools, n
     """[Note: bucket blocks skipped or repeated]: every block in one unit (`bucket_size_mb=25`), the model skipping
     its first, last or middle block (on every rank, or on one: the unit still runs on both) or running one twice:
     exact as DDP (the unit's state machine raised, at every stage). A block frozen at set-up and unfrozen later
-    (gradual unfreezing) is exact too: it is not bucketed with trainable blocks (it was refused as a unit frozen in
-    part), and a bucket of frozen blocks unfrozen one block at a time trains each from its unfreezing."""
+    (gradual unfreezing) is exact too: alone in its bucket, or in a bucket of frozen blocks unfrozen one block at a
+    time (each trains from its unfreezing), or frozen in part (its frozen part starts beside the trainable one)."""
     for rank, r in enumerate(pools(2).values(peer.run_scenario, name, stage, bucket_size_mb=25)):
         assert r["error"] is None, (rank, r["error"])
         assert peer.worst_difference(r["reference"], r["record"]) <= TOL, (rank, r["reference"], r["record"])

@@ -344,7 +344,7 @@ class ZeroEngine:
         for part, unit in unfrozen_parts(self._frozen_parts, self.units, *settings):
             for real, held in zip(part.params, part.held_params):  # stage 3: as the next gather would
                 real.requires_grad_(held.requires_grad)  # ([Note: resting parameters])
-            unit.start_training()
+            unit.start_training(part)
             self.hooks.watch_grads(unit)
             self._frozen_parts.remove(part)
         self.hooks.watch_unfrozen()

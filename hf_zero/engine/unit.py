@@ -141,13 +141,13 @@ class Unit:
     def has_trainable(self) -> bool:
         return bool(self.trainable_parts)
 
-    def start_training(self) -> None:
-        """[Note: requires_grad after initialize] a unit frozen whole at `initialize` (one frozen part) whose
-        parameters were unfrozen since: its part takes gradients from now on. Between passes only."""
+    def start_training(self, part: FlatPart) -> None:
+        """[Note: requires_grad after initialize] `part`, frozen at `initialize`, whose parameters were unfrozen
+        since: it takes gradients from now on, reduced after the unit's other trainable parts. Between passes only."""
         self._require("start_training", _TRAIN.IDLE)
-        if self.trainable_parts or len(self.parts) != 1:
-            raise self._illegal("start_training", "only a unit frozen whole at initialize starts training")
-        self.trainable_parts = self.parts
+        if part not in self.parts or part in self.trainable_parts:
+            raise self._illegal("start_training", "only a part of this unit frozen at initialize starts training")
+        self.trainable_parts = tuple(p for p in self.parts if p in self.trainable_parts or p is part)
 
     @property
     def placement(self) -> Placement:

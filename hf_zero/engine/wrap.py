@@ -116,8 +116,8 @@ def units_for(model: nn.Module, config: ZeroConfig) -> list[UnitSpec]:
 def _group_blocks(blocks: list[tuple[str, nn.Module]], ungrouped: set[int], bucket_numel: int) -> list[Group]:
     """Consecutive sibling blocks joined while a group holds fewer than `bucket_numel` parameters.
     The embedding and the head (`ungrouped`) always stay alone, and a block frozen whole joins only blocks frozen
-    whole: a unit frozen whole can start training later ([Note: requires_grad after initialize] in
-    checks/forward.py: gradual unfreezing), one frozen in part cannot."""
+    whole: the bottom blocks of a model frozen from below are never gathered for a backward that stops above them,
+    as they would be in a bucket with a trainable block."""
     groups: list[Group] = []
     size = 0
     for name, module in blocks:

@@ -53,21 +53,22 @@ def unfrozen_parts(
     A parameter frozen at `initialize` lives in a frozen part: its only copy in the compute dtype, no master, no
     gradient buffer, no optimizer state ([Note: frozen parameters] in unit.py). Freezing a trainable one later is
     followed (its gradient is `None` while it is frozen, as in torch). Unfreezing one (gradual unfreezing: a
-    model frozen but for its head, its blocks unfrozen from the top as training goes) is found at the next forward
-    with grad: where its unit was frozen whole at `initialize`, that unit starts training from there, exactly as
-    under DDP (its gradients reduced, the optimizer stepping it if its param groups hold it, as torch's does). That
-    needs what the part keeps to be what training starts from: no separate fp32 master (mixed precision keeps only
-    the compute dtype's copy of a frozen part) and no offloaded optimizer (its master would live on the host). A
-    unit frozen only in part (LoRA's base weights beside the adapters), or one of those settings, is refused on every
-    rank (the same parameters on each), naming the way: leave the parameter trainable at `initialize` and freeze
-    it right after, which hf_zero follows from then on. Returns the parts to start, each with its unit."""
+    model frozen but for its head, its blocks unfrozen from the top as training goes; LoRA's base weights trained
+    after a warm-up of the adapters) is found at the next forward with grad: its frozen part starts training from
+    there, beside its unit's other trainable parts if it has any, exactly as under DDP (its gradients reduced, the
+    optimizer stepping it if its param groups hold it, as torch's does). That needs what the part keeps to be what
+    training starts from: no separate fp32 master (mixed precision keeps only the compute dtype's copy of a frozen
+    part) and no offloaded optimizer (its master and state would live on the host, not beside the part). Under
+    those settings it is refused on every rank (the same parameters on each), naming the way: leave the parameter
+    trainable at `initialize` and freeze it right after, which hf_zero follows from then on. Returns the parts to
+    start, each with its unit."""
     woken = []
     for part in frozen_parts:
         names = [name for name, p in zip(part.spec.param_names, part.held_params) if p.requires_grad]
         if not names:
             continue
         unit = next(u for u in units if part in u.parts)
-        why = _why_frozen_stays(part, unit, param_dtype, master_dtype, offloaded)
+        why = _why_frozen_stays(param_dtype, master_dtype, offloaded)
         if why is not None:
             raise ValueError(
                 f"hf_zero: parameter '{names[0]}' was frozen (requires_grad=False) when hf_zero.initialize ran and now "
@@ -79,15 +80,8 @@ def unfrozen_parts(
     return woken
 
 
-def _why_frozen_stays(
-    part: FlatPart, unit: Unit, param_dtype: torch.dtype, master_dtype: torch.dtype, offloaded: bool
-) -> str | None:
-    """Why `part` (of `unit`), frozen at `initialize`, cannot start training, or None."""
-    if len(unit.parts) > 1:
-        return (
-            f"unit '{unit.name}' was frozen only in part at initialize (its other parameters train from their own "
-            "flat part)"
-        )
+def _why_frozen_stays(param_dtype: torch.dtype, master_dtype: torch.dtype, offloaded: bool) -> str | None:
+    """Why a part frozen at `initialize` cannot start training under these settings, or None."""
     if param_dtype != master_dtype:
         return (
             f"under mixed precision a frozen part keeps only its {param_dtype} copy, not the {master_dtype} weights "
