@@ -63,7 +63,8 @@ class Program:
     blocks: int = 3
     batchnorm: bool = False
     tie: bool = False
-    optimizer: str = "adamw"  # adamw | sgd | adam_amsgrad | rmsprop | adafactor (whole parameters, each on its owner)
+    optimizer: str = "adamw"  # adamw | sgd | adam_amsgrad | rmsprop | adafactor (whole parameters, each on its
+    # owner) | one of MORE_OPTIMIZERS
     scheduler: bool = False
     offload: str = "none"  # none | optimizer | params | disk (optimizer state and masters in files)
     prefetch: int = 1
@@ -136,9 +137,12 @@ def draw(seed: int) -> Program:
         forwards.insert(at, ("snapshot",))
         forwards.insert(rng.randrange(at + 1, len(forwards) + 1), ("rewind",))
     flow = rng.choices(FLOWS, weights=(4, 1, 1, 1, 1))[0]  # and this after those
+    optimizer = "adafactor" if whole else program.optimizer  # and these after that
+    if rng.random() < 0.3 and not whole:
+        optimizer = rng.choice(tuple(MORE_OPTIMIZERS))
     return dataclasses.replace(
         program,
-        optimizer="adafactor" if whole else program.optimizer,
+        optimizer=optimizer,
         offload="disk" if disk else program.offload,
         bucket_mb=25 if bucket else 0,
         groups=groups,
@@ -218,7 +222,23 @@ def _make_optimizer(program: Program, params: Any) -> torch.optim.Optimizer:
         return torch.optim.RMSprop(params, lr=0.005, momentum=0.5)
     if program.optimizer == "adafactor":  # reads each parameter's shape: stepped whole, on the rank that owns it
         return torch.optim.Adafactor(params, lr=0.01)
+    if program.optimizer in MORE_OPTIMIZERS:
+        return MORE_OPTIMIZERS[program.optimizer](params)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+# torch's other optimizers and implementations users pick (`--optim adamw_torch_fused`, Adagrad's state made at
+# construction, NAdam's and RAdam's step-dependent terms)
+MORE_OPTIMIZERS: dict[str, Any] = {
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True),
+    "adamw_foreach": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, foreach=True),
+    "nadam": lambda params: torch.optim.NAdam(params, lr=0.01, weight_decay=0.01, decoupled_weight_decay=True),
+    "radam": lambda params: torch.optim.RAdam(params, lr=0.01, weight_decay=0.01),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05, initial_accumulator_value=0.1, lr_decay=0.01),
+    "adamax": lambda params: torch.optim.Adamax(params, lr=0.01),
+    "sgd_nesterov": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, dampening=0),
+    "adam_maximize": lambda params: torch.optim.Adam(params, lr=0.01, maximize=True),
+}
 
 
 def _scheduler(program: Program, opt: torch.optim.Optimizer) -> Any:

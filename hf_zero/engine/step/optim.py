@@ -127,10 +127,12 @@ def check_optimizer(
             f"{type(optimizer).__name__}."
         )
     if isinstance(optimizer, ShardedOptimizer):
-        raise ValueError("This optimizer is already sharded by hf_zero.initialize; pass the original optimizer once.")
+        raise ValueError(
+            "hf_zero: this optimizer is already sharded by hf_zero.initialize; pass the original optimizer once."
+        )
     if any(_has_stepped(s) for s in optimizer.state.values()):
         raise ValueError(
-            "The optimizer already holds state (it has taken a step). Call hf_zero.initialize before "
+            "hf_zero: the optimizer already holds state (it has taken a step). Call hf_zero.initialize before "
             "training, or load the state afterwards with hf_zero.load_checkpoint."
         )
     for param, state in optimizer.state.items():  # [Note: state set at construction]
@@ -139,7 +141,8 @@ def check_optimizer(
                 continue
             if offload_dir is not None or (is_elementwise(optimizer) and value.numel() != param.numel()):
                 raise ValueError(
-                    f"{type(optimizer).__name__} set its state {key!r} (shape {tuple(value.shape)}) at construction, "
+                    f"hf_zero: {type(optimizer).__name__} set its state {key!r} (shape {tuple(value.shape)}) at "
+                    "construction, "
                     + (
                         "which ZeroConfig.offload_dir cannot place in its files: drop offload_dir."
                         if offload_dir is not None
@@ -159,8 +162,8 @@ def check_optimizer(
         for param in group["params"]:
             if id(param) not in model_params:
                 raise ValueError(
-                    f"Param group {i} of the optimizer holds a tensor of shape {tuple(param.shape)} that is not "
-                    "a parameter of the model. Build the optimizer over model.parameters(). A module trained "
+                    f"hf_zero: param group {i} of the optimizer holds a tensor of shape {tuple(param.shape)} that is "
+                    "not a parameter of the model. Build the optimizer over model.parameters(). A module trained "
                     "beside the model (a projection head, a discriminator, DDP code's `list(model.parameters()) "
                     "+ list(head.parameters())`): make it a submodule of the model before hf_zero.initialize, so "
                     "that it is sharded and its gradients averaged over the ranks, or give it an optimizer of its "
@@ -210,7 +213,9 @@ def check_optimizers(
     if len(optimizers) < 2:
         return
     if offload_dir is not None:
-        raise ValueError("ZeroConfig.offload_dir steps one optimizer; build one optimizer, or drop offload_dir.")
+        raise ValueError(
+            "hf_zero: ZeroConfig.offload_dir steps one optimizer; build one optimizer, or drop offload_dir."
+        )
     owner: dict[int, int] = {}
     for i, optimizer in enumerate(optimizers):
         for group in optimizer.param_groups:
@@ -218,8 +223,8 @@ def check_optimizers(
                 real = engine.compute_param(param) if engine is not None else param
                 if owner.setdefault(id(real), i) != i:
                     raise ValueError(
-                        f"A parameter of shape {tuple(param.shape)} is in optimizers {owner[id(real)]} and {i}: each "
-                        "parameter may be stepped by one optimizer only. Split the parameters between them."
+                        f"hf_zero: a parameter of shape {tuple(param.shape)} is in optimizers {owner[id(real)]} and "
+                        f"{i}: each parameter may be stepped by one optimizer only. Split the parameters between them."
                     )
 
 
