@@ -11,7 +11,8 @@ mode, a learning-rate change, and a checkpoint saved and resumed into a fresh mo
 forwards are plain, or skip a block (on every rank), or run block 0 twice, or recompute every block in backward
 (activation checkpointing), or add the otherwise unused spare head, or run in eval mode (BatchNorm's running
 statistics, no update); the weights may be snapshotted (`state_dict()`) and rewound to the snapshot later
-(`load_state_dict`, the optimizer's state kept); the optimizer's parameters are one group,
+(`load_state_dict`, the optimizer's state kept); a checkpoint may be saved asynchronously, training going on while
+it is written, and loaded back later (DDP: the model's and optimizer's state dicts kept and loaded); the optimizer's parameters are one group,
 or the Trainer's two (no weight decay on biases and norms), or a group per block with its own learning rate. Every
 program is made from its seed (`draw`), so a seed names it.
 
@@ -32,6 +33,7 @@ rounding and is counted as `noise`; different there too, it is a divergence, shr
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -140,6 +142,10 @@ def draw(seed: int) -> Program:
     optimizer = "adafactor" if whole else program.optimizer  # and these after that
     if rng.random() < 0.3 and not whole:
         optimizer = rng.choice(tuple(MORE_OPTIMIZERS))
+    if rng.random() < 0.25:  # an asynchronous save, training on while it writes, and a load of it later
+        at = rng.randrange(len(forwards) + 1)
+        forwards.insert(at, ("asave", rng.choice((None, 0))))  # the snapshot budget: unbounded, or none
+        forwards.insert(rng.randrange(at + 1, len(forwards) + 1), ("aload",))
     return dataclasses.replace(
         program,
         optimizer=optimizer,
@@ -276,6 +282,7 @@ class _Run:
     dtype: torch.dtype
     scaler: Any = None  # a torch.amp.GradScaler, or None
     snapshot: dict[str, torch.Tensor] | None = None  # the weights a `snapshot` op kept
+    saved: Any = None  # what an `asave` op kept: DDP's (model, optimizer) state dicts; hf_zero's pending save
     record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def note(self, key: str, value: Any) -> None:
@@ -345,7 +352,9 @@ def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[
     opt = _optimizer(program, model)
     run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype), _scaler(program))
     for step, op in enumerate(program.ops):
-        if op[0] == "resume":  # a resumed DDP job: a fresh wrapper (rank 0's buffers, its flag due) on the same state,
+        if op[0] in ("asave", "aload"):
+            _keep_or_load(run, op[0])
+        elif op[0] == "resume":  # a resumed DDP job: a fresh wrapper (rank 0's buffers, its flag due) on the same state,
             opt.zero_grad(set_to_none=True)  # and no `.grad` (a fresh process has none, zeros kept or not)
             frozen = [p for p in model.parameters() if not p.requires_grad]
             for p in frozen:  # DDP's reducer holds only what requires grad when it is built
@@ -357,6 +366,18 @@ def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[
         else:
             _apply(run, op, step, rank)
     return run.record, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _keep_or_load(run: _Run, kind: str) -> None:
+    """DDP's side of `asave` / `aload`: rank 0's model and optimizer state dicts kept (what DDP's checkpoint holds:
+    the buffers as rank 0 has them), then loaded back on every rank; the scheduler and the scaler go on."""
+    if kind == "asave":
+        saved = [copy.deepcopy((run.inner.state_dict(), run.opt.state_dict()))]
+        dist.broadcast_object_list(saved, 0)
+        run.saved = saved[0]
+    elif run.saved is not None:
+        run.inner.load_state_dict(run.saved[0])
+        run.opt.load_state_dict(copy.deepcopy(run.saved[1]))
 
 
 def _freeze_at_start(program: Program, model: nn.Module) -> None:
@@ -385,7 +406,7 @@ def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
     meta = hf_zero.load_checkpoint(directory, fresh.model, fresh.opt)
     if fresh.scaler is not None:
         fresh.scaler.load_state_dict(meta["scaler"])
-    fresh.record, fresh.snapshot = run.record, run.snapshot
+    fresh.record, fresh.snapshot, fresh.saved = run.record, run.snapshot, run.saved
     for name, p in fresh.inner.named_parameters():
         p.requires_grad_(name not in frozen)
     if fresh.sched is not None and sched_state is not None:
@@ -398,8 +419,16 @@ def _run_sharded(program: Program, stage: int, rank: int, directory: str) -> tup
     for step, op in enumerate(program.ops):
         if op[0] == "resume":
             run = _resume(run, program, op[1], f"{directory}/step{step}")
-        else:
+        elif op[0] == "asave":  # [Note: asynchronous save]: training goes on while the checkpoint is written
+            run.saved = hf_zero.save_checkpoint(
+                f"{directory}/async", run.model, run.opt, async_save=True, snapshot_budget_bytes=op[1]
+            )
+        elif op[0] == "aload" and run.saved is not None:
+            hf_zero.load_checkpoint(run.saved.wait(), run.model, run.opt)
+        elif op[0] != "aload":
             _apply(run, op, step, rank)
+    if run.saved is not None:
+        run.saved.wait()  # written before the run's folder goes
     state = hf_zero.full_state_dict(run.model, rank0_only=False)
     return run.record, {k: v.detach().clone() for k, v in state.items()}
 

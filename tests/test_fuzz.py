@@ -25,7 +25,7 @@ def test_the_grammar_draws_every_operation_and_setting():
     setting appears among 200 programs."""
     programs = [fuzz.draw(seed) for seed in range(200)]
     kinds = {op[0] for p in programs for op in p.ops}
-    assert kinds == {"step", "eval", "nograd", "freeze", "lr", "resume", "snapshot", "rewind"}
+    assert kinds == {"step", "eval", "nograd", "freeze", "lr", "resume", "snapshot", "rewind", "asave", "aload"}
     clips = {op[3][0] for p in programs for op in p.ops if op[0] == "step" and op[3] is not None}
     assert clips == {"norm", "value", "optimizer", "model"}
     assert {p.offload for p in programs} == {"none", "optimizer", "params", "disk"}

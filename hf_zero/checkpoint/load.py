@@ -195,7 +195,11 @@ def _stage_optimizers(
             in_place = all(
                 _live_chunks(p, key, inner.state) is not None for p in pieces for key in _elementwise(saved, p)
             )
-            if not in_place:
+            if in_place:  # a tensor without saved state has none after the load, as torch's load_state_dict leaves it
+                refilled = {id(t) for p in pieces for t in p.optim_params}
+                for t in [t for t in inner.state if id(t) not in refilled]:
+                    del inner.state[t]
+            else:
                 inner.state.clear()  # the state being replaced: released before the new one is allocated
             state: Staged = []
             for piece in pieces:
