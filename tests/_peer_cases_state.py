@@ -236,12 +236,15 @@ def zero_grad_keeps_zeros_whole_parameter(loop: Loop) -> None:
     zero_grad_keeps_zeros_of_a_skipped_block(loop)
 
 
-def _checkpoint_reloaded(loop: Loop) -> None:
+def _checkpoint_reloaded(loop: Loop, between_backward_and_step: bool = False) -> None:
     """Block 1 frozen for the first step (no optimizer state), a checkpoint saved, block 1 unfrozen and two steps
     taken, the checkpoint loaded back into the live model and optimizer (a rewind after a loss spike), two steps
     again. hf_zero: `save_checkpoint` / `load_checkpoint`; the reference: rank 0's model and optimizer state dicts,
     as DDP's checkpoint holds them. After the load block 1 has no optimizer state again, as torch's
-    `load_state_dict` leaves a parameter the saved state lacks (it kept the moments of the two steps)."""
+    `load_state_dict` leaves a parameter the saved state lacks (it kept the moments of the two steps). The
+    gradients are the model's, not the checkpoint's: zeros kept by `zero_grad(set_to_none=False)` stay (a block
+    skipped in the next step is stepped on them), and so do those of a backward the load comes after
+    (`between_backward_and_step`)."""
     loop.model.blocks[1].requires_grad_(False)
     _steps(loop, n=1)
     path = _shared_directory()
@@ -254,13 +257,22 @@ def _checkpoint_reloaded(loop: Loop) -> None:
             saved = [copy.deepcopy((loop.model.state_dict(), loop.opt.state_dict()))]
             dist.broadcast_object_list(saved, 0)
         loop.model.blocks[1].requires_grad_(True)
-        _steps(loop, n=2)
+        for step in range(2):
+            loss = loop.loss(step)
+            loop.note("loss", loss)
+            loop.backward(loss)
+            if step == 0 or not between_backward_and_step:
+                loop.opt.step()
+                loop.opt.zero_grad(set_to_none=False)
         if loop.sharded:
             hf_zero.load_checkpoint(path, loop.model, loop.opt)
         else:
             loop.model.load_state_dict(saved[0][0])
             loop.opt.load_state_dict(saved[0][1])
-        _steps(loop, n=2)
+        if between_backward_and_step:
+            loop.opt.step()
+            loop.opt.zero_grad()
+        _steps(loop, n=2, skip=(1,))
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
@@ -276,3 +288,9 @@ def checkpoint_loaded_into_the_live_optimizer(loop: Loop) -> None:
 def checkpoint_loaded_into_the_live_optimizer_whole_parameter(loop: Loop) -> None:
     """The same with Adafactor, stepped on whole parameters ([Note: whole-parameter step])."""
     _checkpoint_reloaded(loop)
+
+
+@scenario()
+def checkpoint_loaded_between_backward_and_step(loop: Loop) -> None:
+    """The same, the load between a backward and its step: the step applies that backward's gradients."""
+    _checkpoint_reloaded(loop, between_backward_and_step=True)

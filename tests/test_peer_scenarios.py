@@ -84,11 +84,14 @@ def test_a_bucket_of_blocks_follows_blocks_skipped_repeated_or_unfrozen(pools, n
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("name", ["zero_grad_keeps_zeros_of_a_skipped_block", "zero_grad_keeps_zeros_whole_parameter"])
+@pytest.mark.parametrize("name", ["zero_grad_keeps_zeros_of_a_skipped_block", "zero_grad_keeps_zeros_whole_parameter",
+                                  "checkpoint_loaded_into_the_live_optimizer",
+                                  "checkpoint_loaded_between_backward_and_step"])
 def test_kept_zero_gradients_step_from_disk(pools, tmp_path, name, stage):
     """[Note: zero gradients kept] with the optimizer's state and masters on disk (`offload_dir`): a parameter whose
     gradient `zero_grad(set_to_none=False)` kept as zeros is stepped on zeros, as in memory (it was skipped: the
-    differential fuzzer's seed 593)."""
+    differential fuzzer's seed 593), also after a checkpoint is loaded into the live model and optimizer (the load
+    dropped them, and the gradients of a backward it came after: seed 90242)."""
     for rank, r in enumerate(pools(2).values(peer.run_scenario, name, stage, offload_optimizer=True,
                                              offload_dir=str(tmp_path))):
         assert r["error"] is None, (rank, r["error"])

@@ -68,7 +68,9 @@ def load_checkpoint(
     """Load a checkpoint written by `save_checkpoint` into a sharded model (and optimizer).
 
     A collective: every rank must call it. The world size and stage may differ from the ones
-    that saved. Each rank reads only the byte ranges its shards need.
+    that saved. Each rank reads only the byte ranges its shards need. Into a live model and optimizer (a rewind
+    mid-run) it acts as torch's `load_state_dict` does: each parameter's optimizer state becomes the saved one (none
+    where the checkpoint holds none), and the gradients are left as they are.
 
     Args:
         path (`str` or `os.PathLike`): the checkpoint directory, or a Trainer's `checkpoint-N` (an Accelerate
@@ -165,7 +167,6 @@ def load_checkpoint(
             _load_optimizer(engine, each, saved_part, manifest, cache, staged[i] if staged else None)
     if "loss_scale" in manifest.engine:
         engine.set_loss_scale(float(manifest.engine["loss_scale"]))
-    engine.zero_grad()
     if engine.world.rank == 0:
         logger.info(manifest.figure("loaded", directory, time.perf_counter() - started))
     return dict(manifest.user)
