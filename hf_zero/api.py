@@ -25,7 +25,7 @@ from .engine.full_state import unique_params
 from .engine.module import engine_of_param, get_engine, is_sharded, wrapped_model
 from .engine.placement import check_compute_device, validate_model
 from .engine.pool import map_large_host_allocations
-from .engine.quantized import check_quantized
+from .engine.quantized import check_quantized, keep_codes_in_place
 from .engine.step.optim import ShardedOptimizer, check_optimizers, optimizer_list, shard_optimizers
 from .engine.wrap import UnitSpec, units_for
 from .model import attach, unshard_and_detach, use_sharder
@@ -158,6 +158,7 @@ def initialize(
 
             tiled_mlp.check(model)
         check_quantized(model, cfg)  # [Note: quantized base]
+        keep_codes_in_place(model)  # [Note: codes repacked on the CPU]
         specs = units_for(model, cfg)
         if weights_from is not None:
             source = PretrainedSource(weights_from, model, _file_conversions(model))

@@ -14,7 +14,12 @@ import hf_zero
 DEVICE = torch.device("cpu")  # where the models, their batches and the engine live (the GPU check sets its GPU)
 
 
-def qlora_model(base: str, quant_type: str, double: bool, storage: str = "float32") -> torch.nn.Module:
+def qlora_model(
+    base: str, quant_type: str, double: bool, storage: str = "float32", repack: bool = False
+) -> torch.nn.Module:
+    """transformers' 4-bit load, `prepare_model_for_kbit_training`, LoRA. bitsandbytes' repacking of the codes for its
+    CPU kernel at eval forwards ([Note: codes repacked on the CPU]) is off, as hf_zero turns it off, so that both sides
+    of a comparison take bitsandbytes' one generic kernel on any CPU; `repack`: on, as on a CPU with AVX512-BF16."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -35,7 +40,11 @@ def qlora_model(base: str, quant_type: str, double: bool, storage: str = "float3
     targets = (
         ["q_proj", "v_proj", "up_proj"] if model.config.model_type == "llama" else ["query_key_value", "dense_h_to_4h"]
     )
-    return get_peft_model(model, LoraConfig(r=4, target_modules=targets, lora_dropout=0.0))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, lora_dropout=0.0))
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = repack
+    return model
 
 
 def _quantize_falcon(model: torch.nn.Module, q: Any) -> None:
@@ -74,9 +83,16 @@ def _batch(rank: int) -> torch.Tensor:
     return torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(rank)).to(DEVICE)
 
 
-def _train(model: torch.nn.Module, opt: Any, x: torch.Tensor) -> dict[str, list[float]]:
-    record: dict[str, list[float]] = {"loss": [], "norm": []}
-    for _ in range(3):
+def _train(model: torch.nn.Module, opt: Any, x: torch.Tensor, evaluate: bool = False) -> dict[str, list[float]]:
+    """3 steps in train mode; `evaluate`: an eval-mode forward without grad after the first (a Trainer evaluation)."""
+    record: dict[str, list[float]] = {"loss": [], "norm": [], "eval": []}
+    model.train()
+    for step in range(3):
+        if evaluate and step == 1:
+            model.eval()
+            with torch.no_grad():
+                record["eval"].append(float(model(input_ids=x, labels=x).loss))
+            model.train()
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         record["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
@@ -95,24 +111,28 @@ def _codes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def qlora_against_one_process(
-    base: str, stage: int, quant_type: str, double: bool, storage: str = "float32", **config: Any
+    base: str, stage: int, quant_type: str, double: bool, storage: str = "float32", evaluate: bool = False,
+    **config: Any
 ) -> dict[str, Any]:
     """3 steps (clipping at 0.5) of QLoRA under hf_zero at `stage` (and `config`), and in this process alone on
     both ranks' batches; the losses (mean over ranks), norms and adapter weights of each, and whether the packed
-    codes came out of training byte for byte as they went in."""
+    codes came out of training byte for byte as they went in. `evaluate`: an evaluation after the first step, the
+    sharded model's bitsandbytes layers set to repack their codes as on an AVX512-BF16 CPU ([Note: codes repacked
+    on the CPU])."""
     ref = qlora_model(base, quant_type, double, storage)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    ref_record = _train(ref, ref_opt, torch.cat([_batch(r) for r in range(dist.get_world_size())]))
-    model = qlora_model(base, quant_type, double, storage)
+    ref_record = _train(ref, ref_opt, torch.cat([_batch(r) for r in range(dist.get_world_size())]), evaluate)
+    model = qlora_model(base, quant_type, double, storage, repack=evaluate)
     before = _codes(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage, **config))
-    record = _train(model, opt, _batch(dist.get_rank()))
+    record = _train(model, opt, _batch(dist.get_rank()), evaluate)
     after = _codes(model)
     codes_kept = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
-    losses = torch.tensor(record["loss"])
-    dist.all_reduce(losses)
-    record["loss"] = (losses / dist.get_world_size()).tolist()
+    for key in ("loss", "eval"):
+        losses = torch.tensor(record[key])
+        dist.all_reduce(losses)
+        record[key] = (losses / dist.get_world_size()).tolist()
     state = hf_zero.full_state_dict(model, rank0_only=False)
     return {
         "reference": ref_record,
@@ -124,15 +144,18 @@ def qlora_against_one_process(
 
 
 def qlora_refusals(base: str) -> dict[str, str]:
-    """What `initialize` refuses for a 4-bit base: a quantized weight left trainable."""
-    cases = {"trainable_base": ({}, {}, True)}
+    """What `initialize` refuses for a 4-bit base: a quantized weight left trainable; codes repacked for
+    bitsandbytes' CPU kernel by an eval forward before `initialize` (its `quant_state` says so)."""
     out = {}
-    for case, (load, config, unfreeze) in cases.items():
-        model = qlora_model(base, "nf4", True, **load)
-        if unfreeze:
-            next(p for n, p in model.named_parameters() if "base_layer" in n).requires_grad_(True)
+    for case in ("trainable_base", "repacked"):
+        model = qlora_model(base, "nf4", True)
+        weight = next(p for n, p in model.named_parameters() if "base_layer" in n)
+        if case == "trainable_base":
+            weight.requires_grad_(True)
+        else:
+            weight.quant_state.packing_format_for_cpu = True
         try:
-            hf_zero.initialize(model, None, hf_zero.ZeroConfig(**{"stage": 2, **config}))
+            hf_zero.initialize(model, None, hf_zero.ZeroConfig(stage=2))
             out[case] = ""
         except ValueError as e:
             out[case] = str(e)

@@ -11,6 +11,16 @@ beside the parameter. The bytes are never cast (mixed precision casts the rest o
 requantized (`quantized_weights` leaves kept parts exact). Refused at `initialize`, on every rank, naming what
 works: an 8-bit base, or a quantized parameter left trainable. Exact against single-process QLoRA with the same
 kernels (tests/test_peft.py).
+
+[Note: codes repacked on the CPU]
+bitsandbytes (0.49 and later), on a CPU with AVX512-BF16, repacks a `Linear4bit`'s codes into another layout at
+its first forward in eval mode without grad (`weight.data` replaced, `quant_state.packing_format_for_cpu` set): an
+evaluation between training steps would replace the bytes the engine shards (stages 0-2: a parameter whose data
+moved, refused at the next forward; stage 3: a gathered copy repacked and freed while its `quant_state` says
+"repacked", the next gather's codes read in the wrong layout). So `initialize` turns that repacking off on the
+layers it shards (`support_avx512bf16_for_cpu = False`: bitsandbytes' generic path, the one training takes), and
+refuses a model whose codes were repacked already (an eval forward before `initialize`), naming the order that
+works. GPUs have no such path.
 """
 
 from __future__ import annotations
@@ -45,9 +55,23 @@ def check_quantized(model: nn.Module, config: ZeroConfig) -> None:
             "base in 4 bits for QLoRA: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
             "bnb_4bit_quant_storage=<the dtype you load the model in>)."
         )
+    repacked = [n for n, q in held if getattr(getattr(q, "quant_state", None), "packing_format_for_cpu", False)]
+    if repacked:  # [Note: codes repacked on the CPU]
+        raise ValueError(
+            f"hf_zero: the 4-bit weight '{repacked[0]}' was repacked by bitsandbytes for its CPU kernel (an eval-mode "
+            "forward without grad ran before hf_zero.initialize on an AVX512-BF16 CPU), a layout only that process "
+            "reads. Call hf_zero.initialize before any forward of the model (or reload it), and evaluate after it."
+        )
     trained = [n for n, q in held if q.requires_grad]
     if trained:
         raise ValueError(
             f"hf_zero: the 4-bit weight '{trained[0]}' requires grad: its data are packed codes, which no optimizer "
             "can step. Freeze the quantized base (peft's get_peft_model does) and train adapters beside it."
         )
+
+
+def keep_codes_in_place(model: nn.Module) -> None:
+    """[Note: codes repacked on the CPU] bitsandbytes' repacking of the codes at an eval forward, turned off."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
