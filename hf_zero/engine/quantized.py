@@ -74,4 +74,4 @@ def keep_codes_in_place(model: nn.Module) -> None:
     """[Note: codes repacked on the CPU] bitsandbytes' repacking of the codes at an eval forward, turned off."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 - bitsandbytes' attribute, untyped
