@@ -246,6 +246,9 @@ def qlora_from_a_saved_4bit_checkpoint(saved: str, stage: int) -> dict[str, Any]
     from transformers import AutoModelForCausalLM
 
     theirs = AutoModelForCausalLM.from_pretrained(saved, device_map={"": DEVICE})
+    for module in theirs.modules():  # bitsandbytes' one generic kernel on both sides ([Note: codes repacked on the
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # CPU]: its bf16 CPU kernel's logits differ by 3e-3)
+            module.support_avx512bf16_for_cpu = False
     codes = _codes(theirs)
     scales = {n: p.quant_state.absmax.clone() for n, p in theirs.named_parameters() if hasattr(p, "quant_state")}
     x = _batch(dist.get_rank())
