@@ -78,6 +78,9 @@ class Program:
     keep_grads: bool = False  # ZeroConfig.no_sync_keeps_grads: unsharded gradients kept through a no_sync window
     replicas: bool = False  # ZeroConfig.shard_group_size=1: each rank a shard group of its own (hybrid sharding)
     flow: str = "plain"  # how tensors move between the blocks (tests/_fuzz_models.py: FLOWS)
+    local_buffers: bool = False  # each rank's buffers (DDP's and ZeroConfig's broadcast_buffers=False)
+    native: bool = False  # ZeroConfig.collectives="native": the backend's own collectives (NCCL's path; gloo composes)
+    uneven: bool = False  # rank 1's first micro-batch of each step has 3 rows, the others 4
     dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
 
     def to_json(self) -> str:
@@ -146,6 +149,7 @@ def draw(seed: int) -> Program:
         at = rng.randrange(len(forwards) + 1)
         forwards.insert(at, ("asave", rng.choice((None, 0))))  # the snapshot budget: unbounded, or none
         forwards.insert(rng.randrange(at + 1, len(forwards) + 1), ("aload",))
+    local_buffers, native, uneven = rng.random() < 0.2, rng.random() < 0.3, rng.random() < 0.2  # and these after
     return dataclasses.replace(
         program,
         optimizer=optimizer,
@@ -157,6 +161,9 @@ def draw(seed: int) -> Program:
         keep_grads=keep_grads,
         replicas=replicas,
         flow=flow,
+        local_buffers=local_buffers,
+        native=native,
+        uneven=uneven,
     )
 
 
@@ -255,9 +262,10 @@ def _scaler(program: Program) -> Any:
     return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if program.amp else None
 
 
-def _batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, micro: int, rank: int, dtype: torch.dtype, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-    return (torch.randn(4, D_IN, generator=g) * (1 + rank)).to(dtype), torch.randn(4, D_OUT, generator=g).to(dtype)
+    x, y = torch.randn(4, D_IN, generator=g) * (1 + rank), torch.randn(4, D_OUT, generator=g)
+    return x[:rows].to(dtype), y[:rows].to(dtype)
 
 
 def _config(program: Program, stage: int, scratch: str) -> hf_zero.ZeroConfig:
@@ -267,6 +275,7 @@ def _config(program: Program, stage: int, scratch: str) -> hf_zero.ZeroConfig:
         offload_optimizer=program.offload != "none", offload_params=program.offload == "params" and stage == 3,
         offload_dir=f"{scratch}/offload" if program.offload == "disk" else None,
         no_sync_keeps_grads=program.keep_grads, shard_group_size=1 if program.replicas else None,
+        broadcast_buffers=not program.local_buffers, collectives="native" if program.native else "auto",
     )
 
 
@@ -281,6 +290,7 @@ class _Run:
     no_sync: Any
     dtype: torch.dtype
     scaler: Any = None  # a torch.amp.GradScaler, or None
+    uneven: bool = False  # `Program.uneven`
     snapshot: dict[str, torch.Tensor] | None = None  # the weights a `snapshot` op kept
     saved: Any = None  # what an `asave` op kept: DDP's (model, optimizer) state dicts; hf_zero's pending save
     record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -297,7 +307,7 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
         kwargs = _forward_kwargs(forward)
         run.model.train(forward != "evalmode")
         for micro in range(micros):
-            x, y = _batch(step, micro, rank, run.dtype)
+            x, y = _batch(step, micro, rank, run.dtype, 3 if run.uneven and rank == 1 and micro == 0 else 4)
             quiet = use_no_sync and micro < micros - 1
             with run.no_sync() if quiet else contextlib.nullcontext():
                 loss = nn.functional.mse_loss(run.model(x, **kwargs), y) / micros
@@ -345,12 +355,19 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
             group["lr"] = group["lr"] * op[1]
 
 
+def _ddp(program: Program, model: nn.Module) -> DistributedDataParallel:
+    """DDP as its users build it; `local_buffers`: no buffer broadcast before the forwards (`forward_sync_buffers`:
+    rank 0's still taken at construction, as a resumed job loads rank 0's checkpoint)."""
+    return DistributedDataParallel(model, find_unused_parameters=True, forward_sync_buffers=not program.local_buffers)
+
+
 def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
     model = _model(program)
-    ddp = DistributedDataParallel(model, find_unused_parameters=True)  # built over every parameter: DDP's reducer
+    ddp = _ddp(program, model)  # built over every parameter: DDP's reducer
     _freeze_at_start(program, model)  # never reduces one frozen when it is built, so it is frozen after
     opt = _optimizer(program, model)
-    run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype), _scaler(program))
+    run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype), _scaler(program),
+               program.uneven)
     for step, op in enumerate(program.ops):
         if op[0] in ("asave", "aload"):
             _keep_or_load(run, op[0])
@@ -359,7 +376,7 @@ def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[
             frozen = [p for p in model.parameters() if not p.requires_grad]
             for p in frozen:  # DDP's reducer holds only what requires grad when it is built
                 p.requires_grad_(True)
-            ddp = DistributedDataParallel(model, find_unused_parameters=True)
+            ddp = _ddp(program, model)
             for p in frozen:
                 p.requires_grad_(False)
             run.model, run.no_sync = ddp, ddp.no_sync
@@ -392,7 +409,7 @@ def _sharded(program: Program, stage: int, scratch: str, resumed: bool = False) 
         _freeze_at_start(program, model)
     model, opt = hf_zero.initialize(model, _optimizer(program, model), _config(program, stage, scratch))
     return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype),
-                _scaler(program))
+                _scaler(program), program.uneven)
 
 
 def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
@@ -516,7 +533,8 @@ def shrink(program: Program, fails: Any) -> Program:
     """The smallest program found, removing operations and simplifying settings, for which `fails(program)` holds."""
     simpler = [dict(amp=False), dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
                dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0), dict(groups="one"),
-               dict(keep_grads=False), dict(replicas=False), dict(flow="plain")]
+               dict(keep_grads=False), dict(replicas=False), dict(flow="plain"),
+               dict(local_buffers=False), dict(native=False), dict(uneven=False)]
     changed = True
     while changed:
         changed = False

@@ -39,6 +39,7 @@ def test_the_grammar_draws_every_operation_and_setting():
     forwards = {op[5].split(":")[0] for p in programs for op in p.ops if op[0] == "step"}
     assert forwards == set(fuzz.FORWARDS)
     assert {p.flow for p in programs} == set(FLOWS)
+    assert any(p.local_buffers for p in programs) and any(p.native for p in programs) and any(p.uneven for p in programs)
     assert all(fuzz.Program.from_json(p.to_json()) == p for p in programs)  # clipping's tuples too
 
 
