@@ -1,5 +1,5 @@
 """The differential fuzzer (tests/_fuzz.py): training programs under torch's DDP and under hf_zero at stages 1-3 on
-2 gloo ranks, compared number by number; any silent difference is reported with the shrunk program that shows it.
+2 or 3 gloo ranks, compared number by number; any silent difference is reported with the shrunk program that shows it.
 
     python benchmarks/fuzz.py --programs 1000 [--first-seed 0] [--out benchmarks/results/fuzz.md]
 
@@ -42,7 +42,7 @@ def main() -> int:
     seeds = range(args.first_seed, args.first_seed + args.programs)
     try:
         for i, seed in enumerate(seeds):
-            finding = fuzz.check(lambda *a, **k: pools(2).run(*a, **k), fuzz.draw(seed))
+            finding = fuzz.check(pools, fuzz.draw(seed))
             for outcome in finding.outcomes.values():
                 counts[_kind(outcome)] += 1
                 if outcome.startswith("refused"):
@@ -59,7 +59,7 @@ def main() -> int:
         "# Differential fuzzer: hf_zero against torch DDP",
         "",
         f"{datetime.date.today().isoformat()}; `python benchmarks/fuzz.py --programs {args.programs} --first-seed "
-        f"{args.first_seed}`; {platform.processor() or platform.machine()}, 2 gloo ranks on CPU; {elapsed / 60:.1f} "
+        f"{args.first_seed}`; {platform.processor() or platform.machine()}, 2 or 3 gloo ranks on CPU; {elapsed / 60:.1f} "
         "minutes.",
         "",
         f"Seeds {seeds.start}-{seeds.stop - 1}: {args.programs} programs, each at stages 1, 2 and 3 beside DDP "

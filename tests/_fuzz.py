@@ -81,6 +81,7 @@ class Program:
     local_buffers: bool = False  # each rank's buffers (DDP's and ZeroConfig's broadcast_buffers=False)
     native: bool = False  # ZeroConfig.collectives="native": the backend's own collectives (NCCL's path; gloo composes)
     uneven: bool = False  # rank 1's first micro-batch of each step has 3 rows, the others 4
+    world: int = 2  # ranks (3: shards of units whose sizes 3 does not divide, padded)
     dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
 
     def to_json(self) -> str:
@@ -150,6 +151,7 @@ def draw(seed: int) -> Program:
         forwards.insert(at, ("asave", rng.choice((None, 0))))  # the snapshot budget: unbounded, or none
         forwards.insert(rng.randrange(at + 1, len(forwards) + 1), ("aload",))
     local_buffers, native, uneven = rng.random() < 0.2, rng.random() < 0.3, rng.random() < 0.2  # and these after
+    world = 3 if rng.random() < 0.25 else 2  # and this after those
     return dataclasses.replace(
         program,
         optimizer=optimizer,
@@ -164,6 +166,7 @@ def draw(seed: int) -> Program:
         local_buffers=local_buffers,
         native=native,
         uneven=uneven,
+        world=world,
     )
 
 
@@ -534,7 +537,7 @@ def shrink(program: Program, fails: Any) -> Program:
     simpler = [dict(amp=False), dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
                dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0), dict(groups="one"),
                dict(keep_grads=False), dict(replicas=False), dict(flow="plain"),
-               dict(local_buffers=False), dict(native=False), dict(uneven=False)]
+               dict(local_buffers=False), dict(native=False), dict(uneven=False), dict(world=2)]
     changed = True
     while changed:
         changed = False
@@ -574,10 +577,13 @@ class Finding:
         return any(is_silent(o) for o in self.outcomes.values())
 
 
-def outcomes_of(run: Any, program: Program, stages: tuple[int, ...] = STAGES, timeout: float = 180.0) -> dict[int, str]:
-    """`run_program` on every rank through `run` (a pool's `run`); a hang or an error outside the runs is a crash."""
+def outcomes_of(
+    pools: Any, program: Program, stages: tuple[int, ...] = STAGES, timeout: float = 180.0
+) -> dict[int, str]:
+    """`run_program` on every rank of `pools(program.world)` (tests/_dist.py's pools); a hang or an error outside
+    the runs is a crash."""
     try:
-        results = run(run_program, program.to_json(), stages, timeout=timeout)
+        results = pools(program.world).run(run_program, program.to_json(), stages, timeout=timeout)
     except TimeoutError as e:
         return {stage: f"crashed: hang: {e}" for stage in stages}
     failed = [r for r in results if not r.ok]
@@ -586,14 +592,14 @@ def outcomes_of(run: Any, program: Program, stages: tuple[int, ...] = STAGES, ti
     return verdict([r.value for r in results])
 
 
-def check(run: Any, program: Program, shrink_found: bool = True) -> Finding:
+def check(pools: Any, program: Program, shrink_found: bool = True) -> Finding:
     """The program's finding: fp32 outcomes, fp32 differences re-run in float64 ([Note: fuzz noise]), a
     divergence that stays shrunk (in float64)."""
-    outcomes = outcomes_of(run, program)
+    outcomes = outcomes_of(pools, program)
     for stage, outcome in outcomes.items():
         if not outcome.startswith("diverged"):
             continue
-        again = outcomes_of(run, dataclasses.replace(program, dtype="float64"), (stage,))[stage]
+        again = outcomes_of(pools, dataclasses.replace(program, dtype="float64"), (stage,))[stage]
         outcomes[stage] = "noise" if again == "exact" else again
     finding = Finding(program, outcomes)
     bad = [s for s, o in outcomes.items() if is_silent(o)]
@@ -601,5 +607,5 @@ def check(run: Any, program: Program, shrink_found: bool = True) -> Finding:
         stage = bad[0]
         kind = outcomes[stage].split(":")[0]  # a crash shrinks to a crash, not to a smaller program's fp32 noise
         wide = dataclasses.replace(program, dtype="float64") if kind == "diverged" else program
-        finding.shrunk = shrink(wide, lambda q: outcomes_of(run, q, (stage,))[stage].startswith(kind))
+        finding.shrunk = shrink(wide, lambda q: outcomes_of(pools, q, (stage,))[stage].startswith(kind))
     return finding
