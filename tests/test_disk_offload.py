@@ -290,6 +290,28 @@ def test_optimizer_state_dict_is_refused_with_a_pointer_to_checkpoints(tmp_path)
         opt.load_state_dict({})
 
 
+class PrimedSGD(torch.optim.SGD):
+    """An optimizer hf_zero does not know as elementwise (stepped on whole parameters) that sets its momentum
+    at construction."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=1e-2, momentum=0.9)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["momentum_buffer"] = torch.full_like(p, 0.01)
+
+
+def test_state_set_at_construction_is_refused_on_disk_only_for_whole_parameter_optimizers(tmp_path):
+    """[Note: state set at construction] Adagrad's accumulator goes into the files (test above); an optimizer
+    stepped on whole parameters keeps its state in memory, so one with state at construction is refused, by name."""
+    import hf_zero
+
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="PrimedSGD set its state 'momentum_buffer'.*stepped on whole parameters"):
+        hf_zero.initialize(model, PrimedSGD(model.parameters()), hf_zero.ZeroConfig(
+            stage=3, offload_optimizer=True, offload_dir=str(tmp_path)))
+
+
 @register_elementwise  # a user's own elementwise optimizer: declared, so it takes the flat path
 class CountingSGD(torch.optim.Optimizer):
     """An elementwise optimizer that keeps a step counter in its param group (as schedule-free optimizers do)
@@ -332,7 +354,8 @@ def _train_with(optimizer_name: str, offload_dir: str | None, steps: int) -> dic
     params = model.parameters()
     opt = {"amsgrad": lambda: torch.optim.Adam(params, lr=1e-3, amsgrad=True),
            "sgd": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
-           "counting": lambda: CountingSGD(params, lr=1e-3)}[optimizer_name]()
+           "counting": lambda: CountingSGD(params, lr=1e-3),
+           "adagrad": lambda: torch.optim.Adagrad(params, lr=1e-2, initial_accumulator_value=0.1)}[optimizer_name]()
     import hf_zero.engine.step.disk as disk_module
 
     extra = {"offload_dir": offload_dir} if offload_dir else {}
@@ -358,11 +381,12 @@ def _train_with(optimizer_name: str, offload_dir: str | None, steps: int) -> dic
     ("amsgrad", ["master.bin", "state-exp_avg.bin", "state-exp_avg_sq.bin", "state-max_exp_avg_sq.bin"]),
     ("sgd", ["master.bin", "state-momentum_buffer.bin"]),
     ("counting", ["master.bin", "state-trace.bin"]),
+    ("adagrad", ["master.bin", "state-sum.bin"]),  # its accumulator set at construction: written at initialize
 ])
 def test_any_elementwise_optimizer_steps_the_same_from_disk(pools, tmp_path, name, files):
     memory = pools(2).values(_train_with, name, None, 4)[0]
     disk = pools(2).values(_train_with, name, str(tmp_path), 4)[0]
-    assert disk["files"] == files  # one file per elementwise state, made at the first step
+    assert disk["files"] == files  # one file per elementwise state, made at the first step (or at initialize)
     assert disk["windows"] > 10
     assert disk["counters"] == memory["counters"]  # a group counter advances once per step, not once per window
     _assert_same({**memory, "norms": []}, {**disk, "norms": []})

@@ -24,6 +24,7 @@ from ..checks.call_order import Call
 from ..engine import ZeroEngine
 from .optim_configs import carry_configs
 from .optim_state import OptimizerState, PieceMap, described, to_load
+from .pieces import Piece
 from .stepping import Attached
 from .whole import COUPLED, WholeStep, is_elementwise
 
@@ -65,8 +66,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
             ) is not None:  # in chunks ([Note: optimizer chunks]); `.grad` bound by each step
                 held = list(piece.optim_params)
                 spans = [(piece.start + a, piece.start + b) for a, b in piece.bounds]
-                for t, span in zip(held, spans) if initial[index] else []:  # [Note: state set at construction]
-                    optimizer.state[t] = {k: _carried(v, t.device, span) for k, v in initial[index].items()}
+                if initial[index]:  # [Note: state set at construction]
+                    _carry_into_chunks(optimizer, piece, initial[index])
             targets.append(tuple((stepped + len(pieces) + k, span) for k, span in enumerate(spans)))
             pieces.extend(held)
             names.append(engine.name_of(param))
@@ -139,12 +140,14 @@ def check_optimizer(
         for key, value in state.items():
             if not isinstance(value, torch.Tensor) or value.ndim == 0:
                 continue
-            if offload_dir is not None or (is_elementwise(optimizer) and value.numel() != param.numel()):
+            elementwise = is_elementwise(optimizer)
+            if (offload_dir is not None and not elementwise) or (elementwise and value.numel() != param.numel()):
                 raise ValueError(
                     f"hf_zero: {type(optimizer).__name__} set its state {key!r} (shape {tuple(value.shape)}) at "
                     "construction, "
                     + (
-                        "which ZeroConfig.offload_dir cannot place in its files: drop offload_dir."
+                        "which ZeroConfig.offload_dir cannot place in its files for an optimizer stepped on whole "
+                        "parameters: drop offload_dir."
                         if offload_dir is not None
                         else "which cannot be cut into flat shards: it is not the parameter's size."
                     )
@@ -189,6 +192,23 @@ def _carried(value: Any, device: torch.device, span: tuple[int, int] | None = No
     if value.ndim == 0 or span is None:
         return value.clone() if value.ndim == 0 and value.device.type == "cpu" else value.to(device, copy=True)
     return value.reshape(-1)[span[0] : span[1]].to(device, copy=True)
+
+
+def _carry_into_chunks(optimizer: torch.optim.Optimizer, piece: Piece, initial: dict[str, Any]) -> None:
+    """[Note: state set at construction] a parameter's construction-time state cut to the piece's chunks: in
+    their entries, or, where the piece's master lives in the offload files, its elementwise entries written there
+    (as a loaded state is) and the chunks' entries left without elements, pointed at the files' buffers by each
+    step's windows ([Note: disk offload])."""
+    whole = {k: _carried(v, piece.master.device, (piece.start, piece.end)) for k, v in initial.items()}
+    flat = {k for k, v in initial.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
+    if piece.part.store.take_state(piece.local[0], whole, flat):
+        for t in piece.optim_params:
+            optimizer.state[t] = {
+                k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()
+            }
+        return
+    for t, (a, b) in zip(piece.optim_params, piece.bounds):
+        optimizer.state[t] = {k: _carried(v, t.device, (piece.start + a, piece.start + b)) for k, v in initial.items()}
 
 
 def optimizer_list(
