@@ -151,3 +151,33 @@ def mixed_precision_run(base: str) -> dict[str, Any]:
         "masters": {"gate": str(kept[0].master_dtype), "rest": str(rest[0].master_dtype)},
         "compute": {"gate": str(kept[0].param_dtype), "rest": str(rest[0].param_dtype)},
     }
+
+
+def batchnorm_under_mixed_precision(stage: int, offload: bool) -> dict[str, Any]:
+    """The peer scenarios' `Net` with a BatchNorm, fp32, trained 4 steps under `mixed_precision="bf16"` at `stage`
+    (`offload`: the optimizer offloaded), every rank on one batch; beside it, the same model at stage 0 under the
+    same settings, and in fp32 in this process alone. The losses of each, and the dtypes BatchNorm's weight and
+    input had in the sharded model's forwards."""
+    from tests._peer_harness import Net
+
+    x, y = torch.randn(8, 6, generator=torch.Generator().manual_seed(5)), torch.randn(8, 3)
+    runs: dict[str, list[float]] = {}
+    seen: list[str] = []
+    for name, config in (("sharded", {"stage": stage, "offload_optimizer": offload}), ("stage0", {"stage": 0}),
+                         ("fp32", None)):
+        torch.manual_seed(0)
+        model = Net(n=2, batchnorm=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if config is not None:
+            model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(wrap=["Block"], mixed_precision="bf16",
+                                                                           **config))
+        if name == "sharded":
+            model.bn.register_forward_pre_hook(lambda m, args: seen.append(f"{m.weight.dtype} {args[0].dtype}"))
+        runs[name] = []
+        for _ in range(4):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            runs[name].append(float(loss))
+    return {**runs, "seen": seen[0]}

@@ -24,13 +24,13 @@ from .collectives import (
     host_side_group,
     max_scalar_,
 )
-from .flat import FlatPart, take_edits
+from .flat import EditScratch, FlatPart, take_edits
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
 from .part_settings import PartSettings
 from .pass_events import PassListener
-from .placement import Placement, main_dtype, move_buffers
+from .placement import Placement, kept_in_float32, main_dtype, move_buffers
 from .pool import pool_for
 from .resting import at_c_speed
 from .sources import LiveParams, ShardSource
@@ -115,7 +115,8 @@ class ZeroEngine:
         self.save_group = host_side_group(world, config.group_timeout_s)  # background saves agree on it
         sync_from = world if config.sync_module_states and world.size > 1 else None
         move_buffers(model, self.device, sync_from)
-        grouped = [split_parts(spec, self.model_dtype) for spec in specs]  # [Note: frozen parameters] in unit.py
+        keep = kept_in_float32(model, self.param_dtype) if config.param_dtype is not None else frozenset()
+        grouped = [split_parts(spec, self.model_dtype, keep) for spec in specs]  # [Note: frozen parameters] in unit.py
         parts_specs = [part for parts in grouped for part in parts]
         size, align = self.plan.shard_group.size, config.shard_alignment  # each part's layout, computed once
         layouts = [FlatLayout.build(s.param_names, [p.shape for p in s.params], size, align) for s in parts_specs]
@@ -147,7 +148,7 @@ class ZeroEngine:
         self.pool.clear()
         parts = iter(self.parts)
         self.units = [Unit([next(parts) for _ in split], self.plan.params, self.plan.grads) for split in grouped]
-        self._edit_scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # [Note: edits between steps]
+        self._edit_scratch: EditScratch = {}  # [Note: edits between steps]
         self.state_dict_options = StateDictOptions()  # what model.state_dict() returns (a runtime setting)
         self.steps = OptimizerSteps(self)  # the optimizers attached, and how they step ([Note: several optimizers])
         self._names, self._real = _name_index(self.parts, self.replaced)

@@ -368,23 +368,28 @@ class FlatPart(ReadsPartSettings):
         return held
 
 
-def take_edits(
-    apart: list[FlatPart], fingerprinted: list[FlatPart], scratch: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+EditScratch = dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]]
+
+
+def take_edits(apart: list[FlatPart], fingerprinted: list[FlatPart], scratch: EditScratch) -> EditScratch:
     """[Note: edits between steps] have each part in `apart` (masters apart, compared) and in `fingerprinted`
     (masters elsewhere) that changed take its changes, with one sync for all; returns the scratch memory of the
-    comparisons, made at the first call and kept (a fresh buffer's first touch would cost more than the
-    comparison)."""
+    comparisons, one per compute dtype (a part kept in its own dtype beside the model's: [Note: parameters kept in
+    their own dtype] in unit.py), made at the first call and kept (a fresh buffer's first touch would cost more
+    than the comparison)."""
     if not apart and not fingerprinted:
         return scratch
-    if scratch is None and apart:
-        first = apart[0].param_shard()
-        span = min(AT_ONCE_NUMEL, max(part.param_shard().numel() for part in apart))
-        scratch = (
-            torch.empty(span, dtype=first.dtype, device=first.device),
-            torch.empty(span, dtype=torch.bool, device=first.device),
-        )
-    answers = [part.edited(*scratch) for part in apart] if scratch is not None else []
+    for part in apart:
+        shard = part.param_shard()
+        if shard.dtype not in scratch:
+            span = min(
+                AT_ONCE_NUMEL, max(p.param_shard().numel() for p in apart if p.param_shard().dtype == shard.dtype)
+            )
+            scratch[shard.dtype] = (
+                torch.empty(span, dtype=shard.dtype, device=shard.device),
+                torch.empty(span, dtype=torch.bool, device=shard.device),
+            )
+    answers = [part.edited(*scratch[part.param_shard().dtype]) for part in apart]
     answers += [part.fingerprint_changed() for part in fingerprinted]  # on the compute device, as the comparisons
     found = torch.stack(answers).tolist()
     for part, edited in zip(apart + fingerprinted, found):

@@ -187,6 +187,21 @@ def _rank_accelerator(kind: str, world: CommGroup) -> torch.device:
     return chosen
 
 
+def kept_in_float32(model: nn.Module, compute: torch.dtype) -> frozenset[int]:
+    """Ids of the parameters mixed precision leaves in their own (float32) dtype: BatchNorm's weights and biases.
+    Its running statistics are buffers, which stay float32, and torch's batch norm takes a bf16 or fp16 input only
+    with float32 weights beside them ("expected scalar type BFloat16 but found Float" with cast ones); FSDP's
+    mixed precision keeps them so by default too. They compute, reduce and keep their masters in float32 ([Note:
+    parameters kept in their own dtype] in unit.py)."""
+    return frozenset(
+        id(p)
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for p in m.parameters(recurse=False)
+        if p.dtype.is_floating_point and p.dtype != compute
+    )
+
+
 def main_dtype(model: nn.Module) -> torch.dtype:
     """The floating-point dtype most of the model's parameter elements are in: what the model computes and saves
     in. Parameters in another dtype (float32 router gates in a bf16 model, a 4-bit base's packed codes stored as

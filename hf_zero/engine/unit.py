@@ -21,7 +21,8 @@ computes with them in float32. The engine keeps each such parameter in a part of
 that part gathers, computes, reduces its gradients and keeps its master in that dtype (float32
 under mixed precision too), while the model's main dtype (`main_dtype`: the one most elements are
 in) follows the config. A 4-bit base's packed codes are kept so too, whatever dtype stores them
-([Note: quantized base] in quantized.py): never cast, never requantized by int8 gathers. So a
+([Note: quantized base] in quantized.py): never cast, never requantized by int8 gathers; and, under mixed
+precision, BatchNorm's weights and biases (`kept_in_float32` in placement.py). So a
 unit may hold up to one part per (trainable or frozen, dtype); the trainable ones are reduced one
 after the other, each in its own dtype, as DDP reduces each parameter in its own. What the model
 saves keeps each parameter's dtype. Offload files (`offload_dir`) hold one master dtype: kept
@@ -391,13 +392,14 @@ class Unit:
             part.grads.release_reduced(one)
 
 
-def split_parts(spec: UnitSpec, main: torch.dtype) -> list[UnitSpec]:
+def split_parts(spec: UnitSpec, main: torch.dtype, keep: frozenset[int] = frozenset()) -> list[UnitSpec]:
     """`spec` as its parts: the trainable parameters, then the frozen ones ([Note: frozen parameters]), each in the
     model's `main` dtype first, then each other dtype ([Note: parameters kept in their own dtype]); a unit whose
-    parameters are all trainable (or all frozen) in one dtype is one part."""
+    parameters are all trainable (or all frozen) in one dtype is one part. `keep`: ids of parameters kept in their
+    dtype even where it is `main` (BatchNorm's under mixed precision: `kept_in_float32` in placement.py)."""
     groups: dict[tuple[bool, torch.dtype | None], list[int]] = {}
     for i, p in enumerate(spec.params):
-        kept = p.dtype != main or hasattr(p, "quant_state")  # a 4-bit base's codes: never cast ([Note: quantized base])
+        kept = p.dtype != main or hasattr(p, "quant_state") or id(p) in keep  # 4-bit codes: never cast
         groups.setdefault((not p.requires_grad, p.dtype if kept else None), []).append(i)
     order = sorted(groups, key=lambda key: (key[0], key[1] is not None, str(key[1])))
     if order in ([], [(False, None)]):  # (a unit of no parameters of its own: one empty part)

@@ -525,8 +525,9 @@ def refuse_kept_on_disk(specs: list[UnitSpec]) -> None:
     if kept:
         raise ValueError(
             f"hf_zero: offload_dir keeps every master shard in one file layout, and {kept[:3]} are kept in their own "
-            "dtype (transformers' `_keep_in_fp32_modules`). Offload them to host memory instead (offload_optimizer "
-            "without offload_dir), or load the whole model in float32 and train with mixed_precision='bf16'."
+            "dtype (transformers' `_keep_in_fp32_modules`; BatchNorm's under mixed precision). Offload them to host "
+            "memory instead (offload_optimizer without offload_dir), or, for `_keep_in_fp32_modules`, load the whole "
+            "model in float32 and train with mixed_precision='bf16'."
         )
 
 
