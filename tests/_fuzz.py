@@ -1,7 +1,8 @@
 """A differential fuzzer: training programs drawn from a grammar of what users do, run under torch's DDP and under
 hf_zero at stages 1-3 on the same ranks, compared number by number.
 
-A `Program` is a model (blocks, an optional BatchNorm, optionally a tied weight, the data flow between its blocks:
+A program may run under bf16 mixed precision instead, compared with hf_zero's own stage 0 ([Note: fuzz mixed
+precision]). A `Program` is a model (blocks, an optional BatchNorm, optionally a tied weight, the data flow between its blocks:
 plain, mixtures of experts with a router loss, a long skip connection, a root parameter every block reads, the first
 block's bias passed to the rest; tests/_fuzz_models.py), an optimizer and scheduler,
 engine settings (offload, prefetch, buckets, unsharded gradients kept under `no_sync`, a shard group per rank) and a list of operations between steps: training steps of 1-3 micro-batches
@@ -52,7 +53,7 @@ import hf_zero
 from tests._fuzz_models import FLOWS, FlowNet, block_class
 from tests._peer_harness import D_IN, D_OUT
 
-TOL = {"float32": 1e-5, "float64": 1e-9}  # relative
+TOL = {"float32": 1e-5, "float64": 1e-9, "mixed": 1e-6}  # relative; mixed: against stage 0, bitwise but for 1e-6
 REFUSALS = ("ValueError", "TypeError")
 STAGES = (1, 2, 3)
 
@@ -82,6 +83,7 @@ class Program:
     native: bool = False  # ZeroConfig.collectives="native": the backend's own collectives (NCCL's path; gloo composes)
     uneven: bool = False  # rank 1's first micro-batch of each step has 3 rows, the others 4
     world: int = 2  # ranks (3: shards of units whose sizes 3 does not divide, padded)
+    mixed: bool = False  # bf16 mixed precision, against hf_zero's stage 0 under it ([Note: fuzz mixed precision])
     dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
 
     def to_json(self) -> str:
@@ -152,6 +154,9 @@ def draw(seed: int) -> Program:
         forwards.insert(rng.randrange(at + 1, len(forwards) + 1), ("aload",))
     local_buffers, native, uneven = rng.random() < 0.2, rng.random() < 0.3, rng.random() < 0.2  # and these after
     world = 3 if rng.random() < 0.25 else 2  # and this after those
+    mixed = rng.random() < 0.2  # and this after that: one micro-batch a step ([Note: fuzz mixed precision])
+    if mixed:
+        forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(
         program,
         optimizer=optimizer,
@@ -167,6 +172,8 @@ def draw(seed: int) -> Program:
         native=native,
         uneven=uneven,
         world=world,
+        mixed=mixed,
+        amp=program.amp and not mixed,
     )
 
 
@@ -279,6 +286,7 @@ def _config(program: Program, stage: int, scratch: str) -> hf_zero.ZeroConfig:
         offload_dir=f"{scratch}/offload" if program.offload == "disk" else None,
         no_sync_keeps_grads=program.keep_grads, shard_group_size=1 if program.replicas else None,
         broadcast_buffers=not program.local_buffers, collectives="native" if program.native else "auto",
+        mixed_precision="bf16" if program.mixed else "no",
     )
 
 
@@ -313,7 +321,7 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
             x, y = _batch(step, micro, rank, run.dtype, 3 if run.uneven and rank == 1 and micro == 0 else 4)
             quiet = use_no_sync and micro < micros - 1
             with run.no_sync() if quiet else contextlib.nullcontext():
-                loss = nn.functional.mse_loss(run.model(x, **kwargs), y) / micros
+                loss = nn.functional.mse_loss(run.model(x, **kwargs).to(y.dtype), y) / micros
                 (run.scaler.scale(loss) if run.scaler is not None else loss).backward()
             run.note("loss", loss.detach())
         params = list(run.inner.parameters())
@@ -345,7 +353,7 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
         run.model.eval()
         with torch.no_grad():
             x, y = _batch(900 + step, 0, rank, run.dtype)
-            run.note("eval", nn.functional.mse_loss(run.model(x), y))
+            run.note("eval", nn.functional.mse_loss(run.model(x).to(y.dtype), y))
         run.model.train()
     elif kind == "nograd":
         with torch.no_grad():
@@ -489,11 +497,11 @@ def run_program(text: str, stages: tuple[int, ...] = STAGES) -> dict[int, str]:
 
 def _outcomes(program: Program, stages: tuple[int, ...]) -> dict[int, str]:
     rank = dist.get_rank()
-    reference = _run_ddp(program, rank)
     directory = [tempfile.mkdtemp(prefix="hf_zero-fuzz-") if rank == 0 else ""]
     dist.broadcast_object_list(directory, 0)
     outcomes: dict[int, str] = {}
     try:
+        reference: Any = _mixed_reference(program, rank, directory[0]) if program.mixed else _run_ddp(program, rank)
         for stage in stages:
             try:
                 got = _run_sharded(program, stage, rank, f"{directory[0]}/stage{stage}")
@@ -501,13 +509,33 @@ def _outcomes(program: Program, stages: tuple[int, ...]) -> dict[int, str]:
                 kind = "refused" if type(e).__name__ in REFUSALS and "hf_zero" in str(e) else "crashed"
                 outcomes[stage] = f"{kind}: {type(e).__name__}: {e}"
                 continue
-            difference = _difference(reference, got, TOL[program.dtype])
+            if isinstance(reference, str):  # the reference was refused: so must this stage be
+                outcomes[stage] = f"diverged: stage 0 {reference}, this stage ran"
+                continue
+            difference = _difference(reference, got, TOL["mixed" if program.mixed else program.dtype])
             outcomes[stage] = "exact" if difference is None else f"diverged: {difference}"
     finally:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(directory[0], ignore_errors=True)
     return outcomes
+
+
+def _mixed_reference(program: Program, rank: int, directory: str) -> tuple[dict, dict] | str:
+    """[Note: fuzz mixed precision]
+    Under bf16 mixed precision DDP is no reference (its bf16 arithmetic is autocast's, not a bf16 copy of the
+    weights), but hf_zero's stage 0 is: every weight whole on every rank, gradients all-reduced. With one micro-batch
+    a step, stages 1-3 compute the same bf16 products from the same bf16 casts of the same fp32 masters and reduce
+    the same gradients in fp32 (with 2 ranks, or 3, every order of the sum rounds alike), so they must equal it to
+    the last bit (1e-6 allowed); offload and a shard group per rank are the stage's own, the rest the program's.
+    Returns the reference's record and final state, or the refusal that stopped it."""
+    try:
+        plain = dataclasses.replace(program, offload="none", replicas=False)
+        return _run_sharded(plain, 0, rank, f"{directory}/stage0")
+    except Exception as e:  # noqa: BLE001 - a refusal is the reference's outcome
+        if type(e).__name__ in REFUSALS and "hf_zero" in str(e):
+            return f"refused: {type(e).__name__}: {e}"[:200]
+        raise
 
 
 # ---- the driver's side -------------------------------------------------------------------------------------------
@@ -597,7 +625,7 @@ def check(pools: Any, program: Program, shrink_found: bool = True) -> Finding:
     divergence that stays shrunk (in float64)."""
     outcomes = outcomes_of(pools, program)
     for stage, outcome in outcomes.items():
-        if not outcome.startswith("diverged"):
+        if not outcome.startswith("diverged") or program.mixed:  # bf16: no float64 re-run
             continue
         again = outcomes_of(pools, dataclasses.replace(program, dtype="float64"), (stage,))[stage]
         outcomes[stage] = "noise" if again == "exact" else again
@@ -606,6 +634,6 @@ def check(pools: Any, program: Program, shrink_found: bool = True) -> Finding:
     if bad and shrink_found:
         stage = bad[0]
         kind = outcomes[stage].split(":")[0]  # a crash shrinks to a crash, not to a smaller program's fp32 noise
-        wide = dataclasses.replace(program, dtype="float64") if kind == "diverged" else program
+        wide = dataclasses.replace(program, dtype="float64") if kind == "diverged" and not program.mixed else program
         finding.shrunk = shrink(wide, lambda q: outcomes_of(pools, q, (stage,))[stage].startswith(kind))
     return finding
