@@ -1,21 +1,6 @@
-"""A differential fuzzer: training programs drawn from a grammar of what users do, run under torch's DDP and under
-hf_zero at stages 1-3 on the same ranks, compared number by number.
-
-A program may run under bf16 mixed precision instead, compared with hf_zero's own stage 0 ([Note: fuzz mixed
-precision]). A `Program` is a model (blocks, an optional BatchNorm, optionally a tied weight, the data flow between its blocks:
-plain, mixtures of experts with a router loss, a long skip connection, a root parameter every block reads, the first
-block's bias passed to the rest; tests/_fuzz_models.py), an optimizer and scheduler,
-engine settings (offload, prefetch, buckets, unsharded gradients kept under `no_sync`, a shard group per rank) and a list of operations between steps: training steps of 1-3 micro-batches
-(the first ones under `no_sync` or not), clipping by torch's `clip_grad_norm_` (2, 1, inf) or `clip_grad_value_`,
-`zero_grad(set_to_none=...)`, freezing and unfreezing a block, evaluation forwards, a forward without grad in train
-mode, a learning-rate change, and a checkpoint saved and resumed into a fresh model at another stage. A step's
-forwards are plain, or skip a block (on every rank), or run block 0 twice, or recompute every block in backward
-(activation checkpointing), or add the otherwise unused spare head, or run in eval mode (BatchNorm's running
-statistics, no update); the weights may be snapshotted (`state_dict()`) and rewound to the snapshot later
-(`load_state_dict`, the optimizer's state kept); a checkpoint may be saved asynchronously, training going on while
-it is written, and loaded back later (DDP: the model's and optimizer's state dicts kept and loaded); the optimizer's parameters are one group,
-or the Trainer's two (no weight decay on biases and norms), or a group per block with its own learning rate. Every
-program is made from its seed (`draw`), so a seed names it.
+"""A differential fuzzer: training programs drawn from a grammar of what users do (tests/_fuzz_grammar.py), run
+under torch's DDP and under hf_zero at stages 1-3 on the same ranks, compared number by number; under bf16 mixed
+precision, against hf_zero's own stage 0 ([Note: fuzz mixed precision]).
 
 `run_program` runs one program on every rank of a pool: under `DistributedDataParallel` (its defaults,
 `find_unused_parameters=True`), then under hf_zero at each stage, from the same weights and data. The outcome of a
@@ -36,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
-import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -50,141 +33,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hf_zero
-from tests._fuzz_models import FLOWS, FlowNet, block_class
+from tests._fuzz_grammar import FORWARDS, MORE_OPTIMIZERS, STAGES, Program, draw
+from tests._fuzz_models import FlowNet, block_class
 from tests._peer_harness import D_IN, D_OUT
+
+__all__ = ["FORWARDS", "MORE_OPTIMIZERS", "STAGES", "Program", "draw", "check", "run_program", "shrink"]
 
 TOL = {"float32": 1e-5, "float64": 1e-9, "mixed": 1e-6}  # relative; mixed: against stage 0, bitwise but for 1e-6
 REFUSALS = ("ValueError", "TypeError")
-STAGES = (1, 2, 3)
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """One training program (see the module docstring); `ops` are tuples `(kind, *arguments)`."""
-
-    seed: int
-    blocks: int = 3
-    batchnorm: bool = False
-    tie: bool = False
-    optimizer: str = "adamw"  # adamw | sgd | adam_amsgrad | rmsprop | adafactor (whole parameters, each on its
-    # owner) | one of MORE_OPTIMIZERS
-    scheduler: bool = False
-    offload: str = "none"  # none | optimizer | params | disk (optimizer state and masters in files)
-    prefetch: int = 1
-    bucket_mb: int = 0  # ZeroConfig.bucket_size_mb: 0, a bucket per unit; 25, every unit of this model in one
-    ops: tuple[tuple[Any, ...], ...] = ()  # a step: ("step", micros, no_sync, clip, set_to_none[, forward])
-    frozen: tuple[int, ...] = ()  # blocks frozen before the model is wrapped (unfrozen later by a `freeze` op)
-    amp: bool = False  # steps through torch.amp.GradScaler (scale, unscale_ before clipping, step, update)
-    groups: str = "one"  # one | decay (the Trainer's: none on biases and norms) | blocks (a learning rate per block)
-    keep_grads: bool = False  # ZeroConfig.no_sync_keeps_grads: unsharded gradients kept through a no_sync window
-    replicas: bool = False  # ZeroConfig.shard_group_size=1: each rank a shard group of its own (hybrid sharding)
-    flow: str = "plain"  # how tensors move between the blocks (tests/_fuzz_models.py: FLOWS)
-    local_buffers: bool = False  # each rank's buffers (DDP's and ZeroConfig's broadcast_buffers=False)
-    native: bool = False  # ZeroConfig.collectives="native": the backend's own collectives (NCCL's path; gloo composes)
-    uneven: bool = False  # rank 1's first micro-batch of each step has 3 rows, the others 4
-    world: int = 2  # ranks (3: shards of units whose sizes 3 does not divide, padded)
-    mixed: bool = False  # bf16 mixed precision, against hf_zero's stage 0 under it ([Note: fuzz mixed precision])
-    dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @staticmethod
-    def from_json(text: str) -> Program:
-        raw = json.loads(text)
-        raw["ops"] = tuple(tuple(tuple(a) if isinstance(a, list) else a for a in op) for op in raw["ops"])
-        raw["frozen"] = tuple(raw.get("frozen", ()))
-        return Program(**raw)
-
-
-def draw(seed: int) -> Program:
-    """The program of `seed`: its settings and 2-6 operations, at least one training step."""
-    rng = random.Random(seed)
-    blocks = rng.choice((2, 3))
-    ops: list[tuple[Any, ...]] = []
-    for _ in range(rng.randint(2, 6)):
-        kind = rng.choices(("step", "eval", "nograd", "freeze", "lr", "resume"), weights=(8, 2, 1, 2, 1, 1))[0]
-        if kind == "step":
-            clip = rng.choice((None, None, ("norm", 0.5, 2.0), ("norm", 0.3, 1.0), ("norm", 0.2, "inf"),
-                               ("value", 0.05), ("optimizer", 0.4), ("model", 0.4)))
-            ops.append(("step", rng.randint(1, 3), rng.random() < 0.7, clip, rng.random() < 0.7))
-        elif kind == "freeze":
-            ops.append(("freeze", rng.randrange(blocks), rng.random() < 0.5))
-        elif kind == "lr":
-            ops.append(("lr", rng.choice((0.5, 2.0))))
-        elif kind == "resume":
-            ops.append(("resume", rng.choice(STAGES)))
-        else:
-            ops.append((kind,))
-    if not any(op[0] == "step" for op in ops):
-        ops.append(("step", 2, True, None, True))
-    program = Program(
-        seed=seed,
-        blocks=blocks,
-        batchnorm=rng.random() < 0.4,
-        tie=blocks == 3 and rng.random() < 0.3,
-        optimizer=rng.choice(("adamw", "adamw", "sgd", "adam_amsgrad", "rmsprop")),
-        scheduler=rng.random() < 0.3,
-        offload=rng.choice(("none", "none", "optimizer", "params")),
-        prefetch=rng.choice((0, 1, 2)),
-        ops=tuple(ops),
-        frozen=(rng.randrange(blocks),) if rng.random() < 0.25 else (),
-        amp=rng.random() < 0.25,
-    )
-    # drawn after the settings above, so that a seed keeps what it drew before these were added
-    whole, disk, bucket = rng.random() < 0.15, rng.random() < 0.15, rng.random() < 0.3
-    # and these after those
-    groups = rng.choice(("one", "one", "decay", "blocks"))
-    forwards = [op + (_draw_forward(rng, blocks),) if op[0] == "step" else op for op in program.ops]
-    keep_grads, replicas = rng.random() < 0.2, rng.random() < 0.15
-    frozen = program.frozen
-    if frozen and rng.random() < 0.4:  # two neighbouring blocks frozen at set-up (gradual unfreezing's start)
-        frozen = (0, 1)
-    if rng.random() < 0.25:  # a snapshot of the weights, and a rewind to it later
-        at = rng.randrange(len(forwards) + 1)
-        forwards.insert(at, ("snapshot",))
-        forwards.insert(rng.randrange(at + 1, len(forwards) + 1), ("rewind",))
-    flow = rng.choices(FLOWS, weights=(4, 1, 1, 1, 1))[0]  # and this after those
-    optimizer = "adafactor" if whole else program.optimizer  # and these after that
-    if rng.random() < 0.3 and not whole:
-        optimizer = rng.choice(tuple(MORE_OPTIMIZERS))
-    if rng.random() < 0.25:  # an asynchronous save, training on while it writes, and a load of it later
-        at = rng.randrange(len(forwards) + 1)
-        forwards.insert(at, ("asave", rng.choice((None, 0))))  # the snapshot budget: unbounded, or none
-        forwards.insert(rng.randrange(at + 1, len(forwards) + 1), ("aload",))
-    local_buffers, native, uneven = rng.random() < 0.2, rng.random() < 0.3, rng.random() < 0.2  # and these after
-    world = 3 if rng.random() < 0.25 else 2  # and this after those
-    mixed = rng.random() < 0.2  # and this after that: one micro-batch a step ([Note: fuzz mixed precision])
-    if mixed:
-        forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
-    return dataclasses.replace(
-        program,
-        optimizer=optimizer,
-        offload="disk" if disk else program.offload,
-        bucket_mb=25 if bucket else 0,
-        groups=groups,
-        ops=tuple(forwards),
-        frozen=frozen,
-        keep_grads=keep_grads,
-        replicas=replicas,
-        flow=flow,
-        local_buffers=local_buffers,
-        native=native,
-        uneven=uneven,
-        world=world,
-        mixed=mixed,
-        amp=program.amp and not mixed,
-    )
-
-
-FORWARDS = ("plain", "skip", "reuse", "recompute", "spare", "evalmode")
-
-
-def _draw_forward(rng: random.Random, blocks: int) -> str:
-    """A step's forward: `plain`, `skip:<block>`, `reuse` (block 0 twice), `recompute` (activation checkpointing) or
-    `spare` (the spare head added) or `evalmode` (the model in eval mode)."""
-    kind = rng.choices(FORWARDS, weights=(4, 1, 1, 1, 1, 1))[0]
-    return f"skip:{rng.randrange(blocks)}" if kind == "skip" else kind
 
 
 def _forward_kwargs(forward: str) -> dict[str, Any]:
@@ -248,20 +104,6 @@ def _make_optimizer(program: Program, params: Any) -> torch.optim.Optimizer:
     if program.optimizer in MORE_OPTIMIZERS:
         return MORE_OPTIMIZERS[program.optimizer](params)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
-
-
-# torch's other optimizers and implementations users pick (`--optim adamw_torch_fused`, Adagrad's state made at
-# construction, NAdam's and RAdam's step-dependent terms)
-MORE_OPTIMIZERS: dict[str, Any] = {
-    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True),
-    "adamw_foreach": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, foreach=True),
-    "nadam": lambda params: torch.optim.NAdam(params, lr=0.01, weight_decay=0.01, decoupled_weight_decay=True),
-    "radam": lambda params: torch.optim.RAdam(params, lr=0.01, weight_decay=0.01),
-    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05, initial_accumulator_value=0.1, lr_decay=0.01),
-    "adamax": lambda params: torch.optim.Adamax(params, lr=0.01),
-    "sgd_nesterov": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, dampening=0),
-    "adam_maximize": lambda params: torch.optim.Adam(params, lr=0.01, maximize=True),
-}
 
 
 def _scheduler(program: Program, opt: torch.optim.Optimizer) -> Any:
