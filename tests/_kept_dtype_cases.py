@@ -153,18 +153,20 @@ def mixed_precision_run(base: str) -> dict[str, Any]:
     }
 
 
-def batchnorm_under_mixed_precision(stage: int, offload: bool) -> dict[str, Any]:
+def batchnorm_under_mixed_precision(stage: int, offload: str) -> dict[str, Any]:
     """The peer scenarios' `Net` with a BatchNorm, fp32, trained 4 steps under `mixed_precision="bf16"` at `stage`
-    (`offload`: the optimizer offloaded), every rank on one batch; beside it, the same model at stage 0 under the
-    same settings, and in fp32 in this process alone. The losses of each, and the dtypes BatchNorm's weight and
-    input had in the sharded model's forwards."""
+    (`offload`: "optimizer" to host memory, or a folder for `offload_dir`, or ""), every rank on one batch; beside
+    it, the same model at stage 0 under the same settings, and in fp32 in this process alone. The losses of each,
+    and the dtypes BatchNorm's weight and input had in the sharded model's forwards."""
     from tests._peer_harness import Net
 
     x, y = torch.randn(8, 6, generator=torch.Generator().manual_seed(5)), torch.randn(8, 3)
     runs: dict[str, list[float]] = {}
     seen: list[str] = []
-    for name, config in (("sharded", {"stage": stage, "offload_optimizer": offload}), ("stage0", {"stage": 0}),
-                         ("fp32", None)):
+    offloaded: dict[str, Any] = {"offload_optimizer": bool(offload)}
+    if offload not in ("", "optimizer"):
+        offloaded["offload_dir"] = offload
+    for name, config in (("sharded", {"stage": stage, **offloaded}), ("stage0", {"stage": 0}), ("fp32", None)):
         torch.manual_seed(0)
         model = Net(n=2, batchnorm=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

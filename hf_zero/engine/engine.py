@@ -35,7 +35,7 @@ from .pool import pool_for
 from .resting import at_c_speed
 from .sources import LiveParams, ShardSource
 from .stages import StagePlan, plan_for_stage
-from .step.disk import DiskOffload, disk_for, refuse_kept_on_disk
+from .step.disk import DiskOffload, disk_for, place_key, refuse_kept_on_disk
 from .step.master import FlatStep, MemoryMaster, MemoryStep
 from .step.pieces import Piece, pieces_of
 from .step.scaler import LossScaler
@@ -126,9 +126,9 @@ class ZeroEngine:
         source = source or LiveParams(sync_from)  # [Note: read ahead] in checkpoint/pretrained.py: from here on
         source.prepare([(layout, s.params, self.plan.shard_group.rank) for s, layout in zip(parts_specs, layouts)])
         # [Note: master stores] in step/master.py: the offload files' owner (if any) and the flat step, chosen once
-        trained = {s.name: layout for layout, s in zip(layouts, parts_specs) if not s.frozen}
+        trained = {place_key(s): layout for layout, s in zip(layouts, parts_specs) if not s.frozen}
         if config.offload_dir is not None:
-            refuse_kept_on_disk(parts_specs)
+            refuse_kept_on_disk(parts_specs, [d[1] for d in dtypes], self.master_dtype)
         self.disk = disk_for(trained, config.offload_dir, world, self.device, self.master_dtype)
         self.flat_step: FlatStep = self.disk or MemoryStep()
         # [Note: gradient shard lifetime] in grads.py: the trainable parts' gradient shards, one slab built whole

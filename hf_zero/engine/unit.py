@@ -25,8 +25,8 @@ in) follows the config. A 4-bit base's packed codes are kept so too, whatever dt
 precision, BatchNorm's weights and biases (`kept_in_float32` in placement.py). So a
 unit may hold up to one part per (trainable or frozen, dtype); the trainable ones are reduced one
 after the other, each in its own dtype, as DDP reduces each parameter in its own. What the model
-saves keeps each parameter's dtype. Offload files (`offload_dir`) hold one master dtype: kept
-trainable parameters are refused there.
+saves keeps each parameter's dtype. Offload files (`offload_dir`) hold one master dtype: a kept
+trainable part whose master is in another is refused there (`place_key` in step/disk.py places the others).
 
 A `Unit` holds its `ShardState` and `TrainingState`, its end-of-backward counts, its prefetch targets,
 whether it is pinned (`gathered_parameters`) or held for its backward, and the stage's residencies; its

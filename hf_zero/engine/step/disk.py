@@ -248,7 +248,7 @@ class DiskOffload:
     def adopt(self, part: FlatPart, params_on_disk: bool) -> DiskMaster:
         """Write `part`'s freshly filled master shard at its planned place in the files and free the shard's memory
         (the tensor stays, holding 0 bytes): the part's store from now on ([Note: master stores])."""
-        offset = self.offsets.get(part.name)
+        offset = self.offsets.get(place_key(part.spec))
         if offset is None or any(store.offset == offset for store in self._stores.values()):
             raise RuntimeError(
                 f"[rank {part.shard_group.global_rank}] hf_zero: unit '{part.name}' has no place of its own in the "
@@ -519,9 +519,16 @@ def _shutdown(io: ThreadPoolExecutor, files: OffloadFiles) -> None:
     files.remove()
 
 
-def refuse_kept_on_disk(specs: list[UnitSpec]) -> None:
-    """[Note: parameters kept in their own dtype] the disk's files hold one master dtype and one place per unit."""
-    kept = [name for s in specs if s.dtype is not None and not s.frozen for name in s.param_names]
+def place_key(spec: UnitSpec) -> str:
+    """A trained part's place in the files: its unit's name, and the dtype of a part kept in its own ([Note:
+    parameters kept in their own dtype] in unit.py: BatchNorm's float32 part beside a unit's bf16 one)."""
+    return spec.name if spec.dtype is None else f"{spec.name}#{spec.dtype}"
+
+
+def refuse_kept_on_disk(specs: list[UnitSpec], masters: list[torch.dtype], files: torch.dtype) -> None:
+    """[Note: parameters kept in their own dtype] the disk's files hold one master dtype (`files`): a trained part
+    whose master is in another (`masters`, one per spec) has no place there."""
+    kept = [name for s, d in zip(specs, masters) if d != files and not s.frozen for name in s.param_names]
     if kept:
         raise ValueError(
             f"hf_zero: offload_dir keeps every master shard in one file layout, and {kept[:3]} are kept in their own "
@@ -539,8 +546,8 @@ def disk_for(
     master_dtype: torch.dtype,
 ) -> DiskOffload | None:
     """This rank's offload files when `offload_dir` is set, created (with the free-space check) on every
-    rank before any unit: a failure on one rank raises on every rank. `layouts`: the trained parts' layouts by unit
-    name; their master shards lie end to end in the files, each place planned here."""
+    rank before any unit: a failure on one rank raises on every rank. `layouts`: the trained parts' layouts by
+    `place_key`; their master shards lie end to end in the files, each place planned here."""
     if offload_dir is None:
         return None
     starts = itertools.accumulate((layout.shard_numel for layout in layouts.values()), initial=0)
