@@ -161,3 +161,46 @@ def async_save_with_fault(tmp: str, failing_rank: int, errno_code: int) -> dict[
         "intact": _checksums(f"{tmp}/ckpt") == before,
         "leftovers": sorted(os.listdir(tmp)),
     }
+
+
+def saves_of_two_engines(tmp: str) -> dict[str, Any]:
+    """Model A saves asynchronously (its writes slowed); model B, made on the same ranks meanwhile (its save group
+    the same, [Note: groups made once]), saves at once. B's save must start after A's is committed, or their
+    agreements on the shared group pair with each other's. Returns whether A was still writing when B was made,
+    whether it was done when B's save returned, and both checkpoints reloaded into fresh models against the weights
+    each model had."""
+    model_a = make_model("llama", seed=1)
+    model_a, opt_a = hf_zero.initialize(model_a, make_optimizer(model_a, 1e-3), hf_zero.ZeroConfig(stage=3))
+    _train(model_a, opt_a, 1)
+    import hf_zero.checkpoint.save as save_module
+
+    original = save_module.write_streamed
+
+    def slow_a(path, entries, metadata=None):  # noqa: ANN001, ANN202 - A's files only
+        if Path(path).parent.name.lstrip(".").startswith("a"):
+            time.sleep(1.0)
+        return original(path, entries, metadata)
+
+    save_module.write_streamed = slow_a
+
+    def undo() -> None:
+        save_module.write_streamed = original
+
+    try:
+        handle = hf_zero.save_checkpoint(f"{tmp}/a", model_a, opt_a, async_save=True)
+        writing = not handle.done()
+        model_b = make_model("llama", seed=2)
+        model_b, opt_b = hf_zero.initialize(model_b, make_optimizer(model_b, 1e-3), hf_zero.ZeroConfig(stage=2))
+        hf_zero.save_checkpoint(f"{tmp}/b", model_b, opt_b)
+        a_done = handle.done()
+    finally:
+        undo()
+    handle.wait()
+    same = {}
+    for name, model in (("a", model_a), ("b", model_b)):
+        fresh = make_model("llama", seed=3)
+        fresh, _ = hf_zero.initialize(fresh, None, hf_zero.ZeroConfig(stage=1))
+        hf_zero.load_checkpoint(f"{tmp}/{name}", fresh)
+        want, got = hf_zero.full_state_dict(model, rank0_only=False), hf_zero.full_state_dict(fresh, rank0_only=False)
+        same[name] = all(torch.equal(want[k], got[k]) for k in want)
+    return {"writing": writing, "a_done": a_done, "same": same}

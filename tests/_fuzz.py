@@ -285,7 +285,17 @@ def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
 
 
 def _run_sharded(program: Program, stage: int, rank: int, directory: str) -> tuple[dict, dict]:
-    run = _sharded(program, stage, directory)
+    saves: list[Any] = []  # every asynchronous save started
+    try:
+        return _run_ops(_sharded(program, stage, directory), program, rank, directory, saves)
+    except BaseException:
+        for save in saves:  # a refused or crashed run's save in flight: written before the next run starts
+            with contextlib.suppress(Exception):
+                save.wait()
+        raise
+
+
+def _run_ops(run: _Run, program: Program, rank: int, directory: str, saves: list[Any]) -> tuple[dict, dict]:
     for step, op in enumerate(program.ops):
         if op[0] == "resume":
             run = _resume(run, program, op[1], f"{directory}/step{step}")
@@ -293,6 +303,7 @@ def _run_sharded(program: Program, stage: int, rank: int, directory: str) -> tup
             run.saved = hf_zero.save_checkpoint(
                 f"{directory}/async", run.model, run.opt, async_save=True, snapshot_budget_bytes=op[1]
             )
+            saves.append(run.saved)
         elif op[0] == "aload" and run.saved is not None:
             hf_zero.load_checkpoint(run.saved.wait(), run.model, run.opt)
         elif op[0] != "aload":

@@ -297,3 +297,13 @@ def test_ranks_given_different_checkpoints_are_refused_on_every_rank(pools, tmp_
         assert "the ranks load different checkpoints" in outcome["error"], outcome
     assert f"{tmp_path / 'one'} (metadata {{'step': 1}}) here, {tmp_path / 'two'} (metadata {{'step': 2}}) on rank 1" \
         in got[0]["error"], got[0]["error"]
+
+
+def test_a_save_of_another_model_waits_for_the_save_in_flight_on_the_same_ranks(pools, tmp_path):
+    """Two models on the same ranks share their save group ([Note: groups made once]): model B's save, made while
+    model A's asynchronous save was still writing, starts after A's is committed (keyed by the engine, they ran
+    together on one group: in a long fuzzer run, a later program's collectives timed out and every one after
+    crashed); both checkpoints reload to the weights they were saved from."""
+    for r in pools(2).values(async_save_cases.saves_of_two_engines, str(tmp_path)):
+        assert r["writing"] and r["a_done"], r
+        assert r["same"] == {"a": True, "b": True}, r

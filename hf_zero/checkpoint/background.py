@@ -171,12 +171,22 @@ def checkpoint_group(engine: EngineFacade) -> CommGroup:
     return engine.save_group
 
 
-_pending: dict[int, AsyncSave] = {}  # the engine's key -> its save in the background
+_pending: dict[int, AsyncSave] = {}  # `_key` of the save group -> the save in the background on it
+
+
+def _key(engine: EngineFacade) -> int:
+    """The saves of engines over the same ranks share one save group ([Note: groups made once] in collectives): a
+    save of one and a save of another must not agree on it at the same time, or their collectives would pair with
+    each other's (a model made while another's save was still written: a sweep, a notebook, TRL's reference
+    model). So each save waits for the save in flight on its group, whichever engine started it."""
+    group = engine.save_group
+    return id(group.pg) if group.pg is not None else engine.key
 
 
 def finish_previous(engine: EngineFacade) -> None:
-    """Wait for `engine`'s previous asynchronous save (the next save starts after it); its error raises here."""
-    previous = _pending.pop(engine.key, None)
+    """Wait for the previous asynchronous save on `engine`'s save group (the next save starts after it); its error
+    raises here."""
+    previous = _pending.pop(_key(engine), None)
     if previous is not None:
         previous.wait()
 
@@ -184,13 +194,13 @@ def finish_previous(engine: EngineFacade) -> None:
 def chain(engine: EngineFacade, target: Path, work: Callable[[], object]) -> AsyncSave:
     """Start `work` in the background once `engine`'s save in flight (if any) has finished, and make it the one
     the next save waits for: its `wait()` raises the earlier save's error too."""
-    handle = _pending[engine.key] = AsyncSave(target, work, after=_pending.get(engine.key))
+    handle = _pending[_key(engine)] = AsyncSave(target, work, after=_pending.get(_key(engine)))
     return handle
 
 
 def pending_save(engine: EngineFacade) -> AsyncSave | None:
-    """`engine`'s asynchronous save still being written, or None."""
-    handle = _pending.get(engine.key)
+    """The asynchronous save still being written on `engine`'s save group, or None."""
+    handle = _pending.get(_key(engine))
     return handle if handle is not None and not handle.done() else None
 
 
