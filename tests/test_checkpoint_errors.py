@@ -242,7 +242,7 @@ def test_chained_background_saves_run_one_after_another_and_pass_on_a_failure(tm
 
     from types import SimpleNamespace
 
-    owner = SimpleNamespace(key=12345)  # stands for an engine's facade: the saves are keyed by it
+    owner = SimpleNamespace(key=12345, save_group=SimpleNamespace(pg=None))  # an engine's facade: a group of one
     order: list[str] = []
     release = threading.Event()
 

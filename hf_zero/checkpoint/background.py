@@ -171,14 +171,15 @@ def checkpoint_group(engine: EngineFacade) -> CommGroup:
     return engine.save_group
 
 
-_pending: dict[int, AsyncSave] = {}  # `_key` of the save group -> the save in the background on it
+_pending: dict[int, tuple[int, AsyncSave]] = {}  # `_key` of the save group -> (its engine's key, the save in flight)
 
 
 def _key(engine: EngineFacade) -> int:
     """The saves of engines over the same ranks share one save group ([Note: groups made once] in collectives): a
     save of one and a save of another must not agree on it at the same time, or their collectives would pair with
     each other's (a model made while another's save was still written: a sweep, a notebook, TRL's reference
-    model). So each save waits for the save in flight on its group, whichever engine started it."""
+    model). So each save waits for the save in flight on its group, whichever engine started it; another engine's
+    failure is its owner's to raise (`wait()` on its handle, `wait_for_saves` on its model) and is logged here."""
     group = engine.save_group
     return id(group.pg) if group.pg is not None else engine.key
 
@@ -186,22 +187,32 @@ def _key(engine: EngineFacade) -> int:
 def finish_previous(engine: EngineFacade) -> None:
     """Wait for the previous asynchronous save on `engine`'s save group (the next save starts after it); its error
     raises here."""
-    previous = _pending.pop(_key(engine), None)
-    if previous is not None:
+    entry = _pending.pop(_key(engine), None)
+    if entry is None:
+        return
+    owner, previous = entry
+    if owner == engine.key:
         previous.wait()
+        return
+    try:  # another model's save on the same ranks: waited for, its error left to its owner
+        previous.wait()
+    except Exception as e:  # noqa: BLE001 - logged; the owner's wait() raises it
+        logger.warning("hf_zero: another model's asynchronous save to %s failed: %s", previous.target, e)
 
 
 def chain(engine: EngineFacade, target: Path, work: Callable[[], object]) -> AsyncSave:
     """Start `work` in the background once `engine`'s save in flight (if any) has finished, and make it the one
     the next save waits for: its `wait()` raises the earlier save's error too."""
-    handle = _pending[_key(engine)] = AsyncSave(target, work, after=_pending.get(_key(engine)))
+    previous = _pending.get(_key(engine))
+    handle = AsyncSave(target, work, after=previous[1] if previous is not None else None)
+    _pending[_key(engine)] = (engine.key, handle)
     return handle
 
 
 def pending_save(engine: EngineFacade) -> AsyncSave | None:
     """The asynchronous save still being written on `engine`'s save group, or None."""
-    handle = _pending.get(_key(engine))
-    return handle if handle is not None and not handle.done() else None
+    entry = _pending.get(_key(engine))
+    return entry[1] if entry is not None and not entry[1].done() else None
 
 
 def wait_for_saves(model: nn.Module) -> None:
