@@ -27,7 +27,7 @@ from ..engine.collectives import CommGroup, digest_of, first_to_differ, raise_if
 from ..engine.facade import EngineFacade, facade_of
 from ..engine.flat import FlatPart
 from ..engine.step.optim import ShardedOptimizer, sharded_list
-from ..engine.step.pieces import Piece
+from ..engine.step.pieces import Piece, hand_over
 from .background import finish_previous
 from .backup import MasterBackup
 from .format import (
@@ -411,7 +411,7 @@ def _load_optimizer(
     if staged is not None:  # [Note: one-pass load]: read and checked already
         for piece, whole, flat in staged:
             whole = {k: v.value() if isinstance(v, _Unread) else v for k, v in whole.items()}
-            _hand_over(inner, piece, whole, flat)
+            hand_over(inner, piece, whole, flat)
         return
     inner.state.clear()
     if optimizer.whole_step is not None:  # [Note: owned optimizer state]
@@ -422,29 +422,7 @@ def _load_optimizer(
         kinds = saved["state"].get(piece.name)
         if kinds and piece.optim_params and id(piece.optim_params[0]) in group_of:  # another optimizer's: skipped
             whole, flat = _piece_state(piece, kinds, manifest, cache, group_of[id(piece.optim_params[0])])
-            _hand_over(inner, piece, whole, flat)
-
-
-def _hand_over(inner: torch.optim.Optimizer, piece: Piece, whole: dict[str, Any], flat: set[str]) -> None:
-    """Give a piece's loaded state to where it lives: the offload files, or the optimizer's chunks."""
-    if piece.part.store.take_state(piece.local[0], whole, flat):  # [Note: master stores]: into the files
-        for t in piece.optim_params:
-            inner.state[t] = {
-                k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()
-            }
-        return
-    for t, (a, b) in zip(piece.optim_params, piece.bounds):  # [Note: optimizer chunks]
-        kept = inner.state.get(t, {})  # read in place (None in `whole`)
-        inner.state[t] = {
-            key: kept[key]
-            if value is None
-            else value[a:b]
-            if key in flat
-            else value.clone()
-            if isinstance(value, torch.Tensor)
-            else value
-            for key, value in whole.items()
-        }
+            hand_over(inner, piece, whole, flat)
 
 
 def _piece_state(

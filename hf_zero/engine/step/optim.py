@@ -24,7 +24,7 @@ from ..checks.call_order import Call
 from ..engine import ZeroEngine
 from .optim_configs import carry_configs
 from .optim_state import OptimizerState, PieceMap, described, to_load
-from .pieces import Piece
+from .pieces import Piece, hand_over
 from .stepping import Attached
 from .whole import COUPLED, WholeStep, is_elementwise
 
@@ -195,20 +195,11 @@ def _carried(value: Any, device: torch.device, span: tuple[int, int] | None = No
 
 
 def _carry_into_chunks(optimizer: torch.optim.Optimizer, piece: Piece, initial: dict[str, Any]) -> None:
-    """[Note: state set at construction] a parameter's construction-time state cut to the piece's chunks: in
-    their entries, or, where the piece's master lives in the offload files, its elementwise entries written there
-    (as a loaded state is) and the chunks' entries left without elements, pointed at the files' buffers by each
-    step's windows ([Note: disk offload])."""
+    """[Note: state set at construction] a parameter's construction-time state, cut to the piece, handed over as a
+    loaded state is (`hand_over`: into the chunks' entries, or its elementwise entries into the offload files where
+    the piece's master lives there, [Note: disk offload])."""
     whole = {k: _carried(v, piece.master.device, (piece.start, piece.end)) for k, v in initial.items()}
-    flat = {k for k, v in initial.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
-    if piece.part.store.take_state(piece.local[0], whole, flat):
-        for t in piece.optim_params:
-            optimizer.state[t] = {
-                k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()
-            }
-        return
-    for t, (a, b) in zip(piece.optim_params, piece.bounds):
-        optimizer.state[t] = {k: _carried(v, t.device, (piece.start + a, piece.start + b)) for k, v in initial.items()}
+    hand_over(optimizer, piece, whole, {k for k, v in initial.items() if isinstance(v, torch.Tensor) and v.ndim > 0})
 
 
 def optimizer_list(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,3 +96,28 @@ def pieces_of(part: FlatPart) -> list[Piece]:
             )
         )
     return pieces
+
+
+def hand_over(inner: torch.optim.Optimizer, piece: Piece, whole: dict[str, Any], flat: set[str]) -> None:
+    """Give a piece's state (`whole`: each entry whole over the piece; `flat`: the elementwise keys, cut per chunk;
+    a `None` entry: read in place already) to where it lives: the offload files, or the optimizer's chunks. A
+    loaded state ([Note: one-pass load] in checkpoint/load.py) and one set at construction ([Note: state set at
+    construction] in optim.py) go the same way."""
+    if piece.part.store.take_state(piece.local[0], whole, flat):  # [Note: master stores]: into the files
+        for t in piece.optim_params:
+            inner.state[t] = {
+                k: v.clone() if isinstance(v, torch.Tensor) and v.numel() else v for k, v in whole.items()
+            }
+        return
+    for t, (a, b) in zip(piece.optim_params, piece.bounds):  # [Note: optimizer chunks]
+        kept = inner.state.get(t, {})  # read in place (None in `whole`)
+        inner.state[t] = {
+            key: kept[key]
+            if value is None
+            else value[a:b]
+            if key in flat
+            else value.clone()
+            if isinstance(value, torch.Tensor)
+            else value
+            for key, value in whole.items()
+        }
