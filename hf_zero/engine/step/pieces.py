@@ -101,7 +101,7 @@ def pieces_of(part: FlatPart) -> list[Piece]:
 def hand_over(inner: torch.optim.Optimizer, piece: Piece, whole: dict[str, Any], flat: set[str]) -> None:
     """Give a piece's state (`whole`: each entry whole over the piece; `flat`: the elementwise keys, cut per chunk;
     a `None` entry: read in place already) to where it lives: the offload files, or the optimizer's chunks. A
-    loaded state ([Note: one-pass load] in checkpoint/load.py) and one set at construction ([Note: state set at
+    loaded state ([Note: one-pass load] in checkpoint/sequential.py) and one set at construction ([Note: state set at
     construction] in optim.py) go the same way."""
     if piece.part.store.take_state(piece.local[0], whole, flat):  # [Note: master stores]: into the files
         for t in piece.optim_params:
