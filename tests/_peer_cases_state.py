@@ -294,3 +294,28 @@ def checkpoint_loaded_into_the_live_optimizer_whole_parameter(loop: Loop) -> Non
 def checkpoint_loaded_between_backward_and_step(loop: Loop) -> None:
     """The same, the load between a backward and its step: the step applies that backward's gradients."""
     _checkpoint_reloaded(loop, between_backward_and_step=True)
+
+
+def sharded_twice(names: tuple[str, str], stage: int, build_extra: dict[str, Any], **config: Any) -> dict[str, Any]:
+    """Scenarios `names` each under hf_zero only, at `stage` with `config`, their builds with `build_extra`: each
+    one's record and full state (on this rank), or its error ("Type: message"). For what has no plain data-parallel
+    reference (mixed precision) but must equal another way of doing the same under hf_zero."""
+    import hf_zero
+    from tests import _peer_cases  # noqa: F401 - registers every scenario
+    from tests._peer_harness import SCENARIOS, Block, Idle, _build, _optimizer
+
+    out: dict[str, Any] = {}
+    for name in names:
+        build, fn = SCENARIOS[name]
+        build = {**build, **build_extra}
+        settings = {"wrap": build.get("wrap", (Block.__name__,)), "bucket_size_mb": 0, **config}
+        try:
+            model = _build(build)
+            model, opt = hf_zero.initialize(model, _optimizer(model, build), hf_zero.ZeroConfig(stage=stage, **settings))
+            loop = Loop(model, opt, Idle(), dist.get_rank(), stage, sharded=True, dtype=build.get("dtype", torch.float32))
+            fn(loop)
+            state = hf_zero.full_state_dict(model, rank0_only=False)
+            out[name] = {"error": None, "record": loop.record, "state": {k: v.float().cpu() for k, v in state.items()}}
+        except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out

@@ -10,6 +10,7 @@ import torch
 
 from tests import _peer_cases as peer
 from tests import _peer_cases_amp as peer_amp
+from tests import _peer_cases_state as peer_state
 
 TOL = 1e-5
 
@@ -134,15 +135,57 @@ def test_batchnorm_statistics_follow_ddps_rule(pools, stage):
             assert (got - value).abs().max() <= TOL * (value.abs().max() + 1e-12), (rank, name, got, value)
 
 
+UNFROZEN = ["unfreeze_later", "unfreeze_part_of_a_unit_later", "unfreeze_from_the_top"]
+
+
+@pytest.mark.parametrize("setting", [{"stage": 1, "offload_optimizer": True}, {"stage": 2, "offload_optimizer": True},
+                                     {"stage": 3, "offload_optimizer": True, "offload_params": True}])
+@pytest.mark.parametrize("name", UNFROZEN)
+def test_unfreezing_with_the_optimizer_offloaded_matches_ddp(pools, name, setting):
+    """[Note: requires_grad after initialize] with `offload_optimizer` (and the stage-3 gather source on the host):
+    a block frozen at initialize, whole or in part, or two unfrozen from the top, start training with their master,
+    gradient shard and optimizer state where a trainable part's live: exact as DDP (it was refused)."""
+    setting = dict(setting)
+    for rank, r in enumerate(pools(2).values(peer.run_scenario, name, setting.pop("stage"), **setting)):
+        assert r["error"] is None, (rank, r["error"])
+        assert peer.worst_difference(r["reference"], r["record"]) <= TOL, (rank, r["reference"], r["record"])
+        assert max(r["weights"].values()) <= TOL, (rank, {k: v for k, v in r["weights"].items() if v > TOL})
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("build, setting", [
+    ({}, {}), ({"adagrad": True}, {}), ({"adafactor": True}, {}), ({}, {"offload_optimizer": True}),
+], ids=["adamw", "adagrad", "adafactor_whole_parameters", "adamw_offloaded"])
+def test_unfreezing_under_mixed_precision_is_unfreezing_after_freezing(pools, stage, build, setting):
+    """A bf16 model (as transformers loads a bf16 checkpoint) under bf16 mixed precision: block 0 frozen at
+    initialize and unfrozen after the first step trains bit for bit as block 0 left trainable at initialize, frozen
+    right after and unfrozen at the same step (the way hf_zero asked for before): its fp32 master made from its bf16
+    copy, which is its weight; Adagrad's accumulator made at construction in the master's dtype in both; Adafactor's
+    whole parameters and AdamW's fused kernel (chosen with the frozen block's bf16 tensors left out) as in the other
+    run. Losses and every weight equal (it was refused)."""
+    pair = ("unfreeze_later", "unfreeze_after_freezing")
+    for rank, r in enumerate(pools(2).values(peer_state.sharded_twice, pair, stage, {"dtype": torch.bfloat16, **build},
+                                             mixed_precision="bf16", **setting)):
+        woken, reference = r[pair[0]], r[pair[1]]
+        assert woken["error"] is None and reference["error"] is None, (rank, woken["error"], reference["error"])
+        assert woken["record"] == reference["record"], (rank, woken["record"], reference["record"])
+        for name, value in reference["state"].items():
+            assert torch.equal(woken["state"][name], value), (rank, name)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("setting, message", [
-    ({"offload_optimizer": True}, "with offload_optimizer its master weights and optimizer state would have to move"),
-    ({"mixed_precision": "bf16"}, "under mixed precision a frozen part keeps only its torch.bfloat16 copy"),
+    ({"mixed_precision": "bf16"}, "under mixed precision a frozen part keeps only its torch.bfloat16 copy, and this "
+     "parameter was torch.float32 at initialize: training would start from its torch.bfloat16 rounding"),
+    ({"offload_optimizer": True, "offload_dir": "<tmp>"}, "with offload_dir its master weights and optimizer state "
+     "would have to join the offload files"),
 ])
-def test_unfreezing_a_unit_frozen_at_initialize_is_refused_where_it_cannot_train_exactly(pools, stage, setting, message):
-    """A unit frozen whole at initialize starts training when unfrozen (test_peer_scenario_is_exact_or_refused:
-    unfreeze_later); where its frozen part cannot be what training starts from, every rank refuses at the forward
-    after the change, naming the parameter, why, and the way (trainable at initialize, frozen right after)."""
+def test_unfreezing_is_refused_where_it_cannot_start_exactly(pools, tmp_path, stage, setting, message):
+    """Where a unit frozen at initialize cannot start from what DDP would train (an fp32 model under bf16 mixed
+    precision keeps only the bf16 rounding of its frozen weights) or has no place to train in (the offload files are
+    laid out at initialize), every rank refuses at the forward after the change, naming the parameter, why, and the
+    way (trainable at initialize, frozen right after)."""
+    setting = {k: str(tmp_path) if v == "<tmp>" else v for k, v in setting.items()}
     for r in pools(2).values(peer.run_scenario, "unfreeze_later", stage, **setting):
         assert r["error"] is not None and r["error"].startswith("ValueError: hf_zero: parameter 'blocks.0."), r["error"]
         assert message in r["error"] and "leave it trainable at initialize" in r["error"], r["error"]

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from ..config import ZeroConfig
 from .accounting import ModelStateMemory
 from .buffers import BufferSync
 from .checks.call_order import Call, CallOrder
-from .checks.forward import ForwardChecks, unfrozen_parts
+from .checks.forward import ForwardChecks
 from .collectives import (
     CommGroup,
     all_gather_into,
@@ -43,6 +43,7 @@ from .step.stepping import OptimizerSteps
 from .step.torch_clip import register
 from .store import MasterStore
 from .teardown import track
+from .unfreeze import FrozenParts
 from .unit import Unit, split_parts
 from .wrap import UnitSpec
 
@@ -135,6 +136,7 @@ class ZeroEngine:
         # (a part kept in another dtype has a shard of its own: [Note: parameters kept in their own dtype])
         trains = [bool(s.params) and not s.frozen and d[1] == self.master_dtype for s, d in zip(parts_specs, dtypes)]
         slab = iter(grad_slab([lt for lt, t in zip(layouts, trains) if t], self._placement(False), self.master_dtype))
+        rounded = [next((p.dtype for p in s.params if p.dtype != d[0]), None) for s, d in zip(parts_specs, dtypes)]
         self.parts = [
             self._part(s, layout, source, next(slab) if t else None)
             for s, layout, t in zip(parts_specs, layouts, trains)
@@ -157,7 +159,12 @@ class ZeroEngine:
         self.hooks = UnitHooks(self.units, self.plan, self.pool, self._hook_settings())
         self.pieces: list[Piece] = [piece for part in self.parts for piece in pieces_of(part)]
         self.flat_step.build(self.pieces)
-        self._frozen_parts = [part for part in self.parts if part.spec.frozen]
+        self.frozen = FrozenParts(  # [Note: requires_grad after initialize] in unfreeze.py
+            [part for part in self.parts if part.spec.frozen],
+            {id(part): dtype for part, dtype in zip(self.parts, rounded) if part.spec.frozen and dtype is not None},
+            self._trainable_settings,
+            config.offload_dir is not None,
+        )
         track(self)  # [Note: clean exit] in teardown.py
         register(self)  # [Note: torch clipping] in torch_clip.py
 
@@ -340,15 +347,15 @@ class ZeroEngine:
             self.buffers.broadcast()
 
     def _start_unfrozen_units(self) -> None:
-        """[Note: requires_grad after initialize] in checks/forward.py: units frozen at `initialize`, unfrozen since."""
-        settings = (self.param_dtype, self.master_dtype, self.config.offload_optimizer)
-        for part, unit in unfrozen_parts(self._frozen_parts, self.units, *settings):
-            for real, held in zip(part.params, part.held_params):  # stage 3: as the next gather would
-                real.requires_grad_(held.requires_grad)  # ([Note: resting parameters])
-            unit.start_training(part)
+        """[Note: requires_grad after initialize] in unfreeze.py: parts frozen at `initialize`, unfrozen since."""
+        for _, unit in self.frozen.start_unfrozen(self.units, self.pieces, self.steps.attached):
             self.hooks.watch_grads(unit)
-            self._frozen_parts.remove(part)
         self.hooks.watch_unfrozen()
+
+    def _trainable_settings(self, part: FlatPart) -> PartSettings:
+        """The settings of `part` had it been trainable at `initialize` (its placement and master dtype)."""
+        _, master, _ = self._dtypes(replace(part.spec, frozen=False))
+        return replace(part.settings, placement=self._placement(False), master_dtype=master)
 
     def _before_direct_call(self) -> None:
         """As a module of the root is called outside the model's forward ([Note: direct calls] in hooks.py), after its

@@ -328,6 +328,27 @@ class FlatPart(ReadsPartSettings):
             self._published = fingerprint(self.param_shard())
         return all_gather_into(self.unsharded_param, self.param_shard(), self.shard_group, async_op)
 
+    def start_training(self, settings: PartSettings) -> bool:
+        """[Note: requires_grad after initialize] in unfreeze.py: this part, frozen at `initialize`, takes a trainable
+        part's `settings` (its placement and master dtype): where they differ from its own, its master is made from
+        its compute shard (the caller checked that it holds the values it was frozen with) where a trainable part's
+        lives, and at stage 3 its gather source is a trainable part's. Returns whether the master moved (the
+        pieces' tensors are to follow it)."""
+        moved = (settings.placement, settings.master_dtype) != (self.placement, self.master_dtype)
+        if moved and self.grads.shard_memory is not None:
+            raise self._illegal("start_training", "a part with a gradient shard was trainable at initialize")
+        self.settings = self.grads.settings = settings
+        if not moved:
+            return False
+        shard = self.param_shard()
+        self.sharded_master = self.placement.alloc(self.layout.shard_numel, self.master_dtype, self.master_device)
+        self.sharded_master.copy_(shard)
+        if not self.persistent:
+            self.sharded_param = self._gather_shard(on_disk=False)
+        self.fingerprinted = self.persistent and self.placement.offloaded and self.master_device != self.device
+        self._published = self._current = None
+        return True
+
     # ---- what the gradients are for --------------------------------------------------------------
     @property
     def trainable(self) -> list[nn.Parameter]:

@@ -1,6 +1,7 @@
 """The checks every forward of the model makes before it runs (`ForwardChecks`, told of each root forward: [Note:
 pass events] in pass_events.py): uneven inputs under torch's `Join`, and parameters that left the state `initialize`
-gave them (replaced, given new `.data`, unfrozen where they cannot start training).
+gave them (replaced, given new `.data`). Parameters unfrozen since `initialize` start training, or are refused, in
+unfreeze.py ([Note: requires_grad after initialize]).
 
 Each raises on every rank alike (every rank holds the same parameters), at the first forward after the change, before
 the forward issues any collective.
@@ -17,7 +18,6 @@ from torch import nn
 from ..buffers import BufferSync
 from ..flat import FlatPart
 from ..pass_events import PassListener
-from ..unit import Unit
 
 
 class ForwardChecks(PassListener):
@@ -40,56 +40,6 @@ class ForwardChecks(PassListener):
             self.structure.refuse_changes()
         if grad:
             refuse_replaced_data(self.parts)
-
-
-def unfrozen_parts(
-    frozen_parts: list[FlatPart],
-    units: list[Unit],
-    param_dtype: torch.dtype,
-    master_dtype: torch.dtype,
-    offloaded: bool,
-) -> list[tuple[FlatPart, Unit]]:
-    """[Note: requires_grad after initialize]
-    A parameter frozen at `initialize` lives in a frozen part: its only copy in the compute dtype, no master, no
-    gradient buffer, no optimizer state ([Note: frozen parameters] in unit.py). Freezing a trainable one later is
-    followed (its gradient is `None` while it is frozen, as in torch). Unfreezing one (gradual unfreezing: a
-    model frozen but for its head, its blocks unfrozen from the top as training goes; LoRA's base weights trained
-    after a warm-up of the adapters) is found at the next forward with grad: its frozen part starts training from
-    there, beside its unit's other trainable parts if it has any, exactly as under DDP (its gradients reduced, the
-    optimizer stepping it if its param groups hold it, as torch's does). That needs what the part keeps to be what
-    training starts from: no separate fp32 master (mixed precision keeps only the compute dtype's copy of a frozen
-    part) and no offloaded optimizer (its master and state would live on the host, not beside the part). Under
-    those settings it is refused on every rank (the same parameters on each), naming the way: leave the parameter
-    trainable at `initialize` and freeze it right after, which hf_zero follows from then on. Returns the parts to
-    start, each with its unit."""
-    woken = []
-    for part in frozen_parts:
-        names = [name for name, p in zip(part.spec.param_names, part.held_params) if p.requires_grad]
-        if not names:
-            continue
-        unit = next(u for u in units if part in u.parts)
-        why = _why_frozen_stays(param_dtype, master_dtype, offloaded)
-        if why is not None:
-            raise ValueError(
-                f"hf_zero: parameter '{names[0]}' was frozen (requires_grad=False) when hf_zero.initialize ran and now "
-                f"requires grad, and it cannot start training here: {why}. For progressive unfreezing in this "
-                "setting, leave it trainable at initialize (build the optimizer over it too) and freeze it with "
-                "requires_grad_(False) right after: hf_zero follows freezing and unfreezing from then on."
-            )
-        woken.append((part, unit))
-    return woken
-
-
-def _why_frozen_stays(param_dtype: torch.dtype, master_dtype: torch.dtype, offloaded: bool) -> str | None:
-    """Why a part frozen at `initialize` cannot start training under these settings, or None."""
-    if param_dtype != master_dtype:
-        return (
-            f"under mixed precision a frozen part keeps only its {param_dtype} copy, not the {master_dtype} weights "
-            "training would start from"
-        )
-    if offloaded:
-        return "with offload_optimizer its master weights and optimizer state would have to move to the host"
-    return None
 
 
 def refuse_uneven_join(model: nn.Module) -> None:

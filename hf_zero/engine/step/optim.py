@@ -22,6 +22,7 @@ from torch import nn
 
 from ..checks.call_order import Call
 from ..engine import ZeroEngine
+from .fused import fuse_where_it_applies
 from .optim_configs import carry_configs
 from .optim_state import OptimizerState, PieceMap, described, to_load
 from .pieces import Piece, hand_over
@@ -78,43 +79,13 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
         group_names.append(names)
     carry_configs(optimizer, moved, engine.compute_param)  # [Note: per-parameter optimizer configs]
     if whole is None:
-        fuse_where_it_applies(optimizer)
+        fuse_where_it_applies(optimizer, engine.frozen.asleep(engine.pieces))
     parts = {id(part): part for part, _ in (where[id(p)] for p in params)}
     sizes = tuple(map(len, group_names))
     groups = tuple(tuple(params[sum(sizes[:g]) : sum(sizes[: g + 1])]) for g in range(len(sizes)))
     engine.steps.attach(Attached(optimizer, whole, tuple(u for u in engine.parts if id(u) in parts), groups))
     piece_map = PieceMap(tuple(targets), tuple(int(p.numel()) for p in params), sizes)
     return ShardedOptimizer(optimizer, engine, group_names, piece_map)
-
-
-_FUSABLE = (torch.optim.Adam, torch.optim.AdamW)  # torch's fused kernels for the elementwise optimizers users reach for
-
-
-def fuse_where_it_applies(optimizer: torch.optim.Optimizer) -> bool:
-    """[Note: fused step]
-    torch's Adam and AdamW built without `fused` or `foreach` leave the implementation to torch, which picks
-    `foreach` on CUDA and a loop over the tensors on the host; its fused kernel (one pass over each tensor, no
-    temporaries) is faster on both, and what transformers' Trainer asks for by default (`adamw_torch_fused`). On the
-    flat chunks hf_zero steps, every tensor is contiguous, on one device. So such an optimizer steps fused once
-    sharded where its masters are float32: on the host, 100M fp32 elements in 16 MiB chunks step in 0.06 s
-    against 0.33 s for the loop (2 threads). The math is AdamW's, in another order of operations (fp32 rounding
-    apart: about 1 ulp a step). Masters in bf16 or fp16 keep the loop: the kernel computes in float32 and rounds
-    once, where the loop rounds each operation (a bf16 DeepSeek-V3 moved 1.7% away from DDP's weights in 3 steps).
-    A group whose `fused` or `foreach` the user set (`fused=False` keeps the loop), a `differentiable` optimizer or
-    a subclass (its own `step`) is left as built. Returns whether it now steps fused.
-    A load puts the saved groups' choice back, then chooses again (`ShardedOptimizer.choose_kernel`)."""
-    if type(optimizer) not in _FUSABLE:
-        return False
-    groups = [g for g in optimizer.param_groups if g.get("fused") is None and g.get("foreach") is None]
-    tensors = [t for g in groups for t in g["params"]]
-    supported = set(torch.utils._foreach_utils._get_fused_kernels_supported_devices())
-    if not groups or any(g.get("differentiable") for g in groups):
-        return False
-    if not {t.device.type for t in tensors} <= supported or any(t.dtype != torch.float32 for t in tensors):
-        return False  # bf16 or fp16 masters: the kernel's fp32 arithmetic is not the loop's (each op rounded)
-    for group in groups:  # each group as built (torch copies the constructor's choice into every group)
-        group["fused"] = True
-    return True
 
 
 def check_optimizer(
@@ -180,25 +151,30 @@ def _has_stepped(state: dict[str, Any]) -> bool:
     return bool(step.item() > 0) if isinstance(step, torch.Tensor) else bool(step and step > 0)
 
 
-def _carried(value: Any, device: torch.device, span: tuple[int, int] | None = None) -> Any:
+def _carried(
+    value: Any, device: torch.device, span: tuple[int, int] | None = None, dtype: torch.dtype | None = None
+) -> Any:
     """[Note: state set at construction]
     Some optimizers set per-parameter state in their constructor: APOLLO a projection seed, torch's Adagrad
     its accumulator (`sum`, the parameter's size) and a zero step. That state moves with the parameter to
     what steps it: whole to its owner's stand-in, or (`span`: the elements `[a, b)` of the flattened
-    parameter a flat chunk holds) cut to the chunk; numbers as they are, 0-d tensors copied. An optimizer
-    that has already stepped is refused instead (`check_optimizer`)."""
+    parameter a flat chunk holds) cut to the chunk, in the chunk's `dtype` where it is floating point (the master's,
+    fp32 under mixed precision, as the state the optimizer makes at its first step); numbers as they are, 0-d
+    tensors copied. An optimizer that has already stepped is refused instead (`check_optimizer`)."""
     if not isinstance(value, torch.Tensor):
         return value
     if value.ndim == 0 or span is None:
         return value.clone() if value.ndim == 0 and value.device.type == "cpu" else value.to(device, copy=True)
-    return value.reshape(-1)[span[0] : span[1]].to(device, copy=True)
+    cut = value.reshape(-1)[span[0] : span[1]]
+    return cut.to(device, dtype if dtype is not None and cut.is_floating_point() else cut.dtype, copy=True)
 
 
 def _carry_into_chunks(optimizer: torch.optim.Optimizer, piece: Piece, initial: dict[str, Any]) -> None:
     """[Note: state set at construction] a parameter's construction-time state, cut to the piece, handed over as a
     loaded state is (`hand_over`: into the chunks' entries, or its elementwise entries into the offload files where
     the piece's master lives there, [Note: disk offload])."""
-    whole = {k: _carried(v, piece.master.device, (piece.start, piece.end)) for k, v in initial.items()}
+    span, dtype = (piece.start, piece.end), piece.master.dtype
+    whole = {k: _carried(v, piece.master.device, span, dtype) for k, v in initial.items()}
     hand_over(optimizer, piece, whole, {k for k, v in initial.items() if isinstance(v, torch.Tensor) and v.ndim > 0})
 
 
@@ -429,7 +405,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """[Note: fused step] again, once a load has put the saved groups' `fused` and `foreach` back (a checkpoint
         written before the choice, or by a loop, would otherwise step the loop from then on)."""
         if self.whole_step is None:
-            fuse_where_it_applies(self.optimizer)
+            fuse_where_it_applies(self.optimizer, self._engine.frozen.asleep(self._engine.pieces))
 
     def _refuse_on_disk(self, what: str) -> None:
         self._engine.flat_step.refuse_state_access(  # [Note: master stores]

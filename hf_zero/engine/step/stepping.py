@@ -166,7 +166,9 @@ class OptimizerSteps:
                 t.grad = None
 
     def _stand_ins(self) -> list[tuple[torch.Tensor, ShardedGrad]]:
-        """Each tensor of the attached optimizers' groups and its stand-in (made again when the tensors changed)."""
+        """Each tensor of the attached optimizers' groups and its stand-in (made again when the tensors changed, or one
+        changed its dtype: a part that started training under mixed precision, [Note: requires_grad after initialize]
+        in unfreeze.py)."""
         tensors = [
             (g, i, t)
             for entry in self.attached
@@ -174,7 +176,9 @@ class OptimizerSteps:
             for i, t in enumerate(group["params"])
         ]
         known = self._grad_stand_ins
-        if len(known) != len(tensors) or any(id(t) not in known for _, _, t in tensors):
+        if len(known) != len(tensors) or any(
+            id(t) not in known or known[id(t)][1].dtype != t.dtype for *_, t in tensors
+        ):
             name = "optimizer.param_groups[{}]['params'][{}]"
             self._grad_stand_ins = {id(t): (t, ShardedGrad(t, name.format(g, i))) for g, i, t in tensors}
         return list(self._grad_stand_ins.values())

@@ -158,6 +158,18 @@ class WholeStep:
         rank owns it)."""
         return self.whole.get(index)
 
+    def follow_master(self, part: FlatPart) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each stand-in of `part`'s parameters this rank owns, with an empty tensor in the part's master dtype and
+        device to point it at (the part started training under mixed precision or offload: [Note: requires_grad
+        after initialize] in unfreeze.py)."""
+        moved = []
+        for i, t in self.whole.items():
+            if self.slots[i][0] is part:
+                new = torch.empty(t.shape, dtype=part.master_dtype, device=part.master_device)
+                new.untyped_storage().resize_(0)
+                moved.append((t, new))
+        return moved
+
     def _span(self, index: int, rank: int) -> tuple[int, int]:
         """Elements `[a, b)` of parameter `index` that group rank `rank`'s shard holds."""
         part, s = self.slots[index]
