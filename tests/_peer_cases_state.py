@@ -319,3 +319,40 @@ def sharded_twice(names: tuple[str, str], stage: int, build_extra: dict[str, Any
         except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
             out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+def resumed_with_a_block_frozen_at_initialize(stage: int, path: str, unfreeze_at: int) -> dict[str, Any]:
+    """A bf16 model under bf16 mixed precision, block 0 frozen at initialize and unfrozen from step `unfreeze_at`: four
+    steps straight, a checkpoint saved after step 1; then a fresh model (block 0 frozen at initialize again, as the
+    same script builds it) loads it and takes steps 2-3. Each run's record and full state, or the resumed run's
+    error."""
+    import hf_zero
+    from tests._peer_harness import Block, Idle, _build, _optimizer
+
+    build: dict[str, Any] = {"freeze": ("blocks.0.",), "dtype": torch.bfloat16}
+    config = hf_zero.ZeroConfig(stage=stage, wrap=(Block.__name__,), bucket_size_mb=0, mixed_precision="bf16")
+
+    def run(steps: range, resume: bool) -> dict[str, Any]:
+        model = _build(build)
+        model, opt = hf_zero.initialize(model, _optimizer(model, build), config)
+        loop = Loop(model, opt, Idle(), dist.get_rank(), stage, sharded=True, dtype=torch.bfloat16)
+        if resume:
+            hf_zero.load_checkpoint(path, model, opt)
+        for step in steps:
+            model.blocks[0].requires_grad_(step >= unfreeze_at)
+            loss = loop.loss(step)
+            loop.note("loss", loss)
+            loop.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            if step == 1 and not resume:
+                hf_zero.save_checkpoint(path, model, opt)
+        state = hf_zero.full_state_dict(model, rank0_only=False)
+        return {"record": loop.record, "state": {k: v.float().cpu() for k, v in state.items()}}
+
+    straight = run(range(4), resume=False)
+    try:
+        resumed = run(range(2, 4), resume=True)
+    except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
+        return {"straight": straight, "error": f"{type(e).__name__}: {e}"}
+    return {"straight": straight, "resumed": resumed, "error": None}

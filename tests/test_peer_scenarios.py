@@ -174,9 +174,29 @@ def test_unfreezing_under_mixed_precision_is_unfreezing_after_freezing(pools, st
 
 
 @pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("unfreeze_at", [1, 2])
+def test_a_resume_unfreezes_exactly_or_refuses(pools, tmp_path, stage, unfreeze_at):
+    """Gradual unfreezing under mixed precision, resumed by the same script (block 0 frozen at initialize again, the
+    checkpoint loaded, unfrozen at the step it was): saved while block 0 was still frozen (its bf16 weights), the
+    resumed steps equal the uninterrupted run's bit for bit; saved after it started training (fp32 masters, which
+    its frozen bf16 copy holds only rounded), every rank refuses at the forward that unfreezes it, naming the way."""
+    for rank, r in enumerate(pools(2).values(peer_state.resumed_with_a_block_frozen_at_initialize, stage,
+                                             str(tmp_path / "ckpt"), unfreeze_at)):
+        if unfreeze_at == 1:
+            assert r["error"] is not None and "in the checkpoint loaded since" in r["error"], (rank, r["error"])
+            assert "leave it trainable at initialize" in r["error"], r["error"]
+            continue
+        assert r["error"] is None, (rank, r["error"])
+        assert r["resumed"]["record"]["loss"] == r["straight"]["record"]["loss"][2:], (rank, r)
+        for name, value in r["straight"]["state"].items():
+            assert torch.equal(r["resumed"]["state"][name], value), (rank, name)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("setting, message", [
     ({"mixed_precision": "bf16"}, "under mixed precision a frozen part keeps only its torch.bfloat16 copy, and this "
-     "parameter was torch.float32 at initialize: training would start from its torch.bfloat16 rounding"),
+     "parameter was torch.float32 at initialize (or in the checkpoint loaded since): training would start from its "
+     "torch.bfloat16 rounding"),
     ({"offload_optimizer": True, "offload_dir": "<tmp>"}, "with offload_dir its master weights and optimizer state "
      "would have to join the offload files"),
 ])

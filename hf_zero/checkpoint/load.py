@@ -160,6 +160,7 @@ def load_checkpoint(
                 for file in list(reads.wants):
                     reads.read(file)
             part.store.replace(master)
+    engine.loaded_masters({name: entry["dtype"] for name, entry in manifest.params.items()})
     with FileCache(directory) as cache:
         with torch.no_grad():
             _load_buffers(model, manifest, cache)

@@ -12,7 +12,7 @@ checks that nothing under `checkpoint/`, `integrations/` or `features/` reaches 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -165,6 +165,11 @@ class EngineFacade:
 
     def refresh_masters(self) -> None:
         self._engine.refresh_masters()
+
+    def loaded_masters(self, dtypes: Mapping[str, str]) -> None:
+        """A checkpoint's masters were loaded, each parameter saved in `dtypes[name]` ([Note: requires_grad after
+        initialize] in unfreeze.py)."""
+        self._engine.frozen.loaded(dtypes)
 
     def zero_grad(self, *, abandon_pass: bool = False) -> None:
         self._engine.zero_grad(abandon_pass=abandon_pass)

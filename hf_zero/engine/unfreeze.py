@@ -16,19 +16,24 @@ tensors for its pieces keep their identity (the param groups and any state hold 
 master (`repoint`); state the optimizer made at construction (Adagrad's sum) follows in the master's dtype.
 
 That is exact only where the compute copy holds what training starts from. Under mixed precision a part whose
-parameters were in a wider dtype at `initialize` (an fp32 model trained in bf16) kept only their rounding; DDP would
-train from the fp32 weights. There, and with `offload_dir` (the offload files are laid out at `initialize` for the
-parameters trainable then), the unfreezing is refused on every rank (the same parameters on each), naming the way:
-leave the parameter trainable at `initialize` and freeze it right after, which hf_zero follows from then on.
+parameters were in a wider dtype at `initialize` (an fp32 model trained in bf16), or loaded since from a checkpoint
+that holds them so (fp32 masters saved after the part started training: `load_checkpoint` tells `loaded`), kept only
+their rounding; DDP would train from the fp32 weights. There, and with `offload_dir` (the offload files are laid out
+at `initialize` for the parameters trainable then), the unfreezing is refused on every rank (the same parameters on
+each), naming the way: leave the parameter trainable at `initialize` and freeze it right after, which hf_zero follows
+from then on. (A part frozen in a model built in bf16 from fp32 files, `from_pretrained(..., dtype=torch.bfloat16)`,
+starts from their bf16 rounding, the weights of the model asked for; a part trainable at `initialize` there reads its
+fp32 master from the files.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from ..dtypes import dtype_from_name
 from .flat import FlatPart
 from .part_settings import PartSettings
 from .step.fused import fuse_where_it_applies
@@ -90,6 +95,16 @@ class FrozenParts:
                     fuse_where_it_applies(entry.optimizer, self.asleep(pieces))
         return woken
 
+    def loaded(self, dtypes: Mapping[str, str]) -> None:
+        """A checkpoint's masters were loaded (`dtypes`: each parameter's saved dtype, by name): a part still frozen
+        whose compute copy now rounds what the checkpoint holds (fp32 masters, saved after it started training under
+        mixed precision) cannot start training from it."""
+        for part in self.parts:
+            for name in part.spec.param_names:
+                saved = dtype_from_name(dtypes[name]) if name in dtypes else part.param_dtype
+                if saved != part.param_dtype:
+                    self._rounded[id(part)] = saved
+
     def asleep(self, pieces: list[Piece]) -> frozenset[int]:
         """Ids of the optimizer tensors of `pieces` whose part has not started training ([Note: fused step])."""
         return frozenset(id(t) for piece in pieces if piece.part in self.parts for t in piece.optim_params)
@@ -105,8 +120,8 @@ class FrozenParts:
         if wider is not None:
             return (
                 f"under mixed precision a frozen part keeps only its {part.param_dtype} copy, and this parameter was "
-                f"{wider} at initialize: training would start from its {part.param_dtype} rounding, not from the "
-                f"{wider} weights"
+                f"{wider} at initialize (or in the checkpoint loaded since): training would start from its "
+                f"{part.param_dtype} rounding, not from the {wider} weights"
             )
         return None
 
