@@ -1,20 +1,21 @@
-"""The fuzzer's grammar (tests/_fuzz.py runs it): a `Program` is a model (blocks, an optional BatchNorm, optionally
-a tied weight, the data flow between its blocks: plain, mixtures of experts with a router loss, a long skip
-connection, a root parameter every block reads, the first block's bias passed to the rest; tests/_fuzz_models.py), an
-optimizer (torch's and the ones users pick) and scheduler, engine settings (offload, prefetch, buckets, unsharded
-gradients kept under `no_sync`, a shard group per rank, each rank's buffers, the backend's own collectives, bf16 mixed
-precision), a world of 2 or 3 ranks, and a list of operations between steps: training steps of 1-3 micro-batches
-(the first ones under `no_sync` or not; one under mixed precision; rank 1's first one smaller, or not), clipping by
-torch's `clip_grad_norm_` (2, 1, inf) or `clip_grad_value_` or hf_zero's own, `zero_grad(set_to_none=...)`, freezing
-and unfreezing a block, evaluation forwards, a forward without grad in train mode, a learning-rate change, and a
-checkpoint saved and resumed into a fresh model at another stage. A step's forwards are plain, or skip a block (on
-every rank), or run block 0 twice, or recompute every block in backward (activation checkpointing), or add the
-otherwise unused spare head, or run in eval mode (BatchNorm's running statistics, no update); the weights may be
-snapshotted (`state_dict()`) and rewound to the snapshot later (`load_state_dict`, the optimizer's state kept); a
-checkpoint may be saved asynchronously, training going on while it is written, and loaded back later (DDP: the
-model's and optimizer's state dicts kept and loaded); the optimizer's parameters are one group, or the Trainer's two
-(no weight decay on biases and norms), or a group per block with its own learning rate. Every program is made from
-its seed (`draw`), so a seed names it; a setting added later is drawn after the others, so a seed keeps what it drew.
+"""The fuzzer's grammar (tests/_fuzz.py runs it): a `Program` is a model (blocks, an optional BatchNorm, optionally a
+tied weight, the data flow between its blocks: plain, mixtures of experts with a router loss, a long skip connection,
+a root parameter every block reads, the first block's bias passed to the rest; tests/_fuzz_models.py), an optimizer
+(torch's and the ones users pick) and scheduler, engine settings (offload, prefetch, buckets, unsharded gradients
+kept under `no_sync`, a shard group per rank, each rank's buffers, the backend's own collectives, bf16 mixed
+precision, of a model in fp32 or loaded in bf16), a world of 2 or 3 ranks, and a list of operations between steps:
+training steps of 1-3 micro-batches (the first ones under `no_sync` or not; one under mixed precision; rank 1's first
+one smaller, or not), clipping by torch's `clip_grad_norm_` (2, 1, inf) or `clip_grad_value_` or hf_zero's own,
+`zero_grad(set_to_none=...)`, freezing and unfreezing a block, evaluation forwards, a forward without grad in train
+mode, a learning-rate change, and a checkpoint saved and resumed into a fresh model at another stage. A step's
+forwards are plain, or skip a block (on every rank), or run block 0 twice, or recompute every block in backward
+(activation checkpointing), or add the otherwise unused spare head, or run in eval mode (BatchNorm's running
+statistics, no update); the weights may be snapshotted (`state_dict()`) and rewound to the snapshot later
+(`load_state_dict`, the optimizer's state kept); a checkpoint may be saved asynchronously, training going on while it
+is written, and loaded back later (DDP: the model's and optimizer's state dicts kept and loaded); the optimizer's
+parameters are one group, or the Trainer's two (no weight decay on biases and norms), or a group per block with its
+own learning rate. Every program is made from its seed (`draw`), so a seed names it; a setting added later is drawn
+after the others, so a seed keeps what it drew.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class Program:
     uneven: bool = False  # rank 1's first micro-batch of each step has 3 rows, the others 4
     world: int = 2  # ranks (3: shards of units whose sizes 3 does not divide, padded)
     mixed: bool = False  # bf16 mixed precision, against hf_zero's stage 0 under it ([Note: fuzz mixed precision])
-    dtype: str = "float32"  # float64: the re-run that tells fp32 rounding from a real difference ([Note: fuzz noise])
+    dtype: str = "float32"  # the model's: float64, the re-run that tells fp32 rounding from a real difference ([Note:
+    # fuzz noise]); bfloat16, under mixed precision (a bf16 checkpoint as transformers loads it)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -128,6 +130,7 @@ def draw(seed: int) -> Program:
     local_buffers, native, uneven = rng.random() < 0.2, rng.random() < 0.3, rng.random() < 0.2  # and these after
     world = 3 if rng.random() < 0.25 else 2  # and this after those
     mixed = rng.random() < 0.2  # and this after that: one micro-batch a step ([Note: fuzz mixed precision])
+    bf16_model = rng.random() < 0.5  # and this after that: under mixed precision, the model loaded in bf16
     if mixed:
         forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(
@@ -147,6 +150,7 @@ def draw(seed: int) -> Program:
         world=world,
         mixed=mixed,
         amp=program.amp and not mixed,
+        dtype="bfloat16" if mixed and bf16_model else program.dtype,
     )
 
 
