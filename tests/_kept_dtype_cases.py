@@ -183,3 +183,35 @@ def batchnorm_under_mixed_precision(stage: int, offload: str) -> dict[str, Any]:
             opt.zero_grad()
             runs[name].append(float(loss))
     return {**runs, "seen": seen[0]}
+
+
+def gates_on_disk_under_mixed_precision(base: str, stage: int, offload_dir: str) -> dict[str, Any]:
+    """The bf16 load (gates float32) under `mixed_precision="bf16"` at `stage`, 3 steps of 2 micro-batches with
+    clipping, the optimizer's state and masters in memory and then in `offload_dir` (every master float32: the gates'
+    part has a place of its own in the files), then a checkpoint of the disk run loaded into a fresh in-memory model.
+    Each run's losses and norms, and the full states (rank 0)."""
+    rank = dist.get_rank()
+    batches = _batches(rank, 3, 2)
+    runs: dict[str, Any] = {}
+    models = {}
+    for where in ("memory", "disk"):
+        model = load_bf16(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        extra = {"offload_optimizer": True, "offload_dir": offload_dir} if where == "disk" else {}
+        config = hf_zero.ZeroConfig(stage=stage, mixed_precision="bf16", **extra)
+        model, opt = hf_zero.initialize(model, opt, config)
+        runs[where] = _train(model, opt, batches, 2, ddp=False)
+        if where == "disk":
+            hf_zero.save_checkpoint(os.path.join(offload_dir, "ckpt"), model, opt)
+        models[where] = (model, opt)
+    fresh = load_bf16(base)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh, fresh_opt = hf_zero.initialize(fresh, fresh_opt, hf_zero.ZeroConfig(stage=stage, mixed_precision="bf16"))
+    hf_zero.load_checkpoint(os.path.join(offload_dir, "ckpt"), fresh, fresh_opt)
+    models["loaded"] = (fresh, fresh_opt)
+    states = {k: hf_zero.full_state_dict(m) for k, (m, _) in models.items()}
+    return {
+        "runs": runs,
+        "states": {k: {n: v.detach().clone() for n, v in s.items()} for k, s in states.items()} if rank == 0 else None,
+        "dtypes": {n: str(v.dtype) for n, v in states["disk"].items()} if rank == 0 else None,
+    }

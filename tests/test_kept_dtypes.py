@@ -122,6 +122,22 @@ def test_kept_parameters_on_disk_offload_are_refused_naming_the_way(bases, tmp_p
     assert "offload_optimizer without offload_dir" in str(caught.value)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_float32_gates_under_mixed_precision_train_the_same_from_disk(pools, bases, tmp_path, stage):
+    """DeepSeek-V3's bf16 load (router gates float32) under bf16 mixed precision with `offload_dir`: every master is
+    float32, so the gates' part has a place of its own in the files (`place_key`) beside the rest; three clipped steps
+    of two micro-batches equal the same run in memory (losses, norms, every weight, the gate float32), and its
+    checkpoint loads into an in-memory model with those weights."""
+    r = pools(2).values(kc.gates_on_disk_under_mixed_precision, bases["deepseek_v3"], stage, str(tmp_path))[0]
+    memory, disk = r["runs"]["memory"], r["runs"]["disk"]
+    np.testing.assert_allclose(disk["losses"], memory["losses"], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(disk["norms"], memory["norms"], rtol=1e-6, atol=0)
+    assert r["dtypes"]["model.layers.1.mlp.gate.weight"] == "torch.float32", r["dtypes"]
+    for name, value in r["states"]["memory"].items():
+        for other in ("disk", "loaded"):
+            assert rel_err(r["states"][other][name].float().numpy(), value.float().numpy()) <= 1e-6, (other, name)
+
+
 @pytest.mark.parametrize("stage, offload", [(1, ""), (1, "optimizer"), (3, ""), (3, "optimizer"), (1, "disk"),
                                            (3, "disk")])
 def test_batchnorm_keeps_float32_weights_under_mixed_precision(pools, tmp_path, stage, offload):
