@@ -128,3 +128,30 @@ def other_pieces(stage: int, path: str) -> dict[str, Any]:
         error = f"{type(e).__name__}: {e}"
     after = _state_copy(opt2)
     return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def checkpoint_resumed_as_torch_loads(stage: int, path: str, build: dict[str, Any]) -> dict[str, Any]:
+    """Two steps, a checkpoint (`hf_zero.save_checkpoint`), a fresh model and optimizer loading it, two more steps;
+    beside it plain data parallelism resuming from rank 0's model and optimizer state dicts as DDP code does
+    (torch's `load_state_dict` gives each floating-point state entry its parameter's dtype). The loaded sharded
+    optimizer's state dtypes, and how far the final weights are apart."""
+    rank = dist.get_rank()
+    ref = _build(build)
+    ref_opt = _optimizer(ref, build)
+    _steps(Loop(ref, ref_opt, PlainDP(ref), rank, stage, sharded=False, dtype=build["dtype"]), n=2)
+    saved = [copy.deepcopy((ref.state_dict(), ref_opt.state_dict()))]
+    dist.broadcast_object_list(saved, 0)
+    ref = _build(build)
+    ref_opt = _optimizer(ref, build)
+    ref.load_state_dict(saved[0][0])
+    ref_opt.load_state_dict(saved[0][1])
+    _steps_from(Loop(ref, ref_opt, PlainDP(ref), rank, stage, sharded=False, dtype=build["dtype"]), 2, 4)
+
+    model, opt = _sharded(stage, build)
+    _steps(Loop(model, opt, Idle(), rank, stage, sharded=True, dtype=build["dtype"]), n=2)
+    hf_zero.save_checkpoint(path, model, opt)
+    model, opt = _sharded(stage, build)
+    hf_zero.load_checkpoint(path, model, opt)
+    dtypes = sorted({f"{k}: {v.dtype}" for s in opt.optimizer.state.values() for k, v in s.items() if k != "step"})
+    _steps_from(Loop(model, opt, Idle(), rank, stage, sharded=True, dtype=build["dtype"]), 2, 4)
+    return {"dtypes": dtypes, "weights": _worst(_weights(model), _plain_weights(ref))}

@@ -173,7 +173,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Scenario]] = {}
 def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
     """Register a scenario; `build`: the model's constructor arguments and `freeze` (names frozen before
     initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay), `adafactor` (torch's Adafactor),
-    `adagrad` (torch's Adagrad, its state made at construction),
+    `adagrad` (torch's Adagrad, its state made at construction), `nadam` (torch's NAdam), `nadam_whole` (a subclass of it),
     `twin` (a copy of the model made before initialize, in `loop.twin`), `groups` (a function of the model giving
     AdamW's param groups), `dtype` (the model and its batches in that dtype)."""
 
@@ -216,6 +216,10 @@ def _optimizer(model: nn.Module, build: dict[str, Any]) -> torch.optim.Optimizer
         return torch.optim.AdamW(groups(model), lr=0.01, weight_decay=0.1)
     if build.get("sgd"):
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if build.get("nadam"):  # a 0-d float32 state entry (`mu_product`) beside the parameter's own
+        return torch.optim.NAdam(model.parameters(), lr=0.01)
+    if build.get("nadam_whole"):  # the same under a class hf_zero does not know: stepped on whole parameters
+        return type("UsersNAdam", (torch.optim.NAdam,), {})(model.parameters(), lr=0.01)
     if build.get("adagrad"):  # state made at construction ([Note: state set at construction])
         return torch.optim.Adagrad(model.parameters(), lr=0.05, initial_accumulator_value=0.1)
     if build.get("adafactor"):  # factored second moments: stepped on whole parameters ([Note: whole-parameter step])

@@ -460,15 +460,14 @@ def _piece_state(
             state[key] = out
             flat.add(key)
         elif kind == PARAM and owner and len(cache.get(owner).get_slice(tkey).get_shape()) > 0:
-            state[key] = piece_param_state(piece, key, manifest, cache).to(
-                piece.master.device
-            )  # [Note: owned optimizer state]
+            value = piece_param_state(piece, key, manifest, cache)  # [Note: owned optimizer state]
+            state[key] = value.to(piece.master.device, piece.master.dtype if value.is_floating_point() else value.dtype)
             flat.add(key)
         elif reads is not None:  # the file's bytes come with the pass: the value once they are read
             read = reads.add_whole(tkey, [f for f, _, _ in stored])
-            state[key] = _Unread(key, kind, read, group, piece.master.device)
+            state[key] = _Unread(key, kind, read, group, piece.master)
         else:
-            state[key] = restore_value(key, kind, read_whole(cache, tkey, stored), group, piece.master.device)
+            state[key] = restore_value(key, kind, read_whole(cache, tkey, stored), group, piece.master)
     return {key: state[key] for key in kinds}, flat  # in the saved order
 
 
@@ -480,7 +479,7 @@ class _Unread:
     kind: str
     read: torch.Tensor
     group: dict[str, Any]
-    device: torch.device
+    like: torch.Tensor  # the tensor the state belongs to: its device and dtype
 
     def value(self) -> Any:
-        return restore_value(self.key, self.kind, self.read, self.group, self.device)
+        return restore_value(self.key, self.kind, self.read, self.group, self.like)

@@ -90,9 +90,7 @@ def load_owned(whole: WholeStep, optimizer: torch.optim.Optimizer, manifest: Man
                 read_pieces(cache, tkey, stored, 0, stand_in.numel(), out)
                 state[key] = out.view(stand_in.shape).to(stand_in.device)
             else:
-                state[key] = restore_value(
-                    key, kind, read_whole(cache, tkey, stored), group_of[id(stand_in)], stand_in.device
-                )
+                state[key] = restore_value(key, kind, read_whole(cache, tkey, stored), group_of[id(stand_in)], stand_in)
         optimizer.state[stand_in] = state
 
 
@@ -143,13 +141,17 @@ def read_whole(cache: FileCache, key: str, stored: list[list[Any]]) -> torch.Ten
     raise ValueError(f"No file of the checkpoint holds the optimizer state {key}; the checkpoint is damaged.")
 
 
-def restore_value(key: str, kind: str, value: torch.Tensor, group: dict[str, Any], device: torch.device) -> Any:
-    """A saved state value as the optimizer keeps it: numbers as numbers, torch's `step` on the CPU in fp32
-    (unless the group is fused or capturable), other tensors on `device`."""
+def restore_value(key: str, kind: str, value: torch.Tensor, group: dict[str, Any], like: torch.Tensor) -> Any:
+    """A saved state value as the optimizer keeps it, and as torch's `load_state_dict` gives it back: numbers as
+    numbers, torch's `step` on the CPU in fp32 (unless the group is fused or capturable: then on `like`'s device),
+    other tensors on the device of `like` (the tensor the state belongs to), floating-point ones in its dtype (NAdam's
+    `mu_product`, made in float32 beside float64 weights, comes back float64, as under DDP)."""
     if kind == "int":
         return int(value.item())
     if kind == "float":
         return float(value.item())
-    if key == "step" and value.ndim == 0 and not (group.get("fused") or group.get("capturable")):
+    if key == "step" and value.ndim == 0:
+        if group.get("fused") or group.get("capturable"):
+            return value.to(like.device, torch.float32)
         return value.to(torch.float32)
-    return value.to(device)
+    return value.to(like.device, like.dtype if value.is_floating_point() else value.dtype)
