@@ -41,7 +41,7 @@ class Program:
     batchnorm: bool = False
     tie: bool = False
     optimizer: str = "adamw"  # adamw | sgd | adam_amsgrad | rmsprop | adafactor (whole parameters, each on its
-    # owner) | one of MORE_OPTIMIZERS
+    # owner) | muon_adamw (Muon on the matrices, AdamW on the rest: whole parameters) | one of MORE_OPTIMIZERS
     scheduler: bool = False
     offload: str = "none"  # none | optimizer | params | disk (optimizer state and masters in files)
     prefetch: int = 1
@@ -131,6 +131,8 @@ def draw(seed: int) -> Program:
     world = 3 if rng.random() < 0.25 else 2  # and this after those
     mixed = rng.random() < 0.2  # and this after that: one micro-batch a step ([Note: fuzz mixed precision])
     bf16_model = rng.random() < 0.5  # and this after that: under mixed precision, the model loaded in bf16
+    if rng.random() < 0.08:  # and this after that: Muon on the matrices beside AdamW, as one optimizer
+        optimizer = "muon_adamw"
     if mixed:
         forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(
@@ -177,3 +179,37 @@ MORE_OPTIMIZERS: dict[str, Any] = {
     "sgd_nesterov": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, dampening=0),
     "adam_maximize": lambda params: torch.optim.Adam(params, lr=0.01, maximize=True),
 }
+
+
+class MuonAndAdamW(torch.optim.Optimizer):
+    """torch's Muon on the 2-D weights and AdamW on the rest, as one optimizer (how Muon's users pair them; the
+    Trainer takes one): each group of the params given split in two with its settings, the inner optimizers' group
+    dicts its own, their state one. hf_zero steps it on whole parameters (Muon orthogonalizes each matrix)."""
+
+    def __init__(self, params: Any) -> None:
+        given = list(params)
+        groups = given if given and isinstance(given[0], dict) else [{"params": given}]
+        matrices, rest = [], []
+        for group in groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            mats = [p for p in group["params"] if p.ndim == 2]
+            others = [p for p in group["params"] if p.ndim != 2]
+            matrices += [{"params": mats, **settings}] if mats else []
+            rest += [{"params": others, **settings}] if others else []
+        self.muon = torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(rest, lr=0.01, weight_decay=0.1, foreach=False)
+        super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
+        self.muon.state = self.adamw.state = self.state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's `load_state_dict` gives the optimizer new group dicts and a new state: the inner two take them."""
+        super().__setstate__(state)
+        if "muon" in self.__dict__:
+            n = len(self.muon.param_groups)
+            self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
+            self.muon.state = self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.muon.step()
+        self.adamw.step()

@@ -45,6 +45,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
         self.muon.state = self.adamw.state = self.state  # one state, so state_dict() and checkpoints hold both
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's `load_state_dict` gives the optimizer new group dicts and a new state: the inner two take them."""
+        super().__setstate__(state)
+        if "muon" in self.__dict__:
+            n = len(self.muon.param_groups)
+            self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
+            self.muon.state = self.adamw.state = self.state
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         self.muon.step()

@@ -29,7 +29,8 @@ def test_the_grammar_draws_every_operation_and_setting():
     clips = {op[3][0] for p in programs for op in p.ops if op[0] == "step" and op[3] is not None}
     assert clips == {"norm", "value", "optimizer", "model"}
     assert {p.offload for p in programs} == {"none", "optimizer", "params", "disk"}
-    assert {p.optimizer for p in programs} == {"adamw", "sgd", "adam_amsgrad", "rmsprop", "adafactor", *fuzz.MORE_OPTIMIZERS}
+    assert {p.optimizer for p in programs} == {"adamw", "sgd", "adam_amsgrad", "rmsprop", "adafactor", "muon_adamw",
+                                               *fuzz.MORE_OPTIMIZERS}
     assert {p.bucket_mb for p in programs} == {0, 25}
     assert any(p.tie for p in programs) and any(p.batchnorm for p in programs) and any(p.scheduler for p in programs)
     assert any(p.frozen for p in programs) and any(p.amp for p in programs)
@@ -43,6 +44,8 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert {p.world for p in programs} == {2, 3}
     mixed = [p for p in programs if p.mixed]
     assert mixed and all(op[1] == 1 for p in mixed for op in p.ops if op[0] == "step") and not any(p.amp for p in mixed)
+    assert {p.dtype for p in mixed} == {"float32", "bfloat16"} and {p.dtype for p in programs if not p.mixed} == {
+        "float32"}
     assert all(fuzz.Program.from_json(p.to_json()) == p for p in programs)  # clipping's tuples too
 
 
