@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hf_zero
-from tests._fuzz_grammar import FORWARDS, MORE_OPTIMIZERS, STAGES, MuonAndAdamW, Program, draw
+from tests._fuzz_grammar import FORWARDS, MORE_OPTIMIZERS, STAGES, Program, draw, muon_and_adamw
 from tests._fuzz_models import FlowNet, block_class
 from tests._peer_harness import D_IN, D_OUT
 
@@ -102,7 +102,7 @@ def _make_optimizer(program: Program, params: Any) -> torch.optim.Optimizer:
     if program.optimizer == "adafactor":  # reads each parameter's shape: stepped whole, on the rank that owns it
         return torch.optim.Adafactor(params, lr=0.01)
     if program.optimizer == "muon_adamw":
-        return MuonAndAdamW(params)
+        return muon_and_adamw(params)
     if program.optimizer in MORE_OPTIMIZERS:
         return MORE_OPTIMIZERS[program.optimizer](params)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)

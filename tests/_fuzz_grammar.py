@@ -181,35 +181,18 @@ MORE_OPTIMIZERS: dict[str, Any] = {
 }
 
 
-class MuonAndAdamW(torch.optim.Optimizer):
-    """torch's Muon on the 2-D weights and AdamW on the rest, as one optimizer (how Muon's users pair them; the
-    Trainer takes one): each group of the params given split in two with its settings, the inner optimizers' group
-    dicts its own, their state one. hf_zero steps it on whole parameters (Muon orthogonalizes each matrix)."""
+def muon_and_adamw(params: Any) -> torch.optim.Optimizer:
+    """Muon on the 2-D weights and AdamW on the rest, as one optimizer (tests/_optimizers.py `MuonAndAdamW`): each
+    group of `params` split in two with its settings."""
+    from tests._optimizers import MuonAndAdamW
 
-    def __init__(self, params: Any) -> None:
-        given = list(params)
-        groups = given if given and isinstance(given[0], dict) else [{"params": given}]
-        matrices, rest = [], []
-        for group in groups:
-            settings = {k: v for k, v in group.items() if k != "params"}
-            mats = [p for p in group["params"] if p.ndim == 2]
-            others = [p for p in group["params"] if p.ndim != 2]
-            matrices += [{"params": mats, **settings}] if mats else []
-            rest += [{"params": others, **settings}] if others else []
-        self.muon = torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw")
-        self.adamw = torch.optim.AdamW(rest, lr=0.01, weight_decay=0.1, foreach=False)
-        super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
-        self.muon.state = self.adamw.state = self.state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """torch's `load_state_dict` gives the optimizer new group dicts and a new state: the inner two take them."""
-        super().__setstate__(state)
-        if "muon" in self.__dict__:
-            n = len(self.muon.param_groups)
-            self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
-            self.muon.state = self.adamw.state = self.state
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        self.muon.step()
-        self.adamw.step()
+    given = list(params)
+    groups = given if given and isinstance(given[0], dict) else [{"params": given}]
+    matrices, rest = [], []
+    for group in groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        mats = [p for p in group["params"] if p.ndim == 2]
+        others = [p for p in group["params"] if p.ndim != 2]
+        matrices += [{"params": mats, **settings}] if mats else []
+        rest += [{"params": others, **settings}] if others else []
+    return MuonAndAdamW(matrices, rest, dict(lr=0.02), dict(lr=0.01, weight_decay=0.1))

@@ -30,18 +30,16 @@ class LARS(torch.optim.Optimizer):
                 p.sub_(state["momentum"], alpha=group["lr"])
 
 
-class MuonWithAdamW(torch.optim.Optimizer):
-    """`torch.optim.Muon` on the hidden matrices and AdamW on the rest, as one optimizer (the Trainer takes one):
-    its param groups are the two inner optimizers' own group dicts, so each steps what the groups hold, and their
-    state is its own (as `state_dict()` needs)."""
+class MuonAndAdamW(torch.optim.Optimizer):
+    """`torch.optim.Muon` over `matrices` and AdamW over `rest` (parameters or groups), as one optimizer (how Muon's
+    users pair them; the Trainer takes one): its param groups are the two inner optimizers' own group dicts, so each
+    steps what the groups hold, and their state is its own (as `state_dict()` needs). hf_zero steps it on whole
+    parameters (Muon orthogonalizes each matrix)."""
 
-    def __init__(self, model: nn.Module, lr: float) -> None:
-        matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n and "lm_head" not in n]
-        taken = {id(p) for p in matrices}
-        rest = [p for p in model.parameters() if id(p) not in taken]
-        self.muon = torch.optim.Muon(matrices, lr=lr, adjust_lr_fn="match_rms_adamw")
+    def __init__(self, matrices: Any, rest: Any, muon: dict[str, Any], adamw: dict[str, Any]) -> None:
+        self.muon = torch.optim.Muon(matrices, adjust_lr_fn="match_rms_adamw", **muon)
         # the loop, as chosen: as one optimizer it steps whole parameters, as two flat chunks ([Note: fused step])
-        self.adamw = torch.optim.AdamW(rest, lr=lr, eps=1e-6, foreach=False)
+        self.adamw = torch.optim.AdamW(rest, foreach=False, **adamw)
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
         self.muon.state = self.adamw.state = self.state  # one state, so state_dict() and checkpoints hold both
 
@@ -57,6 +55,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         self.muon.step()
         self.adamw.step()
+
+
+def muon_with_adamw(model: nn.Module, lr: float) -> MuonAndAdamW:
+    """Muon on the hidden matrices (not the embeddings or the head), AdamW on the rest."""
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n and "lm_head" not in n]
+    taken = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    return MuonAndAdamW(matrices, rest, dict(lr=lr), dict(lr=lr, eps=1e-6))
 
 
 class PlainAdamW(torch.optim.AdamW):
@@ -81,9 +87,9 @@ def build_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optim
     if kind == "lars":
         return LARS(model.parameters(), lr=lr)
     if kind == "muon_adamw":
-        return MuonWithAdamW(model, lr)
+        return muon_with_adamw(model, lr)
     if kind == "muon_and_adamw":  # the same two as two optimizers, as hf_zero.initialize takes them
-        both = MuonWithAdamW(model, lr)
+        both = muon_with_adamw(model, lr)
         for each in (both.muon, both.adamw):
             each.state = collections.defaultdict(dict)  # each its own state, as two optimizers built apart
         return [both.muon, both.adamw]
