@@ -85,11 +85,57 @@ def _groups(program: Program, model: nn.Module) -> Any:
     return model.parameters()
 
 
-def _optimizer(program: Program, model: nn.Module) -> torch.optim.Optimizer:
-    opt = _make_optimizer(program, _groups(program, model))
+def _optimizer(program: Program, model: nn.Module) -> Any:
+    """The program's optimizer, or (`optimizers=2`) one over the blocks' parameters and one over the rest."""
+    params = _groups(program, model)
+    if program.optimizers == 1:
+        opt = _make_optimizer(program, params)
+    else:
+        given = list(params)
+        groups = given if isinstance(given[0], dict) else [{"params": given}]
+        blocks = {id(p) for p in model.blocks.parameters()}
+        sides = [[{**g, "params": [p for p in g["params"] if (id(p) in blocks) == inside]} for g in groups]
+                 for inside in (True, False)]
+        opt = Several([_make_optimizer(program, [g for g in side if g["params"]]) for side in sides])
     for group in opt.param_groups:
         group["lr"] = group["lr"] * group.pop("lr_scale", 1.0)
     return opt
+
+
+class Several:
+    """Optimizers (or their schedulers) over disjoint parameters, each called in turn as a loop with several writes
+    it; `state_dict()` is the list of theirs."""
+
+    def __init__(self, members: list[Any]) -> None:
+        self.members = members
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for m in self.members for g in m.param_groups]
+
+    def step(self) -> None:
+        for m in self.members:
+            m.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for m in self.members:
+            m.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> list[Any]:
+        return [m.state_dict() for m in self.members]
+
+    def load_state_dict(self, states: list[Any]) -> None:
+        for m, state in zip(self.members, states):
+            m.load_state_dict(state)
+
+
+def _each(opt: Any) -> Any:
+    """What hf_zero's calls take: the list of several optimizers, or the one."""
+    return opt.members if isinstance(opt, Several) else opt
+
+
+def _each_list(opt: Any) -> list[Any]:
+    return opt.members if isinstance(opt, Several) else [opt]
 
 
 def _make_optimizer(program: Program, params: Any) -> torch.optim.Optimizer:
@@ -108,8 +154,12 @@ def _make_optimizer(program: Program, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
-def _scheduler(program: Program, opt: torch.optim.Optimizer) -> Any:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if program.scheduler else None
+def _scheduler(program: Program, opt: Any) -> Any:
+    if not program.scheduler:
+        return None
+    if isinstance(opt, Several):
+        return Several([torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in opt.members])
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
 
 def _scaler(program: Program) -> Any:
@@ -170,7 +220,8 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
             run.note("loss", loss.detach())
         params = list(run.inner.parameters())
         if run.scaler is not None and clip is not None:
-            run.scaler.unscale_(run.opt)
+            for opt in _each_list(run.opt):
+                run.scaler.unscale_(opt)
         if clip is not None and clip[0] == "norm":
             norm_type = float(clip[2]) if clip[2] != "inf" else float("inf")
             run.note("norm", torch.nn.utils.clip_grad_norm_(params, clip[1], norm_type=norm_type))
@@ -182,7 +233,8 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
             norm = owner.clip_grad_norm_(clip[1]) if sharded else torch.nn.utils.clip_grad_norm_(params, clip[1])
             run.note("norm", norm)
         if run.scaler is not None:
-            run.scaler.step(run.opt)
+            for opt in _each_list(run.opt):
+                run.scaler.step(opt)
             run.scaler.update()
             run.note("scale", run.scaler.get_scale())
         else:
@@ -262,7 +314,8 @@ def _sharded(program: Program, stage: int, scratch: str, resumed: bool = False) 
     model = _model(program)
     if not resumed:
         _freeze_at_start(program, model)
-    model, opt = hf_zero.initialize(model, _optimizer(program, model), _config(program, stage, scratch))
+    model, opt = hf_zero.initialize(model, _each(_optimizer(program, model)), _config(program, stage, scratch))
+    opt = Several(opt) if isinstance(opt, list) else opt
     return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype),
                 _scaler(program), program.uneven)
 
@@ -270,12 +323,12 @@ def _sharded(program: Program, stage: int, scratch: str, resumed: bool = False) 
 def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
     """Save a checkpoint, build a fresh sharded model at `stage`, load it; what is frozen stays frozen."""
     scaler_state = run.scaler.state_dict() if run.scaler is not None else None
-    hf_zero.save_checkpoint(directory, run.model, run.opt, metadata={"scaler": scaler_state})
+    hf_zero.save_checkpoint(directory, run.model, _each(run.opt), metadata={"scaler": scaler_state})
     frozen = [name for name, p in run.inner.named_parameters() if not p.requires_grad]
     sched_state = run.sched.state_dict() if run.sched is not None else None
     fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage, f"{directory}-resumed", resumed=True)
     # (another seed: the load must win)
-    meta = hf_zero.load_checkpoint(directory, fresh.model, fresh.opt)
+    meta = hf_zero.load_checkpoint(directory, fresh.model, _each(fresh.opt))
     if fresh.scaler is not None:
         fresh.scaler.load_state_dict(meta["scaler"])
     fresh.record, fresh.snapshot, fresh.saved = run.record, run.snapshot, run.saved
@@ -303,11 +356,11 @@ def _run_ops(run: _Run, program: Program, rank: int, directory: str, saves: list
             run = _resume(run, program, op[1], f"{directory}/step{step}")
         elif op[0] == "asave":  # [Note: asynchronous save]: training goes on while the checkpoint is written
             run.saved = hf_zero.save_checkpoint(
-                f"{directory}/async", run.model, run.opt, async_save=True, snapshot_budget_bytes=op[1]
+                f"{directory}/async", run.model, _each(run.opt), async_save=True, snapshot_budget_bytes=op[1]
             )
             saves.append(run.saved)
         elif op[0] == "aload" and run.saved is not None:
-            hf_zero.load_checkpoint(run.saved.wait(), run.model, run.opt)
+            hf_zero.load_checkpoint(run.saved.wait(), run.model, _each(run.opt))
         elif op[0] != "aload":
             _apply(run, op, step, rank)
     if run.saved is not None:
@@ -420,7 +473,7 @@ def shrink(program: Program, fails: Any) -> Program:
     simpler = [dict(amp=False), dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
                dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0), dict(groups="one"),
                dict(keep_grads=False), dict(replicas=False), dict(flow="plain"),
-               dict(local_buffers=False), dict(native=False), dict(uneven=False), dict(world=2)]
+               dict(local_buffers=False), dict(native=False), dict(uneven=False), dict(world=2), dict(optimizers=1)]
     changed = True
     while changed:
         changed = False

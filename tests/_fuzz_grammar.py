@@ -14,8 +14,9 @@ statistics, no update); the weights may be snapshotted (`state_dict()`) and rewo
 (`load_state_dict`, the optimizer's state kept); a checkpoint may be saved asynchronously, training going on while it
 is written, and loaded back later (DDP: the model's and optimizer's state dicts kept and loaded); the optimizer's
 parameters are one group, or the Trainer's two (no weight decay on biases and norms), or a group per block with its
-own learning rate. Every program is made from its seed (`draw`), so a seed names it; a setting added later is drawn
-after the others, so a seed keeps what it drew.
+own learning rate, in one optimizer or in two over disjoint parameters (the blocks' and the rest, `initialize(model,
+[a, b])`). Every program is made from its seed (`draw`), so a seed names it; a setting added later is drawn after the
+others, so a seed keeps what it drew.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Program:
     uneven: bool = False  # rank 1's first micro-batch of each step has 3 rows, the others 4
     world: int = 2  # ranks (3: shards of units whose sizes 3 does not divide, padded)
     mixed: bool = False  # bf16 mixed precision, against hf_zero's stage 0 under it ([Note: fuzz mixed precision])
+    optimizers: int = 1  # 2: the blocks' parameters in one optimizer, the rest in another (`initialize(model, [a, b])`)
     dtype: str = "float32"  # the model's: float64, the re-run that tells fp32 rounding from a real difference ([Note:
     # fuzz noise]); bfloat16, under mixed precision (a bf16 checkpoint as transformers loads it)
 
@@ -133,12 +135,13 @@ def draw(seed: int) -> Program:
     bf16_model = rng.random() < 0.5  # and this after that: under mixed precision, the model loaded in bf16
     if rng.random() < 0.08:  # and this after that: Muon on the matrices beside AdamW, as one optimizer
         optimizer = "muon_adamw"
+    optimizers = 2 if rng.random() < 0.12 else 1  # and this after that: two optimizers over disjoint parameters
     if mixed:
         forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(
         program,
         optimizer=optimizer,
-        offload="disk" if disk else program.offload,
+        offload=("disk" if optimizers == 1 else "optimizer") if disk else program.offload,  # the files: one optimizer's
         bucket_mb=25 if bucket else 0,
         groups=groups,
         ops=tuple(forwards),
@@ -151,8 +154,9 @@ def draw(seed: int) -> Program:
         uneven=uneven,
         world=world,
         mixed=mixed,
-        amp=program.amp and not mixed,
+        amp=program.amp and not mixed and optimizers == 1,  # a scaler steps each: one without gradients raises
         dtype="bfloat16" if mixed and bf16_model else program.dtype,
+        optimizers=optimizers,
     )
 
 

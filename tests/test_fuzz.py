@@ -41,7 +41,7 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert forwards == set(fuzz.FORWARDS)
     assert {p.flow for p in programs} == set(FLOWS)
     assert any(p.local_buffers for p in programs) and any(p.native for p in programs) and any(p.uneven for p in programs)
-    assert {p.world for p in programs} == {2, 3}
+    assert {p.world for p in programs} == {2, 3} and {p.optimizers for p in programs} == {1, 2}
     mixed = [p for p in programs if p.mixed]
     assert mixed and all(op[1] == 1 for p in mixed for op in p.ops if op[0] == "step") and not any(p.amp for p in mixed)
     assert {p.dtype for p in mixed} == {"float32", "bfloat16"} and {p.dtype for p in programs if not p.mixed} == {
