@@ -321,13 +321,15 @@ def _sharded(program: Program, stage: int, scratch: str, resumed: bool = False) 
 
 
 def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
-    """Save a checkpoint, build a fresh sharded model at `stage`, load it; what is frozen stays frozen."""
+    """Save a checkpoint, build a fresh sharded model at `stage` (`refrozen`: the blocks frozen at the start frozen
+    again before `initialize`, as the same script does), load it; what was frozen at the save is frozen, the rest
+    trains (a block frozen at `initialize` then starts training: [Note: requires_grad after initialize])."""
     scaler_state = run.scaler.state_dict() if run.scaler is not None else None
     hf_zero.save_checkpoint(directory, run.model, _each(run.opt), metadata={"scaler": scaler_state})
     frozen = [name for name, p in run.inner.named_parameters() if not p.requires_grad]
     sched_state = run.sched.state_dict() if run.sched is not None else None
-    fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage, f"{directory}-resumed", resumed=True)
-    # (another seed: the load must win)
+    fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage, f"{directory}-resumed",
+                     resumed=not program.refrozen)  # (another seed: the load must win)
     meta = hf_zero.load_checkpoint(directory, fresh.model, _each(fresh.opt))
     if fresh.scaler is not None:
         fresh.scaler.load_state_dict(meta["scaler"])
@@ -473,7 +475,8 @@ def shrink(program: Program, fails: Any) -> Program:
     simpler = [dict(amp=False), dict(frozen=()), dict(batchnorm=False), dict(tie=False), dict(scheduler=False), dict(offload="none"),
                dict(prefetch=1), dict(optimizer="adamw"), dict(bucket_mb=0), dict(groups="one"),
                dict(keep_grads=False), dict(replicas=False), dict(flow="plain"),
-               dict(local_buffers=False), dict(native=False), dict(uneven=False), dict(world=2), dict(optimizers=1)]
+               dict(local_buffers=False), dict(native=False), dict(uneven=False), dict(world=2), dict(optimizers=1),
+               dict(refrozen=False)]
     changed = True
     while changed:
         changed = False

@@ -7,16 +7,17 @@ precision, of a model in fp32 or loaded in bf16), a world of 2 or 3 ranks, and a
 training steps of 1-3 micro-batches (the first ones under `no_sync` or not; one under mixed precision; rank 1's first
 one smaller, or not), clipping by torch's `clip_grad_norm_` (2, 1, inf) or `clip_grad_value_` or hf_zero's own,
 `zero_grad(set_to_none=...)`, freezing and unfreezing a block, evaluation forwards, a forward without grad in train
-mode, a learning-rate change, and a checkpoint saved and resumed into a fresh model at another stage. A step's
-forwards are plain, or skip a block (on every rank), or run block 0 twice, or recompute every block in backward
-(activation checkpointing), or add the otherwise unused spare head, or run in eval mode (BatchNorm's running
-statistics, no update); the weights may be snapshotted (`state_dict()`) and rewound to the snapshot later
-(`load_state_dict`, the optimizer's state kept); a checkpoint may be saved asynchronously, training going on while it
-is written, and loaded back later (DDP: the model's and optimizer's state dicts kept and loaded); the optimizer's
-parameters are one group, or the Trainer's two (no weight decay on biases and norms), or a group per block with its
-own learning rate, in one optimizer or in two over disjoint parameters (the blocks' and the rest, `initialize(model,
-[a, b])`). Every program is made from its seed (`draw`), so a seed names it; a setting added later is drawn after the
-others, so a seed keeps what it drew.
+mode, a learning-rate change, and a checkpoint saved and resumed into a fresh model at another stage (its blocks
+frozen at the start frozen again before `initialize`, as the same script does, or not). A step's forwards are plain,
+or skip a block (on every rank), or run block 0 twice, or recompute every block in backward (activation
+checkpointing), or add the otherwise unused spare head, or run in eval mode (BatchNorm's running statistics, no
+update); the weights may be snapshotted (`state_dict()`) and rewound to the snapshot later (`load_state_dict`, the
+optimizer's state kept); a checkpoint may be saved asynchronously, training going on while it is written, and loaded
+back later (DDP: the model's and optimizer's state dicts kept and loaded); the optimizer's parameters are one group,
+or the Trainer's two (no weight decay on biases and norms), or a group per block with its own learning rate, in one
+optimizer or in two over disjoint parameters (the blocks' and the rest, `initialize(model, [a, b])`). Every program
+is made from its seed (`draw`), so a seed names it; a setting added later is drawn after the others, so a seed keeps
+what it drew.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Program:
     uneven: bool = False  # rank 1's first micro-batch of each step has 3 rows, the others 4
     world: int = 2  # ranks (3: shards of units whose sizes 3 does not divide, padded)
     mixed: bool = False  # bf16 mixed precision, against hf_zero's stage 0 under it ([Note: fuzz mixed precision])
+    refrozen: bool = False  # a `resume` freezes `frozen` again before `initialize` (the same script), unfreezes after
     optimizers: int = 1  # 2: the blocks' parameters in one optimizer, the rest in another (`initialize(model, [a, b])`)
     dtype: str = "float32"  # the model's: float64, the re-run that tells fp32 rounding from a real difference ([Note:
     # fuzz noise]); bfloat16, under mixed precision (a bf16 checkpoint as transformers loads it)
@@ -136,6 +138,7 @@ def draw(seed: int) -> Program:
     if rng.random() < 0.08:  # and this after that: Muon on the matrices beside AdamW, as one optimizer
         optimizer = "muon_adamw"
     optimizers = 2 if rng.random() < 0.12 else 1  # and this after that: two optimizers over disjoint parameters
+    refrozen = rng.random() < 0.5  # and this after that
     if mixed:
         forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(
@@ -157,6 +160,7 @@ def draw(seed: int) -> Program:
         amp=program.amp and not mixed and optimizers == 1,  # a scaler steps each: one without gradients raises
         dtype="bfloat16" if mixed and bf16_model else program.dtype,
         optimizers=optimizers,
+        refrozen=refrozen and bool(frozen),
     )
 
 

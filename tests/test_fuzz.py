@@ -34,7 +34,8 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert {p.bucket_mb for p in programs} == {0, 25}
     assert any(p.tie for p in programs) and any(p.batchnorm for p in programs) and any(p.scheduler for p in programs)
     assert any(p.frozen for p in programs) and any(p.amp for p in programs)
-    assert any(len(p.frozen) == 2 for p in programs)
+    assert any(len(p.frozen) == 2 for p in programs) and any(p.refrozen for p in programs)
+    assert all(p.frozen for p in programs if p.refrozen)
     assert any(p.keep_grads for p in programs) and any(p.replicas for p in programs)
     assert {p.groups for p in programs} == {"one", "decay", "blocks"}
     forwards = {op[5].split(":")[0] for p in programs for op in p.ops if op[0] == "step"}
