@@ -470,3 +470,42 @@ def lora_merged_on_rank_0(stage: int, directory: str) -> dict[str, Any]:
     except ValueError as e:
         return {"error": str(e), "expected": None}
     return {"error": None, "expected": expected if dist.get_rank() == 0 else None}
+
+
+def lora_base_unfrozen_after_warm_up(stage: int, frozen_at_initialize: bool) -> dict[str, Any]:
+    """A bf16 LLaMA with peft's LoRA (its base frozen by `get_peft_model`) under bf16 mixed precision at `stage`:
+    four steps of a DDP-style loop (`clip_grad_norm_` on `model.parameters()`, `zero_grad(set_to_none=False)`, an
+    eval forward after each step), the base's `q_proj` weights trained from the third step on. `frozen_at_initialize`:
+    as peft left them; else made trainable before `initialize` (the optimizer's state starts at the third step
+    either way). The losses, the full state, and the base's `q_proj` weights as the third step began."""
+    from tests._training import with_lora
+
+    model = with_lora(make_model("llama").to(torch.bfloat16), "llama")
+    if not frozen_at_initialize:
+        for name, p in model.named_parameters():
+            p.requires_grad_(p.requires_grad or ("base_layer" in name and "q_proj" in name))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = hf_zero.initialize(model, opt, hf_zero.ZeroConfig(stage=stage, mixed_precision="bf16"))
+    base = [p for name, p in model.named_parameters() if "base_layer" in name and "q_proj" in name]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    before: dict[str, torch.Tensor] = {}
+    for step in range(4):
+        for p in base:
+            p.requires_grad_(step >= 2)
+        if step == 2:
+            before = {k: v.float().clone() for k, v in hf_zero.full_state_dict(model, rank0_only=False).items()
+                      if "base_layer" in k and "q_proj" in k}
+        x = torch.randint(0, VOCAB, (2, 16), generator=g)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=x)
+        model.train()
+        losses.append(float(loss))
+    state = hf_zero.full_state_dict(model, rank0_only=False)
+    return {"losses": losses, "state": {k: v.float().clone() for k, v in state.items()}, "before": before}

@@ -286,3 +286,17 @@ def test_qlora_estimate_counts_what_a_rank_holds(pools, quantizable, stage):
     assert {r["scales"] for r in measured} == {scales}
     worst = max(r["measured"] + r["scales"] for r in measured)
     assert abs(predicted - worst) <= 0.05 * worst, (predicted, worst)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_lora_base_weights_unfrozen_after_a_warm_up_under_mixed_precision(pools, stage):
+    """peft's LoRA on a bf16 model under bf16 mixed precision: the base's `q_proj` weights, frozen by
+    `get_peft_model` before `initialize`, unfrozen after two steps of adapters only, in a DDP-style loop (torch's
+    `clip_grad_norm_` on `model.parameters()`, `zero_grad(set_to_none=False)`, eval forwards between steps): bit for
+    bit the run where they were trainable at `initialize` and frozen by the same toggles (losses and every weight)."""
+    woken = pools(2).values(cases.lora_base_unfrozen_after_warm_up, stage, True)[0]
+    reference = pools(2).values(cases.lora_base_unfrozen_after_warm_up, stage, False)[0]
+    assert woken["losses"] == reference["losses"], (woken["losses"], reference["losses"])
+    for name, value in reference["state"].items():
+        assert torch.equal(woken["state"][name], value), name
+    assert woken["before"] and all(not torch.equal(woken["state"][k], v) for k, v in woken["before"].items())
