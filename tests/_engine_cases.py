@@ -505,24 +505,6 @@ def weights_edited_between_steps(stage: int, mixed_precision: str, how: str, off
     return {"losses": losses, "after_first": after_first, "final": hf_zero.full_state_dict(model, rank0_only=False)}
 
 
-def param_group_added_after_initialize(stage: int) -> dict[str, Any]:
-    """`optimizer.add_param_group` after `initialize` (a group of parameters to unfreeze later): what it raised,
-    and whether the optimizer's groups and a following step are those of a run that never tried."""
-    runs = []
-    for attempt in (True, False):
-        model, opt, x, y = _sharded_net(stage=stage)
-        error = ""
-        if attempt:
-            try:
-                opt.add_param_group({"params": [model.head.weight], "lr": 1e-3})
-            except NotImplementedError as e:
-                error = str(e)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        runs.append((error, len(opt.param_groups), float(torch.nn.functional.mse_loss(model(x), y))))
-    return {"error": runs[0][0], "groups": [r[1] for r in runs], "losses": [r[2] for r in runs]}
-
-
 def compiled_steps(stage: int, backend: str) -> dict[str, Any]:
     """Three steps of the sharded `Net` called through `torch.compile(model, backend=backend)` (a user's
     `model = torch.compile(model)` after `initialize`) and through the model itself: the losses, the final states,

@@ -511,6 +511,7 @@ from tests import _peer_cases_loop  # noqa: E402, F401 - registers the rest of t
 from tests import _peer_cases_model  # noqa: E402
 from tests import _peer_cases_amp  # noqa: E402, F401 - registers the GradScaler scenarios
 from tests import _peer_cases_state  # noqa: E402
+from tests import _peer_cases_groups  # noqa: E402, F401 - registers the param groups added later
 
 REFUSED.update(_peer_cases_model.REFUSED)
 REFUSED.update(_peer_cases_state.REFUSED)

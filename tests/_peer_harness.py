@@ -174,6 +174,7 @@ def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
     """Register a scenario; `build`: the model's constructor arguments and `freeze` (names frozen before
     initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay), `adafactor` (torch's Adafactor),
     `adagrad` (torch's Adagrad, its state made at construction), `nadam` (torch's NAdam), `nadam_whole` (a subclass of it),
+    `trainable_only` (the optimizer over what requires grad at set-up),
     `twin` (a copy of the model made before initialize, in `loop.twin`), `groups` (a function of the model giving
     AdamW's param groups), `dtype` (the model and its batches in that dtype)."""
 
@@ -214,14 +215,17 @@ def _optimizer(model: nn.Module, build: dict[str, Any]) -> torch.optim.Optimizer
     groups = build.get("groups")
     if groups is not None:  # `groups(model)`: the optimizer's param groups, as a scenario builds them
         return torch.optim.AdamW(groups(model), lr=0.01, weight_decay=0.1)
+    params = list(model.parameters())
+    if build.get("trainable_only"):  # what requires grad at set-up (the rest added as groups later)
+        params = [p for p in params if p.requires_grad]
     if build.get("sgd"):
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
     if build.get("nadam"):  # a 0-d float32 state entry (`mu_product`) beside the parameter's own
-        return torch.optim.NAdam(model.parameters(), lr=0.01)
+        return torch.optim.NAdam(params, lr=0.01)
     if build.get("nadam_whole"):  # the same under a class hf_zero does not know: stepped on whole parameters
-        return type("UsersNAdam", (torch.optim.NAdam,), {})(model.parameters(), lr=0.01)
+        return type("UsersNAdam", (torch.optim.NAdam,), {})(params, lr=0.01)
     if build.get("adagrad"):  # state made at construction ([Note: state set at construction])
-        return torch.optim.Adagrad(model.parameters(), lr=0.05, initial_accumulator_value=0.1)
+        return torch.optim.Adagrad(params, lr=0.05, initial_accumulator_value=0.1)
     if build.get("adafactor"):  # factored second moments: stepped on whole parameters ([Note: whole-parameter step])
-        return torch.optim.Adafactor(model.parameters(), lr=0.01)
-    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        return torch.optim.Adafactor(params, lr=0.01)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)

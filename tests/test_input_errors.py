@@ -382,16 +382,6 @@ def test_grad_read_between_no_sync_micro_batches_is_refused_by_name(pools, stage
         assert r["losses"][0] == r["losses"][1], r
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_param_group_added_after_initialize_is_refused_with_the_way_to_unfreeze_later(pools, stage):
-    """`optimizer.add_param_group` after `initialize` (progressive unfreezing written for DDP) is refused on every
-    rank, naming the call and what to do instead; the optimizer is left as it was and steps as one never asked."""
-    for r in pools(2).values(engine_cases.param_group_added_after_initialize, stage):
-        assert "optimizer.add_param_group(...) after hf_zero.initialize" in r["error"], r
-        assert "requires_grad_(False)" in r["error"] and "hf_zero.initialize(model, new_optimizer" in r["error"], r
-        assert r["groups"][0] == r["groups"][1] and r["losses"][0] == r["losses"][1], r
-
-
 def test_ddps_attribute_is_refused_to_ddp_only():
     """[Note: DDP around a sharded model] the attribute DDP's constructor reads is refused there only: for any
     other reader (`inspect.getmembers`, `hasattr`) it is absent, or what was set (TRL's DPO script sets it)."""

@@ -10,6 +10,7 @@ import torch
 
 from tests import _peer_cases as peer
 from tests import _peer_cases_amp as peer_amp
+from tests import _peer_cases_groups as peer_groups
 from tests import _peer_cases_state as peer_state
 
 TOL = 1e-5
@@ -135,7 +136,8 @@ def test_batchnorm_statistics_follow_ddps_rule(pools, stage):
             assert (got - value).abs().max() <= TOL * (value.abs().max() + 1e-12), (rank, name, got, value)
 
 
-UNFROZEN = ["unfreeze_later", "unfreeze_part_of_a_unit_later", "unfreeze_from_the_top"]
+UNFROZEN = ["unfreeze_later", "unfreeze_part_of_a_unit_later", "unfreeze_from_the_top", "group_added_when_unfreezing",
+            "groups_added_from_the_top"]
 
 
 @pytest.mark.parametrize("setting", [{"stage": 1, "offload_optimizer": True}, {"stage": 2, "offload_optimizer": True},
@@ -223,3 +225,50 @@ def test_grad_scaler_state_resumes_through_the_checkpoint_metadata(pools, tmp_pa
         assert resumed["record"]["loss"][2:] == straight["record"]["loss"][2:]
         for name, value in straight["state"].items():
             assert torch.equal(resumed["state"][name], value), name
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("whole", [False, True], ids=["adamw", "adafactor_whole_parameters"])
+@pytest.mark.parametrize("add_on_resume", [True, False], ids=["group_added_again", "group_missing"])
+def test_a_run_that_added_a_param_group_resumes_exactly(pools, tmp_path, stage, whole, add_on_resume):
+    """[Note: param group added later] A checkpoint saved after a group was added (block 0 unfrozen and added after
+    the first step) resumes, in a script that adds the group again before `load_checkpoint`, bit for bit as the
+    uninterrupted run; without the group the load is refused by name on every rank, as torch's `load_state_dict`
+    refuses other groups."""
+    for rank, r in enumerate(pools(2).values(peer_groups.resumed_after_a_group_was_added, stage,
+                                             str(tmp_path / "ckpt"), whole, add_on_resume)):
+        if not add_on_resume:
+            assert r["error"] is not None and "param groups differ from the checkpoint's" in r["error"], (rank, r)
+            assert "(2 saved group(s) vs 1" in r["error"], r["error"]
+            continue
+        assert r["error"] is None, (rank, r["error"])
+        assert r["resumed"]["record"]["loss"] == r["straight"]["record"]["loss"][2:], (rank, r)
+        for name, value in r["straight"]["state"].items():
+            assert torch.equal(r["resumed"]["state"][name], value), (rank, name)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_add_param_group_refuses_what_torch_refuses_and_what_the_model_does_not_hold(pools, stage):
+    """A parameter already in a group (or twice in the new one), a tensor that is not the model's, a set, a list in
+    place of a dict: refused on every rank, with torch's words or naming the fix; the optimizer keeps its groups and
+    steps as one never asked."""
+    for r in pools(2).values(peer_groups.refused_groups, stage):
+        assert r["taken"].startswith("ValueError: some parameters appear in more than one parameter group"), r
+        assert "'head.weight' is in one already" in r["taken"], r
+        assert "'blocks.0.lin.weight' is in one already" in r["twice"], r
+        assert "not a parameter of the sharded model" in r["foreign"], r
+        assert r["set"].startswith("TypeError: optimizer parameters need to be organized in ordered collections"), r
+        assert r["not_a_dict"].startswith("TypeError: param_group must be a dict"), r
+        assert r["groups"] == 1 and r["same_losses"], r
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_param_group_added_later_steps_from_disk(pools, tmp_path, stage):
+    """[Note: param group added later] with the masters and optimizer state in the offload files (`offload_dir`):
+    parameters trainable at initialize but left out of the optimizer, added as a group after the first step, are
+    stepped window by window from the files, exactly as DDP steps them."""
+    for rank, r in enumerate(pools(2).values(peer.run_scenario, "group_added_for_parameters_left_out", stage,
+                                             offload_optimizer=True, offload_dir=str(tmp_path))):
+        assert r["error"] is None, (rank, r["error"])
+        assert peer.worst_difference(r["reference"], r["record"]) <= TOL, (rank, r["reference"], r["record"])
+        assert max(r["weights"].values()) <= TOL, (rank, {k: v for k, v in r["weights"].items() if v > TOL})

@@ -7,7 +7,8 @@ is followed (its gradient is `None` while it is frozen, as in torch). Unfreezing
 frozen but for its head, its blocks unfrozen from the top as training goes; LoRA's base weights trained after a
 warm-up of the adapters) is found at the next forward with grad: its frozen part starts training from there, beside
 its unit's other trainable parts if it has any, exactly as under DDP (its gradients reduced, the optimizer stepping it
-if its param groups hold it, as torch's does).
+if its param groups hold it, or one added for it since, as torch's does: [Note: param group added later] in
+step/optim.py).
 
 The part first takes what a part trainable at `initialize` would have had (`FlatPart.start_training`): under mixed
 precision an fp32 master made from its compute copy, with `offload_optimizer` that master (and so its gradient shard

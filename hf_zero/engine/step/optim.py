@@ -10,6 +10,19 @@ views of the gradient shards (`FlatGrads.shard`). So the optimizer updates the m
 place, with every group's hyperparameters intact, and its state is created for the shards only.
 That is exact for elementwise optimizers only; every other optimizer steps on whole parameters,
 each on the rank that owns it ([Note: whole-parameter step] in whole.py).
+
+[Note: param group added later]
+Gradual unfreezing written for torch adds the unfrozen layers to the optimizer as it goes:
+`optimizer.add_param_group({"params": block.parameters(), "lr": ...})` (Lightning's `BaseFinetuning`, ULMFiT
+recipes). After `initialize` the group's parameters are mapped as `initialize` maps the groups it was given: on the
+flat path each parameter's pieces of this rank's shard (their tensors exist for every part, trainable or frozen at
+`initialize`, and keep their identity when a frozen part starts training: [Note: requires_grad after initialize] in
+unfreeze.py), on the whole-parameter path the parameters are dealt to the ranks after the ones dealt before, each
+rank's stand-ins for those it owns. The group dict itself joins the inner optimizer, its `params` replaced by those
+tensors, and torch's `add_param_group` fills in the defaults; the state dict's piece map, the checkpoint's group
+names and the parameters the optimizer publishes follow. A checkpoint saved after the group was added resumes into an
+optimizer that has it too (the same script adds it before the load), as torch's `load_state_dict` needs the groups
+it saved.
 """
 
 from __future__ import annotations
@@ -145,6 +158,44 @@ def check_optimizer(
                 )
 
 
+def _group_params(param_group: dict[str, Any], engine: ZeroEngine, attached: Sequence[Attached]) -> list[torch.Tensor]:
+    """The engine's own parameters of a param group added after `initialize`, in order, as torch reads its `params`
+    (a tensor, or an ordered collection of tensors or of (name, tensor) pairs); refused where torch refuses (not a
+    dict, a set, a parameter in two groups) and where a tensor is not one of the model's parameters."""
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+    given = param_group["params"]
+    if isinstance(given, set):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered collections, but the ordering of tensors in sets "
+            "will change between runs. Please use a list instead."
+        )
+    given = [given] if isinstance(given, torch.Tensor) else list(given)
+    if given and all(isinstance(p, tuple) for p in given):  # named parameters: torch keeps the names
+        param_group["param_names"] = [name for name, _ in given]
+        given = [p for _, p in given]
+    params = []
+    for p in given:
+        if not isinstance(p, torch.Tensor) or not engine.owns(p):
+            raise ValueError(
+                "hf_zero: optimizer.add_param_group got "
+                + (f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__)
+                + " that is not a parameter of the sharded model. Add the model's own parameters "
+                "(`model.blocks[0].parameters()`)."
+            )
+        params.append(engine.compute_param(p))
+    taken = {id(p) for entry in attached for group in entry.groups for p in group}
+    seen: set[int] = set()
+    for p in params:
+        if id(p) in taken or id(p) in seen:
+            raise ValueError(
+                f"some parameters appear in more than one parameter group ('{engine.name_of(p)}' is in one already; "
+                "hf_zero: each parameter may be in one group of one optimizer)"
+            )
+        seen.add(id(p))
+    return params
+
+
 def _has_stepped(state: dict[str, Any]) -> bool:
     """Whether a parameter's optimizer state records a step taken (a `step` count above 0)."""
     step = state.get("step", 0)
@@ -275,15 +326,47 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return entry.whole if entry is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's `add_param_group`, at `initialize` and after it ([Note: param group added later]): the group's
+        parameters are stepped from the next `step()` on, with its hyperparameters (the optimizer's defaults for
+        those it leaves out). Call it on every rank, as every rank runs the same script.
+
+        Example:
+
+        ```python
+        >>> model.blocks[0].requires_grad_(True)  # frozen so far: gradual unfreezing
+        >>> optimizer.add_param_group({"params": model.blocks[0].parameters(), "lr": 1e-5})
+        ```
+        """
         if self._initializing:
             return super().add_param_group(param_group)
-        raise NotImplementedError(
-            "hf_zero: optimizer.add_param_group(...) after hf_zero.initialize is not supported: the optimizer steps "
-            "pieces of the flat shards fixed when it was attached. Build the optimizer with every group first; for "
-            "parameters to train later (progressive unfreezing), give them their group now and keep them frozen with "
-            "requires_grad_(False) until then (the step skips a parameter without a gradient), or attach a new "
-            "optimizer with hf_zero.initialize(model, new_optimizer, config) (the old one's state is released)."
-        )
+        self._check_attached("add_param_group")
+        engine = self._engine
+        params = _group_params(param_group, engine, self._engine.steps.attached)
+        before = sum(len(g["params"]) for g in self.param_groups)  # torch numbers the tensors of every group in turn
+        whole = self.whole_step
+        if whole is not None:
+            where = {id(p): (part, i) for part in engine.parts for i, p in enumerate(part.params)}
+            first = len(whole.slots)
+            whole.extend([where[id(p)] for p in params])
+            held = [whole.stand_in(first + k) for k in range(len(params))]
+            spans: list[list[tuple[int, int] | None]] = [[None] if t is not None else [] for t in held]
+            tensors = [t for t in held if t is not None]
+        else:
+            by_param = {id(piece.param): piece for piece in engine.pieces}
+            found = [by_param.get(id(p)) for p in params]
+            spans = [[] if q is None else [(q.start + a, q.start + b) for a, b in q.bounds] for q in found]
+            tensors = [t for q in found if q is not None for t in q.optim_params]
+        targets, at = [], before
+        for held_spans in spans:
+            targets.append(tuple((at + k, span) for k, span in enumerate(held_spans)))
+            at += len(held_spans)
+        param_group["params"] = tensors  # the group itself joins the optimizer, as in torch
+        self.optimizer.add_param_group(param_group)
+        self.group_param_names.append([engine.name_of(p) for p in params])
+        self._pieces = self._pieces.with_group(tuple(targets), tuple(int(p.numel()) for p in params))
+        ids = {id(p) for p in params}
+        engine.steps.extend(self.optimizer, tuple(params), [u for u in engine.parts if ids & {id(p) for p in u.params}])
+        self.choose_kernel()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads of step(); ours returns the closure's loss

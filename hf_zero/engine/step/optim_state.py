@@ -48,6 +48,13 @@ class PieceMap:
     numels: tuple[int, ...]
     group_sizes: tuple[int, ...]
 
+    def with_group(
+        self, targets: tuple[tuple[tuple[int, tuple[int, int] | None], ...], ...], numels: tuple[int, ...]
+    ) -> PieceMap:
+        """The map with a group added at the end ([Note: param group added later] in optim.py): its parameters'
+        `targets` and `numels`."""
+        return PieceMap(self.targets + targets, self.numels + numels, (*self.group_sizes, len(numels)))
+
 
 def described(state: dict[str, Any], param_groups: list[dict[str, Any]], shard_group: CommGroup) -> dict[str, Any]:
     """`state` (the inner optimizer's `state_dict()`) with the `"hf_zero"` entry that says whose part it is."""

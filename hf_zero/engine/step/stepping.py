@@ -13,7 +13,7 @@ opt2 on its gradients); a backward after only some of them did is refused at the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -103,6 +103,18 @@ class OptimizerSteps:
     def attach(self, entry: Attached) -> None:
         """Add an optimizer to the ones that step this model ([Note: several optimizers])."""
         self.attached.append(entry)
+
+    def extend(self, optimizer: torch.optim.Optimizer, params: tuple[torch.Tensor, ...], parts: list[FlatPart]) -> None:
+        """An attached optimizer took a new param group of `params` ([Note: param group added later] in optim.py):
+        their units are among those its steps publish."""
+        for i, entry in enumerate(self.attached):
+            if entry.optimizer is optimizer:
+                held = {id(p) for p in (*entry.parts, *parts)}
+                self.attached[i] = replace(
+                    entry,
+                    parts=tuple(p for p in self.engine.parts if id(p) in held),
+                    groups=(*entry.groups, params),
+                )
 
     def attached_to(self, optimizer: torch.optim.Optimizer) -> Attached | None:
         """The entry of an attached optimizer, or None (never attached, or released)."""

@@ -102,8 +102,9 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     return any(cls.__module__.startswith(module) and cls.__name__ == name for module, name in ELEMENTWISE)
 
 
-def deal(sizes: list[int], ranks: int) -> list[list[int]]:
-    """Indices of `sizes` per rank, largest first to the rank with the least so far (ties: lowest rank).
+def deal(sizes: list[int], ranks: int, loads: list[int] | None = None) -> list[list[int]]:
+    """Indices of `sizes` per rank, largest first to the rank with the least so far (ties: lowest rank); `loads`:
+    what each rank holds already (none).
 
     Example:
 
@@ -113,7 +114,8 @@ def deal(sizes: list[int], ranks: int) -> list[list[int]]:
     ```
     """
     owned: list[list[int]] = [[] for _ in range(ranks)]
-    load = [(0, r) for r in range(ranks)]
+    load = [(0 if loads is None else loads[r], r) for r in range(ranks)]
+    heapq.heapify(load)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         size, rank = heapq.heappop(load)
         owned[rank].append(i)
@@ -130,23 +132,36 @@ class WholeStep:
         group: CommGroup,
         pieces: dict[tuple[int, int], Any],
     ) -> None:
-        self.slots = slots  # (part, slot index) of every parameter the optimizer steps, in group order
+        self.slots: list[tuple[FlatPart, int]] = []  # (part, slot index) of every parameter stepped, in group order
         self.group = group
         self.pieces = pieces  # (id(part), slot index) -> this rank's Piece
-        sizes = [part.layout.slots[i].numel * part.master_dtype.itemsize for part, i in slots]
-        self.owned = deal(sizes, group.size)
-        self.rounds = max((len(o) for o in self.owned), default=0)
+        self.owned: list[list[int]] = [[] for _ in range(group.size)]
+        self.rounds = 0
         self.whole: dict[int, torch.Tensor] = {}  # index in `slots` -> this rank's stand-in of an owned parameter
-        for i in self.owned[group.rank]:
-            part, s = slots[i]
+        self.device = comm_device(group)
+        self.extend(slots)
+
+    def extend(self, slots: list[tuple[FlatPart, int]]) -> None:
+        """Take on the parameters of `slots` too (a param group added to the optimizer: [Note: param group added
+        later] in optim.py), dealt to the ranks with the fewest bytes so far, after the ones taken before."""
+        start = len(self.slots)
+        sizes = [part.layout.slots[i].numel * part.master_dtype.itemsize for part, i in slots]
+        loads = [sum(self._nbytes(i) for i in owned) for owned in self.owned]
+        for owned, more in zip(self.owned, deal(sizes, self.group.size, loads)):
+            owned.extend(start + i for i in more)
+        self.slots += slots
+        self.rounds = max((len(o) for o in self.owned), default=0)
+        for i in (i for i in self.owned[self.group.rank] if i >= start):
+            part, s = self.slots[i]
             t = torch.empty(part.layout.slots[s].shape, dtype=part.master_dtype, device=part.master_device)
             t.untyped_storage().resize_(0)
             self.whole[i] = t
-        self.device = comm_device(group)
-        self._sync_groups = (
-            True  # carry the group state of a step to every rank ([Note: group state on the whole path])
-        )
-        self._synced_steps = 0
+        self._sync_groups = True  # carry the group state of a step to every rank ([Note: group state on the whole
+        self._synced_steps = 0  # path]); again for a group added later
+
+    def _nbytes(self, index: int) -> int:
+        part, s = self.slots[index]
+        return part.layout.slots[s].numel * part.master_dtype.itemsize
 
     def owned_params(self) -> list[tuple[str, torch.Tensor]]:
         """(name, stand-in) of every parameter this rank owns, in the order the optimizer holds them: what a
