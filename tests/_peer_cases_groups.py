@@ -5,6 +5,7 @@ tests/_peer_cases.py imports this module."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -32,17 +33,52 @@ def _all_but_block_0(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 @scenario(groups=_all_but_block_0)
 def group_added_for_parameters_left_out(loop: Loop) -> None:
-    """Block 0 trainable from the start but left out of the optimizer (it gets gradients and stays as it is), added
-    as a group of its own after the first step; the gradients dropped by `model.zero_grad()` (as the Trainer does:
-    `optimizer.zero_grad()` would leave block 0's to accumulate under torch)."""
-    for step in range(3):
-        if step == 1:
+    """Block 0 trainable from the start but left out of the optimizer, added as a group of its own after the second
+    step: `optimizer.zero_grad()` left its gradients to add up until then ([Note: gradients no optimizer holds]), and
+    the first step after applies all of them, as torch does."""
+
+    def before(step: int) -> None:
+        if step == 2:
             loop.opt.add_param_group({"params": loop.model.blocks[0].parameters(), "lr": 0.003})
+
+    _steps(loop, n=4, before=before)
+
+
+@scenario(left_out=("inp.", "blocks.1.norm."))
+def left_out_and_clipped(loop: Loop) -> None:
+    """The input layer and block 1's norm trainable but in no group, torch's `clip_grad_norm_` over
+    `model.parameters()` every step, `optimizer.zero_grad()`: their gradients add up from step to step and the norm
+    counts them ([Note: gradients no optimizer holds])."""
+    for step in range(4):
         loss = loop.loss(step)
         loop.note("loss", loss)
         loop.backward(loss)
+        loop.note("norm", torch.nn.utils.clip_grad_norm_(loop.model.parameters(), 0.05))
         loop.opt.step()
-        loop.model.zero_grad()
+        loop.opt.zero_grad()
+
+
+@scenario(left_out=("inp.", "blocks.1.norm."), adafactor=True)
+def left_out_and_clipped_whole_parameter(loop: Loop) -> None:
+    """The same with Adafactor, stepped on whole parameters ([Note: whole-parameter step])."""
+    left_out_and_clipped(loop)
+
+
+@scenario(left_out=("blocks.2.",))
+def left_out_through_accumulation(loop: Loop) -> None:
+    """Block 2 in no group, two micro-batches a step (the first under `no_sync`), torch's clipping over the model,
+    `optimizer.zero_grad()`: block 2's unreduced and reduced gradients both add up."""
+    for step in range(3):
+        with loop.model.no_sync() if loop.sharded else contextlib.nullcontext():
+            loss = loop.loss(2 * step)
+            loop.note("loss", loss)
+            loss.backward()
+        loss = loop.loss(2 * step + 1)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.note("norm", torch.nn.utils.clip_grad_norm_(loop.model.parameters(), 0.05))
+        loop.opt.step()
+        loop.opt.zero_grad()
 
 
 @scenario(freeze=("blocks.0.",), trainable_only=True, adafactor=True)
@@ -166,3 +202,4 @@ def refused_groups(stage: int) -> dict[str, str]:
         losses.append(loop.record["loss"])
     out["same_losses"] = losses[0] == losses[1]
     return out
+

@@ -174,7 +174,8 @@ def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
     """Register a scenario; `build`: the model's constructor arguments and `freeze` (names frozen before
     initialize), `wrap`, `sgd` (plain SGD instead of AdamW with weight decay), `adafactor` (torch's Adafactor),
     `adagrad` (torch's Adagrad, its state made at construction), `nadam` (torch's NAdam), `nadam_whole` (a subclass of it),
-    `trainable_only` (the optimizer over what requires grad at set-up),
+    `trainable_only` (the optimizer over what requires grad at set-up), `left_out` (name prefixes of parameters left
+    out of the optimizer),
     `twin` (a copy of the model made before initialize, in `loop.twin`), `groups` (a function of the model giving
     AdamW's param groups), `dtype` (the model and its batches in that dtype)."""
 
@@ -218,6 +219,9 @@ def _optimizer(model: nn.Module, build: dict[str, Any]) -> torch.optim.Optimizer
     params = list(model.parameters())
     if build.get("trainable_only"):  # what requires grad at set-up (the rest added as groups later)
         params = [p for p in params if p.requires_grad]
+    left_out = build.get("left_out", ())  # parameters left out of the optimizer, by name prefix (they still train)
+    chosen = {id(p) for p in params}
+    params = [p for n, p in model.named_parameters() if id(p) in chosen and not n.startswith(tuple(left_out))]
     if build.get("sgd"):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
     if build.get("nadam"):  # a 0-d float32 state entry (`mu_product`) beside the parameter's own

@@ -28,6 +28,7 @@ from .flat import EditScratch, FlatPart, take_edits
 from .grads import SlabShard, grad_slab
 from .hooks import HookSettings, UnitHooks
 from .layout import FlatLayout
+from .norms import power_sum
 from .part_settings import PartSettings
 from .pass_events import PassListener
 from .placement import Placement, kept_in_float32, main_dtype, move_buffers
@@ -363,18 +364,23 @@ class ZeroEngine:
         if torch.is_grad_enabled():
             self._wake_grads()
 
-    def zero_grad(self, *, abandon_pass: bool = False, set_to_none: bool = True) -> None:
+    def zero_grad(
+        self, *, abandon_pass: bool = False, set_to_none: bool = True, keep: frozenset[int] = frozenset()
+    ) -> None:
         """Drop every gradient; `abandon_pass`: first forget a forward or backward that an exception stopped (its
         gathered units freed, its reductions waited for), e.g. after an out-of-memory error the caller survived.
         `set_to_none=False`: the next step gives a zero gradient to every parameter that had one ([Note: zero
-        gradients kept] in stepping.py)."""
+        gradients kept] in stepping.py). `keep`: ids of parameters whose gradients stay ([Note: gradients no
+        optimizer holds] in stepping.py)."""
         if abandon_pass:
             self.hooks.reset()
         self.hooks.wait_reductions()
         self._wake_grads()
+        flags = {id(part): [id(p) in keep for p in part.params] for part in self.parts}
+        kept = any(part.grads.keeps(flags[id(part)]) for part in self.parts)  # then no part releases the slab
         for part in self.parts:
-            part.grads.zero()
-            self.plan.grads.drop(part)
+            if not part.grads.zero(flags[id(part)], release=not kept):
+                self.plan.grads.drop(part)
         for piece in self.pieces:
             piece.unbind_grads()
         self.steps.wake_grads()  # [Note: optimizer tensors at rest], also after a step no backward preceded
@@ -425,7 +431,7 @@ class ZeroEngine:
             local = torch.stack([g.detach().abs().max().to(dtype) for g in shards]).max()
             total = max_scalar_(local.reshape(1).to(comm), group)[0]
         else:
-            local = torch.stack([_power_sum(g.detach(), norm_type) for g in shards]).sum()
+            local = torch.stack([power_sum(g.detach(), norm_type) for g in shards]).sum()
             summed = local.to(dtype).reshape(1).to(comm)
             all_reduce_(summed, group)
             total = summed[0] ** (1.0 / norm_type)
@@ -572,28 +578,3 @@ def _name_index(
                 real[id(stand_in)] = p
                 names[id(stand_in)] = n
     return names, real
-
-
-_NORM_SPAN = 1 << 15  # elements per span whose norm is taken in fp32 on the host (32k: 3e-8 relative)
-
-
-def _power_sum(shard: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """sum(|shard| ** norm_type) in float64, from fp32 norms taken in one `_foreach_norm` call (fp64 norms for an
-    fp64 shard, whose values fp32 could not hold).
-
-    On the host, of 32k-element spans. Not `vector_norm(shard) ** p`: on the CPU its fp32 accumulation drifts
-    with the length (2.7e-5 relative on a 590k-element shard, 7.7e-5 at 4M, where
-    `torch.nn.utils.clip_grad_norm_`'s per-tensor norms are exact to 1e-7), so the clip coefficient and the
-    returned norm would differ from DDP's. Spans that short are exact to 3e-8 (measured on 17M elements), and
-    the spans' norms cost what one `vector_norm` does (8 ms for 17M fp32 elements on one core, where summing
-    squares span by span in float64 took 117 ms).
-
-    On an accelerator, of the whole shard: its kernel already reduces 64k-element blocks and then their partial
-    sums (the accuracy of `clip_grad_norm_`'s per-tensor norms there), and splitting on the host would cost
-    more than the backward (an H100, 0.94B parameters at a world of one: 29k span views a step, 164 ms of
-    clipping against `clip_grad_norm_`'s 8).
-    """
-    spans = list(shard.split(_NORM_SPAN)) if shard.device.type == "cpu" else [shard]
-    dtype = torch.float64 if shard.dtype == torch.float64 else torch.float32
-    norms = torch._foreach_norm(spans, norm_type, dtype=dtype)
-    return torch.stack(norms).double().pow_(norm_type).sum()

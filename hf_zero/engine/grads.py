@@ -28,6 +28,7 @@ tensor for the moment of the add: 131 MB for a 32000 x 1024 head.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -385,18 +386,45 @@ class FlatGrads(ReadsPartSettings):
         (offload from an accelerator), as pinning memory again each step is slow."""
         return not self.placement.keeps_grad_shard_memory
 
-    def zero(self) -> None:
-        """Forget the gradients: the shard's memory is released ([Note: gradient shard lifetime])."""
+    def zero(self, keep: Sequence[bool] = (), release: bool = True) -> bool:
+        """Forget the gradients: the shard's memory is released ([Note: gradient shard lifetime]) unless `release`
+        is False (the slab it shares holds another part's kept gradients). `keep`: per parameter, whether its
+        gradients stay (a parameter no optimizer holds, [Note: gradients no optimizer holds] in
+        step/stepping.py); the others' are zeros then. Returns whether any stayed."""
         if GradState.IN_FLIGHT in self._state:
             raise self._illegal("zero", f"{len(self._in_flight)} reduction(s) in flight; wait for them first")
+        if self.keeps(keep):
+            self._zero_slots([not k for k in keep])
+            self.used = [u and k for u, k in zip(self.used, keep)]
+            self.detach()
+            return True
         self._state = GradState.EMPTY
         self.sparse = None
         self.used = [False] * len(self.params)
-        if self._shard is not None and self.releases_memory:
+        if self._shard is not None and self.releases_memory and release:
             self._shard.untyped_storage().resize_(0)
         if self._unsharded is not None:
             self._unsharded.zero_()
         self.detach()
+        return False
+
+    def keeps(self, keep: Sequence[bool]) -> bool:
+        """Whether `zero(keep)` leaves some gradient here: a parameter to keep, and gradients held (reduced into the
+        shard, accumulating unreduced, or a lookup's rows)."""
+        return any(keep) and (self._state is not GradState.EMPTY or self.sparse is not None)
+
+    def _zero_slots(self, which: Sequence[bool]) -> None:
+        """Zero the gradients of the parameters `which` flags, in the shard and in any unsharded buffer."""
+        lo, _ = self.layout.shard_range(self.shard_group.rank)
+        shard = None if self.is_zero else self.shard
+        for i, start, end in self.layout.local_pieces(self.shard_group.rank):
+            if which[i] and shard is not None:
+                shard[start - lo : end - lo].zero_()
+        for slot, zero in zip(self.layout.slots, which):
+            if zero and self._unsharded is not None:
+                self._unsharded[slot.offset : slot.offset + slot.numel].zero_()
+        if which[0] and self.sparse is not None:  # a lookup's part holds its one parameter
+            self.sparse = None
 
 
 UnitReduction = tuple[GradReduction, ...]  # a unit's reductions: one per trainable part, in their order

@@ -42,7 +42,9 @@ class Sharded(Protocol):
     @property
     def has_grads(self) -> bool: ...
 
-    def zero_grad(self, *, abandon_pass: bool = False, set_to_none: bool = True) -> None: ...
+    def zero_grad(
+        self, *, abandon_pass: bool = False, set_to_none: bool = True, keep: frozenset[int] = frozenset()
+    ) -> None: ...
 
     def release_gathered(self) -> None: ...
 
@@ -85,10 +87,22 @@ class OptimizerSteps:
 
     def zero_grad_of(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """`optimizer.zero_grad()`: with one attached optimizer, drop the gradients; with several, once each of
-        them has asked since the last drop (the others still step on them)."""
+        them has asked since the last drop (the others still step on them).
+
+        [Note: gradients no optimizer holds]
+        torch's `optimizer.zero_grad()` clears the gradients of the parameters its groups hold, and only those: a
+        parameter that requires grad and is in no optimizer (left out of the groups, or added later with
+        `add_param_group`) keeps adding up its gradients from step to step. DDP code sees them: in
+        `clip_grad_norm_(model.parameters(), ...)`, whose norm counts them, and in the first step after the
+        parameter joins a group, which applies all of them. So the gradients of parameters no attached optimizer
+        holds stay ("kept": their ranges of the shard, and any gradients not reduced yet), the others' are zeros
+        (`used` cleared: no gradient, as after torch's `set_to_none`); the slab they share is not released then.
+        `model.zero_grad()` (the Trainer's) drops them all, as torch's does."""
         self._zero_requests.add(id(optimizer))
         if {id(a.optimizer) for a in self.attached} <= self._zero_requests:
-            self.engine.zero_grad(set_to_none=set_to_none)
+            held = {id(p) for entry in self.attached for group in entry.groups for p in group}
+            keep = frozenset(id(p) for part in self.engine.parts for p in part.params if id(p) not in held)
+            self.engine.zero_grad(set_to_none=set_to_none, keep=keep)
 
     def keep_zeros(self, set_to_none: bool) -> None:
         """[Note: zero gradients kept]
