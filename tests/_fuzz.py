@@ -68,7 +68,19 @@ def _model(program: Program) -> nn.Module:
 
 
 def _groups(program: Program, model: nn.Module) -> Any:
-    """The optimizer's parameters as `program.groups` splits them (the `lr` of a group scales the optimizer's)."""
+    """The optimizer's parameters as `program.groups` splits them (the `lr` of a group scales the optimizer's), the
+    block `program.left_out` left out."""
+    groups = _all_groups(program, model)
+    if program.left_out < 0:
+        return groups
+    out = {id(p) for p in model.blocks[program.left_out].parameters()}
+    if not isinstance(groups, list):
+        return [p for p in groups if id(p) not in out]
+    kept = [{**g, "params": [p for p in g["params"] if id(p) not in out]} for g in groups]
+    return [g for g in kept if g["params"]]
+
+
+def _all_groups(program: Program, model: nn.Module) -> Any:
     named = list(model.named_parameters())
     if program.groups == "decay":  # the Trainer's split: no decay on biases and normalisation weights
         plain = [p for n, p in named if n.endswith("bias") or ".norm." in n or n.startswith("bn.")]
@@ -196,6 +208,8 @@ class _Run:
     dtype: torch.dtype
     scaler: Any = None  # a torch.amp.GradScaler, or None
     uneven: bool = False  # `Program.uneven`
+    left_out: int = -1  # `Program.left_out`
+    joined: bool = False  # a `join` op added it to the optimizer
     snapshot: dict[str, torch.Tensor] | None = None  # the weights a `snapshot` op kept
     saved: Any = None  # what an `asave` op kept: DDP's (model, optimizer) state dicts; hf_zero's pending save
     record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -260,6 +274,9 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
     elif kind == "lr":
         for group in run.opt.param_groups:
             group["lr"] = group["lr"] * op[1]
+    elif kind == "join":  # the block left out joins the (first) optimizer as a group of its own
+        _each_list(run.opt)[0].add_param_group({"params": list(run.inner.blocks[run.left_out].parameters()), "lr": 0.004})
+        run.joined = True
 
 
 def _ddp(program: Program, model: nn.Module) -> DistributedDataParallel:
@@ -274,12 +291,12 @@ def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[
     _freeze_at_start(program, model)  # never reduces one frozen when it is built, so it is frozen after
     opt = _optimizer(program, model)
     run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype), _scaler(program),
-               program.uneven)
+               program.uneven, left_out=program.left_out)
     for step, op in enumerate(program.ops):
         if op[0] in ("asave", "aload"):
             _keep_or_load(run, op[0])
         elif op[0] == "resume":  # a resumed DDP job: a fresh wrapper (rank 0's buffers, its flag due) on the same state,
-            opt.zero_grad(set_to_none=True)  # and no `.grad` (a fresh process has none, zeros kept or not)
+            model.zero_grad(set_to_none=True)  # and no `.grad` (a fresh process has none, zeros kept or not)
             frozen = [p for p in model.parameters() if not p.requires_grad]
             for p in frozen:  # DDP's reducer holds only what requires grad when it is built
                 p.requires_grad_(True)
@@ -317,7 +334,7 @@ def _sharded(program: Program, stage: int, scratch: str, resumed: bool = False) 
     model, opt = hf_zero.initialize(model, _each(_optimizer(program, model)), _config(program, stage, scratch))
     opt = Several(opt) if isinstance(opt, list) else opt
     return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype),
-                _scaler(program), program.uneven)
+                _scaler(program), program.uneven, left_out=program.left_out)
 
 
 def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
@@ -330,6 +347,8 @@ def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:
     sched_state = run.sched.state_dict() if run.sched is not None else None
     fresh = _sharded(dataclasses.replace(program, seed=program.seed + 1), stage, f"{directory}-resumed",
                      resumed=not program.refrozen)  # (another seed: the load must win)
+    if run.joined:  # the same script adds the group again before the load
+        _apply(fresh, ("join",), 0, 0)
     meta = hf_zero.load_checkpoint(directory, fresh.model, _each(fresh.opt))
     if fresh.scaler is not None:
         fresh.scaler.load_state_dict(meta["scaler"])

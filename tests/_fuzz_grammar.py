@@ -15,7 +15,8 @@ update); the weights may be snapshotted (`state_dict()`) and rewound to the snap
 optimizer's state kept); a checkpoint may be saved asynchronously, training going on while it is written, and loaded
 back later (DDP: the model's and optimizer's state dicts kept and loaded); the optimizer's parameters are one group,
 or the Trainer's two (no weight decay on biases and norms), or a group per block with its own learning rate, in one
-optimizer or in two over disjoint parameters (the blocks' and the rest, `initialize(model, [a, b])`). Every program
+optimizer or in two over disjoint parameters (the blocks' and the rest, `initialize(model, [a, b])`), a block may be left out of it (its gradients adding up through `optimizer.zero_grad()`
+as in torch) and added as a group later (`add_param_group`). Every program
 is made from its seed (`draw`), so a seed names it; a setting added later is drawn after the others, so a seed keeps
 what it drew.
 """
@@ -64,6 +65,8 @@ class Program:
     optimizers: int = 1  # 2: the blocks' parameters in one optimizer, the rest in another (`initialize(model, [a, b])`)
     dtype: str = "float32"  # the model's: float64, the re-run that tells fp32 rounding from a real difference ([Note:
     # fuzz noise]); bfloat16, under mixed precision (a bf16 checkpoint as transformers loads it)
+    left_out: int = -1  # a block left out of the optimizer (it trains, its gradients add up through
+    # `optimizer.zero_grad()`); a `join` op adds it as a group later (`add_param_group`)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -139,6 +142,10 @@ def draw(seed: int) -> Program:
         optimizer = "muon_adamw"
     optimizers = 2 if rng.random() < 0.12 else 1  # and this after that: two optimizers over disjoint parameters
     refrozen = rng.random() < 0.5  # and this after that
+    left_out = rng.randrange(blocks) if rng.random() < 0.15 else -1  # and these after that
+    if left_out >= 0 and optimizer in JOINABLE and not program.scheduler and rng.random() < 0.6:  # (torch's
+        # schedulers refuse a group added after them)
+        forwards.insert(_join_at(forwards, rng), ("join",))
     if mixed:
         forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(
@@ -161,7 +168,24 @@ def draw(seed: int) -> Program:
         dtype="bfloat16" if mixed and bf16_model else program.dtype,
         optimizers=optimizers,
         refrozen=refrozen and bool(frozen),
+        left_out=left_out,
     )
+
+
+# the optimizers whose torch implementation takes a group added later (torch's Adagrad makes its state at
+# construction only; the composite Muon pairing splits groups itself)
+JOINABLE = ("adamw", "sgd", "adam_amsgrad", "rmsprop", "adafactor", "adamw_fused", "adamw_foreach", "nadam", "radam",
+            "adamax", "sgd_nesterov", "adam_maximize")
+
+
+def _join_at(ops: list[tuple[Any, ...]], rng: random.Random) -> int:
+    """Where a `join` goes: anywhere but between an `asave` and its `aload` (a load of a state saved with other
+    groups is refused by torch's `load_state_dict` as by hf_zero's)."""
+    kinds = [op[0] for op in ops]
+    start = kinds.index("asave") if "asave" in kinds else None
+    end = kinds.index("aload") if "aload" in kinds else None
+    spots = [i for i in range(len(ops) + 1) if start is None or end is None or not start < i <= end]
+    return rng.choice(spots)
 
 
 FORWARDS = ("plain", "skip", "reuse", "recompute", "spare", "evalmode")

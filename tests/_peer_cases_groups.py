@@ -203,3 +203,21 @@ def refused_groups(stage: int) -> dict[str, str]:
     out["same_losses"] = losses[0] == losses[1]
     return out
 
+
+
+@scenario(left_out=("blocks.1.",))
+def left_out_frozen_and_clipped(loop: Loop) -> None:
+    """Block 1 in no group: its gradients add up for two steps, then it is frozen (torch keeps its `.grad`: the
+    clipping over `model.parameters()` counts them, the one over what requires grad does not), then unfrozen and
+    added as a group, whose first step applies the sum."""
+    for step in range(5):
+        loop.model.blocks[1].requires_grad_(step not in (2, 3))
+        if step == 4:
+            loop.opt.add_param_group({"params": loop.model.blocks[1].parameters(), "lr": 0.003})
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        params = [p for p in loop.model.parameters() if p.requires_grad or step != 3]
+        loop.note("norm", torch.nn.utils.clip_grad_norm_(params, 0.05))
+        loop.opt.step()
+        loop.opt.zero_grad()

@@ -25,7 +25,7 @@ def test_the_grammar_draws_every_operation_and_setting():
     setting appears among 200 programs."""
     programs = [fuzz.draw(seed) for seed in range(200)]
     kinds = {op[0] for p in programs for op in p.ops}
-    assert kinds == {"step", "eval", "nograd", "freeze", "lr", "resume", "snapshot", "rewind", "asave", "aload"}
+    assert kinds == {"step", "eval", "nograd", "freeze", "lr", "resume", "snapshot", "rewind", "asave", "aload", "join"}
     clips = {op[3][0] for p in programs for op in p.ops if op[0] == "step" and op[3] is not None}
     assert clips == {"norm", "value", "optimizer", "model"}
     assert {p.offload for p in programs} == {"none", "optimizer", "params", "disk"}
@@ -47,6 +47,9 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert mixed and all(op[1] == 1 for p in mixed for op in p.ops if op[0] == "step") and not any(p.amp for p in mixed)
     assert {p.dtype for p in mixed} == {"float32", "bfloat16"} and {p.dtype for p in programs if not p.mixed} == {
         "float32"}
+    left_out = [p for p in programs if p.left_out >= 0]
+    assert left_out and {p.left_out for p in left_out} == {0, 1, 2} and any(p.left_out < 0 for p in programs)
+    assert all(p.left_out >= 0 and not p.scheduler for p in programs if any(op[0] == "join" for op in p.ops))
     assert all(fuzz.Program.from_json(p.to_json()) == p for p in programs)  # clipping's tuples too
 
 

@@ -398,13 +398,15 @@ class ZeroEngine:
 
     def _grad_shards(self, params: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
         """The gradient shards this rank holds (views of the pieces of `params` only, when given): what clipping
-        reads and scales. Units no reduction reached since `zero_grad` hold none."""
+        reads and scales. Units no reduction reached since `zero_grad` hold none; a frozen parameter's gradients are
+        zeros, or those it kept from before it was frozen, which torch's clipping counts too ([Note: gradients no
+        optimizer holds] in step/stepping.py)."""
         self.hooks.wait_reductions()
-        reduced = [part for part in self.parts if part.has_trainable and not part.grads.is_zero]
+        reduced = [part for part in self.parts if not part.grads.is_zero]
         if params is None:
             return [part.grads.shard for part in reduced]
-        chosen = at_c_speed(lambda: {id(self.compute_param(p)) for p in params if p.requires_grad})
-        every = {id(p) for part in self.parts for p in part.params if p.requires_grad}
+        chosen = at_c_speed(lambda: {id(self.compute_param(p)) for p in params})
+        every = {id(p) for part in reduced for p in part.params}
         if every <= chosen:
             return [part.grads.shard for part in reduced]
         return [piece.grad for piece in self.pieces if id(piece.param) in chosen and not piece.part.grads.is_zero]
