@@ -210,6 +210,7 @@ class _Run:
     uneven: bool = False  # `Program.uneven`
     left_out: int = -1  # `Program.left_out`
     joined: bool = False  # a `join` op added it to the optimizer
+    zero: str = "optimizer"  # `Program.zero`
     snapshot: dict[str, torch.Tensor] | None = None  # the weights a `snapshot` op kept
     saved: Any = None  # what an `asave` op kept: DDP's (model, optimizer) state dicts; hf_zero's pending save
     record: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -255,7 +256,7 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
             run.opt.step()
         if run.sched is not None:
             run.sched.step()
-        run.opt.zero_grad(set_to_none=set_to_none)
+        (run.model if run.zero == "model" else run.opt).zero_grad(set_to_none=set_to_none)
         run.model.train()
     elif kind in ("snapshot", "rewind"):
         _snapshot_or_rewind(run, kind)
@@ -291,7 +292,7 @@ def _run_ddp(program: Program, rank: int) -> tuple[dict[str, list[float]], dict[
     _freeze_at_start(program, model)  # never reduces one frozen when it is built, so it is frozen after
     opt = _optimizer(program, model)
     run = _Run(ddp, model, opt, _scheduler(program, opt), ddp.no_sync, getattr(torch, program.dtype), _scaler(program),
-               program.uneven, left_out=program.left_out)
+               program.uneven, left_out=program.left_out, zero=program.zero)
     for step, op in enumerate(program.ops):
         if op[0] in ("asave", "aload"):
             _keep_or_load(run, op[0])
@@ -334,7 +335,7 @@ def _sharded(program: Program, stage: int, scratch: str, resumed: bool = False) 
     model, opt = hf_zero.initialize(model, _each(_optimizer(program, model)), _config(program, stage, scratch))
     opt = Several(opt) if isinstance(opt, list) else opt
     return _Run(model, model, opt, _scheduler(program, opt), model.no_sync, getattr(torch, program.dtype),
-                _scaler(program), program.uneven, left_out=program.left_out)
+                _scaler(program), program.uneven, left_out=program.left_out, zero=program.zero)
 
 
 def _resume(run: _Run, program: Program, stage: int, directory: str) -> _Run:

@@ -16,7 +16,8 @@ optimizer's state kept); a checkpoint may be saved asynchronously, training goin
 back later (DDP: the model's and optimizer's state dicts kept and loaded); the optimizer's parameters are one group,
 or the Trainer's two (no weight decay on biases and norms), or a group per block with its own learning rate, in one
 optimizer or in two over disjoint parameters (the blocks' and the rest, `initialize(model, [a, b])`), a block may be left out of it (its gradients adding up through `optimizer.zero_grad()`
-as in torch) and added as a group later (`add_param_group`). Every program
+as in torch) and added as a group later (`add_param_group`); the gradients are dropped by the optimizer's
+`zero_grad` or the model's. Every program
 is made from its seed (`draw`), so a seed names it; a setting added later is drawn after the others, so a seed keeps
 what it drew.
 """
@@ -67,6 +68,8 @@ class Program:
     # fuzz noise]); bfloat16, under mixed precision (a bf16 checkpoint as transformers loads it)
     left_out: int = -1  # a block left out of the optimizer (it trains, its gradients add up through
     # `optimizer.zero_grad()`); a `join` op adds it as a group later (`add_param_group`)
+    zero: str = "optimizer"  # who drops the gradients after a step: `optimizer.zero_grad()`, or `model.zero_grad()`
+    # (the Trainer's: every parameter's, the left-out block's too)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -146,6 +149,7 @@ def draw(seed: int) -> Program:
     if left_out >= 0 and optimizer in JOINABLE and not program.scheduler and rng.random() < 0.6:  # (torch's
         # schedulers refuse a group added after them)
         forwards.insert(_join_at(forwards, rng), ("join",))
+    zero = "model" if rng.random() < 0.25 else "optimizer"  # and this after those
     if mixed:
         forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(
@@ -169,6 +173,7 @@ def draw(seed: int) -> Program:
         optimizers=optimizers,
         refrozen=refrozen and bool(frozen),
         left_out=left_out,
+        zero=zero,
     )
 
 
