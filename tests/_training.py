@@ -95,11 +95,12 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return MoELM()
     elif kind == "layerdrop":
         return ToyLM(layer_drop=True)
-    elif kind in ("opt", "opt_layerdrop"):  # with OPT's own LayerDrop: each block skipped with probability 0.5
-        from transformers import OPTConfig
+    elif kind in ("opt", "opt_layerdrop", "opt_dropout"):  # OPT's own LayerDrop (each block skipped with probability
+        from transformers import OPTConfig  # 0.5), or its dropout (0.1 on activations and attention)
 
+        drop = 0.1 if kind == "opt_dropout" else 0.0
         cfg = OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=4, num_attention_heads=4,
-                        word_embed_proj_dim=64, max_position_embeddings=128, dropout=0.0, attention_dropout=0.0,
+                        word_embed_proj_dim=64, max_position_embeddings=128, dropout=drop, attention_dropout=drop,
                         layerdrop=0.5 if kind == "opt_layerdrop" else 0.0)
     else:
         raise ValueError(kind)
