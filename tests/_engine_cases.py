@@ -541,3 +541,39 @@ def groups_after_engines(count: int) -> list[int]:
         del model, opt
         seen.append(len(distributed_c10d._world.pg_map))
     return seen
+
+
+def repeated_token_in_bf16(stage: int, distinct: int) -> dict[str, Any]:
+    """An embedding (64 x 8) trained under bf16 mixed precision on 1000 lookups of token 0 per rank plus `distinct`
+    other tokens, every output row's gradient 0.01: two SGD steps (lr 1) from the same weights, each step's change of
+    token 0's fp32 master row (its gradient, the mean over ranks), and the paths its reductions took ([Note: sparse
+    lookup gradients]). Summed in bf16 the 1000 rows stall at 4.0; in float32 they give 10.0."""
+    from hf_zero.engine import grads
+
+    class Lookup(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 8)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return (self.emb(ids) * 0.01).sum()
+
+    torch.manual_seed(0)
+    model = Lookup()
+    zero = hf_zero.ZeroConfig(stage=stage, wrap=["Embedding"], mixed_precision="bf16")
+    model, opt = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), zero)
+    ids = torch.cat([torch.zeros(1000, dtype=torch.long), torch.arange(1, distinct + 1)])
+    paths: list[str] = []
+    gather = grads.all_gather_rows
+    grads.all_gather_rows = lambda *a, **k: (paths.append("rows"), gather(*a, **k))[1]
+    changes = []
+    try:
+        for _ in range(2):
+            before = hf_zero.full_state_dict(model, rank0_only=False)["emb.weight"][0].clone()
+            model(ids).backward()
+            opt.step()
+            opt.zero_grad()
+            changes.append((before - hf_zero.full_state_dict(model, rank0_only=False)["emb.weight"][0]).tolist())
+    finally:
+        grads.all_gather_rows = gather
+    return {"changes": changes, "paths": paths}

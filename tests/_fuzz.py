@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hf_zero
 from tests._fuzz_grammar import FORWARDS, MORE_OPTIMIZERS, STAGES, Program, draw, muon_and_adamw
-from tests._fuzz_models import FlowNet, block_class
+from tests._fuzz_models import FlowNet, unit_classes
 from tests._peer_harness import D_IN, D_OUT
 
 __all__ = ["FORWARDS", "MORE_OPTIMIZERS", "STAGES", "Program", "draw", "check", "run_program", "shrink"]
@@ -187,7 +187,7 @@ def _batch(step: int, micro: int, rank: int, dtype: torch.dtype, rows: int = 4) 
 def _config(program: Program, stage: int, scratch: str) -> hf_zero.ZeroConfig:
     """`scratch`: a folder of this run's own, where `offload="disk"` keeps its files."""
     return hf_zero.ZeroConfig(
-        stage=stage, wrap=(block_class(program.flow),), bucket_size_mb=program.bucket_mb, prefetch=program.prefetch,
+        stage=stage, wrap=unit_classes(program.flow), bucket_size_mb=program.bucket_mb, prefetch=program.prefetch,
         offload_optimizer=program.offload != "none", offload_params=program.offload == "params" and stage == 3,
         offload_dir=f"{scratch}/offload" if program.offload == "disk" else None,
         no_sync_keeps_grads=program.keep_grads, shard_group_size=1 if program.replicas else None,

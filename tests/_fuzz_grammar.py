@@ -150,6 +150,8 @@ def draw(seed: int) -> Program:
         # schedulers refuse a group added after them)
         forwards.insert(_join_at(forwards, rng), ("join",))
     zero = "model" if rng.random() < 0.25 else "optimizer"  # and this after those
+    if flow == "plain" and rng.random() < 0.3:  # and this after that: the input as token ids into an embedding
+        flow = "tokens"
     if mixed:
         forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(

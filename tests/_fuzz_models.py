@@ -10,7 +10,9 @@ A program's `flow` picks how tensors move between the blocks:
 - `shared`: a parameter of the root is passed to every block as a keyword argument (a learned offset every layer
   reads, as prompt or position parameters of the root are);
 - `relative`: block 0 computes a bias from its own parameter and returns it beside its output; every later block takes
-  it as a keyword argument (T5's `position_bias`, computed by the first layer, passed to the rest).
+  it as a keyword argument (T5's `position_bias`, computed by the first layer, passed to the rest);
+- `tokens`: `plain`, the input taken as token ids into an embedding (the language model's case; `TokenInput`), the
+  embedding a unit of its own, whose gradient travels as the rows looked up ([Note: sparse lookup gradients]).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch import nn
 
 from tests._peer_harness import Block, D, Net
 
-FLOWS = ("plain", "moe", "long", "shared", "relative")
+FLOWS = ("plain", "moe", "long", "shared", "relative")  # and `tokens`, drawn after them (tests/_fuzz_grammar.py)
+VOCAB = 24
 
 
 class MoEBlock(Block):
@@ -63,6 +66,19 @@ class RelativeBlock(Block):
         return super().forward(x + bias), bias
 
 
+class TokenInput(nn.Module):
+    """Each input feature bucketed into one of `VOCAB` token ids, their embedding rows averaged: a batch looks up
+    some rows, several times, and leaves the others without a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.remainder(torch.floor(x.float() * 4).long(), VOCAB)
+        return self.emb(ids).mean(1)
+
+
 _BLOCKS: dict[str, type[Block]] = {"moe": MoEBlock, "shared": ShiftBlock, "relative": RelativeBlock}
 
 
@@ -73,6 +89,8 @@ class FlowNet(Net):
         super().__init__(n=n, batchnorm=batchnorm, block=_BLOCKS.get(flow, Block))
         self.flow = flow
         self.shift = nn.Parameter(torch.full((D,), 0.1)) if flow == "shared" else None
+        if flow == "tokens":
+            self.inp = TokenInput()  # type: ignore[assignment]
 
     def forward(  # type: ignore[override]
         self,
@@ -82,7 +100,7 @@ class FlowNet(Net):
         skip: tuple[int, ...] = (),
         recompute: bool = False,
     ) -> torch.Tensor:
-        if self.flow == "plain":
+        if self.flow in ("plain", "tokens"):
             return super().forward(x, spare=spare, reuse=reuse, skip=skip, recompute=recompute)
         h, first, aux, bias = self.inp(x), None, None, None
         for i, block in enumerate(self.blocks):
@@ -114,3 +132,8 @@ class FlowNet(Net):
 def block_class(flow: str) -> str:
     """The class name of `flow`'s blocks (`ZeroConfig.wrap`)."""
     return _BLOCKS.get(flow, Block).__name__
+
+
+def unit_classes(flow: str) -> tuple[str, ...]:
+    """`ZeroConfig.wrap` for `flow`: its blocks, and for `tokens` the embedding too (a unit of its own)."""
+    return (block_class(flow), "Embedding") if flow == "tokens" else (block_class(flow),)

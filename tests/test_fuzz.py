@@ -40,7 +40,7 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert {p.groups for p in programs} == {"one", "decay", "blocks"}
     forwards = {op[5].split(":")[0] for p in programs for op in p.ops if op[0] == "step"}
     assert forwards == set(fuzz.FORWARDS)
-    assert {p.flow for p in programs} == set(FLOWS)
+    assert {p.flow for p in programs} == {*FLOWS, "tokens"}
     assert any(p.local_buffers for p in programs) and any(p.native for p in programs) and any(p.uneven for p in programs)
     assert {p.world for p in programs} == {2, 3} and {p.optimizers for p in programs} == {1, 2}
     mixed = [p for p in programs if p.mixed]

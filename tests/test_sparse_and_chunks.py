@@ -45,3 +45,15 @@ def test_optimizer_chunks_step_and_checkpoint_like_whole_pieces(pools, tmp_path,
         assert r["chunks"] > r["pieces"], r
         assert r["weights_err"] <= 1e-6 * r["scale"], r
         assert r["resumed_err"] <= 1e-6 * r["scale"], r
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("distinct", [2, 40], ids=["rows", "dense"])
+def test_a_tokens_rows_are_summed_in_float32_under_bf16(pools, stage, distinct):
+    """A token looked up 1000 times per rank under bf16 mixed precision: its rows are summed in float32 and rounded
+    once (as an accelerator's embedding backward sums), on the row exchange and on the dense path alike, and at
+    stages 0-1, whose kept gradient buffer no longer takes autograd's bf16 accumulation: the gradient is 10.0 (0.01
+    x 1000, the mean over ranks), where summing in bf16 stalled at 4.0, and each step the same."""
+    for r in pools(2).values(engine_cases.repeated_token_in_bf16, stage, distinct):
+        assert all(abs(c - 10.0) <= 1e-5 for step in r["changes"] for c in step), r  # fp32 masters near -20
+        assert ("rows" in r["paths"]) == (distinct == 2), r

@@ -43,7 +43,7 @@ from .collectives import (
     reduce_scatter_into,
 )
 from .collectives.quant import reduce_scatter_int8
-from .collectives.sparse import coalesced_rows, scatter_rows_
+from .collectives.sparse import coalesced_rows, scatter_rows_, summed
 from .layout import FlatLayout
 from .lifecycle import GradState, illegal_call
 from .part_settings import PartSettings, ReadsPartSettings
@@ -184,8 +184,8 @@ class FlatGrads(ReadsPartSettings):
         if not self.has_trainable:
             return  # a frozen unit gets no gradient buffer
         self._accumulating("attach")
-        if self._unsharded is None and (self.sparse_lookup or self.adopts) and self.params[0].grad is None:
-            return
+        if self.sparse_lookup or (self.adopts and self._unsharded is None and self.params[0].grad is None):
+            return  # a lookup's gradient comes from autograd (as rows), also beside a kept buffer: `collect`
         if self._unsharded is None:
             self._unsharded = self.pool.new_tensor(self.layout.padded_numel, self.param_dtype, self.device).zero_()
         for slot, p in zip(self.layout.slots, self.params):
@@ -217,18 +217,19 @@ class FlatGrads(ReadsPartSettings):
                     obj.grad = None
 
     def collect(self) -> None:
-        """After the unit's backward: keep a lookup's sparse gradient, or adopt autograd's dense one as
-        `unsharded` when no buffer was attached ([Note: gradients]; zeros when the parameter got
-        none), then detach every `.grad`."""
+        """After the unit's backward: keep a lookup's sparse gradient (a dense one added into the kept buffer), or
+        adopt autograd's dense one as `unsharded` when no buffer was attached ([Note: gradients]; zeros when the
+        parameter got none), then detach every `.grad`."""
         if self.has_trainable:
             self._accumulating("collect")
-        if self._unsharded is None and (self.adopts or self.sparse_lookup):
-            grad = self.params[0].grad
-            if grad is not None and grad.is_sparse:
-                grad = grad.detach()
-                self.sparse = grad if self.sparse is None else self.sparse + grad
-            elif grad is not None or not self.sparse_lookup:
-                self._unsharded = self._dense(grad)
+        grad = self.params[0].grad if self.sparse_lookup or self.adopts else None
+        if self.sparse_lookup and grad is not None and grad.is_sparse:
+            grad = grad.detach()
+            self.sparse = grad if self.sparse is None else self.sparse + grad
+        elif self.sparse_lookup and grad is not None and self._unsharded is not None:  # a dense one beside a kept
+            self._add_into(self._unsharded, grad)  # buffer (stages 0-1)
+        elif self._unsharded is None and (grad is not None or (self.adopts and not self.sparse_lookup)):
+            self._unsharded = self._dense(grad)
         self.detach()
 
     def _dense(self, grad: torch.Tensor | None) -> torch.Tensor:
@@ -246,9 +247,11 @@ class FlatGrads(ReadsPartSettings):
         return buffer
 
     def _add_into(self, buffer: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """Add the single parameter's `grad` (dense or sparse) into the flat `buffer`."""
+        """Add the single parameter's `grad` (dense, or sparse: each token's rows summed first, `summed`) into the
+        flat `buffer`."""
         if grad is not None:
-            buffer[: self.layout.numel].view(self.params[0].shape).add_(grad.to(self.param_dtype))
+            grad = summed(grad, self.param_dtype) if grad.is_sparse else grad.to(self.param_dtype)
+            buffer[: self.layout.numel].view(self.params[0].shape).add_(grad)
 
     def detach(self) -> None:
         for p in self.params:
@@ -311,6 +314,7 @@ class FlatGrads(ReadsPartSettings):
         dense path is cheaper or some rank holds a dense gradient. Every rank takes the same path."""
         dim = self.params[0].shape[-1]
         sparse, self.sparse = self.sparse, None
+        sparse = summed(sparse, self.param_dtype) if sparse is not None else None  # as the dense path sums
         rows, values = coalesced_rows(sparse, dim, self.reduce_dtype, self.device)
         capacity, any_dense = max_ints([rows.numel(), int(self._unsharded is not None)], self.shard_group)
         if any_dense or 2 * capacity * self.shard_group.size * (dim + 1) > self.layout.padded_numel:
