@@ -61,7 +61,7 @@ def _snapshot_or_rewind(run: _Run, kind: str) -> None:
 # ---- running one program on this rank ------------------------------------------------------------------------
 def _model(program: Program) -> nn.Module:
     torch.manual_seed(program.seed)
-    model = FlowNet(program.blocks, program.batchnorm, program.flow)
+    model = FlowNet(program.blocks, program.batchnorm, program.flow, program.tied_head)
     if program.tie:
         model.blocks[2].lin.weight = model.blocks[0].lin.weight
     return model.to(getattr(torch, program.dtype))

@@ -68,6 +68,7 @@ class Program:
     # fuzz noise]); bfloat16, under mixed precision (a bf16 checkpoint as transformers loads it)
     left_out: int = -1  # a block left out of the optimizer (it trains, its gradients add up through
     # `optimizer.zero_grad()`); a `join` op adds it as a group later (`add_param_group`)
+    tied_head: bool = False  # `flow="tokens"`: a second head tied to the embedding (tests/_fuzz_models.py)
     zero: str = "optimizer"  # who drops the gradients after a step: `optimizer.zero_grad()`, or `model.zero_grad()`
     # (the Trainer's: every parameter's, the left-out block's too)
 
@@ -152,6 +153,7 @@ def draw(seed: int) -> Program:
     zero = "model" if rng.random() < 0.25 else "optimizer"  # and this after those
     if flow == "plain" and rng.random() < 0.3:  # and this after that: the input as token ids into an embedding
         flow = "tokens"
+    tied_head = flow == "tokens" and rng.random() < 0.5  # and this after that
     if mixed:
         forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(
@@ -176,6 +178,7 @@ def draw(seed: int) -> Program:
         refrozen=refrozen and bool(frozen),
         left_out=left_out,
         zero=zero,
+        tied_head=tied_head,
     )
 
 

@@ -12,7 +12,9 @@ A program's `flow` picks how tensors move between the blocks:
 - `relative`: block 0 computes a bias from its own parameter and returns it beside its output; every later block takes
   it as a keyword argument (T5's `position_bias`, computed by the first layer, passed to the rest);
 - `tokens`: `plain`, the input taken as token ids into an embedding (the language model's case; `TokenInput`), the
-  embedding a unit of its own, whose gradient travels as the rows looked up ([Note: sparse lookup gradients]).
+  embedding a unit of its own, whose gradient travels as the rows looked up ([Note: sparse lookup gradients]); with
+  `tied_head`, a second head whose weight is the embedding's (tied word embeddings: Gemma, Qwen, Llama 3.2 1B), its
+  logits added to the output.
 """
 
 from __future__ import annotations
@@ -85,12 +87,16 @@ _BLOCKS: dict[str, type[Block]] = {"moe": MoEBlock, "shared": ShiftBlock, "relat
 class FlowNet(Net):
     """`Net` with the blocks and forward of `flow` (see the module docstring); the same keyword arguments."""
 
-    def __init__(self, n: int, batchnorm: bool, flow: str) -> None:
+    def __init__(self, n: int, batchnorm: bool, flow: str, tied_head: bool = False) -> None:
         super().__init__(n=n, batchnorm=batchnorm, block=_BLOCKS.get(flow, Block))
         self.flow = flow
         self.shift = nn.Parameter(torch.full((D,), 0.1)) if flow == "shared" else None
+        self.tied: nn.Linear | None = None
         if flow == "tokens":
             self.inp = TokenInput()  # type: ignore[assignment]
+            if tied_head:
+                self.tied = nn.Linear(D, VOCAB, bias=False)
+                self.tied.weight = self.inp.emb.weight
 
     def forward(  # type: ignore[override]
         self,
@@ -100,7 +106,7 @@ class FlowNet(Net):
         skip: tuple[int, ...] = (),
         recompute: bool = False,
     ) -> torch.Tensor:
-        if self.flow in ("plain", "tokens"):
+        if self.flow == "plain":
             return super().forward(x, spare=spare, reuse=reuse, skip=skip, recompute=recompute)
         h, first, aux, bias = self.inp(x), None, None, None
         for i, block in enumerate(self.blocks):
@@ -126,6 +132,8 @@ class FlowNet(Net):
             h = h + first
         h = self.bn(h) if self.bn is not None else h
         out = self.head(h) + (self.spare(h) if spare else 0.0)
+        if self.tied is not None:
+            out = out + 0.05 * self.tied(h)[:, : out.shape[-1]]
         return out + 0.01 * aux if aux is not None else out
 
 

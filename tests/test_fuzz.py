@@ -51,6 +51,7 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert left_out and {p.left_out for p in left_out} == {0, 1, 2} and any(p.left_out < 0 for p in programs)
     assert all(p.left_out >= 0 and not p.scheduler for p in programs if any(op[0] == "join" for op in p.ops))
     assert {p.zero for p in programs} == {"optimizer", "model"}
+    assert any(p.tied_head for p in programs) and all(p.flow == "tokens" for p in programs if p.tied_head)
     assert all(fuzz.Program.from_json(p.to_json()) == p for p in programs)  # clipping's tuples too
 
 
