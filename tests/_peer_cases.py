@@ -118,13 +118,7 @@ def baseline(loop: Loop) -> None:
 @scenario()
 def torch_clip_grad_norm(loop: Loop) -> None:
     """`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`: the unchanged line of a DDP loop."""
-    for step in range(3):
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.note("norm", torch.nn.utils.clip_grad_norm_(loop.model.parameters(), 0.05))
-        loop.opt.step()
-        loop.opt.zero_grad()
+    _steps(loop, clip=0.05)
 
 
 @scenario()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests._peer_cases_state import steps_saved_once, straight_and_resumed
 from tests._peer_harness import Loop, _steps, scenario
 
 
@@ -49,13 +50,7 @@ def left_out_and_clipped(loop: Loop) -> None:
     """The input layer and block 1's norm trainable but in no group, torch's `clip_grad_norm_` over
     `model.parameters()` every step, `optimizer.zero_grad()`: their gradients add up from step to step and the norm
     counts them ([Note: gradients no optimizer holds])."""
-    for step in range(4):
-        loss = loop.loss(step)
-        loop.note("loss", loss)
-        loop.backward(loss)
-        loop.note("norm", torch.nn.utils.clip_grad_norm_(loop.model.parameters(), 0.05))
-        loop.opt.step()
-        loop.opt.zero_grad()
+    _steps(loop, n=4, clip=0.05)
 
 
 @scenario(left_out=("inp.", "blocks.1.norm."), adafactor=True)
@@ -146,29 +141,13 @@ def resumed_after_a_group_was_added(stage: int, path: str, whole: bool, add_on_r
             model.blocks[0].requires_grad_(True)
             opt.add_param_group({"params": model.blocks[0].parameters(), "lr": 0.003})
 
+        if resume and add_on_resume:
+            unfreeze()
         if resume:
-            if add_on_resume:
-                unfreeze()
             hf_zero.load_checkpoint(path, model, opt)
-        for step in steps:
-            if step == 1 and not resume:
-                unfreeze()
-            loss = loop.loss(step)
-            loop.note("loss", loss)
-            loop.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            if step == 1 and not resume:
-                hf_zero.save_checkpoint(path, model, opt)
-        state = hf_zero.full_state_dict(model, rank0_only=False)
-        return {"record": loop.record, "state": {k: v.cpu() for k, v in state.items()}}
+        return steps_saved_once(loop, path, steps, resume, lambda step: unfreeze() if step == 1 and not resume else None)
 
-    straight = run(range(4), resume=False)
-    try:
-        resumed = run(range(2, 4), resume=True)
-    except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
-        return {"straight": straight, "error": f"{type(e).__name__}: {e}"}
-    return {"straight": straight, "resumed": resumed, "error": None}
+    return straight_and_resumed(run)
 
 
 def refused_groups(stage: int) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -338,21 +339,37 @@ def resumed_with_a_block_frozen_at_initialize(stage: int, path: str, unfreeze_at
         loop = Loop(model, opt, Idle(), dist.get_rank(), stage, sharded=True, dtype=torch.bfloat16)
         if resume:
             hf_zero.load_checkpoint(path, model, opt)
-        for step in steps:
-            model.blocks[0].requires_grad_(step >= unfreeze_at)
-            loss = loop.loss(step)
-            loop.note("loss", loss)
-            loop.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            if step == 1 and not resume:
-                hf_zero.save_checkpoint(path, model, opt)
-        state = hf_zero.full_state_dict(model, rank0_only=False)
-        return {"record": loop.record, "state": {k: v.float().cpu() for k, v in state.items()}}
+        return steps_saved_once(loop, path, steps, resume, lambda step: model.blocks[0].requires_grad_(step >= unfreeze_at))
 
-    straight = run(range(4), resume=False)
+    return straight_and_resumed(run)
+
+
+def steps_saved_once(
+    loop: Loop, path: str, steps: range, resume: bool, before: Callable[[int], Any] = lambda step: None
+) -> dict[str, Any]:
+    """The plain loop over `steps` of a sharded model (`before(step)` first in each), `save_checkpoint` to `path`
+    after step 1 of a run that is not `resume`d; its record and full state (float32, on the host)."""
+    import hf_zero
+
+    for step in steps:
+        before(step)
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad()
+        if step == 1 and not resume:
+            hf_zero.save_checkpoint(path, loop.model, loop.opt)
+    state = hf_zero.full_state_dict(loop.model, rank0_only=False)
+    return {"record": loop.record, "state": {k: v.float().cpu() for k, v in state.items()}}
+
+
+def straight_and_resumed(run: Callable[[range, bool], dict[str, Any]]) -> dict[str, Any]:
+    """`run` of steps 0-3 (saving after step 1), then of steps 2-3 resumed from that save: both, or the resumed run's
+    error ("Type: message")."""
+    straight = run(range(4), False)
     try:
-        resumed = run(range(2, 4), resume=True)
+        resumed = run(range(2, 4), True)
     except Exception as e:  # noqa: BLE001 - the refusal goes back to the test
         return {"straight": straight, "error": f"{type(e).__name__}: {e}"}
     return {"straight": straight, "resumed": resumed, "error": None}

@@ -186,14 +186,19 @@ def scenario(**build: Any) -> Callable[[Scenario], Scenario]:
     return register
 
 
-def _steps(loop: Loop, n: int = 3, before: Callable[[int], None] | None = None, **kwargs: Any) -> None:
-    """The plain loop for `n` steps; `before(step)` runs first in each (a scenario's change between steps)."""
+def _steps(
+    loop: Loop, n: int = 3, before: Callable[[int], None] | None = None, clip: float | None = None, **kwargs: Any
+) -> None:
+    """The plain loop for `n` steps; `before(step)` runs first in each (a scenario's change between steps); `clip`:
+    torch's `clip_grad_norm_(model.parameters(), clip)` before each step (the norm recorded)."""
     for step in range(n):
         if before is not None:
             before(step)
         loss = loop.loss(step, **kwargs)
         loop.note("loss", loss)
         loop.backward(loss)
+        if clip is not None:
+            loop.note("norm", torch.nn.utils.clip_grad_norm_(loop.model.parameters(), clip))
         loop.opt.step()
         loop.opt.zero_grad()
 

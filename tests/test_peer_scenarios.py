@@ -175,6 +175,14 @@ def test_unfreezing_under_mixed_precision_is_unfreezing_after_freezing(pools, st
             assert torch.equal(woken["state"][name], value), (rank, name)
 
 
+def _assert_resumed_bit_for_bit(rank: int, r: dict) -> None:
+    """A resumed run's steps (`_peer_cases_state.straight_and_resumed`) are the uninterrupted run's, bit for bit."""
+    assert r["error"] is None, (rank, r["error"])
+    assert r["resumed"]["record"]["loss"] == r["straight"]["record"]["loss"][2:], (rank, r)
+    for name, value in r["straight"]["state"].items():
+        assert torch.equal(r["resumed"]["state"][name], value), (rank, name)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("unfreeze_at", [1, 2])
 def test_a_resume_unfreezes_exactly_or_refuses(pools, tmp_path, stage, unfreeze_at):
@@ -188,10 +196,7 @@ def test_a_resume_unfreezes_exactly_or_refuses(pools, tmp_path, stage, unfreeze_
             assert r["error"] is not None and "in the checkpoint loaded since" in r["error"], (rank, r["error"])
             assert "leave it trainable at initialize" in r["error"], r["error"]
             continue
-        assert r["error"] is None, (rank, r["error"])
-        assert r["resumed"]["record"]["loss"] == r["straight"]["record"]["loss"][2:], (rank, r)
-        for name, value in r["straight"]["state"].items():
-            assert torch.equal(r["resumed"]["state"][name], value), (rank, name)
+        _assert_resumed_bit_for_bit(rank, r)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -241,10 +246,7 @@ def test_a_run_that_added_a_param_group_resumes_exactly(pools, tmp_path, stage, 
             assert r["error"] is not None and "param groups differ from the checkpoint's" in r["error"], (rank, r)
             assert "(2 saved group(s) vs 1" in r["error"], r["error"]
             continue
-        assert r["error"] is None, (rank, r["error"])
-        assert r["resumed"]["record"]["loss"] == r["straight"]["record"]["loss"][2:], (rank, r)
-        for name, value in r["straight"]["state"].items():
-            assert torch.equal(r["resumed"]["state"][name], value), (rank, name)
+        _assert_resumed_bit_for_bit(rank, r)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
