@@ -200,3 +200,15 @@ def left_out_frozen_and_clipped(loop: Loop) -> None:
         loop.note("norm", torch.nn.utils.clip_grad_norm_(params, 0.05))
         loop.opt.step()
         loop.opt.zero_grad()
+
+
+@scenario(groups=lambda model: list(model.named_parameters()))
+def named_parameters_in_the_optimizer(loop: Loop) -> None:
+    """torch's named parameters (`AdamW(model.named_parameters())`, torch 2.6+: the groups keep `param_names`), with
+    the optimizer's own state dict loaded back between steps, as a rewind does."""
+
+    def before(step: int) -> None:
+        if step == 2:
+            loop.opt.load_state_dict(loop.opt.state_dict())
+
+    _steps(loop, n=4, before=before, clip=0.05)
