@@ -74,6 +74,8 @@ def _groups(program: Program, model: nn.Module) -> Any:
     if program.left_out < 0:
         return groups
     out = {id(p) for p in model.blocks[program.left_out].parameters()}
+    if program.groups == "named":
+        return [(n, p) for n, p in groups if id(p) not in out]
     if not isinstance(groups, list):
         return [p for p in groups if id(p) not in out]
     kept = [{**g, "params": [p for p in g["params"] if id(p) not in out]} for g in groups]
@@ -82,6 +84,8 @@ def _groups(program: Program, model: nn.Module) -> Any:
 
 def _all_groups(program: Program, model: nn.Module) -> Any:
     named = list(model.named_parameters())
+    if program.groups == "named":
+        return named
     if program.groups == "decay":  # the Trainer's split: no decay on biases and normalisation weights
         plain = [p for n, p in named if n.endswith("bias") or ".norm." in n or n.startswith("bn.")]
         return [{"params": [p for _, p in named if not any(p is q for q in plain)]},
@@ -276,7 +280,10 @@ def _apply(run: _Run, op: tuple[Any, ...], step: int, rank: int) -> None:
         for group in run.opt.param_groups:
             group["lr"] = group["lr"] * op[1]
     elif kind == "join":  # the block left out joins the (first) optimizer as a group of its own
-        _each_list(run.opt)[0].add_param_group({"params": list(run.inner.blocks[run.left_out].parameters()), "lr": 0.004})
+        block = run.inner.blocks[run.left_out]
+        named = "param_names" in _each_list(run.opt)[0].param_groups[0]  # torch: all groups named, or none
+        params = list(block.named_parameters(prefix=f"blocks.{run.left_out}")) if named else list(block.parameters())
+        _each_list(run.opt)[0].add_param_group({"params": params, "lr": 0.004})
         run.joined = True
 
 

@@ -54,6 +54,7 @@ class Program:
     frozen: tuple[int, ...] = ()  # blocks frozen before the model is wrapped (unfrozen later by a `freeze` op)
     amp: bool = False  # steps through torch.amp.GradScaler (scale, unscale_ before clipping, step, update)
     groups: str = "one"  # one | decay (the Trainer's: none on biases and norms) | blocks (a learning rate per block)
+    # | named (torch's named parameters, `model.named_parameters()`: one optimizer of torch's)
     keep_grads: bool = False  # ZeroConfig.no_sync_keeps_grads: unsharded gradients kept through a no_sync window
     replicas: bool = False  # ZeroConfig.shard_group_size=1: each rank a shard group of its own (hybrid sharding)
     flow: str = "plain"  # how tensors move between the blocks (tests/_fuzz_models.py: FLOWS)
@@ -154,6 +155,8 @@ def draw(seed: int) -> Program:
     if flow == "plain" and rng.random() < 0.3:  # and this after that: the input as token ids into an embedding
         flow = "tokens"
     tied_head = flow == "tokens" and rng.random() < 0.5  # and this after that
+    if groups == "one" and optimizers == 1 and optimizer != "muon_adamw" and rng.random() < 0.3:  # and this after
+        groups = "named"
     if mixed:
         forwards = [op[:1] + (1,) + op[2:] if op[0] == "step" else op for op in forwards]
     return dataclasses.replace(

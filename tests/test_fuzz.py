@@ -37,7 +37,7 @@ def test_the_grammar_draws_every_operation_and_setting():
     assert any(len(p.frozen) == 2 for p in programs) and any(p.refrozen for p in programs)
     assert all(p.frozen for p in programs if p.refrozen)
     assert any(p.keep_grads for p in programs) and any(p.replicas for p in programs)
-    assert {p.groups for p in programs} == {"one", "decay", "blocks"}
+    assert {p.groups for p in programs} == {"one", "decay", "blocks", "named"}
     forwards = {op[5].split(":")[0] for p in programs for op in p.ops if op[0] == "step"}
     assert forwards == set(fuzz.FORWARDS)
     assert {p.flow for p in programs} == {*FLOWS, "tokens"}
