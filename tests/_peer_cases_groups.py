@@ -212,3 +212,16 @@ def named_parameters_in_the_optimizer(loop: Loop) -> None:
             loop.opt.load_state_dict(loop.opt.state_dict())
 
     _steps(loop, n=4, before=before, clip=0.05)
+
+
+@scenario()
+def frozen_after_zeros_were_kept(loop: Loop) -> None:
+    """Block 1 trained two steps with `zero_grad(set_to_none=False)`, then frozen: torch keeps its zero `.grad`, so
+    AdamW still steps it (its moments and weight decay move it) while it is frozen ([Note: zero gradients kept])."""
+    for step in range(4):
+        loop.model.blocks[1].requires_grad_(step < 2)
+        loss = loop.loss(step)
+        loop.note("loss", loss)
+        loop.backward(loss)
+        loop.opt.step()
+        loop.opt.zero_grad(set_to_none=False)
