@@ -376,10 +376,10 @@ class ZeroEngine:
             self.hooks.reset()
         self.hooks.wait_reductions()
         self._wake_grads()
-        flags = {id(part): [id(p) in keep for p in part.params] for part in self.parts}
-        kept = any(part.grads.keeps(flags[id(part)]) for part in self.parts)  # then no part releases the slab
+        flags = {id(part): [id(p) in keep for p in part.params] for part in self.parts} if keep else {}
+        kept = bool(keep) and any(part.grads.keeps(flags[id(part)]) for part in self.parts)  # then the slab stays
         for part in self.parts:
-            if not part.grads.zero(flags[id(part)], release=not kept):
+            if not part.grads.zero(flags.get(id(part), ()), release=not kept):
                 self.plan.grads.drop(part)
         for piece in self.pieces:
             piece.unbind_grads()

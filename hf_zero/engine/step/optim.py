@@ -78,8 +78,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Sha
             elif (
                 piece := by_param.get(id(param))
             ) is not None:  # in chunks ([Note: optimizer chunks]); `.grad` bound by each step
-                held = list(piece.optim_params)
-                spans = [(piece.start + a, piece.start + b) for a, b in piece.bounds]
+                held, spans = _chunks(piece)
                 if initial[index]:  # [Note: state set at construction]
                     _carry_into_chunks(optimizer, piece, initial[index])
             targets.append(tuple((stepped + len(pieces) + k, span) for k, span in enumerate(spans)))
@@ -156,6 +155,15 @@ def check_optimizer(
                     "that it is sharded and its gradients averaged over the ranks, or give it an optimizer of its "
                     "own and wrap it alone in DistributedDataParallel."
                 )
+
+
+def _chunks(piece: Piece | None) -> tuple[list[torch.Tensor], list[tuple[int, int] | None]]:
+    """What the optimizer steps for a parameter on the flat path: its piece's chunks ([Note: optimizer chunks]), and
+    the elements `[a, b)` of the flattened parameter each holds ([Note: optimizer state dicts]); none where this
+    rank's shard holds none of it."""
+    if piece is None:
+        return [], []
+    return list(piece.optim_params), [(piece.start + a, piece.start + b) for a, b in piece.bounds]
 
 
 def _group_params(param_group: dict[str, Any], engine: ZeroEngine, attached: Sequence[Attached]) -> list[torch.Tensor]:
@@ -353,9 +361,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             tensors = [t for t in held if t is not None]
         else:
             by_param = {id(piece.param): piece for piece in engine.pieces}
-            found = [by_param.get(id(p)) for p in params]
-            spans = [[] if q is None else [(q.start + a, q.start + b) for a, b in q.bounds] for q in found]
-            tensors = [t for q in found if q is not None for t in q.optim_params]
+            chunks = [_chunks(by_param.get(id(p))) for p in params]
+            spans = [list(chunk_spans) for _, chunk_spans in chunks]
+            tensors = [t for chunk_tensors, _ in chunks for t in chunk_tensors]
         targets, at = [], before
         for held_spans in spans:
             targets.append(tuple((at + k, span) for k, span in enumerate(held_spans)))

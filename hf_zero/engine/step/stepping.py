@@ -74,6 +74,7 @@ class OptimizerSteps:
         self._kept: dict[int, list[bool]] = {}  # [Note: zero gradients kept]: per part, parameters whose grad is 0
         self._partial_zero = False  # new gradients arrived while only some of them had
         self._grad_stand_ins: dict[int, tuple[torch.Tensor, ShardedGrad]] = {}  # [Note: optimizer tensors at rest]
+        self._unheld_ids: frozenset[int] | None = None  # [Note: gradients no optimizer holds]; None: to be made
 
     def on_reduced(self) -> None:
         """New gradients reached the shards: the next step decides anew."""
@@ -100,9 +101,7 @@ class OptimizerSteps:
         `model.zero_grad()` (the Trainer's) drops them all, as torch's does."""
         self._zero_requests.add(id(optimizer))
         if {id(a.optimizer) for a in self.attached} <= self._zero_requests:
-            held = {id(p) for entry in self.attached for group in entry.groups for p in group}
-            keep = frozenset(id(p) for part in self.engine.parts for p in part.params if id(p) not in held)
-            self.engine.zero_grad(set_to_none=set_to_none, keep=keep)
+            self.engine.zero_grad(set_to_none=set_to_none, keep=self._unheld())
 
     def keep_zeros(self, set_to_none: bool) -> None:
         """[Note: zero gradients kept]
@@ -114,13 +113,22 @@ class OptimizerSteps:
         if set_to_none:
             self._kept = {}
 
+    def _unheld(self) -> frozenset[int]:
+        """Ids of the model's parameters no attached optimizer holds (made after `attach`, `extend`, `release`)."""
+        if self._unheld_ids is None:
+            held = {id(p) for entry in self.attached for group in entry.groups for p in group}
+            self._unheld_ids = frozenset(id(p) for part in self.engine.parts for p in part.params if id(p) not in held)
+        return self._unheld_ids
+
     def attach(self, entry: Attached) -> None:
         """Add an optimizer to the ones that step this model ([Note: several optimizers])."""
         self.attached.append(entry)
+        self._unheld_ids = None
 
     def extend(self, optimizer: torch.optim.Optimizer, params: tuple[torch.Tensor, ...], parts: list[FlatPart]) -> None:
         """An attached optimizer took a new param group of `params` ([Note: param group added later] in optim.py):
         their units are among those its steps publish."""
+        self._unheld_ids = None
         for i, entry in enumerate(self.attached):
             if entry.optimizer is optimizer:
                 held = {id(p) for p in (*entry.parts, *parts)}
@@ -172,6 +180,7 @@ class OptimizerSteps:
         for entry in self.attached:
             entry.optimizer.state.clear()
         self.attached = []
+        self._unheld_ids = None
 
     def rest_grads(self) -> None:
         """[Note: optimizer tensors at rest]
